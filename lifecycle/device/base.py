@@ -1,0 +1,97 @@
+"""The device interface: bytes and addresses, nothing about blocks, tries or sequences.
+
+Two implementations behave identically: :class:`~lifecycle.device.host.HostDevice` (host memory,
+the embedded default) and :class:`~lifecycle.device.cuda.CudaDevice` (``cuda.bindings.driver``).
+Addresses are plain ``int``. Copies are asynchronous on the device's own stream: their data is only
+guaranteed to be in place after :meth:`Device.synchronize`. ``host`` addresses passed to copies are
+host pointers (pinned ones from :meth:`Device.alloc_pinned` give full speed on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+DeviceKind = Literal["host", "cuda"]
+
+#: One copy of a batch: (destination address, source address, byte count).
+Copy = tuple[int, int, int]
+
+
+@runtime_checkable
+class Device(Protocol):
+    """Raw memory and copies on one device; see the module docstring for the rules."""
+
+    @property
+    def kind(self) -> DeviceKind:
+        """``"host"`` or ``"cuda"``."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """Human-readable name, e.g. ``"host"`` or ``"cuda:0 (NVIDIA H200)"``."""
+        ...
+
+    def bind_to_thread(self) -> None:
+        """Make the device's context current on the calling thread (no-op on host)."""
+        ...
+
+    def alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` of device memory; returns its address. Raises on failure."""
+        ...
+
+    def free(self, ptr: int) -> None:
+        """Free memory returned by :meth:`alloc`. Freeing an unknown address raises."""
+        ...
+
+    def alloc_pinned(self, nbytes: int) -> int:
+        """Allocate page-locked host memory (plain host memory on the host device)."""
+        ...
+
+    def free_pinned(self, ptr: int) -> None:
+        """Free memory returned by :meth:`alloc_pinned`."""
+        ...
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        """Device to device copy, asynchronous on the device's stream."""
+        ...
+
+    def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
+        """Host to device copy, asynchronous on the device's stream."""
+        ...
+
+    def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
+        """Device to host copy, asynchronous on the device's stream."""
+        ...
+
+    def copy_batch(self, copies: Sequence[Copy]) -> None:
+        """Device to device copies in one call; copies within one batch are unordered."""
+        ...
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        """Set ``nbytes`` bytes at ``ptr`` to ``value`` (0..255), asynchronously."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until every copy and memset issued so far on the device's stream is done."""
+        ...
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
+        ...
+
+    def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A uint8 numpy view of ``nbytes`` of *host* memory at ``ptr`` (pinned or plain)."""
+        ...
+
+    def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
+        """A zero-copy array view of device memory: numpy on host; on CUDA an object with
+        ``__cuda_array_interface__`` (version 3) that torch, CuPy and Numba accept."""
+        ...
+
+    def close(self) -> None:
+        """Release what the device itself holds (stream, context reference). Idempotent."""
+        ...
