@@ -1,0 +1,40 @@
+"""Device layer: raw memory and copies on the host or on a CUDA GPU, behind one interface.
+
+``open_device("auto")`` picks CUDA only when a driver loads and a GPU is present, else the host,
+and logs which it picked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from lifecycle.device.base import Copy, Device, DeviceKind
+from lifecycle.device.host import HostDevice
+from lifecycle.errors import ConfigError, DriverNotFound
+
+__all__ = ["Copy", "Device", "DeviceKind", "HostDevice", "open_device"]
+
+_log = logging.getLogger("lifecycle.device")
+
+
+def open_device(kind: Literal["auto", "host", "cuda"] = "auto", ordinal: int = 0) -> Device:
+    """Open a device. ``"cuda"`` raises :class:`DriverNotFound` without a driver or GPU;
+    ``"auto"`` falls back to :class:`HostDevice` then, and logs its choice at INFO level."""
+    if kind == "host":
+        return HostDevice()
+    if kind == "cuda":
+        from lifecycle.device.cuda import CudaDevice
+
+        return CudaDevice(ordinal)
+    if kind == "auto":
+        try:
+            from lifecycle.device.cuda import CudaDevice
+
+            device: Device = CudaDevice(ordinal)
+        except DriverNotFound as exc:
+            _log.info("open_device('auto'): using the host device (%s)", exc)
+            return HostDevice()
+        _log.info("open_device('auto'): using %s", device.name)
+        return device
+    raise ConfigError(f"open_device: kind={kind!r} must be one of 'auto', 'host', 'cuda'")

@@ -1,0 +1,271 @@
+"""The host-memory device: the embedded default where no GPU is present.
+
+"Device" memory is numpy-owned host memory, aligned to 256 bytes like ``cuMemAlloc``. Copies run
+at once by default (``synchronize`` is then trivial); ``HostDevice(deferred=True)`` queues them until
+``synchronize`` the way a stream does, so that tests on host also catch a missing synchronize.
+Addresses are checked against the live allocations before any byte moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lifecycle.device.allocations import AllocationTable, check_alloc_size, check_nbytes
+from lifecycle.device.base import Copy, DeviceKind
+from lifecycle.errors import DeviceError, InvalidId, TornDown
+
+_ALIGN = 256
+_memmove = ctypes.memmove
+_memset = ctypes.memset
+
+
+def physical_memory_bytes() -> int:
+    """Physical memory of this machine (the default capacity of a HostDevice)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 34
+
+
+def _host_view(ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+    """uint8 view of foreign host memory (the caller keeps it alive)."""
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B"), dtype=np.uint8)
+
+
+def _shaped_view(buf: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
+    """View ``shape``/``dtype`` over ``buf[offset:]``, refusing a view that would not fit."""
+    dt = np.dtype(dtype)
+    count = 1
+    for dim in shape:
+        if dim < 0:
+            raise InvalidId(f"device_array: negative dimension in shape {shape}")
+        count *= dim
+    nbytes = count * dt.itemsize
+    if offset + nbytes > buf.nbytes:
+        raise InvalidId(
+            f"device_array: shape {shape} of {dt} needs {nbytes} bytes at offset {offset}, "
+            f"allocation has {buf.nbytes}"
+        )
+    return buf[offset : offset + nbytes].view(dt).reshape(shape)
+
+
+class HostDevice:
+    """Host memory behind the :class:`~lifecycle.device.base.Device` interface.
+
+    ``capacity`` bounds the bytes of live ``alloc`` allocations (default: physical memory); an
+    allocation past it raises :class:`DeviceError` and changes nothing.
+    """
+
+    def __init__(self, capacity: int | None = None, *, deferred: bool = False) -> None:
+        if capacity is not None and capacity < 1:
+            raise InvalidId(f"HostDevice: capacity={capacity} must be >= 1 byte")
+        self._capacity = physical_memory_bytes() if capacity is None else capacity
+        self._deferred = deferred
+        self._pending: list[tuple[int, int, int, int]] = []  # (op, dst, src_or_value, nbytes)
+        self._device = AllocationTable("device")
+        self._pinned = AllocationTable("pinned")
+        # Aligned uint8 views that own the memory, by address; views handed out keep it alive.
+        self._buffers: dict[int, npt.NDArray[np.uint8]] = {}
+        self._closed = False
+
+    # -- identity -------------------------------------------------------------------------------
+    @property
+    def kind(self) -> DeviceKind:
+        return "host"
+
+    @property
+    def name(self) -> str:
+        return "host (deferred copies)" if self._deferred else "host"
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    @property
+    def live_allocations(self) -> int:
+        """Live ``alloc`` plus ``alloc_pinned`` allocations (tests assert nothing leaked)."""
+        return self._device.count + self._pinned.count
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of live ``alloc`` plus ``alloc_pinned`` allocations."""
+        return self._device.nbytes + self._pinned.nbytes
+
+    def __repr__(self) -> str:
+        return f"HostDevice(capacity={self._capacity}, deferred={self._deferred}, live={self.live_allocations})"
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise TornDown(f"{call}: device {self.name!r} is closed")
+
+    def bind_to_thread(self) -> None:
+        """No-op on host (there is no context), but refused after close like on CUDA."""
+        self._check_open("bind_to_thread")
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _new_buffer(self, call: str, nbytes: int) -> tuple[int, npt.NDArray[np.uint8]]:
+        try:
+            raw = np.empty(nbytes + _ALIGN - 1, dtype=np.uint8)
+        except MemoryError:
+            raise DeviceError(f"{call}: host allocation of nbytes={nbytes} failed (out of memory)") from None
+        base = raw.ctypes.data
+        offset = (-base) % _ALIGN
+        buf = raw[offset : offset + nbytes]
+        return base + offset, buf
+
+    def alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (>= 1) bytes, 256-byte aligned, uninitialised; returns the address."""
+        self._check_open("alloc")
+        check_alloc_size("alloc", nbytes)
+        used = self._device.nbytes
+        if used + nbytes > self._capacity:
+            raise DeviceError(
+                f"alloc: nbytes={nbytes} exceeds the free device memory "
+                f"({self._capacity - used} of capacity {self._capacity} bytes free)"
+            )
+        ptr, buf = self._new_buffer("alloc", nbytes)
+        self._buffers[ptr] = buf
+        self._device.add(ptr, nbytes)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        """Free an ``alloc`` address; an unknown or already freed address raises InvalidId."""
+        self._check_open("free")
+        self._device.remove("free", ptr)
+        del self._buffers[ptr]
+
+    def alloc_pinned(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (>= 1) of host staging memory (plain memory here)."""
+        self._check_open("alloc_pinned")
+        check_alloc_size("alloc_pinned", nbytes)
+        ptr, buf = self._new_buffer("alloc_pinned", nbytes)
+        self._buffers[ptr] = buf
+        self._pinned.add(ptr, nbytes)
+        return ptr
+
+    def free_pinned(self, ptr: int) -> None:
+        """Free an ``alloc_pinned`` address; an unknown or already freed address raises InvalidId."""
+        self._check_open("free_pinned")
+        self._pinned.remove("free_pinned", ptr)
+        del self._buffers[ptr]
+
+    def mem_info(self) -> tuple[int, int]:
+        """(capacity minus live ``alloc`` bytes, capacity)."""
+        self._check_open("mem_info")
+        return self._capacity - self._device.nbytes, self._capacity
+
+    # -- copies ---------------------------------------------------------------------------------
+    def _move(self, dst: int, src: int, nbytes: int) -> None:
+        if self._deferred:
+            self._pending.append((0, dst, src, nbytes))  # op 0: move, op 1: set
+        else:
+            _memmove(dst, src, nbytes)
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy device to device; both ranges must lie in live allocations (InvalidId otherwise)."""
+        self._check_open("copy_dtod")
+        check_nbytes("copy_dtod", nbytes)
+        if nbytes:
+            self._device.locate("copy_dtod dst", dst, nbytes)
+            self._device.locate("copy_dtod src", src, nbytes)
+            self._move(dst, src, nbytes)
+
+    def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
+        """Copy host to device; the device range must lie in a live allocation."""
+        self._check_open("copy_htod")
+        check_nbytes("copy_htod", nbytes)
+        if nbytes:
+            self._device.locate("copy_htod dst", dst, nbytes)
+            self._move(dst, src_host, nbytes)
+
+    def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
+        """Copy device to host; the device range must lie in a live allocation."""
+        self._check_open("copy_dtoh")
+        check_nbytes("copy_dtoh", nbytes)
+        if nbytes:
+            self._device.locate("copy_dtoh src", src, nbytes)
+            self._move(dst_host, src, nbytes)
+
+    def copy_batch(self, copies: Sequence[Copy]) -> None:
+        """Device to device copies; every range is checked before any copy is issued."""
+        self._check_open("copy_batch")
+        locate = self._device.locate
+        for dst, src, nbytes in copies:
+            check_nbytes("copy_batch", nbytes)
+            if nbytes:
+                locate("copy_batch dst", dst, nbytes)
+                locate("copy_batch src", src, nbytes)
+        if self._deferred:
+            self._pending.extend((0, dst, src, nbytes) for dst, src, nbytes in copies)
+        else:
+            for dst, src, nbytes in copies:
+                _memmove(dst, src, nbytes)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        """Set device bytes to ``value`` (0..255)."""
+        self._check_open("memset")
+        check_nbytes("memset", nbytes)
+        if not 0 <= value <= 255:
+            raise InvalidId(f"memset: value={value} must be in 0..255")
+        if nbytes:
+            self._device.locate("memset", ptr, nbytes)
+            if self._deferred:
+                self._pending.append((1, ptr, value, nbytes))
+            else:
+                _memset(ptr, value, nbytes)
+
+    def synchronize(self) -> None:
+        """Run queued copies in issue order (deferred mode); immediate mode has nothing to wait for."""
+        self._check_open("synchronize")
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for op, dst, src, nbytes in pending:
+                if op == 0:
+                    _memmove(dst, src, nbytes)
+                else:
+                    _memset(dst, src, nbytes)
+
+    # -- views ----------------------------------------------------------------------------------
+    def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """uint8 view of host memory; a view into this device's own memory keeps it alive."""
+        check_nbytes("host_array", nbytes)
+        for table in (self._pinned, self._device):
+            try:
+                start, offset = table.locate("host_array", ptr, nbytes)
+            except InvalidId:
+                continue
+            buf: npt.NDArray[np.uint8] = self._buffers[start][offset : offset + nbytes]
+            return buf
+        return _host_view(ptr, nbytes)
+
+    def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
+        """numpy view of device memory at ``ptr`` (must lie in one live allocation); keeps it alive."""
+        self._check_open("device_array")
+        start, offset = self._device.locate("device_array", ptr, 1)
+        return _shaped_view(self._buffers[start], offset, tuple(shape), dtype)
+
+    def close(self) -> None:
+        """Drop the queue and forget allocations still live (their memory goes with the last view)."""
+        if self._closed:
+            return
+        self._pending.clear()
+        for table in (self._device, self._pinned):
+            for ptr in table.addresses():
+                table.remove("close", ptr)
+        self._buffers.clear()
+        self._closed = True
+
+    def __enter__(self) -> HostDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
