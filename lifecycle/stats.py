@@ -1,0 +1,48 @@
+"""Counters a scheduler reads to see what the library did (``HybridModel.stats()``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class Stats:
+    """Monotonic counters since the model was built. ``time_in_library_ns`` sums the wall time
+    spent inside the public methods that mutate state."""
+
+    sequences_allocated: int = 0
+    sequences_freed: int = 0
+    blocks_allocated: int = 0
+    blocks_freed: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
+    blocks_cached: int = 0
+    blocks_evicted: int = 0
+    compactions: int = 0
+    detaches: int = 0
+    snapshots_saved: int = 0
+    snapshot_hits: int = 0
+    snapshot_hits_cut_short: int = 0
+    snapshots_evicted: int = 0
+    swaps_out: int = 0
+    swaps_in: int = 0
+    swap_failures: int = 0
+    bytes_swapped_out: int = 0
+    bytes_swapped_in: int = 0
+    time_in_library_ns: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix hit tokens over looked-up prompt tokens (0.0 before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = dict(asdict(self))
+        out["hit_rate"] = self.hit_rate
+        return out
+
+    def copy(self) -> Stats:
+        return Stats(**asdict(self))
