@@ -1,0 +1,489 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False
+"""Refcounted pool of KV block ids on C arrays.
+
+Block ids are ``0 .. num_blocks - 1``. A block with refcount 0 sits on a LIFO free stack; every
+other block is held by someone. Every batch call validates the whole batch before the pool changes,
+so a bad id, a double free or an exhausted pool raises and leaves the pool exactly as it was. The
+work runs with the GIL released under the pool's own lock, so threads may share one pool.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    WAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_release_lock,
+)
+from libc.stdint cimport INT32_MAX, int32_t, uint32_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy
+
+import numpy as np
+
+from lifecycle.errors import (
+    BlockIdOutOfRange,
+    ConfigError,
+    DoubleFree,
+    InvalidId,
+    InvariantViolation,
+    OutOfBlocks,
+)
+
+cnp.import_array()
+
+# Why a batch was refused (reported with the index of the offending entry).
+cdef enum Refusal:
+    REFUSAL_NONE = 0
+    REFUSAL_OUT_OF_RANGE = 1
+    REFUSAL_ZERO = 2        # dec_ref below zero, or inc_ref of a free block
+    REFUSAL_SATURATED = 3   # inc_ref past INT32_MAX
+
+
+cdef struct BatchResult:
+    Py_ssize_t failed_at   # index of the first refused entry, -1 when the batch was applied
+    Refusal refusal
+    int32_t block_id       # the refused id
+    int32_t refcount       # its refcount before the batch (pool restored)
+    Py_ssize_t repeats     # how often it occurs in the batch up to and including failed_at
+
+
+cdef inline bint _out_of_range(int32_t block_id, Py_ssize_t num_blocks) noexcept nogil:
+    # One unsigned compare covers both negative ids and ids >= num_blocks (num_blocks <= INT32_MAX).
+    return <uint32_t>block_id >= <uint32_t>num_blocks
+
+
+cdef inline void _describe_refusal(
+    BatchResult *result, const int32_t *refcounts, const int32_t *ids, Py_ssize_t i
+) noexcept nogil:
+    cdef Py_ssize_t j
+    cdef int32_t block_id = ids[i]
+    result.failed_at = i
+    result.block_id = block_id
+    result.repeats = 0
+    if result.refusal != REFUSAL_OUT_OF_RANGE:
+        result.refcount = refcounts[block_id]
+        for j in range(i + 1):
+            if ids[j] == block_id:
+                result.repeats += 1
+
+
+# Batches shorter than this run with the GIL held when the pool's lock is free: handing the GIL
+# over and back costs more than such a loop (numpy draws the same line at 500 elements), and under
+# contention a released GIL can take a whole switch interval to come back. Longer batches, and any
+# caller that finds the lock taken, release the GIL before waiting on the lock and working.
+cdef enum:
+    NOGIL_MIN_BATCH = 512
+
+
+cdef inline void _locked(BlockPool pool) noexcept nogil:
+    PyThread_acquire_lock(pool._lock, WAIT_LOCK)
+
+
+cdef inline bint _locked_with_gil(BlockPool pool, Py_ssize_t batch) noexcept:
+    """Take the lock without releasing the GIL if ``batch`` is short and nobody holds it."""
+    return batch < NOGIL_MIN_BATCH and PyThread_acquire_lock(pool._lock, NOWAIT_LOCK) == 1
+
+
+cdef inline void _unlocked(BlockPool pool) noexcept nogil:
+    PyThread_release_lock(pool._lock)
+
+
+cdef inline bint _ids_fast(object ids, const int32_t **data, Py_ssize_t *n):
+    """True when ``ids`` is a 1-D, C-contiguous, aligned, native int32 array (read in place)."""
+    cdef cnp.ndarray array
+    if not cnp.PyArray_Check(ids):
+        return False
+    array = <cnp.ndarray>ids
+    if (
+        cnp.PyArray_TYPE(array) != cnp.NPY_INT32
+        or cnp.PyArray_NDIM(array) != 1
+        or not cnp.PyArray_ISCARRAY_RO(array)
+    ):
+        return False
+    data[0] = <const int32_t *>cnp.PyArray_DATA(array)
+    n[0] = cnp.PyArray_DIM(array, 0)
+    return True
+
+
+cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):
+    """Any 1-D sequence of ints -> a C-contiguous int32 array whose ids are all in range."""
+    try:
+        array = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidId(f"block ids must be a 1-D sequence of ints, got {ids!r}") from error
+    if array.ndim != 1:
+        raise InvalidId(f"block ids must be a 1-D sequence of ints, got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, dtype=np.int32)
+    kind = array.dtype.kind
+    if kind == "O":
+        # Ints too large for any numpy integer type end up here; name the first bad one.
+        for value in array:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidId(f"block ids must be ints, got {value!r}")
+            if not 0 <= value < num_blocks:
+                raise BlockIdOutOfRange(f"block id {value} out of range [0, {num_blocks})")
+        return array.astype(np.int32)
+    if kind not in "iu":
+        raise InvalidId(f"block ids must be ints, got an array of dtype {array.dtype}")
+    # Range-check before narrowing to int32 so that e.g. 2**40 is reported, not wrapped.
+    outside = np.flatnonzero((array < 0) | (array >= num_blocks))
+    if outside.size:
+        raise BlockIdOutOfRange(
+            f"block id {int(array[outside[0]])} out of range [0, {num_blocks})"
+        )
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+@cython.final
+@cython.auto_pickle(False)  # C tables: a pickled pool would be a second owner of the same blocks
+cdef class BlockPool:
+    """``num_blocks`` KV block ids with a refcount each; refcount-0 ids are free."""
+
+    def __cinit__(self, *args, **kwargs):
+        # The lock exists even for an instance made by __new__ alone, so every method is safe.
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("BlockPool: cannot allocate its lock")
+
+    def __init__(self, num_blocks):
+        if self._refcounts != NULL:
+            raise ConfigError(f"this BlockPool already holds {self._num_blocks} blocks; make a new one")
+        if (
+            isinstance(num_blocks, bool)
+            or not isinstance(num_blocks, int)
+            or not 0 <= num_blocks <= INT32_MAX
+        ):
+            raise ConfigError(f"num_blocks must be an int in [0, {INT32_MAX}], got {num_blocks!r}")
+        cdef Py_ssize_t count = num_blocks
+        cdef Py_ssize_t i
+        # At least one element each so that a zero-block pool still has valid pointers.
+        self._refcounts = <int32_t *>calloc(count + 1, sizeof(int32_t))
+        self._free_stack = <int32_t *>malloc((count + 1) * sizeof(int32_t))
+        if self._refcounts == NULL or self._free_stack == NULL:
+            free(self._refcounts)
+            free(self._free_stack)
+            self._refcounts = NULL
+            self._free_stack = NULL
+            raise MemoryError(f"BlockPool({count}): cannot allocate its tables")
+        # Reversed so that a fresh pool hands out 0, 1, 2, ...
+        for i in range(count):
+            self._free_stack[i] = <int32_t>(count - 1 - i)
+        self._num_blocks = count
+        self._num_free = count
+
+    def __dealloc__(self):
+        free(self._refcounts)
+        free(self._free_stack)
+        if self._lock != NULL:
+            PyThread_free_lock(self._lock)
+
+    def __repr__(self):
+        return f"BlockPool(num_total={self._num_blocks}, num_free={self._num_free})"
+
+    @property
+    def num_total(self):
+        """Number of block ids the pool owns."""
+        return self._num_blocks
+
+    @property
+    def num_free(self):
+        """Number of blocks with refcount 0 (on the free stack)."""
+        return self._num_free
+
+    def allocate(self, Py_ssize_t n):
+        """Return ``n`` fresh block ids (int32 array), each now with refcount 1.
+
+        All or nothing: with fewer than ``n`` free blocks it raises ``OutOfBlocks`` and takes none.
+        """
+        cdef cnp.npy_intp dim = n
+        cdef bint short = False
+        if n <= 0:
+            if n == 0:
+                return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+            raise InvalidId(f"cannot allocate {n} blocks: the count must be >= 0")
+        out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
+        if _locked_with_gil(self, n):
+            short = not _pop_free(self, dest, n)
+            _unlocked(self)
+        else:
+            with nogil:
+                _locked(self)
+                short = not _pop_free(self, dest, n)
+                _unlocked(self)
+        if short:
+            _raise_out_of_blocks(self, n)
+        return out
+
+    def allocate_into(self, out, Py_ssize_t start, Py_ssize_t n):
+        """Write ``n`` fresh block ids (refcount 1) into ``out[start:start + n]``.
+
+        ``out`` must be a writeable, C-contiguous 1-D int32 array long enough; nothing else is
+        created. All or nothing, like ``allocate``.
+        """
+        cdef cnp.ndarray table
+        cdef Py_ssize_t length
+        cdef bint short = False
+        if not (
+            cnp.PyArray_Check(out)
+            and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_INT32
+            and cnp.PyArray_NDIM(<cnp.ndarray>out) == 1
+            and cnp.PyArray_ISCARRAY(<cnp.ndarray>out)
+        ):
+            raise InvalidId(
+                "allocate_into: out must be a writeable C-contiguous 1-D int32 numpy array, "
+                f"got {type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}"
+            )
+        table = <cnp.ndarray>out
+        length = cnp.PyArray_DIM(table, 0)
+        if n < 0:
+            raise InvalidId(f"cannot allocate {n} blocks: the count must be >= 0")
+        if start < 0 or start > length or n > length - start:
+            raise InvalidId(
+                f"allocate_into: cannot write {n} ids at start {start} into an array of length {length}"
+            )
+        if n == 0:
+            return
+        cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(table) + start
+        if _locked_with_gil(self, n):
+            short = not _pop_free(self, dest, n)
+            _unlocked(self)
+        else:
+            with nogil:
+                _locked(self)
+                short = not _pop_free(self, dest, n)
+                _unlocked(self)
+        if short:
+            _raise_out_of_blocks(self, n)
+
+    def inc_ref(self, ids):
+        """Add one reference to every id in ``ids`` (a repeated id gains one per occurrence).
+
+        Refused before anything changes for an id out of range (``BlockIdOutOfRange``) or a free
+        block (``InvalidId``: free blocks are handed out only by ``allocate``).
+        """
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0
+        cdef BatchResult result
+        if not _ids_fast(ids, &data, &n):
+            ids = _coerce_ids(ids, self._num_blocks)
+            _ids_fast(ids, &data, &n)
+        if _locked_with_gil(self, n):
+            _inc_ref_batch(self, data, n, &result)
+            _unlocked(self)
+        else:
+            with nogil:
+                _locked(self)
+                _inc_ref_batch(self, data, n, &result)
+                _unlocked(self)
+        if result.failed_at >= 0:
+            _raise_refusal(self, &result, "inc_ref")
+
+    def dec_ref(self, ids):
+        """Drop one reference from every id in ``ids``; return how many blocks became free.
+
+        Refused before anything changes for an id out of range (``BlockIdOutOfRange``) or a
+        release below zero (``DoubleFree``), including a batch that repeats an id more often than
+        its refcount. A block that reaches 0 goes back on the free stack exactly once.
+        """
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0
+        cdef BatchResult result
+        cdef Py_ssize_t freed
+        if not _ids_fast(ids, &data, &n):
+            ids = _coerce_ids(ids, self._num_blocks)
+            _ids_fast(ids, &data, &n)
+        if _locked_with_gil(self, n):
+            freed = _dec_ref_batch(self, data, n, &result)
+            _unlocked(self)
+        else:
+            with nogil:
+                _locked(self)
+                freed = _dec_ref_batch(self, data, n, &result)
+                _unlocked(self)
+        if result.failed_at >= 0:
+            _raise_refusal(self, &result, "dec_ref")
+        return freed
+
+    def refcount(self, Py_ssize_t block_id):
+        """The current refcount of ``block_id`` (0 = free)."""
+        if block_id < 0 or block_id >= self._num_blocks:
+            raise BlockIdOutOfRange(f"block id {block_id} out of range [0, {self._num_blocks})")
+        return self._refcounts[block_id]
+
+    def refcounts(self):
+        """A copy of every block's refcount, indexed by block id."""
+        cdef cnp.npy_intp dim = self._num_blocks
+        out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
+        with nogil:
+            _locked(self)
+            if self._num_blocks:
+                memcpy(dest, self._refcounts, self._num_blocks * sizeof(int32_t))
+            _unlocked(self)
+        return out
+
+    def check_invariants(self):
+        """Recount the pool from scratch; raise ``InvariantViolation`` on any mismatch.
+
+        Checked: the free stack holds only in-range ids with refcount 0, each once; no refcount is
+        negative; the number of refcount-0 blocks equals ``num_free``.
+        """
+        cdef unsigned char *seen = <unsigned char *>calloc(self._num_blocks + 1, 1)
+        if seen == NULL:
+            raise MemoryError("check_invariants: cannot allocate its scratch table")
+        cdef Py_ssize_t i
+        cdef Py_ssize_t zeros = 0
+        cdef Py_ssize_t bad_index = -1
+        cdef int32_t bad_value = 0
+        cdef int problem = 0
+        with nogil:
+            _locked(self)
+            if self._num_free < 0 or self._num_free > self._num_blocks:
+                problem = 1
+            if problem == 0:
+                for i in range(self._num_free):
+                    bad_value = self._free_stack[i]
+                    if _out_of_range(bad_value, self._num_blocks):
+                        problem = 2
+                    elif seen[bad_value]:
+                        problem = 3
+                    elif self._refcounts[bad_value] != 0:
+                        problem = 4
+                    if problem:
+                        bad_index = i
+                        break
+                    seen[bad_value] = 1
+            if problem == 0:
+                for i in range(self._num_blocks):
+                    if self._refcounts[i] < 0:
+                        problem = 5
+                        bad_index = i
+                        bad_value = self._refcounts[i]
+                        break
+                    if self._refcounts[i] == 0:
+                        zeros += 1
+                if problem == 0 and zeros != self._num_free:
+                    problem = 6
+            _unlocked(self)
+        free(seen)
+        if problem == 0:
+            return
+        messages = {
+            1: f"num_free {self._num_free} outside [0, {self._num_blocks}]",
+            2: f"free stack entry {bad_index} holds block id {bad_value} out of range [0, {self._num_blocks})",
+            3: f"block id {bad_value} is on the free stack twice (again at entry {bad_index})",
+            4: f"block id {bad_value} is on the free stack with refcount {self._refcounts[bad_value] if problem == 4 else 0}",
+            5: f"block id {bad_index} has negative refcount {bad_value}",
+            6: f"{zeros} blocks have refcount 0 but num_free is {self._num_free}",
+        }
+        raise InvariantViolation(f"BlockPool: {messages[problem]}")
+
+
+# -- cores: called with the lock held and the GIL released ------------------------------
+
+cdef inline bint _pop_free(BlockPool self, int32_t *dest, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t j
+    cdef Py_ssize_t top = self._num_free
+    cdef int32_t block_id
+    if n > top:
+        return False
+    for j in range(n):
+        block_id = self._free_stack[top - 1 - j]
+        self._refcounts[block_id] = 1
+        dest[j] = block_id
+    self._num_free = top - n
+    return True
+
+cdef inline void _inc_ref_batch(
+    BlockPool self, const int32_t *ids, Py_ssize_t n, BatchResult *result
+) noexcept nogil:
+    # Apply as we go and undo on the first refusal: a free id is refused at its first
+    # occurrence, so a repeat can never smuggle a free block in.
+    cdef Py_ssize_t i, j
+    cdef int32_t block_id, count
+    cdef int32_t *refcounts = self._refcounts
+    result.failed_at = -1
+    result.refusal = REFUSAL_NONE
+    for i in range(n):
+        block_id = ids[i]
+        if _out_of_range(block_id, self._num_blocks):
+            result.refusal = REFUSAL_OUT_OF_RANGE
+            break
+        count = refcounts[block_id]
+        if count == 0:
+            result.refusal = REFUSAL_ZERO
+            break
+        if count == INT32_MAX:
+            result.refusal = REFUSAL_SATURATED
+            break
+        refcounts[block_id] = count + 1
+    if result.refusal == REFUSAL_NONE:
+        return
+    for j in range(i):
+        refcounts[ids[j]] -= 1
+    _describe_refusal(result, refcounts, ids, i)
+
+cdef inline Py_ssize_t _dec_ref_batch(
+    BlockPool self, const int32_t *ids, Py_ssize_t n, BatchResult *result
+) noexcept nogil:
+    # Apply as we go, pushing ids that reach 0 above the free stack's top; on a refusal the
+    # refcounts are restored and the top is left where it was, which discards those pushes.
+    cdef Py_ssize_t i, j
+    cdef int32_t block_id, count
+    cdef int32_t *refcounts = self._refcounts
+    cdef int32_t *stack = self._free_stack
+    cdef Py_ssize_t top = self._num_free
+    result.failed_at = -1
+    result.refusal = REFUSAL_NONE
+    for i in range(n):
+        block_id = ids[i]
+        if _out_of_range(block_id, self._num_blocks):
+            result.refusal = REFUSAL_OUT_OF_RANGE
+            break
+        count = refcounts[block_id] - 1
+        if count < 0:
+            result.refusal = REFUSAL_ZERO
+            break
+        refcounts[block_id] = count
+        if count == 0:
+            stack[top] = block_id
+            top += 1
+    if result.refusal == REFUSAL_NONE:
+        i = top - self._num_free
+        self._num_free = top
+        return i
+    for j in range(i):
+        refcounts[ids[j]] += 1
+    _describe_refusal(result, refcounts, ids, i)
+    return 0
+
+# -- errors (GIL held, lock released) ------------------------------------------------------
+
+cdef void _raise_out_of_blocks(BlockPool self, Py_ssize_t n) except *:
+    raise OutOfBlocks(
+        f"cannot allocate {n} blocks: only {self._num_free} of {self._num_blocks} are free"
+    )
+
+cdef void _raise_refusal(BlockPool self, BatchResult *result, str call) except *:
+    cdef int32_t block_id = result.block_id
+    if result.refusal == REFUSAL_OUT_OF_RANGE:
+        raise BlockIdOutOfRange(
+            f"{call}: block id {block_id} out of range [0, {self._num_blocks})"
+        )
+    if result.refusal == REFUSAL_SATURATED:
+        raise InvalidId(f"inc_ref: block id {block_id} already has the maximum refcount {INT32_MAX}")
+    if call == "inc_ref":
+        raise InvalidId(
+            f"inc_ref: block id {block_id} is free (refcount 0); only allocate hands out free blocks"
+        )
+    if result.repeats > 1:
+        raise DoubleFree(
+            f"dec_ref: block id {block_id} is released {result.repeats} times in one batch "
+            f"but its refcount is {result.refcount} (double free)"
+        )
+    raise DoubleFree(f"dec_ref: block id {block_id} has refcount 0 (double free)")
