@@ -1,0 +1,33 @@
+# The SSM state slot pool and its owning guards, module lifecycle._slots. It lives under
+# pyx/lifecycle/ because Cython finds the .pxd of module lifecycle._slots by its package path on the
+# include path; other Cython modules cimport it as ``from lifecycle._slots cimport SlotPool``.
+cimport cython
+from libc.stdint cimport int32_t, uint8_t
+
+
+@cython.final
+cdef class SlotPool:
+    cdef int32_t _num_slots
+    cdef int32_t _num_free
+    cdef int32_t _num_guarded
+    cdef int32_t _num_detached
+    # _free_stack[0:_num_free] are the free slots, top last; _stack_pos[slot] is its index there
+    # (-1 when not free), so claim_specific removes an arbitrary free slot in O(1).
+    cdef int32_t* _free_stack
+    cdef int32_t* _stack_pos
+    cdef uint8_t* _state
+    cdef cython.pymutex _lock
+
+    cdef SlotGuard _guard_for(self, int32_t slot)
+    cdef int32_t _pop_free(self) noexcept nogil
+    cdef int _claim(self, int32_t slot) noexcept nogil
+    cdef int _release(self, int32_t slot) noexcept nogil
+    cdef int _detach(self, int32_t slot) noexcept nogil
+    cdef uint8_t _state_of(self, int32_t slot) noexcept nogil
+    cdef int32_t _slot_arg(self, object slot) except -1
+
+
+@cython.final
+cdef class SlotGuard:
+    cdef SlotPool _pool
+    cdef int32_t _slot
