@@ -1,0 +1,50 @@
+# The refcounted prefix trie, module lifecycle._prefix_trie: one node per full KV block, children
+# found through one hash table keyed by (parent node, the block's tokens) and confirmed by an exact
+# token compare. Every field is guarded by ``_lock``. Named with its dotted module name so that
+# Cython finds it for a source that lives outside the package directory (see the block pool's .pxd).
+
+cimport cython
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from cpython.pythread cimport PyThread_type_lock
+
+
+# 48 bytes; with the node's hash bucket (4 bytes) a cached block costs 52 bytes plus its tokens.
+cdef struct TrieNode:
+    uint64_t key_hash      # hash of (parent, tokens), masked; a root stores its adapter key here
+    int32_t parent         # parent node; -1 for an adapter root, -2 for an unused slot
+    int32_t hash_next      # next node in the same hash bucket (next free slot when unused)
+    int32_t block_id       # the KV block the node holds; -1 for a root
+    int32_t pin_count      # pins placed on this node itself
+    int32_t lock_count     # pin_count + number of children with lock_count > 0 (0 = evictable)
+    int32_t num_children
+    int32_t lru_prev       # neighbours in the LRU list while lock_count == 0
+    int32_t lru_next
+    int32_t tag            # caller's tag (SSM snapshot id), -1 = none
+    int32_t depth          # blocks from the root; 0 for a root
+
+
+@cython.final
+cdef class PrefixTrie:
+    cdef TrieNode *_nodes
+    cdef int32_t *_tokens          # token arena: block_size tokens per node slot
+    cdef int32_t *_buckets         # hash bucket heads, _bucket_mask + 1 of them
+    cdef int32_t *_evicted_tags    # tags of nodes evicted since the last evicted_tags()
+    cdef Py_ssize_t _block_size
+    cdef Py_ssize_t _capacity      # node slots allocated (a power of two)
+    cdef Py_ssize_t _high_water    # slots ever used; slots beyond it are untouched
+    cdef Py_ssize_t _bucket_mask
+    cdef Py_ssize_t _num_evicted_tags
+    cdef Py_ssize_t _evicted_tags_capacity
+    cdef int32_t _free_head        # first unused slot below _high_water, -1 if none
+    cdef Py_ssize_t _num_cached    # live non-root nodes
+    cdef Py_ssize_t _num_roots
+    cdef int32_t _lru_head         # least recently used evictable node
+    cdef int32_t _lru_tail         # most recently used evictable node
+    cdef Py_ssize_t _lru_count
+    cdef uint64_t _hash_mask
+    cdef int _hash_bits
+    cdef bint _initialized
+    cdef PyThread_type_lock _lock
+
+    cdef int _ensure_slots(self, Py_ssize_t extra) noexcept nogil
+    cdef str _find_problem(self)
