@@ -69,7 +69,8 @@ class HostDevice:
             raise InvalidId(f"HostDevice: capacity={capacity} must be >= 1 byte")
         self._capacity = physical_memory_bytes() if capacity is None else capacity
         self._deferred = deferred
-        self._pending: list[tuple[int, int, int, int]] = []  # (op, dst, src_or_value, nbytes)
+        # (op, dst, src_or_value, nbytes, staged source kept alive): op 0 moves, op 1 sets
+        self._pending: list[tuple[int, int, int, int, object]] = []
         self._device = AllocationTable("device")
         self._pinned = AllocationTable("pinned")
         # Aligned uint8 views that own the memory, by address; views handed out keep it alive.
@@ -84,6 +85,11 @@ class HostDevice:
     @property
     def name(self) -> str:
         return "host (deferred copies)" if self._deferred else "host"
+
+    @property
+    def deferred(self) -> bool:
+        """True when copies and memsets wait for :meth:`synchronize`."""
+        return self._deferred
 
     @property
     def closed(self) -> bool:
@@ -164,9 +170,16 @@ class HostDevice:
         return self._capacity - self._device.nbytes, self._capacity
 
     # -- copies ---------------------------------------------------------------------------------
+    def _is_pinned(self, ptr: int, nbytes: int) -> bool:
+        try:
+            self._pinned.locate("", ptr, nbytes)
+        except InvalidId:
+            return False
+        return True
+
     def _move(self, dst: int, src: int, nbytes: int) -> None:
         if self._deferred:
-            self._pending.append((0, dst, src, nbytes))  # op 0: move, op 1: set
+            self._pending.append((0, dst, src, nbytes, None))
         else:
             _memmove(dst, src, nbytes)
 
@@ -185,7 +198,12 @@ class HostDevice:
         check_nbytes("copy_htod", nbytes)
         if nbytes:
             self._device.locate("copy_htod dst", dst, nbytes)
-            self._move(dst, src_host, nbytes)
+            if self._deferred and not self._is_pinned(src_host, nbytes):
+                # pageable source: staged at the call like the CUDA driver does, so it may be reused
+                staged = np.frombuffer(ctypes.string_at(src_host, nbytes), dtype=np.uint8)
+                self._pending.append((0, dst, staged.ctypes.data, nbytes, staged))
+            else:
+                self._move(dst, src_host, nbytes)
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """Copy device to host; the device range must lie in a live allocation."""
@@ -205,7 +223,7 @@ class HostDevice:
                 locate("copy_batch dst", dst, nbytes)
                 locate("copy_batch src", src, nbytes)
         if self._deferred:
-            self._pending.extend((0, dst, src, nbytes) for dst, src, nbytes in copies)
+            self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in copies)
         else:
             for dst, src, nbytes in copies:
                 _memmove(dst, src, nbytes)
@@ -219,7 +237,7 @@ class HostDevice:
         if nbytes:
             self._device.locate("memset", ptr, nbytes)
             if self._deferred:
-                self._pending.append((1, ptr, value, nbytes))
+                self._pending.append((1, ptr, value, nbytes, None))
             else:
                 _memset(ptr, value, nbytes)
 
@@ -228,7 +246,7 @@ class HostDevice:
         self._check_open("synchronize")
         if self._pending:
             pending, self._pending = self._pending, []
-            for op, dst, src, nbytes in pending:
+            for op, dst, src, nbytes, _ in pending:
                 if op == 0:
                     _memmove(dst, src, nbytes)
                 else:

@@ -1,0 +1,199 @@
+"""Device fixtures and helpers shared by every suite that runs on a device.
+
+A test takes the ``device`` fixture and runs unchanged on every device:
+
+- by default ``HostDevice()``;
+- ``LIFECYCLE_TEST_DEVICE=host-deferred``: ``HostDevice(deferred=True)`` (copies wait for synchronize);
+- ``LIFECYCLE_TEST_DEVICE=cuda``: ``CudaDevice(0)``: the real driver, or the emulated one when
+  ``LD_LIBRARY_PATH`` points at it (``tests/test_device_emulated.py`` runs the suites listed in its
+  ``EMULATED_SUITES`` that way).
+
+Register the fixture in a module with ``from devices import device  # noqa: F401`` (or once for
+all modules in ``tests/conftest.py``). The ``emu`` fixture gives the emulator's fault-injection
+controls and skips the test on any other device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from lifecycle.device.base import Device
+from lifecycle.device.host import HostDevice
+
+TEST_DEVICE_ENV = "LIFECYCLE_TEST_DEVICE"
+#: Set to 1 by the emulated run: a cuda device must then come from the emulated driver.
+EXPECT_EMULATOR_ENV = "LIFECYCLE_EXPECT_EMULATOR"
+DeviceKindUnderTest = Literal["host", "host-deferred", "cuda"]
+
+# CUresult codes the tests inject
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_ILLEGAL_ADDRESS = 700
+CUDA_ERROR_LAUNCH_FAILED = 719
+CUDA_ERROR_NOT_SUPPORTED = 801
+
+
+def device_kind_under_test() -> DeviceKindUnderTest:
+    """The device kind the suites run on, from ``LIFECYCLE_TEST_DEVICE`` (default ``host``)."""
+    kind = os.environ.get(TEST_DEVICE_ENV, "host") or "host"
+    if kind not in ("host", "host-deferred", "cuda"):
+        raise pytest.UsageError(f"{TEST_DEVICE_ENV}={kind!r}: expected host, host-deferred or cuda")
+    return kind  # type: ignore[return-value]
+
+_cuda_keepalive: Device | None = None
+
+
+def _keep_primary_context() -> None:
+    """Hold one CudaDevice for the whole session, so that the primary context is not destroyed and
+    re-created between tests (expensive on a real GPU)."""
+    global _cuda_keepalive
+    if _cuda_keepalive is None:
+        from lifecycle.device.cuda import CudaDevice
+
+        _cuda_keepalive = CudaDevice(0)
+        atexit.register(_cuda_keepalive.close)
+
+
+def make_device(kind: DeviceKindUnderTest | None = None) -> Device:
+    """A fresh device of ``kind`` (default: :func:`device_kind_under_test`)."""
+    kind = kind or device_kind_under_test()
+    if kind == "host":
+        return HostDevice()
+    if kind == "host-deferred":
+        return HostDevice(deferred=True)
+    if os.environ.get(EXPECT_EMULATOR_ENV) == "1" and loaded_emulator() is None:
+        _keep_primary_context()  # loads the driver, so that the check below sees which one
+        if loaded_emulator() is None:
+            pytest.fail(f"{EXPECT_EMULATOR_ENV}=1 but libcuda.so.1 is not the emulated driver")
+    _keep_primary_context()
+    from lifecycle.device.cuda import CudaDevice
+
+    return CudaDevice(0)
+
+
+@pytest.fixture
+def device() -> Iterator[Device]:
+    """A fresh device of the kind under test, closed after the test."""
+    dev = make_device()
+    yield dev
+    dev.close()
+
+
+def copies_are_deferred(dev: Device) -> bool:
+    """True where copies provably wait for synchronize (host-deferred, the emulated driver): only
+    there can a test show that a missing synchronize leaves stale data."""
+    if isinstance(dev, HostDevice):
+        return dev.deferred
+    return dev.kind == "cuda" and loaded_emulator() is not None
+
+
+def live_allocations(dev: Device) -> int:
+    """The device's count of live ``alloc`` + ``alloc_pinned`` allocations."""
+    count = getattr(dev, "live_allocations")
+    assert isinstance(count, int)
+    return count
+
+
+def read_device(dev: Device, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+    """Copy ``nbytes`` of device memory into a new numpy array (through pinned staging)."""
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    staging = dev.alloc_pinned(nbytes)
+    try:
+        dev.copy_dtoh(staging, ptr, nbytes)
+        dev.synchronize()
+        return dev.host_array(staging, nbytes).copy()
+    finally:
+        dev.free_pinned(staging)
+
+
+def write_device(dev: Device, ptr: int, data: npt.NDArray[np.generic]) -> None:
+    """Copy a C-contiguous numpy array to device memory at ``ptr`` and wait for it."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    dev.copy_htod(ptr, raw.ctypes.data, raw.nbytes)
+    dev.synchronize()
+
+
+class Emulator:
+    """Controls of the emulated driver loaded in this process (see ``tests/emu_cuda/emu_cuda.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        lib.emu_set_alloc_budget.argtypes = [ctypes.c_longlong]
+        lib.emu_fail_from_call.argtypes = [ctypes.c_ulonglong, ctypes.c_int]
+        lib.emu_fail_call.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        lib.emu_set_device_count.argtypes = [ctypes.c_int]
+        for name in ("emu_live_allocations", "emu_live_bytes", "emu_pending_ops"):
+            getattr(lib, name).restype = ctypes.c_longlong
+        lib.emu_call_count.restype = ctypes.c_ulonglong
+
+    def reset(self) -> None:
+        """Clear every injected fault and the allocation budget (allocations stay)."""
+        self._lib.emu_reset()
+
+    def set_alloc_budget(self, nbytes: int) -> None:
+        """cuMemAlloc fails with CUDA_ERROR_OUT_OF_MEMORY past ``nbytes`` live device bytes."""
+        self._lib.emu_set_alloc_budget(nbytes)
+
+    def fail_from_call(self, n: int, code: int) -> None:
+        """The n-th driver call from now (1 = the next) and every later one fail with ``code``."""
+        self._lib.emu_fail_from_call(n, code)
+
+    def fail_call(self, name: str, code: int, times: int = 1) -> None:
+        """The next ``times`` calls (-1: all) of entry point ``name`` fail with ``code``."""
+        self._lib.emu_fail_call(name.encode(), code, times)
+
+    def set_device_count(self, n: int) -> None:
+        """Pretend ``n`` GPUs are present (0: cuInit fails with CUDA_ERROR_NO_DEVICE)."""
+        self._lib.emu_set_device_count(n)
+
+    @property
+    def live_allocations(self) -> int:
+        """Device plus pinned allocations the driver holds."""
+        return int(self._lib.emu_live_allocations())
+
+    @property
+    def live_bytes(self) -> int:
+        return int(self._lib.emu_live_bytes())
+
+    @property
+    def pending_ops(self) -> int:
+        """Copies and memsets queued on streams, not yet run."""
+        return int(self._lib.emu_pending_ops())
+
+    @property
+    def call_count(self) -> int:
+        return int(self._lib.emu_call_count())
+
+
+def loaded_emulator() -> Emulator | None:
+    """The emulated driver if it is the ``libcuda.so.1`` loaded in this process, else None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
+    if not hasattr(lib, "emu_is_emulator"):
+        return None
+    return Emulator(lib)
+
+
+@pytest.fixture
+def emu(device: Device) -> Iterator[Emulator]:
+    """The emulator's controls (the test is skipped on any other device); faults are cleared
+    before and after the test."""
+    if device.kind != "cuda":
+        pytest.skip("needs the emulated CUDA driver (LIFECYCLE_TEST_DEVICE=cuda over emu_cuda)")
+    emulator = loaded_emulator()
+    if emulator is None:
+        pytest.skip("needs the emulated CUDA driver, not a real one")
+    emulator.reset()
+    yield emulator
+    emulator.reset()

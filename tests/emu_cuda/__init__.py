@@ -1,0 +1,1 @@
+"""The emulated CUDA driver used by the tests (C source and its build helper)."""
