@@ -1,0 +1,367 @@
+"""The KV pool and the SSM pool: the model's state in device memory, and its addresses for kernels.
+
+KV pool: one allocation per attention layer, shaped ``[num_blocks, planes, block_size,
+num_kv_heads, head_dim]`` (``planes`` = 2 for K and V, 1 where V aliases K). The K/V axis sits
+inside the block, so one ``(layer, block)`` is one contiguous range of ``layer_block_bytes(layer)``
+bytes: a block moves with one copy per layer, and paged-attention kernels (FlashInfer's NHD layout
+with K and V in one tensor) index it as ``cache[block_table[i]]``.
+
+SSM pool: per SSM layer, one allocation of ``h`` state and one of conv state, each
+``max_seqs + 1`` slots (the last, ``padding_slot``, is never handed out; kernels point padded batch
+entries at it).
+
+Layer indices count attention layers (KV pool) and SSM layers (SSM pool) separately, in model order.
+Copies and memsets are asynchronous on the device's stream; ``device.synchronize()`` makes them
+visible. Both pools free their memory newest allocation first, exactly once; any call but
+``release`` afterwards raises :class:`~lifecycle.errors.TornDown`, and views taken before are invalid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from operator import index as _as_index
+from typing import Any, SupportsIndex
+
+from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer, storage_dtype
+from lifecycle.device.base import Copy, Device
+from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown
+
+
+def _int_arg(what: str, value: object, limit: int, error: type[InvalidId]) -> int:
+    """``value`` as an int in ``0 .. limit-1`` (numpy integers accepted, bool refused)."""
+    if type(value) is int:
+        number = value
+    elif isinstance(value, SupportsIndex) and not isinstance(value, bool):
+        number = _as_index(value)
+    else:
+        raise error(f"{what} must be an int, got {value!r}")
+    if not 0 <= number < limit:
+        valid = f"valid values are 0..{limit - 1}" if limit else "the pool has none"
+        raise error(f"{what} {number} is out of range: {valid}")
+    return number
+
+
+class _Allocations:
+    """Device allocations of one pool, freed newest first, exactly once."""
+
+    __slots__ = ("_device", "_ptrs", "_released")
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+        self._ptrs: list[int] = []
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = self._device.alloc(nbytes)
+        self._ptrs.append(ptr)
+        return ptr
+
+    def free_all(self) -> list[Exception]:
+        """Free every allocation, newest first, even if some frees fail; returns the failures."""
+        self._released = True
+        failures: list[Exception] = []
+        while self._ptrs:
+            ptr = self._ptrs.pop()
+            try:
+                self._device.free(ptr)
+            except Exception as failure:  # keep freeing the rest: one bad free must not leak them
+                failures.append(failure)
+        return failures
+
+    def release(self) -> None:
+        if self._released:
+            return
+        failures = self.free_all()
+        if failures:
+            raise failures[0]
+
+    def check_live(self, pool: str) -> None:
+        if self._released:
+            raise TornDown(f"{pool} was released; its memory is gone")
+
+    def undo_construction(self, error: BaseException) -> None:
+        """Free what a failed constructor allocated, keeping ``error`` as the one raised."""
+        for failure in self.free_all():
+            error.add_note(f"while freeing after the failure: {failure!r}")
+
+
+class KVPool:
+    """K and V of every attention layer for ``config.num_blocks_resolved`` blocks."""
+
+    def __init__(self, device: Device, config: ModelConfig) -> None:
+        self._device = device
+        self._layers: tuple[AttentionLayer, ...] = config.attention_layers
+        self._num_blocks = config.num_blocks_resolved
+        self._block_size = config.block_size
+        self._block_bytes = tuple(layer.block_bytes(config.block_size) for layer in self._layers)
+        self._allocations = _Allocations(device)
+        ptrs: list[int] = []
+        try:
+            if self._num_blocks:
+                for block_bytes in self._block_bytes:
+                    ptrs.append(self._allocations.alloc(self._num_blocks * block_bytes))
+        except BaseException as error:
+            self._allocations.undo_construction(error)
+            raise
+        self._ptrs = tuple(ptrs)
+
+    # --- sizes and addresses ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        """The device the pool lives on."""
+        return self._device
+
+    @property
+    def num_layers(self) -> int:
+        """Attention layers in the pool."""
+        return len(self._layers)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer."""
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool: ``num_blocks * config.kv_block_bytes()``."""
+        return self._num_blocks * sum(self._block_bytes)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ran."""
+        return self._allocations.released
+
+    @property
+    def layer_ptrs(self) -> tuple[int, ...]:
+        """Base address of each attention layer's allocation (block 0)."""
+        self._allocations.check_live("KVPool")
+        return self._ptrs
+
+    def _layer(self, layer: int) -> int:
+        self._allocations.check_live("KVPool")
+        return _int_arg("attention layer", layer, len(self._layers), InvalidId)
+
+    def _block(self, block_id: object) -> int:
+        return _int_arg("block id", block_id, self._num_blocks, BlockIdOutOfRange)
+
+    def layer_block_bytes(self, layer: int) -> int:
+        """Bytes of one block of ``layer`` (K and V, or K alone)."""
+        return self._block_bytes[self._layer(layer)]
+
+    def block_stride_bytes(self, layer: int) -> int:
+        """Bytes from one block of ``layer`` to the next (blocks are packed: the block's size)."""
+        return self.layer_block_bytes(layer)
+
+    def layer_shape(self, layer: int) -> tuple[int, int, int, int, int]:
+        """``(num_blocks, planes, block_size, num_kv_heads, head_dim)`` of ``layer``."""
+        return (self._num_blocks, *self._layers[self._layer(layer)].block_shape(self._block_size))
+
+    def layer_strides(self, layer: int) -> tuple[int, int, int, int, int]:
+        """Byte strides of :meth:`layer_shape` (C order)."""
+        spec = self._layers[self._layer(layer)]
+        head = spec.head_dim * spec.itemsize
+        token = spec.num_kv_heads * head
+        plane = self._block_size * token
+        return (spec.kv_planes * plane, plane, token, head, spec.itemsize)
+
+    def block_addr(self, layer: int, block_id: int) -> int:
+        """Address of block ``block_id`` of ``layer``: ``layer_block_bytes(layer)`` contiguous bytes,
+        K then V. Raises :class:`BlockIdOutOfRange` / :class:`InvalidId`."""
+        index = self._layer(layer)
+        return self._ptrs[index] + self._block(block_id) * self._block_bytes[index]
+
+    def block_ranges(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every given block in every layer, layer-major (all blocks of
+        layer 0, then layer 1, ...). Every id is checked before anything is returned."""
+        self._allocations.check_live("KVPool")
+        blocks = [self._block(block_id) for block_id in block_ids]
+        return [
+            (ptr + block * block_bytes, block_bytes)
+            for ptr, block_bytes in zip(self._ptrs, self._block_bytes)
+            for block in blocks
+        ]
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Copy blocks ``src -> dst`` for each ``(src, dst)`` pair, in every layer, as one batched
+        device copy (asynchronous). Every id is checked before anything is issued."""
+        self._allocations.check_live("KVPool")
+        checked = [(self._block(src), self._block(dst)) for src, dst in pairs]
+        copies: list[Copy] = [
+            (ptr + dst * block_bytes, ptr + src * block_bytes, block_bytes)
+            for ptr, block_bytes in zip(self._ptrs, self._block_bytes)
+            for src, dst in checked
+            if src != dst
+        ]
+        if copies:
+            self._device.copy_batch(copies)
+
+    def kv_view(self, layer: int) -> Any:
+        """Zero-copy array of ``layer`` shaped :meth:`layer_shape`: numpy on host, an object with
+        ``__cuda_array_interface__`` on CUDA. bfloat16 / float8 layers are viewed as unsigned integers
+        of the same width."""
+        index = self._layer(layer)
+        return self._device.device_array(
+            self._ptrs[index], self.layer_shape(index), storage_dtype(self._layers[index].dtype)
+        )
+
+    def release(self) -> None:
+        """Free every layer's memory, newest allocation first; a second call does nothing."""
+        self._allocations.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(layers={len(self._layers)}, num_blocks={self._num_blocks}, "
+            f"total_bytes={self.total_bytes}, released={self.released})"
+        )
+
+
+class SSMPool:
+    """h and conv state of every SSM layer for ``config.max_seqs + 1`` slots."""
+
+    def __init__(self, device: Device, config: ModelConfig) -> None:
+        self._device = device
+        self._layers: tuple[SSMLayer, ...] = config.ssm_layers
+        self._num_slots = config.max_seqs + 1
+        self._allocations = _Allocations(device)
+        h_ptrs: list[int] = []
+        conv_ptrs: list[int] = []
+        try:
+            for layer in self._layers:
+                h_ptrs.append(self._allocations.alloc(self._num_slots * layer.h_state_bytes))
+                conv_ptrs.append(self._allocations.alloc(self._num_slots * layer.conv_state_bytes))
+        except BaseException as error:
+            self._allocations.undo_construction(error)
+            raise
+        self._h_ptrs = tuple(h_ptrs)
+        self._conv_ptrs = tuple(conv_ptrs)
+        # (base, bytes per slot) of every per-slot range, in slot_ranges order.
+        self._regions = tuple(
+            region
+            for layer, h_ptr, conv_ptr in zip(self._layers, h_ptrs, conv_ptrs)
+            for region in ((h_ptr, layer.h_state_bytes), (conv_ptr, layer.conv_state_bytes))
+        )
+
+    # --- sizes and addresses ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        """The device the pool lives on."""
+        return self._device
+
+    @property
+    def num_layers(self) -> int:
+        """SSM layers in the pool."""
+        return len(self._layers)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per layer, padding slot included (``max_seqs + 1``)."""
+        return self._num_slots
+
+    @property
+    def padding_slot(self) -> int:
+        """The last slot: addressable, never handed out to a sequence."""
+        return self._num_slots - 1
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot across every layer (h and conv)."""
+        return sum(layer.slot_bytes for layer in self._layers)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self._num_slots * self.slot_bytes
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ran."""
+        return self._allocations.released
+
+    @property
+    def h_ptrs(self) -> tuple[int, ...]:
+        """Base address (slot 0) of each layer's h state; slot ``s`` is ``s * h_state_bytes`` further."""
+        self._allocations.check_live("SSMPool")
+        return self._h_ptrs
+
+    @property
+    def conv_ptrs(self) -> tuple[int, ...]:
+        """Base address (slot 0) of each layer's conv state."""
+        self._allocations.check_live("SSMPool")
+        return self._conv_ptrs
+
+    def _layer(self, layer: int) -> int:
+        self._allocations.check_live("SSMPool")
+        return _int_arg("SSM layer", layer, len(self._layers), InvalidId)
+
+    def _slot(self, slot: int) -> int:
+        self._allocations.check_live("SSMPool")
+        return _int_arg("slot", slot, self._num_slots, SlotOutOfRange)
+
+    def h_addr(self, layer: int, slot: int) -> int:
+        """Address of ``slot``'s h state in ``layer`` (``h_state_bytes`` contiguous bytes)."""
+        index = self._layer(layer)
+        return self._h_ptrs[index] + self._slot(slot) * self._layers[index].h_state_bytes
+
+    def conv_addr(self, layer: int, slot: int) -> int:
+        """Address of ``slot``'s conv state in ``layer`` (``conv_state_bytes`` contiguous bytes)."""
+        index = self._layer(layer)
+        return self._conv_ptrs[index] + self._slot(slot) * self._layers[index].conv_state_bytes
+
+    def slot_ranges(self, slot: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every per-slot range of ``slot``: layer 0's h, layer 0's conv,
+        layer 1's h, ... (always in this order)."""
+        index = self._slot(slot)
+        return [(base + index * nbytes, nbytes) for base, nbytes in self._regions]
+
+    def zero_slot(self, slot: int) -> None:
+        """Set every byte of ``slot``'s state, in every layer, to 0 (asynchronous)."""
+        for addr, nbytes in self.slot_ranges(slot):
+            self._device.memset(addr, 0, nbytes)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy ``src``'s h and conv state of every layer to ``dst`` as ONE batched device copy
+        (asynchronous: synchronize before ``src`` is reused). Same slot: nothing to do."""
+        source, target = self._slot(src), self._slot(dst)
+        if source == target or not self._regions:
+            return
+        self._device.copy_batch(
+            [(base + target * nbytes, base + source * nbytes, nbytes) for base, nbytes in self._regions]
+        )
+
+    def h_view(self, layer: int) -> Any:
+        """Zero-copy ``[num_slots, elements]`` array of ``layer``'s h state (numpy on host,
+        ``__cuda_array_interface__`` on CUDA)."""
+        index = self._layer(layer)
+        spec = self._layers[index]
+        return self._view(self._h_ptrs[index], spec.h_state_bytes, spec.h_dtype)
+
+    def conv_view(self, layer: int) -> Any:
+        """Zero-copy ``[num_slots, elements]`` array of ``layer``'s conv state."""
+        index = self._layer(layer)
+        spec = self._layers[index]
+        return self._view(self._conv_ptrs[index], spec.conv_state_bytes, spec.conv_dtype)
+
+    def _view(self, ptr: int, slot_bytes: int, dtype: str) -> Any:
+        storage = storage_dtype(dtype)
+        return self._device.device_array(ptr, (self._num_slots, slot_bytes // storage.itemsize), storage)
+
+    def release(self) -> None:
+        """Free every layer's memory, newest allocation first; a second call does nothing."""
+        self._allocations.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"SSMPool(layers={len(self._layers)}, num_slots={self._num_slots}, "
+            f"total_bytes={self.total_bytes}, released={self.released})"
+        )
