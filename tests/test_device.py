@@ -162,6 +162,30 @@ def test_copy_batch_copies_every_range(device: Device) -> None:
     device.free(dst)
 
 
+def test_copy_batch_takes_an_int64_array_of_rows(device: Device) -> None:
+    data = random_bytes(8 * KiB, seed=13)
+    src = filled(device, data)
+    dst = filled(device, np.zeros(8 * KiB, dtype=np.uint8))
+    rows = np.array([[dst + i * KiB, src + (7 - i) * KiB, KiB] for i in range(8)], dtype=np.int64)
+    device.copy_batch(rows)
+    device.synchronize()
+    assert np.array_equal(read_device(device, dst, 8 * KiB), data.reshape(8, KiB)[::-1].reshape(-1))
+    with pytest.raises(InvalidId, match="shape"):
+        device.copy_batch(rows[:, :2])
+    device.free(src)
+    device.free(dst)
+
+
+def test_copy_batch_names_the_first_bad_copy(device: Device) -> None:
+    ptr = device.alloc(4096)
+    rows = [(ptr, ptr + 2048, 1024)] * 5 + [(ptr + 4000, ptr, 200)]
+    with pytest.raises(InvalidId, match=r"copy_batch dst \(copy 5\)"):
+        device.copy_batch(rows)
+    with pytest.raises(InvalidId, match="nbytes=-3 of copy 1"):
+        device.copy_batch([(ptr, ptr + 2048, 8), (ptr, ptr + 2048, -3)])
+    device.free(ptr)
+
+
 def test_copy_batch_accepts_an_empty_batch_and_zero_byte_entries(device: Device) -> None:
     data = random_bytes(512, seed=4)
     src = filled(device, data)

@@ -9,8 +9,29 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right, insort
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from lifecycle.errors import InvalidId
+
+#: A batch of copies as an (n, 3) int64 array of rows (dst, src, nbytes).
+CopyArray = npt.NDArray[np.int64]
+
+
+def as_copy_array(call: str, copies: Sequence[tuple[int, int, int]] | CopyArray) -> CopyArray:
+    """The batch as a C-contiguous (n, 3) int64 array, refusing negative byte counts."""
+    arr = np.ascontiguousarray(copies, dtype=np.int64)
+    if arr.size == 0:
+        return arr.reshape(0, 3)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise InvalidId(f"{call}: copies must be (dst, src, nbytes) rows, got an array of shape {arr.shape}")
+    sizes = arr[:, 2]
+    if sizes.min() < 0:
+        bad = int(np.flatnonzero(sizes < 0)[0])
+        raise InvalidId(f"{call}: nbytes={int(sizes[bad])} of copy {bad} must be >= 0")
+    return arr
 
 
 def check_nbytes(call: str, nbytes: int) -> None:
@@ -32,7 +53,7 @@ class AllocationTable:
     size map before its address enters the sorted list, and leaves the list before the map.
     """
 
-    __slots__ = ("_kind", "_sizes", "_starts", "_bytes", "_lock")
+    __slots__ = ("_kind", "_sizes", "_starts", "_bytes", "_lock", "_arrays")
 
     def __init__(self, kind: str) -> None:
         self._kind = kind
@@ -40,6 +61,8 @@ class AllocationTable:
         self._starts: list[int] = []
         self._bytes = 0
         self._lock = threading.Lock()
+        # (sorted starts, matching ends) as numpy arrays for batch checks; None when stale
+        self._arrays: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
 
     @property
     def count(self) -> int:
@@ -61,6 +84,7 @@ class AllocationTable:
             self._sizes[ptr] = nbytes
             insort(self._starts, ptr)
             self._bytes += nbytes
+            self._arrays = None
 
     def size_of(self, call: str, ptr: int) -> int:
         """Size of the allocation that starts at ``ptr``; raises InvalidId for any other address."""
@@ -79,6 +103,7 @@ class AllocationTable:
             self._starts.pop(bisect_right(self._starts, ptr) - 1)
             del self._sizes[ptr]
             self._bytes -= size
+            self._arrays = None
             return size
 
     def locate(self, call: str, ptr: int, nbytes: int) -> tuple[int, int]:
@@ -98,3 +123,29 @@ class AllocationTable:
         """Raise InvalidId unless ``[ptr, ptr + nbytes)`` lies inside one live allocation."""
         if nbytes:
             self.locate(call, ptr, nbytes)
+
+    def _range_arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        arrays = self._arrays
+        if arrays is None:
+            with self._lock:
+                starts = np.array(self._starts, dtype=np.int64)
+                ends = starts + np.array([self._sizes[p] for p in self._starts], dtype=np.int64)
+                arrays = self._arrays = (starts, ends)
+        return arrays
+
+    def check_batch(self, call: str, copies: CopyArray) -> None:
+        """Raise InvalidId unless every non-empty (dst, src, nbytes) row lies in live allocations;
+        the message names the first offending row."""
+        if copies.shape[0] == 0:
+            return
+        starts, ends = self._range_arrays()
+        sizes = copies[:, 2]
+        for column, role in ((0, "dst"), (1, "src")):
+            ptrs = copies[:, column]
+            idx = np.searchsorted(starts, ptrs, side="right") - 1
+            ok = (idx >= 0) & (ptrs + sizes <= ends[np.maximum(idx, 0)])
+            ok |= sizes == 0
+            if not ok.all():
+                bad = int(np.flatnonzero(~ok)[0])
+                self.locate(f"{call} {role} (copy {bad})", int(ptrs[bad]), int(sizes[bad]))
+                raise InvalidId(f"{call} {role} (copy {bad}): range at {int(ptrs[bad]):#x} is not live")

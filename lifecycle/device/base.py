@@ -67,8 +67,11 @@ class Device(Protocol):
         """Device to host copy, asynchronous on the device's stream."""
         ...
 
-    def copy_batch(self, copies: Sequence[Copy]) -> None:
-        """Device to device copies in one call; copies within one batch are unordered."""
+    def copy_batch(self, copies: Sequence[Copy] | npt.NDArray[np.int64]) -> None:
+        """Device to device copies in one call; copies within one batch are unordered.
+
+        ``copies`` is a sequence of (dst, src, nbytes) or, cheapest for large batches, an (n, 3)
+        int64 array of such rows. Every range is checked before any copy is issued."""
         ...
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:

@@ -10,6 +10,7 @@ asynchronous illegal-address fault that poisons the context.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Sequence
@@ -19,7 +20,13 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from lifecycle.device.allocations import AllocationTable, check_alloc_size, check_nbytes
+from lifecycle.device.allocations import (
+    AllocationTable,
+    CopyArray,
+    as_copy_array,
+    check_alloc_size,
+    check_nbytes,
+)
 from lifecycle.device.base import Copy, DeviceKind
 from lifecycle.device.host import _host_view
 from lifecycle.errors import CudaError, DriverNotFound, InvalidId, TornDown
@@ -32,6 +39,7 @@ _driver_lock = threading.Lock()
 
 #: First driver version with ``cuMemcpyBatchAsync`` (CUDA 12.8).
 BATCH_MIN_DRIVER_VERSION = 12080
+CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 def _load_driver() -> ModuleType:
@@ -172,14 +180,13 @@ class CudaDevice:
             self._ctx = None
             raise
         self._stream_handle = int(self._stream)
-        self._batch_supported = self._driver_version >= BATCH_MIN_DRIVER_VERSION and hasattr(
-            drv, "cuMemcpyBatchAsync"
-        )
-        self._batch_attrs = [self._copy_attributes()] if self._batch_supported else []
-        self._CUdeviceptr = drv.CUdeviceptr
+        self._batch_v1 = False
+        self._batch_fn: Any = self._resolve_batch()
+        self._batch_attrs = self._copy_attributes()
+        self._attrs_idx = np.zeros(1, dtype=np.uint64)  # the one attribute set applies from copy 0
         self._alloc_call = drv.cuMemAlloc
         self._dtod_call = drv.cuMemcpyDtoDAsync
-        _log.debug("opened %s, driver %d, batched copies: %s", self._name, self._driver_version, self._batch_supported)
+        _log.debug("opened %s, driver %d, batched copies: %s", self._name, self._driver_version, self.batch_copies)
 
     def _copy_attributes(self) -> Any:
         drv = self._drv
@@ -213,7 +220,7 @@ class CudaDevice:
     @property
     def batch_copies(self) -> bool:
         """True while :meth:`copy_batch` uses ``cuMemcpyBatchAsync`` (False: a loop of copies)."""
-        return self._batch_supported
+        return self._batch_fn is not None
 
     @property
     def stream_handle(self) -> int:
@@ -313,44 +320,65 @@ class CudaDevice:
             result = self._drv.cuMemcpyDtoHAsync(dst_host, src, nbytes, self._stream)
             check(result, "cuMemcpyDtoHAsync", dst_host, src, nbytes)
 
-    def copy_batch(self, copies: Sequence[Copy]) -> None:
+    def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
         """Device to device copies, unordered among themselves: one ``cuMemcpyBatchAsync`` where
         the driver has it, else one ``cuMemcpyDtoDAsync`` each. Every range is checked first; if
         the driver fails part way through the fallback loop, the copies before it were issued."""
         self._check_open("copy_batch")
-        locate = self._device.locate
-        work = []
-        for dst, src, nbytes in copies:
-            check_nbytes("copy_batch", nbytes)
-            if nbytes:
-                locate("copy_batch dst", dst, nbytes)
-                locate("copy_batch src", src, nbytes)
-                work.append((dst, src, nbytes))
-        if not work:
+        rows = as_copy_array("copy_batch", copies)
+        self._device.check_batch("copy_batch", rows)
+        if rows.shape[0] and not rows[:, 2].all():
+            rows = rows[rows[:, 2] > 0]
+        count = rows.shape[0]
+        if count == 0:
             return
-        if len(work) > 1 and self._batch_supported and self._issue_batch(work):
+        if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
             return
         dtod, stream = self._dtod_call, self._stream
-        for dst, src, nbytes in work:
+        for dst, src, nbytes in rows.tolist():
             check(dtod(dst, src, nbytes, stream), "cuMemcpyDtoDAsync", dst, src, nbytes)
 
-    def _issue_batch(self, work: list[Copy]) -> bool:
-        """One cuMemcpyBatchAsync; False (and batching turned off) if this driver lacks it."""
-        drv, ptr = self._drv, self._CUdeviceptr
-        dsts = [ptr(dst) for dst, _, _ in work]
-        srcs = [ptr(src) for _, src, _ in work]
-        sizes = [nbytes for _, _, nbytes in work]
-        try:
-            result = drv.cuMemcpyBatchAsync(dsts, srcs, sizes, len(work), self._batch_attrs, [0], 1, self._stream)
-        except RuntimeError as exc:  # cuda-bindings' FunctionNotFoundError: the driver lacks the symbol
-            _log.info("%s: cuMemcpyBatchAsync unavailable (%s); copying one by one", self._name, exc)
-            self._batch_supported = False
-            return False
-        if result[0] == drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+    def _resolve_batch(self) -> Any:
+        """The driver's cuMemcpyBatchAsync as a ctypes function taking raw arrays (None if this
+        driver lacks it). Called through ctypes so that a batch costs O(1) Python work, not a
+        CUdeviceptr object per copy; the ABI is chosen by the version requested (12.8 had a
+        ``failIdx`` argument, CUDA 13 dropped it)."""
+        drv = self._drv
+        if self._driver_version < BATCH_MIN_DRIVER_VERSION or not hasattr(drv, "cuGetProcAddress"):
+            return None
+        version = 13000 if self._driver_version >= 13000 else BATCH_MIN_DRIVER_VERSION
+        flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+        err, pfn, _status = drv.cuGetProcAddress(b"cuMemcpyBatchAsync", version, flags)
+        if err or not pfn:
+            return None
+        p, n = ctypes.c_void_p, ctypes.c_size_t
+        if version >= 13000:
+            proto = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, n, p, p, n, p)
+        else:
+            proto = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, n, p, p, n, p, p)
+        self._batch_v1 = version < 13000
+        return proto(pfn)
+
+    def _issue_batch(self, rows: CopyArray) -> bool:
+        """One cuMemcpyBatchAsync of all rows; False (and batching turned off) if unsupported."""
+        count = rows.shape[0]
+        columns = np.ascontiguousarray(rows.T)  # dsts, srcs, sizes: three contiguous int64 rows
+        base = columns.ctypes.data
+        stride = count * 8
+        attrs = self._batch_attrs.getPtr()
+        if self._batch_v1:
+            fail_idx = ctypes.c_size_t(0)
+            rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
+                                1, ctypes.addressof(fail_idx), self._stream_handle)
+        else:
+            rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
+                                1, self._stream_handle)
+        if rc == CUDA_ERROR_NOT_SUPPORTED:
             _log.info("%s: cuMemcpyBatchAsync not supported; copying one by one", self._name)
-            self._batch_supported = False
+            self._batch_fn = None
             return False
-        check(result, "cuMemcpyBatchAsync", len(work))
+        if rc:
+            raise _error(self._drv, f"cuMemcpyBatchAsync({count})", self._drv.CUresult(rc))
         return True
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:

@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lifecycle.device.allocations import AllocationTable, check_alloc_size, check_nbytes
+from lifecycle.device.allocations import (
+    AllocationTable,
+    CopyArray,
+    as_copy_array,
+    check_alloc_size,
+    check_nbytes,
+)
 from lifecycle.device.base import Copy, DeviceKind
 from lifecycle.errors import DeviceError, InvalidId, TornDown
 
@@ -213,19 +219,15 @@ class HostDevice:
             self._device.locate("copy_dtoh src", src, nbytes)
             self._move(dst_host, src, nbytes)
 
-    def copy_batch(self, copies: Sequence[Copy]) -> None:
+    def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
         """Device to device copies; every range is checked before any copy is issued."""
         self._check_open("copy_batch")
-        locate = self._device.locate
-        for dst, src, nbytes in copies:
-            check_nbytes("copy_batch", nbytes)
-            if nbytes:
-                locate("copy_batch dst", dst, nbytes)
-                locate("copy_batch src", src, nbytes)
+        rows = as_copy_array("copy_batch", copies)
+        self._device.check_batch("copy_batch", rows)
         if self._deferred:
-            self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in copies)
+            self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
         else:
-            for dst, src, nbytes in copies:
+            for dst, src, nbytes in rows.tolist():
                 _memmove(dst, src, nbytes)
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
