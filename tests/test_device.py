@@ -162,6 +162,35 @@ def test_copy_batch_copies_every_range(device: Device) -> None:
     device.free(dst)
 
 
+def test_copy_batch_gathers_into_pinned_memory_and_scatters_back(device: Device) -> None:
+    block = 2 * KiB
+    data = random_bytes(16 * block, seed=14)
+    src = filled(device, data)
+    dst = filled(device, np.zeros(16 * block, dtype=np.uint8))
+    staging = device.alloc_pinned(4 * block)
+    picked = [13, 2, 7, 9]
+    device.copy_batch([(staging + i * block, src + b * block, block) for i, b in enumerate(picked)])
+    device.synchronize()
+    expected = data.reshape(16, block)[picked].reshape(-1)
+    assert np.array_equal(device.host_array(staging, 4 * block), expected)
+    device.copy_batch([(dst + b * block, staging + i * block, block) for i, b in enumerate(picked)])
+    device.synchronize()
+    out = read_device(device, dst, 16 * block).reshape(16, block)
+    assert np.array_equal(out[picked].reshape(-1), expected)
+    assert not np.delete(out, picked, axis=0).any()
+    device.free_pinned(staging)
+    device.free(src)
+    device.free(dst)
+
+
+def test_copy_batch_refuses_pageable_host_memory(device: Device) -> None:
+    ptr = device.alloc(1024)
+    host = np.zeros(1024, dtype=np.uint8)
+    with pytest.raises(InvalidId, match="copy_batch dst"):
+        device.copy_batch([(host.ctypes.data, ptr, 1024)])
+    device.free(ptr)
+
+
 def test_copy_batch_takes_an_int64_array_of_rows(device: Device) -> None:
     data = random_bytes(8 * KiB, seed=13)
     src = filled(device, data)

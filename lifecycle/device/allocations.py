@@ -133,19 +133,36 @@ class AllocationTable:
                 arrays = self._arrays = (starts, ends)
         return arrays
 
-    def check_batch(self, call: str, copies: CopyArray) -> None:
-        """Raise InvalidId unless every non-empty (dst, src, nbytes) row lies in live allocations;
-        the message names the first offending row."""
-        if copies.shape[0] == 0:
-            return
-        starts, ends = self._range_arrays()
+    def unchecked_rows(self, copies: CopyArray, column: int) -> npt.NDArray[np.bool_]:
+        """Mask of the rows whose range in ``column`` (0: dst, 1: src) is not inside one live
+        allocation of this table (zero-byte rows always pass)."""
         sizes = copies[:, 2]
-        for column, role in ((0, "dst"), (1, "src")):
-            ptrs = copies[:, column]
-            idx = np.searchsorted(starts, ptrs, side="right") - 1
-            ok = (idx >= 0) & (ptrs + sizes <= ends[np.maximum(idx, 0)])
-            ok |= sizes == 0
-            if not ok.all():
-                bad = int(np.flatnonzero(~ok)[0])
-                self.locate(f"{call} {role} (copy {bad})", int(ptrs[bad]), int(sizes[bad]))
-                raise InvalidId(f"{call} {role} (copy {bad}): range at {int(ptrs[bad]):#x} is not live")
+        ptrs = copies[:, column]
+        starts, ends = self._range_arrays()
+        if starts.size == 0:
+            nonempty: npt.NDArray[np.bool_] = sizes != 0
+            return nonempty
+        idx = np.searchsorted(starts, ptrs, side="right") - 1
+        ok = (idx >= 0) & (ptrs + sizes <= ends[np.maximum(idx, 0)])
+        ok |= sizes == 0
+        bad: npt.NDArray[np.bool_] = ~ok
+        return bad
+
+
+def check_batch(call: str, copies: CopyArray, *tables: AllocationTable) -> None:
+    """Raise InvalidId unless both ranges of every (dst, src, nbytes) row lie inside one live
+    allocation of one of ``tables``; the message names the first offending row."""
+    if copies.shape[0] == 0:
+        return
+    for column, role in ((0, "dst"), (1, "src")):
+        bad = tables[0].unchecked_rows(copies, column)
+        for table in tables[1:]:
+            if bad.any():
+                bad &= table.unchecked_rows(copies, column)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            kinds = " or ".join(t._kind for t in tables)
+            raise InvalidId(
+                f"{call} {role} (copy {row}): range [{int(copies[row, column]):#x}, +{int(copies[row, 2])}) "
+                f"is not inside one live {kinds} allocation"
+            )

@@ -68,10 +68,12 @@ class Device(Protocol):
         ...
 
     def copy_batch(self, copies: Sequence[Copy] | npt.NDArray[np.int64]) -> None:
-        """Device to device copies in one call; copies within one batch are unordered.
+        """Copies in one call; copies within one batch are unordered.
 
         ``copies`` is a sequence of (dst, src, nbytes) or, cheapest for large batches, an (n, 3)
-        int64 array of such rows. Every range is checked before any copy is issued."""
+        int64 array of such rows. Each range lies in device memory from :meth:`alloc` or in pinned
+        memory from :meth:`alloc_pinned` (so a swap can gather blocks into a staging buffer in one
+        call). Every range is checked before any copy is issued."""
         ...
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:

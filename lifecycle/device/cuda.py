@@ -25,6 +25,7 @@ from lifecycle.device.allocations import (
     CopyArray,
     as_copy_array,
     check_alloc_size,
+    check_batch,
     check_nbytes,
 )
 from lifecycle.device.base import Copy, DeviceKind
@@ -321,12 +322,13 @@ class CudaDevice:
             check(result, "cuMemcpyDtoHAsync", dst_host, src, nbytes)
 
     def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
-        """Device to device copies, unordered among themselves: one ``cuMemcpyBatchAsync`` where
-        the driver has it, else one ``cuMemcpyDtoDAsync`` each. Every range is checked first; if
-        the driver fails part way through the fallback loop, the copies before it were issued."""
+        """Copies between device and/or pinned memory (unified addresses), unordered among
+        themselves: one ``cuMemcpyBatchAsync`` where the driver has it, else one
+        ``cuMemcpyAsync`` each. Every range is checked first; if the driver fails part way through
+        the fallback loop, the copies before it were issued."""
         self._check_open("copy_batch")
         rows = as_copy_array("copy_batch", copies)
-        self._device.check_batch("copy_batch", rows)
+        check_batch("copy_batch", rows, self._device, self._pinned)
         if rows.shape[0] and not rows[:, 2].all():
             rows = rows[rows[:, 2] > 0]
         count = rows.shape[0]
@@ -334,9 +336,9 @@ class CudaDevice:
             return
         if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
             return
-        dtod, stream = self._dtod_call, self._stream
+        copy, stream = self._drv.cuMemcpyAsync, self._stream
         for dst, src, nbytes in rows.tolist():
-            check(dtod(dst, src, nbytes, stream), "cuMemcpyDtoDAsync", dst, src, nbytes)
+            check(copy(dst, src, nbytes, stream), "cuMemcpyAsync", dst, src, nbytes)
 
     def _resolve_batch(self) -> Any:
         """The driver's cuMemcpyBatchAsync as a ctypes function taking raw arrays (None if this

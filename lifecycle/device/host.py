@@ -21,6 +21,7 @@ from lifecycle.device.allocations import (
     CopyArray,
     as_copy_array,
     check_alloc_size,
+    check_batch,
     check_nbytes,
 )
 from lifecycle.device.base import Copy, DeviceKind
@@ -220,10 +221,11 @@ class HostDevice:
             self._move(dst_host, src, nbytes)
 
     def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
-        """Device to device copies; every range is checked before any copy is issued."""
+        """Copies between device memory and/or pinned memory; every range is checked before any
+        copy is issued."""
         self._check_open("copy_batch")
         rows = as_copy_array("copy_batch", copies)
-        self._device.check_batch("copy_batch", rows)
+        check_batch("copy_batch", rows, self._device, self._pinned)
         if self._deferred:
             self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
         else:

@@ -14,8 +14,9 @@
  *    cuCtxSynchronize, cuStreamDestroy, cuMemFree/cuMemFreeHost, which synchronise on a GPU too):
  *    a missing synchronize shows up as stale data. A host->device copy from pageable memory
  *    snapshots the source at the call, as the real driver stages it before returning.
- *  - Every device range a call names must lie inside one live device allocation, otherwise the
- *    call fails with CUDA_ERROR_INVALID_VALUE and nothing is queued.
+ *  - Every device range a call names must lie inside one live device allocation (for cuMemcpyAsync
+ *    and cuMemcpyBatchAsync, which take unified addresses: a device or pinned allocation),
+ *    otherwise the call fails with CUDA_ERROR_INVALID_VALUE and nothing is queued.
  *  - Allocation, copy and stream calls need a current context (cuCtxSetCurrent), per thread.
  *
  * Fault injection (C functions, called through ctypes; never counted as driver calls):
@@ -213,6 +214,12 @@ static struct allocation *find_alloc(const char *ptr, size_t nbytes, int kind) {
 
 static int device_range_ok(CUdeviceptr p, size_t nbytes) {
     return nbytes == 0 || find_alloc((const char *)(uintptr_t)p, nbytes, KIND_DEVICE) != NULL;
+}
+
+/* a unified-address range: device memory or pinned host memory */
+static int any_range_ok(CUdeviceptr p, size_t nbytes) {
+    const char *c = (const char *)(uintptr_t)p;
+    return nbytes == 0 || find_alloc(c, nbytes, KIND_DEVICE) != NULL || find_alloc(c, nbytes, KIND_PINNED) != NULL;
 }
 
 static int is_pinned(const void *p, size_t nbytes) {
@@ -518,6 +525,17 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n,
     LEAVE(push_op(s, op) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY);
 }
 
+/* unified addressing: either side may be device or pinned host memory */
+EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream hStream) {
+    ENTER("cuMemcpyAsync");
+    NEED_CTX();
+    NEED_STREAM(s, hStream);
+    if (!any_range_ok(dst, n) || !any_range_ok(src, n)) LEAVE(CUDA_ERROR_INVALID_VALUE);
+    if (n == 0) LEAVE(CUDA_SUCCESS);
+    struct op op = {OP_COPY, (char *)(uintptr_t)dst, (const char *)(uintptr_t)src, n, 0, NULL};
+    LEAVE(push_op(s, op) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY);
+}
+
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream hStream) {
     ENTER("cuMemcpyHtoDAsync");
     NEED_CTX();
@@ -570,7 +588,7 @@ static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_
         attrsIdxs[0] != 0)
         LEAVE(CUDA_ERROR_INVALID_VALUE);
     for (size_t i = 0; i < count; i++) {
-        if (!device_range_ok(dsts[i], sizes[i]) || !device_range_ok(srcs[i], sizes[i])) {
+        if (!any_range_ok(dsts[i], sizes[i]) || !any_range_ok(srcs[i], sizes[i])) {
             if (failIdx) *failIdx = i;
             LEAVE(CUDA_ERROR_INVALID_VALUE);
         }
@@ -634,6 +652,7 @@ static const struct {
     {"cuStreamCreate", 0, (void *)cuStreamCreate},
     {"cuStreamDestroy", 0, (void *)cuStreamDestroy_v2},
     {"cuStreamSynchronize", 0, (void *)cuStreamSynchronize},
+    {"cuMemcpyAsync", 0, (void *)cuMemcpyAsync},
     {"cuMemcpyDtoDAsync", 0, (void *)cuMemcpyDtoDAsync_v2},
     {"cuMemcpyHtoDAsync", 0, (void *)cuMemcpyHtoDAsync_v2},
     {"cuMemcpyDtoHAsync", 0, (void *)cuMemcpyDtoHAsync_v2},
