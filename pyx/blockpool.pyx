@@ -9,14 +9,6 @@ work runs with the GIL released under the pool's own lock, so threads may share 
 
 cimport cython
 cimport numpy as cnp
-from cpython.pythread cimport (
-    NOWAIT_LOCK,
-    WAIT_LOCK,
-    PyThread_acquire_lock,
-    PyThread_allocate_lock,
-    PyThread_free_lock,
-    PyThread_release_lock,
-)
 from libc.stdint cimport INT32_MAX, int32_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
@@ -79,16 +71,16 @@ cdef enum:
 
 
 cdef inline void _locked(BlockPool pool) noexcept nogil:
-    PyThread_acquire_lock(pool._lock, WAIT_LOCK)
+    lc_mutex_lock(&pool._lock)
 
 
 cdef inline bint _locked_with_gil(BlockPool pool, Py_ssize_t batch) noexcept:
     """Take the lock without releasing the GIL if ``batch`` is short and nobody holds it."""
-    return batch < NOGIL_MIN_BATCH and PyThread_acquire_lock(pool._lock, NOWAIT_LOCK) == 1
+    return batch < NOGIL_MIN_BATCH and lc_mutex_trylock(&pool._lock)
 
 
 cdef inline void _unlocked(BlockPool pool) noexcept nogil:
-    PyThread_release_lock(pool._lock)
+    lc_mutex_unlock(&pool._lock)
 
 
 cdef inline bint _ids_fast(object ids, const int32_t **data, Py_ssize_t *n):
@@ -145,9 +137,7 @@ cdef class BlockPool:
 
     def __cinit__(self, *args, **kwargs):
         # The lock exists even for an instance made by __new__ alone, so every method is safe.
-        self._lock = PyThread_allocate_lock()
-        if self._lock == NULL:
-            raise MemoryError("BlockPool: cannot allocate its lock")
+        lc_mutex_init(&self._lock)
 
     def __init__(self, num_blocks):
         if self._refcounts != NULL:
@@ -178,8 +168,7 @@ cdef class BlockPool:
     def __dealloc__(self):
         free(self._refcounts)
         free(self._free_stack)
-        if self._lock != NULL:
-            PyThread_free_lock(self._lock)
+        lc_mutex_destroy(&self._lock)
 
     def __repr__(self):
         return f"BlockPool(num_total={self._num_blocks}, num_free={self._num_free})"

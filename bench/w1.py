@@ -1,0 +1,193 @@
+"""W1 block churn (SPEC §7): lifecycle's BlockPool and a plain C free-list replay the same trace.
+
+The trace is ``w1_ops`` of ``shared/bench/traces.npz``: rows ``(op, seq_id, k)``, op 1 allocates k
+blocks for the new sequence ``seq_id``, op 0 frees every block of ``seq_id``; it ends with the drain
+of the sequences still live. Without that file, ``generate_w1_ops`` builds a trace of the same shape
+from a seed. The figure is the replay's time divided by the blocks allocated (each is also freed),
+the median over a few repeats.
+
+lifecycle is driven the way a scheduler drives it: a Python loop over the ops calling the public
+API, ``allocate(k)`` for a new sequence and ``dec_ref(its block table)`` when it finishes. The rows
+are turned into Python ints before the clock starts, as was done for the peers measured on this
+trace. ``c-limit`` is the same replay as one C loop (bench/c_limit.c), timed inside that call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+HERE = Path(__file__).resolve().parent
+if importlib.util.find_spec("lifecycle") is None:  # a source checkout built in place, not installed
+    sys.path.insert(0, str(HERE.parent))
+
+from lifecycle._blockpool import BlockPool  # noqa: E402
+C_LIMIT_SOURCE = HERE / "c_limit.c"
+
+NUM_BLOCKS = 65_536
+N_MAIN_OPS = 200_000
+MAX_BLOCKS_PER_SEQ = 64
+REPEATS = 7
+
+Row = tuple[int, int, int]
+
+
+def generate_w1_ops(
+    seed: int = 0, num_blocks: int = NUM_BLOCKS, n_main_ops: int = N_MAIN_OPS, max_k: int = MAX_BLOCKS_PER_SEQ
+) -> NDArray[np.int32]:
+    """A W1 trace of the reference's shape: each op draws k uniform in 1..max_k and allocates k
+    blocks for a new sequence when they fit, otherwise frees a random live sequence; then the live
+    sequences are drained in random order. Rows are ``(op, seq_id, k)``; a free row's k is the
+    sequence's block count."""
+    if num_blocks < max_k:
+        raise ValueError(f"num_blocks {num_blocks} must be >= max_k {max_k} so that every draw can fit")
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(1, max_k + 1, size=n_main_ops).tolist()
+    picks = rng.random(n_main_ops).tolist()
+    rows: list[Row] = []
+    live: list[tuple[int, int]] = []  # (seq_id, k); a random one is removed by swapping with the last
+    free = num_blocks
+    next_seq = 0
+    for k, pick in zip(draws, picks):
+        if k <= free:
+            rows.append((1, next_seq, k))
+            live.append((next_seq, k))
+            next_seq += 1
+            free -= k
+        else:
+            index = int(pick * len(live))
+            live[index], live[-1] = live[-1], live[index]
+            seq_id, held = live.pop()
+            rows.append((0, seq_id, held))
+            free += held
+    for index in rng.permutation(len(live)).tolist():
+        seq_id, held = live[index]
+        rows.append((0, seq_id, held))
+    return np.array(rows, dtype=np.int32).reshape(-1, 3)
+
+
+def load_w1(trace_path: Path) -> tuple[NDArray[np.int32], int, int | None]:
+    """(ops, num_blocks, blocks the trace's metadata says it allocates), or a generated trace."""
+    if not trace_path.is_file():
+        print(f"W1: {trace_path} not found; replaying generate_w1_ops(seed=0)", file=sys.stderr)
+        return generate_w1_ops(), NUM_BLOCKS, None
+    with np.load(trace_path) as traces:
+        ops = np.ascontiguousarray(traces["w1_ops"], dtype=np.int32)
+        meta = json.loads(str(traces["meta"]))["w1"]
+    return ops, int(meta["num_blocks"]), int(meta["blocks_allocated"])
+
+
+def verify_lifecycle(rows: list[Row], num_blocks: int) -> int:
+    """Replay once, untimed, counting: returns the blocks allocated, after checking that exactly
+    as many were freed and that the pool ends whole."""
+    pool = BlockPool(num_blocks)
+    tables: dict[int, NDArray[np.int32]] = {}
+    allocated = freed = 0
+    for op, seq_id, k in rows:
+        if op:
+            tables[seq_id] = pool.allocate(k)
+            allocated += len(tables[seq_id])
+        else:
+            freed += pool.dec_ref(tables.pop(seq_id))
+    pool.check_invariants()
+    if tables or freed != allocated or pool.num_free != num_blocks:
+        raise AssertionError(
+            f"W1 replay left {len(tables)} sequences live, freed {freed} of {allocated} blocks, "
+            f"{pool.num_free} of {num_blocks} free"
+        )
+    return allocated
+
+
+def time_lifecycle(rows: list[Row], num_blocks: int) -> int:
+    """Nanoseconds for one replay through the public API (a fresh pool, the loop only)."""
+    pool = BlockPool(num_blocks)
+    allocate = pool.allocate
+    release = pool.dec_ref
+    tables: dict[int, NDArray[np.int32]] = {}
+    start = time.perf_counter_ns()
+    for op, seq_id, k in rows:
+        if op:
+            tables[seq_id] = allocate(k)
+        else:
+            release(tables.pop(seq_id))
+    elapsed = time.perf_counter_ns() - start
+    if pool.num_free != num_blocks:
+        raise AssertionError(f"W1 replay ended with {pool.num_free} of {num_blocks} blocks free")
+    return elapsed
+
+
+def _build_c_limit(workdir: Path) -> Any:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("c-limit needs a C compiler (cc or gcc) on PATH")
+    library = workdir / "c_limit.so"
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(C_LIMIT_SOURCE)], check=True)
+    replay = ctypes.CDLL(str(library)).w1_replay
+    replay.restype = ctypes.c_int64
+    replay.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
+    ]
+    return replay
+
+
+def time_c_limit(replay: Any, ops: NDArray[np.int32], num_blocks: int, blocks: int) -> int:
+    """Nanoseconds for one replay in C (timed inside the call), after checking its block count."""
+    freed = ctypes.c_int64(0)
+    n_seqs = int(ops[:, 1].max()) + 1 if len(ops) else 0
+    max_k = int(ops[:, 2].max()) if len(ops) else 0
+    elapsed = int(replay(ops.ctypes.data, len(ops), num_blocks, n_seqs, max_k, ctypes.byref(freed)))
+    if elapsed < 0:
+        raise RuntimeError(f"c-limit replay failed with status {elapsed}")
+    if freed.value != blocks:
+        raise AssertionError(f"c-limit freed {freed.value} blocks, the trace allocates {blocks}")
+    return elapsed
+
+
+def _median_ns(samples: list[int]) -> float:
+    return float(statistics.median(samples))
+
+
+def run(trace_path: Path) -> list[dict[str, Any]]:
+    """Replay W1 through lifecycle and through the C limit; one result dict per library."""
+    ops, num_blocks, expected_blocks = load_w1(trace_path)
+    rows: list[Row] = [(op, seq_id, k) for op, seq_id, k in ops.tolist()]
+    blocks = int(ops[ops[:, 0] == 1, 2].sum())
+    if expected_blocks is not None and blocks != expected_blocks:
+        raise AssertionError(f"trace allocates {blocks} blocks, its metadata says {expected_blocks}")
+    counted = verify_lifecycle(rows, num_blocks)
+    if counted != blocks:
+        raise AssertionError(f"lifecycle allocated {counted} blocks, the trace asks for {blocks}")
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection inside one repeat is noise, not the pool's cost
+    try:
+        lifecycle_ns = [time_lifecycle(rows, num_blocks) for _ in range(REPEATS)]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    with tempfile.TemporaryDirectory(prefix="lifecycle-c-limit-") as workdir:
+        replay = _build_c_limit(Path(workdir))
+        c_limit_ns = [time_c_limit(replay, ops, num_blocks, blocks) for _ in range(REPEATS)]
+
+    return [
+        {"workload": "W1", "library": library, "ns_per_block": round(_median_ns(samples) / blocks, 2), "blocks": blocks}
+        for library, samples in (("lifecycle", lifecycle_ns), ("c-limit", c_limit_ns))
+    ]
+
+
+if __name__ == "__main__":
+    for result in run(HERE.parent.parent / "shared" / "bench" / "traces.npz"):
+        print(json.dumps(result))
