@@ -53,7 +53,7 @@ class AllocationTable:
     size map before its address enters the sorted list, and leaves the list before the map.
     """
 
-    __slots__ = ("_kind", "_sizes", "_starts", "_bytes", "_lock", "_arrays")
+    __slots__ = ("_kind", "_sizes", "_starts", "_bytes", "_lock", "_arrays", "version")
 
     def __init__(self, kind: str) -> None:
         self._kind = kind
@@ -63,6 +63,7 @@ class AllocationTable:
         self._lock = threading.Lock()
         # (sorted starts, matching ends) as numpy arrays for batch checks; None when stale
         self._arrays: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
+        self.version = 0  # bumped by every add/remove, so that derived indexes know they are stale
 
     @property
     def count(self) -> int:
@@ -85,6 +86,7 @@ class AllocationTable:
             insort(self._starts, ptr)
             self._bytes += nbytes
             self._arrays = None
+            self.version += 1
 
     def size_of(self, call: str, ptr: int) -> int:
         """Size of the allocation that starts at ``ptr``; raises InvalidId for any other address."""
@@ -104,6 +106,7 @@ class AllocationTable:
             del self._sizes[ptr]
             self._bytes -= size
             self._arrays = None
+            self.version += 1
             return size
 
     def locate(self, call: str, ptr: int, nbytes: int) -> tuple[int, int]:
@@ -124,7 +127,7 @@ class AllocationTable:
         if nbytes:
             self.locate(call, ptr, nbytes)
 
-    def _range_arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def range_arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         arrays = self._arrays
         if arrays is None:
             with self._lock:
@@ -138,7 +141,7 @@ class AllocationTable:
         allocation of this table (zero-byte rows always pass)."""
         sizes = copies[:, 2]
         ptrs = copies[:, column]
-        starts, ends = self._range_arrays()
+        starts, ends = self.range_arrays()
         if starts.size == 0:
             nonempty: npt.NDArray[np.bool_] = sizes != 0
             return nonempty
@@ -166,3 +169,48 @@ def check_batch(call: str, copies: CopyArray, *tables: AllocationTable) -> None:
                 f"{call} {role} (copy {row}): range [{int(copies[row, column]):#x}, +{int(copies[row, 2])}) "
                 f"is not inside one live {kinds} allocation"
             )
+
+
+class BatchChecker:
+    """Checks whole copy batches against the union of some tables in a few numpy operations.
+
+    The sorted (start, end) arrays of the union, led by a sentinel that no address can fall in,
+    are rebuilt only when a table changed. A batch that fails the fast check is re-checked row by
+    row by :func:`check_batch`, which names the first offending copy.
+    """
+
+    __slots__ = ("_tables", "_key", "_starts", "_ends")
+
+    def __init__(self, *tables: AllocationTable) -> None:
+        self._tables = tables
+        self._key: tuple[int, ...] = ()
+        self._starts = np.zeros(1, dtype=np.int64)
+        self._ends = np.zeros(1, dtype=np.int64)
+
+    def _index(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        key = tuple(t.version for t in self._tables)
+        if key != self._key:
+            parts = [t.range_arrays() for t in self._tables]
+            starts = np.concatenate([np.array([-1], dtype=np.int64)] + [p[0] for p in parts])
+            ends = np.concatenate([np.array([-1], dtype=np.int64)] + [p[1] for p in parts])
+            order = np.argsort(starts, kind="stable")
+            self._starts, self._ends, self._key = starts[order], ends[order], key
+        return self._starts, self._ends
+
+    def check(self, call: str, copies: Sequence[tuple[int, int, int]] | CopyArray) -> CopyArray:
+        """The batch as an (n, 3) int64 array, once every range is known to be live."""
+        if isinstance(copies, np.ndarray) and copies.dtype == np.int64 and copies.ndim == 2 and copies.shape[1] == 3:
+            rows = copies
+        else:
+            rows = as_copy_array(call, copies)
+        if rows.shape[0] == 0:
+            return rows
+        starts, ends = self._index()
+        ptrs = rows[:, :2]
+        sizes = rows[:, 2:3]
+        idx = np.searchsorted(starts, ptrs, side="right")
+        idx -= 1
+        if sizes.min() < 0 or not (ptrs + sizes <= ends[idx]).all():
+            as_copy_array(call, rows)  # names a negative size
+            check_batch(call, rows, *self._tables)
+        return rows

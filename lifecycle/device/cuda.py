@@ -22,10 +22,9 @@ import numpy.typing as npt
 
 from lifecycle.device.allocations import (
     AllocationTable,
+    BatchChecker,
     CopyArray,
-    as_copy_array,
     check_alloc_size,
-    check_batch,
     check_nbytes,
 )
 from lifecycle.device.base import Copy, DeviceKind
@@ -159,6 +158,7 @@ class CudaDevice:
         self._closed = False
         self._device = AllocationTable("device")
         self._pinned = AllocationTable("pinned")
+        self._batch_checker = BatchChecker(self._device, self._pinned)
         self._ctx: Any = None
         self._stream: Any = None
         count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
@@ -327,8 +327,7 @@ class CudaDevice:
         ``cuMemcpyAsync`` each. Every range is checked first; if the driver fails part way through
         the fallback loop, the copies before it were issued."""
         self._check_open("copy_batch")
-        rows = as_copy_array("copy_batch", copies)
-        check_batch("copy_batch", rows, self._device, self._pinned)
+        rows = self._batch_checker.check("copy_batch", copies)
         if rows.shape[0] and not rows[:, 2].all():
             rows = rows[rows[:, 2] > 0]
         count = rows.shape[0]

@@ -18,10 +18,9 @@ import numpy.typing as npt
 
 from lifecycle.device.allocations import (
     AllocationTable,
+    BatchChecker,
     CopyArray,
-    as_copy_array,
     check_alloc_size,
-    check_batch,
     check_nbytes,
 )
 from lifecycle.device.base import Copy, DeviceKind
@@ -80,6 +79,7 @@ class HostDevice:
         self._pending: list[tuple[int, int, int, int, object]] = []
         self._device = AllocationTable("device")
         self._pinned = AllocationTable("pinned")
+        self._batch_checker = BatchChecker(self._device, self._pinned)
         # Aligned uint8 views that own the memory, by address; views handed out keep it alive.
         self._buffers: dict[int, npt.NDArray[np.uint8]] = {}
         self._closed = False
@@ -224,8 +224,7 @@ class HostDevice:
         """Copies between device memory and/or pinned memory; every range is checked before any
         copy is issued."""
         self._check_open("copy_batch")
-        rows = as_copy_array("copy_batch", copies)
-        check_batch("copy_batch", rows, self._device, self._pinned)
+        rows = self._batch_checker.check("copy_batch", copies)
         if self._deferred:
             self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
         else:

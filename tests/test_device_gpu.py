@@ -1,0 +1,90 @@
+"""The device suites and a bandwidth run on a real GPU (``gpu`` marker; skipped without one).
+
+``bench/gpu_check.sh`` runs this module on a GPU machine. The suites run in a child pytest with
+``LIFECYCLE_TEST_DEVICE=cuda`` (the same files and list as the emulated run); the bandwidth run
+prints the ratios of ``bench/device_bench.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from devices import EXPECT_EMULATOR_ENV, TEST_DEVICE_ENV, loaded_emulator, read_device, write_device
+from lifecycle.errors import DriverNotFound
+from test_device_emulated import EMULATED_SUITES
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+
+
+def gpu_present() -> bool:
+    """True when a real CUDA driver loads in this process and sees a GPU."""
+    if loaded_emulator() is not None:
+        return False
+    try:
+        from lifecycle.device.cuda import CudaDevice
+
+        CudaDevice(0).close()
+    except DriverNotFound:
+        return False
+    return loaded_emulator() is None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_present(), reason="needs an NVIDIA GPU and driver")]
+
+
+def test_device_suites_pass_on_the_gpu() -> None:
+    env = dict(os.environ)
+    env[TEST_DEVICE_ENV] = "cuda"
+    env.pop(EXPECT_EMULATOR_ENV, None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-rfEs", *EMULATED_SUITES]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    output = proc.stdout + proc.stderr
+    print(f"device suites on the GPU: {output.strip().splitlines()[-1] if output.strip() else '(no output)'}")
+    assert proc.returncode == 0, output[-8000:]
+
+
+def test_a_256_mib_scattered_batch_is_bit_exact_on_the_gpu() -> None:
+    from lifecycle.device.cuda import CudaDevice
+
+    dev = CudaDevice(0)
+    try:
+        block = 64 * 1024
+        nblocks = 256 * MiB // block
+        data = np.random.default_rng(0).integers(0, 256, nblocks * block, dtype=np.uint8)
+        src = dev.alloc(data.nbytes)
+        dst = dev.alloc(data.nbytes)
+        write_device(dev, src, data)
+        order = np.random.default_rng(1).permutation(nblocks).astype(np.int64)
+        rows = np.stack([dst + order * block, src + np.arange(nblocks, dtype=np.int64) * block,
+                         np.full(nblocks, block, dtype=np.int64)], axis=1)
+        dev.copy_batch(rows)
+        dev.synchronize()
+        out = read_device(dev, dst, data.nbytes).reshape(nblocks, block)
+        assert np.array_equal(out[order], data.reshape(nblocks, block))
+        print(f"{dev.name}: driver {dev.driver_version}, cuMemcpyBatchAsync used: {dev.batch_copies}")
+        dev.free(src)
+        dev.free(dst)
+    finally:
+        dev.close()
+
+
+def test_bandwidth_ratios_on_the_gpu() -> None:
+    cmd = [sys.executable, str(REPO / "bench" / "device_bench.py"), "--device", "cuda", "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["bytes"] for r in results] == [64 * 1024 * 4**i for i in range(7)]
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "device_bench_gpu.jsonl").write_text(proc.stdout)
+    for r in results:
+        print(f"{r['bytes'] // 1024:>7} KiB  compaction {r['compaction_ratio']:.0%}  swap out {r['swap_out_ratio']:.0%}"
+              f"  swap in {r['swap_in_ratio']:.0%}  plain D2D {r['plain_dtod_GBps']:.0f} GB/s")
