@@ -4,15 +4,16 @@
 # Cython finds it for a source that lives outside the package directory (see the block pool's .pxd).
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from cpython.pythread cimport PyThread_type_lock
 
 
-# 48 bytes; with the node's hash bucket (4 bytes) a cached block costs 52 bytes plus its tokens.
+# 48 bytes; with its hash bucket and free-stack entry (4 bytes each) a cached block costs 56 bytes
+# of metadata plus its tokens.
 cdef struct TrieNode:
-    uint64_t key_hash      # hash of (parent, tokens), masked; a root stores its adapter key here
+    uint64_t key_hash      # chained hash of (parent's key_hash, tokens), masked; a root stores its adapter key
     int32_t parent         # parent node; -1 for an adapter root, -2 for an unused slot
-    int32_t hash_next      # next node in the same hash bucket (next free slot when unused)
+    int32_t hash_next      # next node in the same hash bucket
     int32_t block_id       # the KV block the node holds; -1 for a root
     int32_t pin_count      # pins placed on this node itself
     int32_t lock_count     # pin_count + number of children with lock_count > 0 (0 = evictable)
@@ -29,13 +30,15 @@ cdef class PrefixTrie:
     cdef int32_t *_tokens          # token arena: block_size tokens per node slot
     cdef int32_t *_buckets         # hash bucket heads, _bucket_mask + 1 of them
     cdef int32_t *_evicted_tags    # tags of nodes evicted since the last evicted_tags()
+    cdef uint32_t *_hash_keys      # block_size + 1 keys of the block hash
     cdef Py_ssize_t _block_size
     cdef Py_ssize_t _capacity      # node slots allocated (a power of two)
     cdef Py_ssize_t _high_water    # slots ever used; slots beyond it are untouched
     cdef Py_ssize_t _bucket_mask
     cdef Py_ssize_t _num_evicted_tags
     cdef Py_ssize_t _evicted_tags_capacity
-    cdef int32_t _free_head        # first unused slot below _high_water, -1 if none
+    cdef int32_t *_free_slots      # stack of unused slots below _high_water
+    cdef Py_ssize_t _num_free_slots
     cdef Py_ssize_t _num_cached    # live non-root nodes
     cdef Py_ssize_t _num_roots
     cdef int32_t _lru_head         # least recently used evictable node
@@ -48,3 +51,4 @@ cdef class PrefixTrie:
 
     cdef int _ensure_slots(self, Py_ssize_t extra) noexcept nogil
     cdef str _find_problem(self)
+    cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos, unsigned char *on_free_stack)

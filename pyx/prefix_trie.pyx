@@ -26,6 +26,7 @@ from cpython.pythread cimport (
     PyThread_free_lock,
     PyThread_release_lock,
 )
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
@@ -47,6 +48,15 @@ cdef enum:
     FREE_PARENT = -2        # parent field of an unused slot
     MIN_CAPACITY = 64
     MAX_BLOCK_SIZE = 1 << 20
+
+
+cdef extern from *:
+    # GCC/Clang builtin: start loading a cache line now, without waiting for it.
+    void __builtin_prefetch(const void *address) noexcept nogil
+
+
+cdef enum:
+    WALK_WINDOW = 16        # blocks hashed and prefetched ahead of the walk at a time
 
 
 cdef enum Failure:
@@ -77,20 +87,39 @@ cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
 
 
 cdef inline uint64_t _block_hash(
-    int32_t parent, const int32_t *tokens, Py_ssize_t block_size, uint64_t mask
+    uint64_t parent_hash, const int32_t *tokens, Py_ssize_t block_size, const uint32_t *keys,
+    uint64_t mask
 ) noexcept nogil:
-    cdef uint64_t h = 0x9E3779B97F4A7C15ULL ^ (<uint64_t><uint32_t>parent * 0xC2B2AE3D27D4EB4FULL)
+    # The key of a node is chained from its parent's key, like a rolling prefix hash, so every
+    # block hash of a query is known before the walk and the walk can prefetch ahead. The tokens
+    # go through NH (the UMAC inner hash): independent 32x32->64 products of key-offset token
+    # pairs, which pipeline instead of forming one serial chain. A collision costs only a token
+    # compare: matches are decided by (parent, tokens), never by the hash.
+    cdef uint64_t acc0 = 0, acc1 = 0
     cdef Py_ssize_t i = 0
-    cdef uint64_t pair
-    # Two tokens per multiply halves the serial dependency chain.
-    while i + 1 < block_size:
-        pair = (<uint64_t><uint32_t>tokens[i]) | ((<uint64_t><uint32_t>tokens[i + 1]) << 32)
-        h = (h ^ pair) * 0x9FB21C651E98DF25ULL
-        h ^= h >> 29
+    while i + 3 < block_size:
+        acc0 += <uint64_t>(<uint32_t>tokens[i] + keys[i]) * <uint64_t>(<uint32_t>tokens[i + 1] + keys[i + 1])
+        acc1 += <uint64_t>(<uint32_t>tokens[i + 2] + keys[i + 2]) * <uint64_t>(<uint32_t>tokens[i + 3] + keys[i + 3])
+        i += 4
+    if i + 1 < block_size:
+        acc0 += <uint64_t>(<uint32_t>tokens[i] + keys[i]) * <uint64_t>(<uint32_t>tokens[i + 1] + keys[i + 1])
         i += 2
     if i < block_size:
-        h = (h ^ <uint64_t><uint32_t>tokens[i]) * 0x9FB21C651E98DF25ULL
-    return _mix(h) & mask
+        acc1 += <uint64_t>(<uint32_t>tokens[i] + keys[i]) * <uint64_t>keys[block_size]
+    return _mix(acc0 + acc1 + parent_hash * 0x9E3779B97F4A7C15ULL) & mask
+
+
+cdef void _fill_hash_keys(uint32_t *keys, Py_ssize_t n) noexcept nogil:
+    # Fixed keys (splitmix64 of a constant seed): the same tokens hash alike in every process.
+    cdef uint64_t state = 0x243F6A8885A308D3ULL
+    cdef uint64_t z
+    cdef Py_ssize_t i
+    for i in range(n):
+        state += 0x9E3779B97F4A7C15ULL
+        z = state
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+        keys[i] = <uint32_t>((z ^ (z >> 31)) >> 32)
 
 
 cdef inline Py_ssize_t _bucket_of(PrefixTrie t, int32_t v) noexcept nogil:
@@ -156,11 +185,17 @@ cdef object _coerce_int32(object values, str what, int64_t lowest):
 
 
 cdef inline int64_t _adapter_key(object adapter) except? -1:
-    if isinstance(adapter, bool) or not isinstance(adapter, (int, np.integer)):
-        raise InvalidId(f"adapter key must be an int, got {adapter!r}")
-    if not -(1 << 63) <= adapter < (1 << 63):
+    cdef int overflow = 0
+    cdef long long key
+    if PyLong_CheckExact(adapter):
+        key = PyLong_AsLongLongAndOverflow(adapter, &overflow)
+        if not overflow:
+            return key
+    elif isinstance(adapter, np.integer) and not isinstance(adapter, np.bool_):
+        return _adapter_key(int(adapter))
+    if overflow or isinstance(adapter, int) and not isinstance(adapter, bool):
         raise InvalidId(f"adapter key {adapter} is outside the int64 range")
-    return <int64_t>adapter
+    raise InvalidId(f"adapter key must be an int, got {adapter!r}")
 
 
 cdef inline cnp.ndarray _empty_int32(Py_ssize_t n):
@@ -193,11 +228,12 @@ cdef inline bint _is_cached_node(PrefixTrie t, int64_t v) noexcept nogil:
 
 
 cdef inline int32_t _take_slot(PrefixTrie t) noexcept nogil:
-    # The caller reserved capacity beforehand, so a slot is always there.
-    cdef int32_t v = t._free_head
-    if v >= 0:
-        t._free_head = t._nodes[v].hash_next
-        return v
+    # The caller reserved capacity beforehand, so a slot is always there. A stack of free slots
+    # (not a chain through the nodes) hands one out without reading a cold node.
+    cdef int32_t v
+    if t._num_free_slots > 0:
+        t._num_free_slots -= 1
+        return t._free_slots[t._num_free_slots]
     v = <int32_t>t._high_water
     t._high_water += 1
     return v
@@ -208,8 +244,9 @@ cdef inline void _return_slot(PrefixTrie t, int32_t v) noexcept nogil:
     node.parent = FREE_PARENT
     node.block_id = -1
     node.tag = -1
-    node.hash_next = t._free_head
-    t._free_head = v
+    node.hash_next = -1
+    t._free_slots[t._num_free_slots] = v
+    t._num_free_slots += 1
 
 
 cdef inline void _chain_link(PrefixTrie t, int32_t v) noexcept nogil:
@@ -314,18 +351,34 @@ cdef inline int32_t _find_child(
 cdef inline Py_ssize_t _walk(
     PrefixTrie t, int32_t root, const int32_t *tokens, Py_ssize_t num_blocks, int32_t *path
 ) noexcept nogil:
-    cdef Py_ssize_t k = 0
+    # Window by window: hash the blocks and prefetch their buckets, then prefetch the candidate
+    # nodes and tokens, then walk. The cache misses of a window overlap instead of queueing.
+    cdef uint64_t hashes[WALK_WINDOW]
+    cdef Py_ssize_t bs = t._block_size
+    cdef uint64_t h = t._nodes[root].key_hash
+    cdef uint64_t bucket_mask = <uint64_t>t._bucket_mask
+    cdef Py_ssize_t k = 0, j, width
     cdef int32_t node = root
-    cdef int32_t child
-    cdef const int32_t *block
+    cdef int32_t v
     while k < num_blocks:
-        block = tokens + k * t._block_size
-        child = _find_child(t, node, _block_hash(node, block, t._block_size, t._hash_mask), block)
-        if child < 0:
-            break
-        path[k] = child
-        node = child
-        k += 1
+        width = min(<Py_ssize_t>WALK_WINDOW, num_blocks - k)
+        for j in range(width):
+            h = _block_hash(h, tokens + (k + j) * bs, bs, t._hash_keys, t._hash_mask)
+            hashes[j] = h
+            __builtin_prefetch(&t._buckets[h & bucket_mask])
+        for j in range(width):
+            v = t._buckets[hashes[j] & bucket_mask]
+            if v >= 0:
+                __builtin_prefetch(&t._nodes[v])
+                __builtin_prefetch(t._tokens + <Py_ssize_t>v * bs)
+                __builtin_prefetch(t._tokens + <Py_ssize_t>v * bs + bs - 1)
+        for j in range(width):
+            v = _find_child(t, node, hashes[j], tokens + (k + j) * bs)
+            if v < 0:
+                return k + j
+            path[k + j] = v
+            node = v
+        k += width
     return k
 
 
@@ -423,11 +476,13 @@ cdef class PrefixTrie:
         self._block_size = 1
         self._hash_bits = 64
         self._hash_mask = 0xFFFFFFFFFFFFFFFFULL
-        self._free_head = -1
         self._lru_head = -1
         self._lru_tail = -1
         self._lock = PyThread_allocate_lock()
-        if self._lock == NULL or self._ensure_slots(MIN_CAPACITY):
+        self._hash_keys = <uint32_t *>malloc(2 * sizeof(uint32_t))
+        if self._hash_keys != NULL:
+            _fill_hash_keys(self._hash_keys, 2)
+        if self._lock == NULL or self._hash_keys == NULL or self._ensure_slots(MIN_CAPACITY):
             raise MemoryError("PrefixTrie: cannot allocate its lock and tables")
 
     def __init__(self, block_size, *, hash_bits=64, capacity=0):
@@ -445,6 +500,12 @@ cdef class PrefixTrie:
         if tokens == NULL:
             raise MemoryError(f"PrefixTrie: cannot allocate a token arena of block size {block_size}")
         self._tokens = tokens
+        cdef uint32_t *keys = <uint32_t *>malloc((block_size + 1) * sizeof(uint32_t))
+        if keys == NULL:
+            raise MemoryError(f"PrefixTrie: cannot allocate hash keys for block size {block_size}")
+        _fill_hash_keys(keys, block_size + 1)
+        free(self._hash_keys)
+        self._hash_keys = keys
         self._block_size = block_size
         self._hash_bits = hash_bits
         self._hash_mask = 0xFFFFFFFFFFFFFFFFULL if hash_bits == 64 else ((<uint64_t>1 << hash_bits) - 1)
@@ -457,6 +518,8 @@ cdef class PrefixTrie:
         free(self._tokens)
         free(self._buckets)
         free(self._evicted_tags)
+        free(self._hash_keys)
+        free(self._free_slots)
         if self._lock != NULL:
             PyThread_free_lock(self._lock)
 
@@ -477,6 +540,7 @@ cdef class PrefixTrie:
         cdef TrieNode *nodes
         cdef int32_t *tokens
         cdef int32_t *buckets
+        cdef int32_t *free_slots
         cdef int32_t *tags
         # Every live node may add one tag before the next evicted_tags() call drains the buffer.
         cdef Py_ssize_t tags_needed = self._num_evicted_tags + live + extra
@@ -502,6 +566,10 @@ cdef class PrefixTrie:
         if tokens == NULL:
             return 1
         self._tokens = tokens
+        free_slots = <int32_t *>realloc(self._free_slots, capacity * sizeof(int32_t))
+        if free_slots == NULL:
+            return 1
+        self._free_slots = free_slots
         # One bucket per node slot keeps chains short (load factor <= 1).
         buckets = <int32_t *>malloc(capacity * sizeof(int32_t))
         if buckets == NULL:
@@ -548,14 +616,15 @@ cdef class PrefixTrie:
     def nbytes(self):
         """Bytes of C memory the trie holds now (nodes, token arena, buckets, evicted-tag buffer)."""
         return (
-            self._capacity * (sizeof(TrieNode) + sizeof(int32_t) * (self._block_size + 1))
+            self._capacity * (sizeof(TrieNode) + sizeof(int32_t) * (self._block_size + 2))
             + self._evicted_tags_capacity * sizeof(int32_t)
         )
 
     @staticmethod
     def metadata_bytes_per_block():
-        """Bytes of metadata per cached block, tokens excluded: its node plus its hash bucket."""
-        return sizeof(TrieNode) + sizeof(int32_t)
+        """Bytes of metadata per node slot, tokens excluded: the node, its hash bucket and its
+        entry in the free-slot stack."""
+        return sizeof(TrieNode) + 2 * sizeof(int32_t)
 
     def reserve(self, Py_ssize_t num_blocks):
         """Grow the tables so that ``num_blocks`` blocks (plus one root each) fit without growing again."""
@@ -723,8 +792,9 @@ cdef class PrefixTrie:
                     self._num_roots += 1
                 k = _walk(self, root, token_data, n, path)
                 parent = path[k - 1] if k > 0 else root
+                h = self._nodes[parent].key_hash
                 for i in range(k, n):
-                    h = _block_hash(parent, token_data + i * bs, bs, self._hash_mask)
+                    h = _block_hash(h, token_data + i * bs, bs, self._hash_keys, self._hash_mask)
                     v = _take_slot(self)
                     node = &self._nodes[v]
                     node.key_hash = h
@@ -764,7 +834,7 @@ cdef class PrefixTrie:
         fewer are evictable. O(1) per dropped node.
         """
         cdef Py_ssize_t count = 0
-        cdef int32_t v
+        cdef int32_t v, next_victim
         cdef int32_t *dest
         cdef Failure failure = FAIL_NONE
         if n < 0:
@@ -780,6 +850,12 @@ cdef class PrefixTrie:
                 if self._nodes[v].num_children != 0:
                     failure = FAIL_NOT_A_LEAF
                     break
+                # Two steps ahead: the next victim's bucket, and the node after it.
+                next_victim = self._nodes[v].lru_next
+                if next_victim >= 0 and count + 1 < n:
+                    __builtin_prefetch(&self._buckets[self._nodes[next_victim].key_hash & <uint64_t>self._bucket_mask])
+                    if self._nodes[next_victim].lru_next >= 0:
+                        __builtin_prefetch(&self._nodes[self._nodes[next_victim].lru_next])
                 _lru_remove(self, v)
                 dest[count] = self._nodes[v].block_id
                 count += 1
@@ -813,7 +889,7 @@ cdef class PrefixTrie:
                         self._num_evicted_tags += 1
             memset(self._buckets, 0xFF, self._capacity * sizeof(int32_t))
             self._high_water = 0
-            self._free_head = -1
+            self._num_free_slots = 0
             self._num_cached = 0
             self._num_roots = 0
             self._lru_head = -1
@@ -924,29 +1000,45 @@ cdef class PrefixTrie:
             raise InvariantViolation(f"PrefixTrie: {problem}")
 
     cdef str _find_problem(self):
+        # Scratch per used slot: children recount, protected-children recount, LRU position,
+        # and a mark for slots seen on the free stack.
+        cdef Py_ssize_t hw = self._high_water
+        cdef Py_ssize_t *scratch = <Py_ssize_t *>malloc((3 * hw + 1) * sizeof(Py_ssize_t))
+        cdef unsigned char *on_free_stack = <unsigned char *>malloc(hw + 1)
+        if scratch == NULL or on_free_stack == NULL:
+            free(scratch)
+            free(on_free_stack)
+            raise MemoryError("check_invariants: cannot allocate its scratch tables")
+        try:
+            memset(scratch, 0, 2 * hw * sizeof(Py_ssize_t))
+            memset(on_free_stack, 0, hw)
+            for i in range(2 * hw, 3 * hw):
+                scratch[i] = -1
+            return self._recount(scratch, scratch + hw, scratch + 2 * hw, on_free_stack)
+        finally:
+            free(scratch)
+            free(on_free_stack)
+
+    cdef str _recount(
+        self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos,
+        unsigned char *on_free_stack,
+    ):
         cdef Py_ssize_t hw = self._high_water, bs = self._block_size
-        cdef Py_ssize_t i, steps, live = 0, cached = 0, roots = 0
+        cdef Py_ssize_t i, steps, live = 0, cached = 0, roots = 0, chained = 0
         cdef int32_t v, p, prev
         cdef TrieNode *node
-        if hw > self._capacity:
-            return f"high water {hw} above capacity {self._capacity}"
-        children = np.zeros(hw, dtype=np.int64)
-        protected_children = np.zeros(hw, dtype=np.int64)
-        lru_pos = np.full(hw, -1, dtype=np.int64)
-        is_free = np.zeros(hw, dtype=bool)
-        v = self._free_head
-        steps = 0
-        while v >= 0:
-            if v >= hw or self._nodes[v].parent != FREE_PARENT or is_free[v]:
-                return f"free list reaches slot {v}, which is not an unused slot"
-            is_free[v] = True
-            v = self._nodes[v].hash_next
-            steps += 1
+        if hw > self._capacity or self._num_free_slots > hw:
+            return f"{hw} used slots and {self._num_free_slots} free ones for capacity {self._capacity}"
+        for i in range(self._num_free_slots):
+            v = self._free_slots[i]
+            if not 0 <= v < hw or self._nodes[v].parent != FREE_PARENT or on_free_stack[v]:
+                return f"free slot stack entry {i} holds {v}, which is not an unused slot (or twice)"
+            on_free_stack[v] = 1
         for i in range(hw):
             node = &self._nodes[i]
             if node.parent == FREE_PARENT:
-                if not is_free[i]:
-                    return f"unused slot {i} is not on the free list"
+                if not on_free_stack[i]:
+                    return f"unused slot {i} is not on the free slot stack"
                 continue
             live += 1
             if node.parent == ROOT_PARENT:
@@ -967,20 +1059,21 @@ cdef class PrefixTrie:
                 return f"node {i} holds block id {node.block_id}"
             if node.pin_count < 0 or node.lock_count < node.pin_count:
                 return f"node {i} has pin count {node.pin_count} and lock count {node.lock_count}"
-            if node.key_hash != _block_hash(p, self._tokens + i * bs, bs, self._hash_mask):
-                return f"node {i} has a hash that does not match its tokens"
+            if node.key_hash != _block_hash(
+                self._nodes[p].key_hash, self._tokens + i * bs, bs, self._hash_keys, self._hash_mask
+            ):
+                return f"node {i} has a hash that does not match its parent's and its tokens"
             if _find_child(self, p, node.key_hash, self._tokens + i * bs) != i:
                 return f"node {i} is not found under its parent {p} by its tokens"
             if node.lock_count > 0 and self._nodes[p].parent != ROOT_PARENT:
                 protected_children[p] += 1
-        if live + steps != hw:
-            return f"{live} live nodes and {steps} free slots do not add up to {hw} used slots"
+        if live + self._num_free_slots != hw:
+            return f"{live} live nodes and {self._num_free_slots} free slots do not add up to {hw} used slots"
         if cached != self._num_cached or roots != self._num_roots:
             return (
                 f"recount finds {cached} cached nodes and {roots} roots, "
                 f"counters say {self._num_cached} and {self._num_roots}"
             )
-        chained = 0
         for i in range(self._bucket_mask + 1):
             v = self._buckets[i]
             while v >= 0:

@@ -1,12 +1,13 @@
 """Refcounted prefix trie over KV blocks, on C arrays (compiled from pyx/prefix_trie.pyx)."""
 
 from collections.abc import Sequence
-from typing import final
+from typing import Any, final
 
 import numpy as np
 from numpy.typing import NDArray
 
 _Int32s = NDArray[np.int32] | Sequence[int]
+_AdapterKey = int | np.integer[Any]
 
 @final
 class PrefixTrie:
@@ -29,13 +30,13 @@ class PrefixTrie:
     def metadata_bytes_per_block() -> int: ...
     def reserve(self, num_blocks: int) -> None: ...
     def match(
-        self, tokens: _Int32s, adapter: int = 0, max_blocks: int = -1, *, pin: bool = False
+        self, tokens: _Int32s, adapter: _AdapterKey = 0, max_blocks: int = -1, *, pin: bool = False
     ) -> tuple[NDArray[np.int32], NDArray[np.int32]]: ...
     def pin(self, node_ids: _Int32s) -> None: ...
     def unpin(self, node_ids: _Int32s) -> None: ...
     def pin_count(self, node_id: int) -> int: ...
     def insert(
-        self, tokens: _Int32s, block_ids: _Int32s, adapter: int = 0
+        self, tokens: _Int32s, block_ids: _Int32s, adapter: _AdapterKey = 0
     ) -> tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.int32]]: ...
     def evict(self, n: int) -> NDArray[np.int32]: ...
     def clear(self) -> NDArray[np.int32]: ...

@@ -1,0 +1,172 @@
+"""W2, the prefix-cache serving replay (SPEC §7), at the trie + pool level.
+
+Replays ``w2_*`` of the reference traces exactly as ``shared/bench/README.md`` prescribes: requests
+in order, at most 64 live (FIFO); a finishing request caches every full block of prompt + generated
+tokens, then releases its references; admission reuses the longest cached prefix that leaves the
+prompt's last token uncached, pins it, and allocates the rest, evicting least recently used
+unpinned cached blocks when the free list runs short.
+
+The module imports only numpy at the top so that the peers' runners (``peer_*.py``, run inside
+the peers' virtual environments) can share ``load_w2``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+# The repository root, so that a source checkout replays without installing the package.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+
+REFERENCE_HIT_TOKENS = 1_965_056
+REFERENCE_PROMPT_TOKENS = 4_365_010
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class W2Trace:
+    """The W2 requests, prepared: per request its prompt + generated tokens as one int32 array."""
+
+    tokens: list[NDArray[np.int32]]
+    prompt_lens: list[int]
+    block_size: int
+    num_blocks: int
+    max_live: int
+    gen_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.tokens)
+
+    def blocks_needed(self, i: int) -> int:
+        """Blocks request ``i`` holds while live: its prompt and every token it generates."""
+        return -(-(self.prompt_lens[i] + self.gen_len) // self.block_size)
+
+    def reusable_blocks(self, i: int) -> int:
+        """Most cached blocks request ``i`` may reuse: never the block holding its last prompt token."""
+        return (self.prompt_lens[i] - 1) // self.block_size if self.prompt_lens[i] > 0 else 0
+
+
+def load_w2(trace_path: Path) -> W2Trace:
+    """Read the W2 trace and convert it to int32 arrays (done before any clock starts)."""
+    with np.load(trace_path) as trace:
+        meta = json.loads(str(trace["meta"]))["w2"]
+        prompts = trace["w2_prompt_tokens"]
+        offsets = trace["w2_prompt_offsets"]
+        generated = trace["w2_gen_tokens"]
+        tokens = [
+            np.concatenate([prompts[offsets[i] : offsets[i + 1]], generated[i]]).astype(np.int32)
+            for i in range(len(offsets) - 1)
+        ]
+        prompt_lens = [int(offsets[i + 1] - offsets[i]) for i in range(len(offsets) - 1)]
+    return W2Trace(
+        tokens=tokens,
+        prompt_lens=prompt_lens,
+        block_size=int(meta["block_size"]),
+        num_blocks=int(meta["num_blocks"]),
+        max_live=int(meta["max_live"]),
+        gen_len=int(meta["gen_len"]),
+    )
+
+
+def result(library: str, seconds: float, hit_tokens: int, prompt_tokens: int, blocks_evicted: int, requests: int) -> dict[str, Any]:
+    """The W2 JSON record every library reports."""
+    return {
+        "workload": "W2",
+        "library": library,
+        "us_per_request": round(seconds / requests * 1e6, 3),
+        "hit_rate": round(hit_tokens / prompt_tokens, 6),
+        "hit_tokens": hit_tokens,
+        "prompt_tokens": prompt_tokens,
+        "blocks_evicted": blocks_evicted,
+    }
+
+
+def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
+    """One timed replay on a fresh pool and cache; returns (seconds, hit tokens, blocks evicted)."""
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._prefix_trie import PrefixTrie
+    from lifecycle.prefix_cache import PrefixCache
+
+    pool = BlockPool(trace.num_blocks)
+    cache = PrefixCache(pool, PrefixTrie(trace.block_size, capacity=trace.num_blocks))
+    # Everything a request needs, computed before the clock like the peers' trace preparation.
+    requests = [
+        (trace.tokens[i], trace.reusable_blocks(i), trace.blocks_needed(i),
+         (trace.prompt_lens[i] + trace.gen_len) // trace.block_size)
+        for i in range(trace.num_requests)
+    ]
+    live: deque[tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.int32], int]] = deque()
+    max_live = trace.max_live
+    lookup = cache.lookup
+    insert = cache.insert
+    unpin = cache.unpin
+    evict = cache.evict
+    allocate_into = pool.allocate_into
+    inc_ref = pool.inc_ref
+    dec_ref = pool.dec_ref
+    empty = np.empty
+    int32 = np.int32
+    hit_tokens = 0
+
+    def finish() -> None:
+        tokens, block_table, node_ids, full_blocks = live.popleft()
+        insert(tokens, block_table[:full_blocks])
+        unpin(node_ids)
+        dec_ref(block_table)
+
+    start = time.perf_counter()
+    for tokens, reusable, needed, full_blocks in requests:
+        if len(live) == max_live:
+            finish()
+        match = lookup(tokens, 0, reusable, pin=True)
+        hit = match.num_blocks
+        hit_tokens += match.num_tokens
+        short = needed - hit - pool.num_free
+        if short > 0:
+            evict(short)
+        block_table = empty(needed, int32)
+        if hit:
+            block_table[:hit] = match.block_ids
+            inc_ref(match.block_ids)
+        allocate_into(block_table, hit, needed - hit)
+        live.append((tokens, block_table, match.node_ids, full_blocks))
+    while live:
+        finish()
+    seconds = time.perf_counter() - start
+    cache.check_invariants()
+    if pool.num_free + cache.num_cached_blocks != pool.num_total:
+        raise AssertionError(
+            f"W2 leaked blocks: {pool.num_free} free + {cache.num_cached_blocks} cached != {pool.num_total}"
+        )
+    return seconds, hit_tokens, cache.blocks_evicted
+
+
+def run(trace_path: Path, repeats: int = REPEATS) -> list[dict[str, Any]]:
+    """Best of ``repeats`` replays; asserts the hit tokens equal the peers' to the token."""
+    trace = load_w2(trace_path)
+    prompt_tokens = sum(trace.prompt_lens)
+    runs = [replay_lifecycle(trace) for _ in range(repeats)]
+    seconds = min(r[0] for r in runs)
+    _, hit_tokens, blocks_evicted = runs[0]
+    if prompt_tokens != REFERENCE_PROMPT_TOKENS or hit_tokens != REFERENCE_HIT_TOKENS:
+        raise AssertionError(
+            f"W2 hit {hit_tokens} of {prompt_tokens} prompt tokens; the peers hit "
+            f"{REFERENCE_HIT_TOKENS} of {REFERENCE_PROMPT_TOKENS}"
+        )
+    return [result("lifecycle", seconds, hit_tokens, prompt_tokens, blocks_evicted, trace.num_requests)]
+
+
+if __name__ == "__main__":
+    for record in run(ROOT.parent / "shared" / "bench" / "traces.npz"):
+        print(json.dumps(record))
