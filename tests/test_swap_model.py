@@ -19,6 +19,7 @@ import xxhash
 from lifecycle.config import AttentionLayer, ModelDims, SSMLayer
 from lifecycle.device.base import Device
 from lifecycle.errors import (
+    CudaError,
     LifecycleError,
     OutOfBlocks,
     SequenceStateError,
@@ -30,7 +31,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header, record_nbytes
-from tests.devices import device, write_device  # noqa: F401  (the shared device fixture)
+from tests.devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu, write_device  # noqa: F401  (fixtures)
 from tests.swap_helpers import BS, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config
 
 
@@ -427,3 +428,12 @@ def test_a_writer_that_fails_leaves_the_sequence_untouched(model: HybridModel, r
     model.check_invariants()
     assert (model.num_free_blocks(), observable(model, seq), kv_image(model, seq)) == (free, before, kv)
     assert model.stats().swap_failures == 1
+
+
+def test_a_device_error_during_restore_changes_nothing(
+    model: HybridModel, rng: np.random.Generator, emu: Emulator
+) -> None:
+    seq, record = small_record(model, rng)
+    target = fresh_target(model, rng)
+    emu.fail_call("cuMemcpyHtoDAsync", CUDA_ERROR_LAUNCH_FAILED)
+    assert_refused(model, target, record, seq.num_blocks, CudaError, "cuMemcpyHtoDAsync")
