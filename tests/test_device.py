@@ -205,6 +205,19 @@ def test_copy_batch_takes_an_int64_array_of_rows(device: Device) -> None:
     device.free(dst)
 
 
+def test_copy_batch_refuses_a_range_spanning_two_allocations(device: Device) -> None:
+    ptrs = sorted(device.alloc(256) for _ in range(4))
+    other = device.alloc(4096)
+    for left, right in zip(ptrs, ptrs[1:]):
+        if left + 256 == right:  # adjacent: a range across the seam touches two allocations
+            with pytest.raises(InvalidId, match="copy_batch src"):
+                device.copy_batch([(other, left + 128, 256)])
+    with pytest.raises(InvalidId, match="copy_batch src"):
+        device.copy_batch([(other, ptrs[0] - 64, 64)])  # just below the lowest allocation
+    for p in ptrs + [other]:
+        device.free(p)
+
+
 def test_copy_batch_names_the_first_bad_copy(device: Device) -> None:
     ptr = device.alloc(4096)
     rows = [(ptr, ptr + 2048, 1024)] * 5 + [(ptr + 4000, ptr, 200)]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._hostcopy import first_bad_row
 from lifecycle.errors import InvalidId
 
 #: A batch of copies as an (n, 3) int64 array of rows (dst, src, nbytes).
@@ -172,7 +173,7 @@ def check_batch(call: str, copies: CopyArray, *tables: AllocationTable) -> None:
 
 
 class BatchChecker:
-    """Checks whole copy batches against the union of some tables in a few numpy operations.
+    """Checks whole copy batches against the union of some tables in one compiled loop.
 
     The sorted (start, end) arrays of the union, led by a sentinel that no address can fall in,
     are rebuilt only when a table changed. A batch that fails the fast check is re-checked row by
@@ -199,18 +200,20 @@ class BatchChecker:
 
     def check(self, call: str, copies: Sequence[tuple[int, int, int]] | CopyArray) -> CopyArray:
         """The batch as an (n, 3) int64 array, once every range is known to be live."""
-        if isinstance(copies, np.ndarray) and copies.dtype == np.int64 and copies.ndim == 2 and copies.shape[1] == 3:
+        if (
+            isinstance(copies, np.ndarray)
+            and copies.dtype == np.int64
+            and copies.ndim == 2
+            and copies.shape[1] == 3
+            and copies.flags.c_contiguous
+        ):
             rows = copies
         else:
             rows = as_copy_array(call, copies)
         if rows.shape[0] == 0:
             return rows
         starts, ends = self._index()
-        ptrs = rows[:, :2]
-        sizes = rows[:, 2:3]
-        idx = np.searchsorted(starts, ptrs, side="right")
-        idx -= 1
-        if sizes.min() < 0 or not (ptrs + sizes <= ends[idx]).all():
+        if first_bad_row(rows, starts, ends) >= 0:
             as_copy_array(call, rows)  # names a negative size
             check_batch(call, rows, *self._tables)
         return rows

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._hostcopy import memmove_rows
 from lifecycle.device.allocations import (
     AllocationTable,
     BatchChecker,
@@ -228,8 +229,7 @@ class HostDevice:
         if self._deferred:
             self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
         else:
-            for dst, src, nbytes in rows.tolist():
-                _memmove(dst, src, nbytes)
+            memmove_rows(rows)
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         """Set device bytes to ``value`` (0..255)."""
