@@ -213,7 +213,7 @@ def test_copy_batch_refuses_a_range_spanning_two_allocations(device: Device) -> 
             with pytest.raises(InvalidId, match="copy_batch src"):
                 device.copy_batch([(other, left + 128, 256)])
     with pytest.raises(InvalidId, match="copy_batch src"):
-        device.copy_batch([(other, ptrs[0] - 64, 64)])  # just below the lowest allocation
+        device.copy_batch([(other, min(ptrs + [other]) - 64, 64)])  # just below every allocation
     for p in ptrs + [other]:
         device.free(p)
 
