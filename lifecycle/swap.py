@@ -81,7 +81,7 @@ _HEADER = struct.Struct("<8sHHIQQIIQQIIQQIIQqII8x")
 _CHECKSUM = struct.Struct("<Q")
 _U64 = np.dtype("<u8")
 _TOKEN = np.dtype("<i4")
-_HOST_PIECE = 1 << 20  # hashed then copied while still in cache
+_HOST_PIECE = 256 << 10  # copied, then hashed while still in the core's L2
 assert _HEADER.size + _CHECKSUM.size == HEADER_BYTES
 _META_SECTION: Final = 1
 
@@ -463,8 +463,8 @@ class _Mover:
                 view = self._device_view(addr, nbytes)
                 for start in range(0, nbytes, _HOST_PIECE):
                     piece = view[start : start + _HOST_PIECE]
-                    hasher.update(piece)
                     out.write(piece)
+                    hasher.update(piece)  # after the copy: the piece is still in cache
             return
         assert self.halves is not None
         device, half_bytes = self.device, self.half_bytes
