@@ -183,8 +183,8 @@ class HybridModel(LifecycleDefaults):
         proposer (draft) state and token buffer are sized to that budget."""
         if not isinstance(budget_tokens, int) or budget_tokens < 0:
             raise InvalidId(f"budget_tokens={budget_tokens!r} must be an int >= 0")
-        limit = self._dims.max_blocks_per_layer * self._block_size
-        if budget_tokens > limit:
+        limit = self._config.max_blocks_per_seq_resolved * self._block_size
+        if self._kv is not None and budget_tokens > limit:
             raise InvalidId(f"budget_tokens={budget_tokens} exceeds the per-sequence limit of {limit} tokens")
         with self._lock:
             started = self._enter()
@@ -581,7 +581,7 @@ class HybridModel(LifecycleDefaults):
             if not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidId(f"grow: num_tokens={num_tokens!r} must be an int >= 0")
             wanted = -(-num_tokens // self._block_size)
-            limit = self._dims.max_blocks_per_layer
+            limit = self._config.max_blocks_per_seq_resolved
             if wanted > limit:
                 raise InvalidId(f"grow: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
             added = max(wanted - holdings.num_blocks, 0)

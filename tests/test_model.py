@@ -33,7 +33,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.protocol import LifecycleDefaults, ModelLifecycle, PrefixReclaim
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SeqStatus, SequenceState
-from tests.devices import device  # noqa: F401  (the shared device fixture)
+from devices import device  # noqa: F401  (the shared device fixture)
 
 BS = 4
 
