@@ -12,6 +12,7 @@ cimport numpy as cnp
 from libc.stdint cimport INT32_MAX, int32_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
+from cpython.ref cimport Py_INCREF
 
 import numpy as np
 
@@ -24,7 +25,21 @@ from lifecycle.errors import (
     OutOfBlocks,
 )
 
+cdef extern from "numpy/arrayobject.h":
+    # Declared here with the descr as a borrowed pointer: numpy steals a reference to it.
+    object PyArray_NewFromDescr(void *subtype, void *descr, int nd, cnp.npy_intp *dims,
+                                cnp.npy_intp *strides, void *data, int flags, void *obj)
+
 cnp.import_array()
+
+# The dtype of every id array this module creates, looked up once: allocate() is on the hot path.
+cdef cnp.dtype _ID_DTYPE = np.dtype(np.int32)
+
+
+cdef inline object _new_ids(cnp.npy_intp n):
+    """A new uninitialised 1-D int32 array of ``n`` ids."""
+    Py_INCREF(_ID_DTYPE)
+    return PyArray_NewFromDescr(<void *>cnp.ndarray, <void *>_ID_DTYPE, 1, &n, NULL, NULL, 0, NULL)
 
 # Why a batch was refused (reported with the index of the offending entry).
 cdef enum Refusal:
@@ -192,9 +207,9 @@ cdef class BlockPool:
         cdef bint short = False
         if n <= 0:
             if n == 0:
-                return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+                return _new_ids(dim)
             raise InvalidId(f"cannot allocate {n} blocks: the count must be >= 0")
-        out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        out = _new_ids(dim)
         cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
         if _locked_with_gil(self, n):
             short = not _pop_free(self, dest, n)
@@ -307,7 +322,7 @@ cdef class BlockPool:
     def refcounts(self):
         """A copy of every block's refcount, indexed by block id."""
         cdef cnp.npy_intp dim = self._num_blocks
-        out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        out = _new_ids(dim)
         cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
         with nogil:
             _locked(self)
@@ -375,15 +390,20 @@ cdef class BlockPool:
 
 # -- cores: called with the lock held and the GIL released ------------------------------
 
+# The cores copy the pool's pointers and sizes into locals: the build disables strict aliasing,
+# so through ``self`` the compiler would reload them after every int32 store.
+
 cdef inline bint _pop_free(BlockPool self, int32_t *dest, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t j
     cdef Py_ssize_t top = self._num_free
+    cdef const int32_t *stack = self._free_stack
+    cdef int32_t *refcounts = self._refcounts
     cdef int32_t block_id
     if n > top:
         return False
     for j in range(n):
-        block_id = self._free_stack[top - 1 - j]
-        self._refcounts[block_id] = 1
+        block_id = stack[top - 1 - j]
+        refcounts[block_id] = 1
         dest[j] = block_id
     self._num_free = top - n
     return True
@@ -396,11 +416,12 @@ cdef inline void _inc_ref_batch(
     cdef Py_ssize_t i, j
     cdef int32_t block_id, count
     cdef int32_t *refcounts = self._refcounts
+    cdef Py_ssize_t num_blocks = self._num_blocks
     result.failed_at = -1
     result.refusal = REFUSAL_NONE
     for i in range(n):
         block_id = ids[i]
-        if _out_of_range(block_id, self._num_blocks):
+        if _out_of_range(block_id, num_blocks):
             result.refusal = REFUSAL_OUT_OF_RANGE
             break
         count = refcounts[block_id]
@@ -427,11 +448,12 @@ cdef inline Py_ssize_t _dec_ref_batch(
     cdef int32_t *refcounts = self._refcounts
     cdef int32_t *stack = self._free_stack
     cdef Py_ssize_t top = self._num_free
+    cdef Py_ssize_t num_blocks = self._num_blocks
     result.failed_at = -1
     result.refusal = REFUSAL_NONE
     for i in range(n):
         block_id = ids[i]
-        if _out_of_range(block_id, self._num_blocks):
+        if _out_of_range(block_id, num_blocks):
             result.refusal = REFUSAL_OUT_OF_RANGE
             break
         count = refcounts[block_id] - 1
