@@ -13,9 +13,9 @@ sequence. On the host device, whose "device" memory is host memory, the bytes ar
 written straight from the pools (``SwapContext.zero_copy_host``), which saves one copy.
 
 ``restore`` is all-or-nothing for the sequence: KV streams into the freshly allocated blocks (the
-caller frees them on failure), but the SSM sections and the tokens are buffered (their size does
-not depend on the sequence's length... except the token ids, 4 bytes a token) and only written
-into the sequence's slot and token list once every checksum verified.
+caller frees them on failure), but the SSM sections (one slot's worth, whatever the sequence's
+length) and the token ids are buffered on the host and only written into the sequence's slot and
+token list once every checksum verified.
 
 Errors: a malformed or truncated record raises :class:`SwapFormatError`, a record of another model
 (or block count, or adapter) :class:`SwapModelMismatch`, a corrupted section
@@ -735,6 +735,8 @@ def restore(ctx: SwapContext, seq: SequenceState, num_blocks: int, reader: Binar
 
     mover = _Mover(ctx)
     try:
+        # Copies queued earlier (into blocks this sequence now owns) must not land after ours.
+        ctx.device.synchronize()
         section = _META_SECTION + 1
         runs = _block_runs(block_ids)
         for layer, block_bytes in enumerate(layout.kv_layer_bytes):

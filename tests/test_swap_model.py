@@ -285,9 +285,9 @@ def test_a_cut_at_every_byte_offset_is_refused_as_truncated(model: HybridModel, 
     for cut in range(len(record)):
         with pytest.raises(SwapFormatError, match=f"truncated: stream ended at byte {cut}\\b"):
             model.restore_sequence_state(target, seq.num_blocks, io.BytesIO(record[:cut]))
+        model.check_invariants()
         assert model.num_free_blocks() == free
         assert target.num_blocks == 0 and target.num_tokens == 0
-    model.check_invariants()
     assert observable(model, target) == before
     model.restore_sequence_state(target, seq.num_blocks, io.BytesIO(record))  # still usable
     assert kv_image(model, target) == kv_image(model, seq)
@@ -437,3 +437,21 @@ def test_a_device_error_during_restore_changes_nothing(
     target = fresh_target(model, rng)
     emu.fail_call("cuMemcpyHtoDAsync", CUDA_ERROR_LAUNCH_FAILED)
     assert_refused(model, target, record, seq.num_blocks, CudaError, "cuMemcpyHtoDAsync")
+
+
+class InterruptedReader(io.RawIOBase):
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        raise KeyboardInterrupt
+
+
+def test_a_keyboard_interrupt_from_the_reader_propagates_unchanged(model: HybridModel, rng: np.random.Generator) -> None:
+    seq, _ = small_record(model, rng)
+    target = fresh_target(model, rng)
+    free, before = model.num_free_blocks(), observable(model, target)
+    with pytest.raises(KeyboardInterrupt):
+        model.restore_sequence_state(target, seq.num_blocks, InterruptedReader())
+    model.check_invariants()
+    assert (model.num_free_blocks(), observable(model, target)) == (free, before)
