@@ -452,6 +452,6 @@ def test_a_keyboard_interrupt_from_the_reader_propagates_unchanged(model: Hybrid
     target = fresh_target(model, rng)
     free, before = model.num_free_blocks(), observable(model, target)
     with pytest.raises(KeyboardInterrupt):
-        model.restore_sequence_state(target, seq.num_blocks, InterruptedReader())
+        model.restore_sequence_state(target, seq.num_blocks, InterruptedReader())  # type: ignore[arg-type]
     model.check_invariants()
     assert (model.num_free_blocks(), observable(model, target)) == (free, before)
