@@ -1,0 +1,69 @@
+"""pytest-benchmark suite of the block pool's hot calls, tracked over time.
+
+    python -m pytest bench/test_bench_blockpool.py --benchmark-autosave
+    python -m pytest bench/test_bench_blockpool.py --benchmark-compare --benchmark-compare-fail=mean:25%
+
+The first saves a run under .benchmarks/; the second compares against the latest saved run and
+fails if any mean got more than 25% slower. CI does not run these (its pytest runs tests/ only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
+
+from lifecycle._blockpool import BlockPool
+
+NUM_BLOCKS = 65_536
+BATCH_SIZES = [1, 16, 64]
+
+
+@pytest.fixture
+def pool() -> BlockPool:
+    return BlockPool(NUM_BLOCKS)
+
+
+def assert_whole(pool: BlockPool) -> None:
+    pool.check_invariants()
+    assert pool.num_free == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("batch", BATCH_SIZES)
+def test_allocate_then_free(benchmark: BenchmarkFixture, pool: BlockPool, batch: int) -> None:
+    """A sequence's life in the W1 style: allocate(batch) returns its table, dec_ref frees it."""
+    allocate, release = pool.allocate, pool.dec_ref
+
+    def cycle() -> None:
+        release(allocate(batch))
+
+    benchmark(cycle)
+    assert_whole(pool)
+
+
+@pytest.mark.parametrize("batch", BATCH_SIZES)
+def test_allocate_into_then_free(benchmark: BenchmarkFixture, pool: BlockPool, batch: int) -> None:
+    """Growing a preallocated block table in place, then freeing that slice."""
+    table = np.zeros(batch, dtype=np.int32)
+    allocate_into, release = pool.allocate_into, pool.dec_ref
+
+    def cycle() -> None:
+        allocate_into(table, 0, batch)
+        release(table)
+
+    benchmark(cycle)
+    assert_whole(pool)
+
+
+@pytest.mark.parametrize("batch", BATCH_SIZES)
+def test_share_then_release(benchmark: BenchmarkFixture, pool: BlockPool, batch: int) -> None:
+    """A second holder (a prefix cache) takes and drops a reference on held blocks."""
+    blocks = pool.allocate(batch)
+
+    def cycle() -> None:
+        pool.inc_ref(blocks)
+        pool.dec_ref(blocks)
+
+    benchmark(cycle)
+    assert pool.dec_ref(blocks) == batch
+    assert_whole(pool)
