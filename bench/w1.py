@@ -48,27 +48,29 @@ Row = tuple[int, int, int]
 def generate_w1_ops(
     seed: int = 0, num_blocks: int = NUM_BLOCKS, n_main_ops: int = N_MAIN_OPS, max_k: int = MAX_BLOCKS_PER_SEQ
 ) -> NDArray[np.int32]:
-    """A W1 trace of the reference's shape: each op draws k uniform in 1..max_k and allocates k
-    blocks for a new sequence when they fit, otherwise frees a random live sequence; then the live
-    sequences are drained in random order. Rows are ``(op, seq_id, k)``; a free row's k is the
-    sequence's block count."""
+    """A W1 trace of the reference's shape: each new sequence draws k uniform in 1..max_k; while
+    its k blocks do not fit, a random live sequence is freed (one op each), then it is allocated
+    (one op). After ``n_main_ops`` ops the live sequences are drained in random order. Rows are
+    ``(op, seq_id, k)``; a free row's k is the sequence's block count."""
     if num_blocks < max_k:
         raise ValueError(f"num_blocks {num_blocks} must be >= max_k {max_k} so that every draw can fit")
     rng = np.random.default_rng(seed)
-    draws = rng.integers(1, max_k + 1, size=n_main_ops).tolist()
-    picks = rng.random(n_main_ops).tolist()
+    draws = iter(rng.integers(1, max_k + 1, size=n_main_ops + 1).tolist())
+    picks = iter(rng.random(n_main_ops).tolist())
     rows: list[Row] = []
     live: list[tuple[int, int]] = []  # (seq_id, k); a random one is removed by swapping with the last
     free = num_blocks
     next_seq = 0
-    for k, pick in zip(draws, picks):
-        if k <= free:
-            rows.append((1, next_seq, k))
-            live.append((next_seq, k))
+    wanted = next(draws)
+    while len(rows) < n_main_ops:
+        if wanted <= free:
+            rows.append((1, next_seq, wanted))
+            live.append((next_seq, wanted))
             next_seq += 1
-            free -= k
+            free -= wanted
+            wanted = next(draws)
         else:
-            index = int(pick * len(live))
+            index = int(next(picks) * len(live))
             live[index], live[-1] = live[-1], live[index]
             seq_id, held = live.pop()
             rows.append((0, seq_id, held))
