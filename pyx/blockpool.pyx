@@ -3,8 +3,11 @@
 
 Block ids are ``0 .. num_blocks - 1``. A block with refcount 0 sits on a LIFO free stack; every
 other block is held by someone. Every batch call validates the whole batch before the pool changes,
-so a bad id, a double free or an exhausted pool raises and leaves the pool exactly as it was. The
-work runs with the GIL released under the pool's own lock, so threads may share one pool.
+so a bad id, a double free or an exhausted pool raises and leaves the pool exactly as it was.
+
+Threads may share one pool: every call works under the pool's own mutex, and long batches (or a
+caller that has to wait for the mutex) release the GIL. A caller must not change an ids array
+while a call on it is running, as with any numpy array handed to a C routine.
 """
 
 cimport cython
@@ -13,6 +16,8 @@ from libc.stdint cimport INT32_MAX, int32_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 from cpython.ref cimport Py_INCREF
+
+import operator
 
 import numpy as np
 
@@ -157,13 +162,13 @@ cdef class BlockPool:
     def __init__(self, num_blocks):
         if self._refcounts != NULL:
             raise ConfigError(f"this BlockPool already holds {self._num_blocks} blocks; make a new one")
-        if (
-            isinstance(num_blocks, bool)
-            or not isinstance(num_blocks, int)
-            or not 0 <= num_blocks <= INT32_MAX
-        ):
+        try:
+            as_int = None if isinstance(num_blocks, bool) else operator.index(num_blocks)
+        except TypeError:
+            as_int = None
+        if as_int is None or not 0 <= as_int <= INT32_MAX:
             raise ConfigError(f"num_blocks must be an int in [0, {INT32_MAX}], got {num_blocks!r}")
-        cdef Py_ssize_t count = num_blocks
+        cdef Py_ssize_t count = as_int
         cdef Py_ssize_t i
         # At least one element each so that a zero-block pool still has valid pointers.
         self._refcounts = <int32_t *>calloc(count + 1, sizeof(int32_t))

@@ -63,6 +63,10 @@ def test_invalid_num_blocks_is_a_config_error(num_blocks: Any) -> None:
         BlockPool(num_blocks)
 
 
+def test_num_blocks_may_be_a_numpy_integer() -> None:
+    assert BlockPool(np.int64(5)).num_total == 5
+
+
 def test_empty_pool_allocates_nothing() -> None:
     pool = BlockPool(0)
     assert pool.allocate(0).shape == (0,)

@@ -1,18 +1,19 @@
 """Refcounted pool of KV block ids on C arrays (compiled from pyx/blockpool.pyx)."""
 
 from collections.abc import Sequence
-from typing import TypeAlias, final
+from typing import Any, SupportsIndex, TypeAlias, final
 
 import numpy as np
 from numpy.typing import NDArray
 
-_BlockIds: TypeAlias = NDArray[np.int32] | Sequence[int]
+# int32 arrays are read in place; other integer arrays and sequences of ints are converted.
+_BlockIds: TypeAlias = NDArray[np.integer[Any]] | Sequence[int]
 
 @final
 class BlockPool:
     """``num_blocks`` KV block ids with a refcount each; refcount-0 ids are free."""
 
-    def __init__(self, num_blocks: int) -> None: ...
+    def __init__(self, num_blocks: SupportsIndex) -> None: ...
     @property
     def num_total(self) -> int: ...
     @property
