@@ -1,0 +1,183 @@
+"""The ``lifecycle`` command line: ``simulate`` end to end, its output, and every refused option."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lifecycle.cli import main
+
+# A small trace on a tight pool: prefix hits, evictions and swaps all happen, invariants every step.
+SMALL = ["simulate", "--requests", "40", "--blocks", "512", "--check-every", "1"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    assert main([*SMALL, "--json", *extra]) == 0
+    out = capsys.readouterr().out
+    result: dict[str, Any] = json.loads(out)  # the whole of stdout is one JSON object
+    return result
+
+
+def test_json_run_serves_every_request_and_leaks_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys)
+    assert result["requests"] == 40
+    assert result["leaked"] == 0
+    assert result["teardown"]["live_sequences"] == 0 and result["teardown"]["live_blocks"] == 0
+    assert result["model"] == "small-hybrid" and result["device"]
+
+
+def test_json_run_reuses_prefixes(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys)
+    assert 0 < result["prefix_hit_rate"] <= 1
+    assert result["prefix_hit_tokens"] > 0 and result["snapshots_saved"] > 0
+
+
+def test_json_counts_are_consistent(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys)
+    stats = result["stats"]
+    assert stats["sequences_allocated"] == stats["sequences_freed"]
+    assert stats["prefix_lookups"] == result["requests"] + result["recomputes"]
+    assert result["swaps_out"] == result["swaps_in"] == stats["swaps_out"] > 0
+    assert result["preemptions"] == result["swaps_out"] + result["recomputes"]
+    assert result["swap_bytes"] == stats["bytes_swapped_out"] + stats["bytes_swapped_in"]
+    assert result["prefix_hit_rate"] == pytest.approx(stats["prefix_hit_tokens"] / stats["prefix_lookup_tokens"])
+    assert result["evicted_blocks"] == stats["blocks_evicted"] > 0
+    assert 0 < result["compactions"] <= result["requests"]
+    assert result["invariant_checks"] == result["steps"] + 1
+    assert result["library_us_per_request"] == pytest.approx(stats["time_in_library_ns"] / 1e3 / 40)
+
+
+def test_json_run_is_deterministic_for_a_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = run_json(capsys, "--seed", "3"), run_json(capsys, "--seed", "3")
+    for key in ("prompt_tokens", "generated_tokens", "prefix_hit_tokens", "evicted_blocks", "swaps_out", "steps"):
+        assert first[key] == second[key]
+
+
+def test_json_mode_prints_no_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    run_json(capsys)
+    assert capsys.readouterr().err == ""
+
+
+def test_summary_table_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--quiet"]) == 0
+    captured = capsys.readouterr()
+    for label in ("requests", "prompt tokens", "prefix hit rate", "evicted blocks", "swaps (out / in)",
+                  "swap bytes", "compactions", "library time per request", "leaked at teardown"):
+        assert label in captured.out
+    leak_row = next(line for line in captured.out.splitlines() if "leaked at teardown" in line)
+    assert leak_row.split()[-2] == "0"
+    assert captured.err == ""
+
+
+def test_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(SMALL) == 0
+    captured = capsys.readouterr()
+    assert "40/40" in captured.err
+    assert "40/40" not in captured.out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--model", "tiny-hybrid"],
+        ["--model", "llama-like", "--kv-budget", "32M"],
+        pytest.param(["--model", "qwen3-next-like", "--requests", "6"], marks=pytest.mark.slow),  # 74 MiB slots
+    ],
+)
+def test_every_preset_runs_clean(capsys: pytest.CaptureFixture[str], options: list[str]) -> None:
+    assert main(["simulate", "--requests", "20", "--check-every", "1", "--json", *options]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == options[1] and result["leaked"] == 0
+
+
+def test_python_m_lifecycle_simulate_help() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lifecycle", "simulate", "--help"], capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    for option in ("--requests", "--model", "--device", "--json", "--plot", "--spill-dir"):
+        assert option in done.stdout
+
+
+def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--requests", "0"], "--requests: 0 must be >= 1"),
+        (["--requests", "-5"], "--requests: -5 must be >= 1"),
+        (["--requests", "many"], "--requests: 'many' is not an integer"),
+        (["--turns", "0"], "--turns: 0 must be >= 1"),
+        (["--seed", "-1"], "--seed: -1 must be >= 0"),
+        (["--model", "gpt-9"], "unknown preset 'gpt-9'"),
+        (["--device", "tpu"], "--device: invalid choice: 'tpu'"),
+        (["--max-live", "0"], "--max-live: 0 must be >= 1"),
+        (["--blocks", "0"], "--blocks: 0 must be >= 1"),
+        (["--blocks", "64", "--kv-budget", "1M"], "not allowed with argument"),
+        (["--kv-budget", "lots"], "--kv-budget: 'lots' is not a size"),
+        (["--kv-budget", "0"], "--kv-budget: '0' must be more than 0 bytes"),
+        (["--blocks", "3"], "too small for chats"),
+        (["--model", "llama-like", "--snapshots", "4"], "num_snapshots=4 needs an SSM layer"),
+        (["--snapshots", "-1"], "--snapshots: -1 must be >= 0"),
+        (["--snapshot-every", "-2"], "--snapshot-every: -2 must be >= 0"),
+        (["--swap-host-mb", "-1"], "--swap-host-mb: -1 must be >= 0"),
+        (["--spill-dir", "/no/such/dir"], "--spill-dir: '/no/such/dir' is not a writable directory"),
+        (["--check-every", "-1"], "--check-every: -1 must be >= 0"),
+        (["--plot", "out.txt"], "--plot: 'out.txt' must end in one of .png"),
+        (["--plot", "/no/such/dir/out.png"], "cannot write '/no/such/dir/out.png'"),
+        (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    ],
+)
+def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
+    assert main(["simulate", *options]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err
+
+
+def test_a_plot_path_that_is_a_directory_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    folder = tmp_path / "plot.png"
+    folder.mkdir()
+    assert main(["simulate", "--plot", str(folder)]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    target = tmp_path / "run.png"
+    assert main([*SMALL, "--plot", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'kv-lifecycle[plot]'" in err
+    assert not target.exists()
+
+
+def test_plot_draws_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "run.png"
+    assert main([*SMALL, "--quiet", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {target}" in capsys.readouterr().out
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.device import open_device
+    from lifecycle.errors import DeviceError
+
+    try:
+        open_device("cuda").close()
+    except DeviceError:
+        pass
+    else:
+        pytest.skip("a CUDA device is present")
+    assert main([*SMALL, "--device", "cuda"]) == 2
+    assert "--device: cuda is not available here" in capsys.readouterr().err
