@@ -16,7 +16,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Final
+from typing import BinaryIO, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -45,9 +45,7 @@ from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, Holdings, SeqStatus, SequenceState
 from lifecycle.snapshots import SnapshotPool
 from lifecycle.stats import Stats
-
-if TYPE_CHECKING:
-    from lifecycle.swap import SwapContext
+from lifecycle.swap import StagingBuffer, SwapContext, restore as swap_restore, save as swap_save
 
 __all__ = ["HybridModel", "TeardownReport"]
 
@@ -109,6 +107,9 @@ class HybridModel(LifecycleDefaults):
         except BaseException:
             self._release_device_memory()
             raise
+        # Pinned staging for swap, allocated on first use on CUDA, freed at teardown.
+        self._swap_staging = StagingBuffer(self._device)
+        self._releases.append(self._swap_staging.release)
         self._pool = BlockPool(config.num_blocks_resolved)
         self._trie = PrefixTrie(self._block_size)
         self._prefix = PrefixCache(self._pool, self._trie, enabled=config.enable_prefix_cache)
@@ -119,6 +120,9 @@ class HybridModel(LifecycleDefaults):
         self._drop_queue: deque[int] = deque()
         self._seq_ids = itertools.count()
         self._innerq_hook: Callable[[], None] | None = None
+        self._swap_ctx = SwapContext(
+            config, self._device, self._kv, self._ssm, staging=self._swap_staging, adapters=self._adapters
+        )
 
     # ------------------------------------------------------------------ plumbing
 
@@ -220,12 +224,22 @@ class HybridModel(LifecycleDefaults):
             full = min(seq.num_tokens // self._block_size, holdings.num_blocks)
             if full > 0:
                 tokens = seq.tokens[: full * self._block_size]
-                taken, node_ids = self._prefix.insert(tokens, holdings.blocks[:full], holdings.adapter_uid)
+                taken, _, node_ids = self._prefix.insert_path(tokens, holdings.blocks[:full], holdings.adapter_uid)
                 self._stats.blocks_cached += taken
+                self._pin_path(holdings, node_ids)
                 ssm_tokens = seq.num_tokens if seq.ssm_tokens is None else seq.ssm_tokens
                 if self._snapshots is not None and ssm_tokens == full * self._block_size and not seq.is_detached:
                     self._save_snapshot(seq.slot_idx, int(node_ids[full - 1]))
             self._leave(started)
+
+    def _pin_path(self, holdings: Holdings, node_ids: npt.NDArray[np.int32]) -> None:
+        """Pin the nodes of the sequence's cached path it does not pin yet: while the sequence
+        lives they hold its blocks, so evicting them would free nothing and lose the entry."""
+        pinned = holdings.pinned_nodes.shape[0]
+        if node_ids.shape[0] > pinned:
+            extra = node_ids[pinned:]
+            self._trie.pin(extra)
+            holdings.pinned_nodes = np.concatenate((holdings.pinned_nodes, extra))
 
     def free_sequence(self, seq: SequenceState) -> None:
         """Release the SSM slot first (unless detached), then the adapter reference, the prefix
@@ -390,8 +404,6 @@ class HybridModel(LifecycleDefaults):
     def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
         """Write the sequence's KV blocks and SSM state to ``writer`` as a self-describing,
         checksummed record (see :mod:`lifecycle.swap`). Frees nothing."""
-        from lifecycle import swap
-
         with self._lock:
             started = self._enter()
             holdings = self._holdings(seq)
@@ -402,7 +414,7 @@ class HybridModel(LifecycleDefaults):
                     f"save_sequence_state: sequence {seq.seq_id} is detached; its SSM slot now holds another sequence's state"
                 )
             try:
-                written = swap.save(self._swap_context(), seq, writer)
+                written = swap_save(self._swap_ctx, seq, writer)
             except BaseException:
                 self._stats.swap_failures += 1
                 raise
@@ -414,8 +426,6 @@ class HybridModel(LifecycleDefaults):
         """Allocate ``num_blocks`` blocks (all or nothing) and stream a record written by
         ``save_sequence_state`` into them and into the sequence's SSM slot, verifying everything.
         On any failure everything allocated is freed and the sequence is unchanged."""
-        from lifecycle import swap
-
         with self._lock:
             started = self._enter()
             holdings = self._active(seq, "restore_sequence_state")
@@ -430,7 +440,7 @@ class HybridModel(LifecycleDefaults):
                 raise InvalidId(f"restore_sequence_state: num_blocks={num_blocks!r} must be an int >= 0")
             self._grow_blocks(holdings, num_blocks)
             try:
-                read = swap.restore(self._swap_context(), seq, num_blocks, reader)
+                read = swap_restore(self._swap_ctx, seq, num_blocks, reader)
             except BaseException:
                 self._pool.dec_ref(holdings.block_ids())
                 holdings.num_blocks = 0
@@ -439,11 +449,6 @@ class HybridModel(LifecycleDefaults):
             self._stats.swaps_in += 1
             self._stats.bytes_swapped_in += read
             self._leave(started)
-
-    def _swap_context(self) -> SwapContext:
-        from lifecycle.swap import SwapContext
-
-        return SwapContext(self._config, self._device, self._kv, self._ssm)
 
     def num_free_blocks(self) -> int:
         """Blocks with refcount 0 (blocks only the prefix cache holds are not free until evicted)."""
@@ -764,8 +769,11 @@ class HybridModel(LifecycleDefaults):
                     f"save_snapshot: sequence {seq.seq_id} has {holdings.num_blocks} blocks "
                     f"({'detached' if seq.is_detached else 'attached'}); {full} needed"
                 )
-            taken, node_ids = self._prefix.insert(seq.tokens[:num_tokens], holdings.blocks[:full], holdings.adapter_uid)
+            taken, _, node_ids = self._prefix.insert_path(
+                seq.tokens[:num_tokens], holdings.blocks[:full], holdings.adapter_uid
+            )
             self._stats.blocks_cached += taken
+            self._pin_path(holdings, node_ids)
             self._save_snapshot(seq.slot_idx, int(node_ids[full - 1]))
             self._leave(started)
             return True

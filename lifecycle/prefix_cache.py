@@ -163,19 +163,26 @@ class PrefixCache:
         All or nothing: an invalid block id (out of range, or free in the pool) or too few tokens
         raise before the trie or any refcount changes.
         """
+        return self.insert_path(tokens, block_ids, adapter)[1]
+
+    def insert_path(
+        self, tokens: TokenArray, block_ids: Int32Array, adapter: int = 0
+    ) -> tuple[int, Int32Array, Int32Array]:
+        """``insert``, returning (blocks newly taken by the cache, duplicates, the path's node ids).
+        With the cache disabled nothing is taken and the path is empty."""
         if not self._enabled:
-            return np.array(block_ids, dtype=np.int32)
+            return 0, np.array(block_ids, dtype=np.int32), _NO_IDS
         # A temporary reference on every block validates the batch against the pool and is
         # acquired before anything is released, so no block can pass through refcount 0.
         self._pool.inc_ref(block_ids)
         try:
-            _taken, duplicates, _path = self._trie.insert(tokens, block_ids, adapter)
+            taken, duplicates, path = self._trie.insert(tokens, block_ids, adapter)
         except BaseException:
             self._pool.dec_ref(block_ids)
             raise
         # What remains of the temporary references is exactly the one on each taken block.
         self._pool.dec_ref(duplicates)
-        return duplicates
+        return len(taken), duplicates, path
 
     def evict(self, n: int) -> int:
         """Evict least recently used unpinned leaves until ``n`` blocks became free or nothing is

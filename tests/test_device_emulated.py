@@ -24,6 +24,11 @@ REPO = Path(__file__).resolve().parent.parent
 #: the repository root). Add yours here.
 EMULATED_SUITES: list[str] = [
     "tests/test_device.py",
+    "tests/test_pools.py",
+    "tests/test_model.py",
+    "tests/test_swap_format.py",
+    "tests/test_swap_model.py",
+    "tests/test_swap_tier.py",
 ]
 
 TIMEOUT_S = 600

@@ -239,11 +239,17 @@ def test_grow_is_all_or_nothing(model: HybridModel) -> None:
     assert model.grow(seq, 9) == 3
     model.check_invariants()
     assert model.grow(seq, 12) == 0
+    hog = model.alloc_sequence()
+    model.grow(hog, (model.num_total_blocks() - 4) * BS)
     free = model.num_free_blocks()
-    with pytest.raises(OutOfBlocks, match="need"):
-        model.grow(seq, (model.num_total_blocks() + 1) * BS)
+    assert free == 1
+    with pytest.raises(OutOfBlocks, match="need 2 blocks, 1 free"):
+        model.grow(seq, 5 * BS)
     assert model.num_free_blocks() == free and seq.num_blocks == 3
+    with pytest.raises(InvalidId, match="per-sequence limit of 64"):
+        model.grow(seq, (model.num_total_blocks() + 1) * BS)
     model.check_invariants()
+    model.free_sequence(hog)
     model.free_sequence(seq)
     assert model.num_free_blocks() == model.num_total_blocks()
     assert_clean(model)
@@ -362,11 +368,13 @@ def test_second_request_reuses_the_cached_prefix(attn: HybridModel) -> None:
     first = run_prefill(attn, prompt(13))
     attn.cache_sequence(first)
     attn.check_invariants()
+    first_blocks = first.block_table.copy()
     attn.free_sequence(first)
     attn.check_invariants()
+    assert first.num_blocks == 0
     second = attn.alloc_sequence()
     assert attn.attach_prefix(second, prompt(13)) == 12
-    assert np.array_equal(second.block_table, first.block_table[:3])
+    assert np.array_equal(second.block_table, first_blocks[:3])
     attn.check_invariants()
     attn.free_sequence(second)
     stats = attn.stats()
@@ -536,18 +544,22 @@ def test_s4_a_late_failure_in_free_sequence_still_releases_the_slot(
     model.bind_adapter(seq, slot)
     model.grow(seq, 8)
     ssm_slot = seq.slot_idx
-    real_release = model._adapters.release
+    adapters = model._adapters
 
-    def failing_release(adapter_slot: int, uid: int) -> None:
-        raise AdapterError("injected failure")
+    class FailingRelease:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(adapters, name)
 
-    monkeypatch.setattr(model._adapters, "release", failing_release)
+        def release(self, adapter_slot: int, uid: int) -> None:
+            raise AdapterError("injected failure")
+
+    monkeypatch.setattr(model, "_adapters", FailingRelease())
     with pytest.raises(AdapterError, match="injected"):
         model.free_sequence(seq)
     assert model._slots.is_free(ssm_slot)
     assert seq.is_freed and model.num_free_blocks() == model.num_total_blocks()
-    monkeypatch.setattr(model._adapters, "release", real_release)
-    real_release(slot, model.adapter_info(slot).uid)  # settle the injected leak by hand
+    monkeypatch.setattr(model, "_adapters", adapters)
+    adapters.release(slot, adapters.info(slot).uid)  # settle the injected leak by hand
     model.free_sequence(seq)  # a second call is a no-op
     assert_clean(model)
 

@@ -262,8 +262,6 @@ def test_bad_arguments_are_refused(model: HybridModel, tmp_path: Path) -> None:
 
 
 def test_swap_in_rebinds_the_same_adapter(model: HybridModel, rng: np.random.Generator) -> None:
-    if model._swap_context().adapters is None:
-        pytest.xfail("model.py does not pass its adapter table to SwapContext yet")
     slot = model.load_adapter("sql-helper")
     seq = model.alloc_sequence()
     model.bind_adapter(seq, slot)
@@ -278,8 +276,6 @@ def test_swap_in_rebinds_the_same_adapter(model: HybridModel, rng: np.random.Gen
 
 
 def test_swap_in_after_the_adapter_was_reloaded_is_refused(model: HybridModel, rng: np.random.Generator) -> None:
-    if model._swap_context().adapters is None:
-        pytest.xfail("model.py does not pass its adapter table to SwapContext yet")
     seq = model.alloc_sequence()
     model.bind_adapter(seq, model.load_adapter("sql-helper"))
     fill_sequence(model, seq, 6, rng)
