@@ -8,31 +8,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
 from lifecycle.errors import Unsupported
+from lifecycle.prefix_cache import PrefixReclaim
+
+__all__ = ["LifecycleDefaults", "ModelLifecycle", "PrefixReclaim"]
 
 if TYPE_CHECKING:
     from lifecycle.config import ModelDims
     from lifecycle.sequence import SequenceState
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixReclaim:
-    """What :meth:`ModelLifecycle.reclaim_prefix_blocks_for` achieved.
-
-    ``target`` is the number of free blocks the prefill needs (its blocks less the cached prefix it
-    will reuse); ``free`` is :meth:`~ModelLifecycle.num_free_blocks` when the call returned. The
-    prefill fits when ``free >= target``.
-    """
-
-    target: int
-    free: int
-
-    @property
-    def satisfied(self) -> bool:
-        return self.free >= self.target
 
 
 @runtime_checkable

@@ -741,7 +741,7 @@ def test_s14_reclaim_for_never_evicts_the_prefix_it_makes_room_for(device: Devic
     assert m.num_free_blocks() == 3
     result = m.reclaim_prefix_blocks_for(wanted, NO_ADAPTER, 8)
     m.check_invariants()
-    assert result.target == 5 and result.free == 5 and result.satisfied
+    assert result.target == 5 and result.free == 5 and result.fits
     seq = m.alloc_sequence()
     assert m.attach_prefix(seq, wanted) == 12  # the wanted prefix survived
     m.free_sequence(seq)
