@@ -391,7 +391,6 @@ class _Simulation:
                 self.successor[before.request_id] = request
             last_turn[request.chat_id] = request
         heapq.heapify(self.ready)
-        self.num_requests = len(trace)
         self.running: list[_Live] = []
         self.swapped: deque[_Swapped] = deque()
         self.restart: deque[tuple[Request, int]] = deque()  # preempted by recompute
