@@ -510,7 +510,7 @@ class _Simulation:
         # The model takes token arrays as attach_prefix does; its annotation says Sequence[int].
         tokens = cast("Sequence[int]", prompt)
         reclaim = model.reclaim_prefix_blocks_for(tokens, adapter_slot, blocks + self.watermark_blocks)
-        if not reclaim.satisfied:
+        if reclaim.free < reclaim.target:
             return False
         seq = model.alloc_sequence_for(request.total_tokens)
         try:
