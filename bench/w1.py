@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,17 @@ def _median_ns(samples: list[int]) -> float:
     return float(statistics.median(samples))
 
 
+def _without_gc(timed: Callable[[list[Row], int], int], rows: list[Row], num_blocks: int) -> int:
+    # As timeit does: a collection landing inside one repeat is noise, not the pool's cost.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return timed(rows, num_blocks)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def run(trace_path: Path) -> list[dict[str, Any]]:
     """Replay W1 through lifecycle and through the C limit; one result dict per library."""
     ops, num_blocks, expected_blocks = load_w1(trace_path)
@@ -173,16 +185,14 @@ def run(trace_path: Path) -> list[dict[str, Any]]:
     if counted != blocks:
         raise AssertionError(f"lifecycle allocated {counted} blocks, the trace asks for {blocks}")
 
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # as timeit does: a collection inside one repeat is noise, not the pool's cost
-    try:
-        lifecycle_ns = [time_lifecycle(rows, num_blocks) for _ in range(REPEATS)]
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    lifecycle_ns: list[int] = []
+    c_limit_ns: list[int] = []
     with tempfile.TemporaryDirectory(prefix="lifecycle-c-limit-") as workdir:
         replay = _build_c_limit(Path(workdir))
-        c_limit_ns = [time_c_limit(replay, ops, num_blocks, blocks) for _ in range(REPEATS)]
+        # Alternate the two so that both medians see the same machine load.
+        for _ in range(REPEATS):
+            lifecycle_ns.append(_without_gc(time_lifecycle, rows, num_blocks))
+            c_limit_ns.append(time_c_limit(replay, ops, num_blocks, blocks))
 
     return [
         {"workload": "W1", "library": library, "ns_per_block": round(_median_ns(samples) / blocks, 2), "blocks": blocks}
