@@ -111,6 +111,7 @@ def _build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table (no progress bar)")
     out.add_argument("--plot", type=Path, metavar="FILE.png", help="draw pool occupancy and hit rate over time (needs matplotlib)")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.set_defaults(command_parser=sim)  # errors found after parsing print this command's usage
     return parser
 
 
@@ -285,9 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
-        _validate(parser, args)
+        command_parser: argparse.ArgumentParser = args.command_parser
+        _validate(command_parser, args)
         if args.command == "simulate":
-            return _simulate(parser, args)
+            return _simulate(command_parser, args)
     except SystemExit as exc:  # argparse's exits (--help, bad options) become the return value
         return exc.code if isinstance(exc.code, int) else 1
     return 2

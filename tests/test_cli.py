@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from lifecycle.cli import main
 
 # A small trace on a tight pool: prefix hits, evictions and swaps all happen, invariants every step.
+REPO = Path(__file__).resolve().parents[1]
 SMALL = ["simulate", "--requests", "40", "--blocks", "512", "--check-every", "1"]
 
 
@@ -98,7 +100,7 @@ def test_every_preset_runs_clean(capsys: pytest.CaptureFixture[str], options: li
 def test_python_m_lifecycle_simulate_help() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lifecycle", "simulate", "--help"], capture_output=True, text=True, timeout=60,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
     for option in ("--requests", "--model", "--device", "--json", "--plot", "--spill-dir"):
@@ -167,6 +169,24 @@ def test_plot_draws_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert main([*SMALL, "--quiet", "--plot", str(target)]) == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot written to {target}" in capsys.readouterr().out
+
+
+def test_simulate_runs_on_cuda_over_the_emulated_driver() -> None:
+    from emu_cuda.build import build_emulator, compiler
+
+    if compiler() is None:
+        pytest.skip("no C compiler to build the emulated CUDA driver")
+    env = dict(os.environ)
+    # The dynamic loader reads LD_LIBRARY_PATH at process start: the run needs a child process.
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(build_emulator()), env.get("LD_LIBRARY_PATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "lifecycle", *SMALL, "--device", "cuda", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["device"] != "host" and result["leaked"] == 0
+    assert result["swaps_out"] == result["swaps_in"] > 0 and result["prefix_hit_rate"] > 0
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
