@@ -17,9 +17,9 @@ import numpy.typing as npt
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.swap_bench import fill_random, layer_ranges, llama_like, prefaulted  # noqa: E402
+from swap_bench import fill_random, layer_ranges, llama_like, prefaulted  # noqa: E402
 from lifecycle import swap  # noqa: E402
 from lifecycle.device import open_device  # noqa: E402
 from lifecycle.model import HybridModel  # noqa: E402

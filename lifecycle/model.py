@@ -16,7 +16,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, Final
+from typing import BinaryIO, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -235,11 +235,12 @@ class HybridModel(LifecycleDefaults):
     def _pin_path(self, holdings: Holdings, node_ids: npt.NDArray[np.int32]) -> None:
         """Pin the nodes of the sequence's cached path it does not pin yet: while the sequence
         lives they hold its blocks, so evicting them would free nothing and lose the entry."""
-        pinned = holdings.pinned_nodes.shape[0]
-        if node_ids.shape[0] > pinned:
-            extra = node_ids[pinned:]
+        depth = holdings.pinned_depth
+        if node_ids.shape[0] > depth:
+            extra = node_ids[depth:]
             self._trie.pin(extra)
-            holdings.pinned_nodes = np.concatenate((holdings.pinned_nodes, extra))
+            holdings.cache_pins.append(extra)
+            holdings.pinned_depth = int(node_ids.shape[0])
 
     def free_sequence(self, seq: SequenceState) -> None:
         """Release the SSM slot first (unless detached), then the adapter reference, the prefix
@@ -472,7 +473,9 @@ class HybridModel(LifecycleDefaults):
             self._leave(started)
             return freed
 
-    def reclaim_prefix_blocks_for(self, prompt: Sequence[int], adapter_slot: int, blocks_needed: int) -> PrefixReclaim:
+    def reclaim_prefix_blocks_for(
+        self, prompt: Sequence[int] | npt.NDArray[np.integer], adapter_slot: int, blocks_needed: int
+    ) -> PrefixReclaim:
         """Evict until the free blocks cover a prefill of ``prompt``: ``blocks_needed`` less the
         cached prefix it will reuse (which is pinned meanwhile, so never evicted). An empty prompt
         reuses nothing."""
@@ -541,7 +544,8 @@ class HybridModel(LifecycleDefaults):
                 self._trie.unpin(holdings.pinned_nodes)
                 self._pool.dec_ref(holdings.block_ids())
             holdings.pinned_nodes = node_ids
-            holdings.ensure_capacity(reused)
+            holdings.pinned_depth = reused
+            holdings.ensure_capacity(-(-int(tokens.shape[0]) // self._block_size) + 1)
             holdings.blocks[:reused] = block_ids
             holdings.num_blocks = reused
             if self._snapshots is not None and reused:
@@ -715,8 +719,12 @@ class HybridModel(LifecycleDefaults):
 
     def _release_pins(self, holdings: Holdings) -> None:
         pinned, holdings.pinned_nodes = holdings.pinned_nodes, _EMPTY_I32
+        cache_pins, holdings.cache_pins = holdings.cache_pins, []
+        holdings.pinned_depth = 0
         if pinned.shape[0]:
             self._trie.unpin(pinned)
+        for path in cache_pins:
+            self._trie.unpin(path)
 
     def _release_blocks(self, holdings: Holdings) -> None:
         blocks = holdings.block_ids()
@@ -794,8 +802,9 @@ class HybridModel(LifecycleDefaults):
             live = [h for h in self._live.values() if h.status is not SeqStatus.FREED]
             for holdings in live:
                 np.add.at(expected, holdings.block_ids(), 1)
-                for node in holdings.pinned_nodes.tolist():
-                    pins[node] = pins.get(node, 0) + 1
+                for path in (holdings.pinned_nodes, *holdings.cache_pins):
+                    for node in path.tolist():
+                        pins[node] = pins.get(node, 0) + 1
                 if holdings.adapter_slot != NO_ADAPTER:
                     adapter_refs[holdings.adapter_slot] += 1
             cached = self._trie.cached_block_ids()
@@ -824,7 +833,7 @@ class HybridModel(LifecycleDefaults):
 
 def _as_tokens(prompt: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:
     if isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and prompt.ndim == 1:
-        return prompt
+        return cast("npt.NDArray[np.int32]", prompt)
     tokens = np.asarray(prompt, dtype=np.int64)
     if tokens.ndim != 1:
         raise InvalidId(f"prompt must be a one-dimensional token sequence, got shape {tokens.shape}")

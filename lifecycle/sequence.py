@@ -45,13 +45,28 @@ class Holdings:
     """The references a sequence holds, kept by the model too, so that a sequence dropped without
     ``free_sequence`` can still be reaped (its blocks, pins and adapter reference released)."""
 
-    __slots__ = ("seq_id", "blocks", "num_blocks", "pinned_nodes", "adapter_slot", "adapter_uid", "status")
+    __slots__ = (
+        "seq_id",
+        "blocks",
+        "num_blocks",
+        "pinned_nodes",
+        "cache_pins",
+        "pinned_depth",
+        "adapter_slot",
+        "adapter_uid",
+        "status",
+    )
 
     def __init__(self, seq_id: int, block_capacity: int) -> None:
         self.seq_id = seq_id
         self.blocks: npt.NDArray[np.int32] = np.empty(block_capacity, dtype=np.int32)
         self.num_blocks = 0
+        #: Pins on the cached prefix attached at admission (its blocks head the block table).
         self.pinned_nodes: npt.NDArray[np.int32] = _EMPTY_I32
+        #: Pins on the nodes the sequence's own ``cache_sequence`` calls added after that prefix.
+        self.cache_pins: list[npt.NDArray[np.int32]] = []
+        #: How many leading nodes of the sequence's cached path are pinned by it.
+        self.pinned_depth = 0
         self.adapter_slot = NO_ADAPTER
         self.adapter_uid = 0
         self.status = SeqStatus.ACTIVE
@@ -199,13 +214,18 @@ class SequenceState:
         """Record tokens whose KV the engine has computed (prompt first, then generated ones)."""
         if self._holdings.status is SeqStatus.FREED:
             raise SequenceStateError(f"sequence {self._seq_id} was freed; cannot append tokens")
-        new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
-        if new.ndim != 1:
-            raise SequenceStateError(f"tokens must be one-dimensional, got shape {new.shape}")
-        if new.size and (int(new.min()) < 0 or int(new.max()) > 0x7FFFFFFF):
-            bad = int(new.min()) if int(new.min()) < 0 else int(new.max())
-            raise SequenceStateError(f"token id {bad} out of range [0, 2147483647]")
-        end = self._num_tokens + new.size
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.itemsize <= 4 and (
+            tokens.dtype == np.int32 or tokens.dtype.kind == "u"
+        ):
+            new = tokens  # every value fits the int32 token buffer: nothing to check
+        else:
+            new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+            if new.ndim != 1:
+                raise SequenceStateError(f"tokens must be one-dimensional, got shape {new.shape}")
+            if new.size and (int(new.min()) < 0 or int(new.max()) > 0x7FFFFFFF):
+                bad = int(new.min()) if int(new.min()) < 0 else int(new.max())
+                raise SequenceStateError(f"token id {bad} out of range [0, 2147483647]")
+        end = self._num_tokens + new.shape[0]
         if end > self._tokens.shape[0]:
             grown = np.empty(max(end, 2 * self._tokens.shape[0]), dtype=np.int32)
             grown[: self._num_tokens] = self._tokens[: self._num_tokens]

@@ -12,7 +12,7 @@ from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES
-from tests.devices import read_device, write_device
+from devices import read_device, write_device
 
 BS = 4
 

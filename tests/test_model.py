@@ -327,7 +327,7 @@ def test_bad_tokens_are_refused(model: HybridModel) -> None:
     with pytest.raises(InvalidId, match="-3"):
         model.attach_prefix(seq, [1, -3, 4])
     with pytest.raises(LifecycleError):
-        seq.append_tokens([[1, 2]])
+        seq.append_tokens([[1, 2]])  # type: ignore[list-item]
     assert seq.num_tokens == 0
     model.free_sequence(seq)
     assert_clean(model)

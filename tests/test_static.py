@@ -29,7 +29,7 @@ def test_every_compiled_module_has_a_stub() -> None:
 
 def test_stubs_match_compiled_modules() -> None:
     allowlist = ROOT / "stubs" / "stubtest-allowlist.txt"
-    args = ["mypy.stubtest", *COMPILED]
+    args = ["mypy.stubtest", *COMPILED, "--mypy-config-file", str(ROOT / "pyproject.toml")]
     if allowlist.exists():
         args += ["--allowlist", str(allowlist)]
     result = _run(*args)

@@ -32,8 +32,8 @@ from lifecycle.swap import (
     restore,
     save,
 )
-from tests.devices import device, live_allocations  # noqa: F401  (the shared device fixture)
-from tests.swap_helpers import BS, fill_sequence, kv_image, slot_image, swap_config
+from devices import device, live_allocations  # noqa: F401  (the shared device fixture)
+from swap_helpers import BS, fill_sequence, kv_image, slot_image, swap_config
 
 
 @pytest.fixture

@@ -31,8 +31,8 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header, record_nbytes
-from tests.devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu, write_device  # noqa: F401  (fixtures)
-from tests.swap_helpers import BS, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config
+from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu, write_device  # noqa: F401  (fixtures)
+from swap_helpers import BS, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config
 
 
 @pytest.fixture

@@ -29,8 +29,8 @@ from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import record_nbytes
 from lifecycle.swap_tier import SwapTier
-from tests.devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu  # noqa: F401  (shared fixtures)
-from tests.swap_helpers import BS, fill_sequence, kv_image, slot_image, swap_config
+from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu  # noqa: F401  (shared fixtures)
+from swap_helpers import BS, fill_sequence, kv_image, slot_image, swap_config
 
 
 @pytest.fixture

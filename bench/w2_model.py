@@ -1,0 +1,83 @@
+"""W2 (SPEC §7) through the ``HybridModel`` API, to compare with the trie + pool replay of w2.py.
+
+The same trace and rules, but every step is a public model call a scheduler would make:
+``alloc_sequence_for`` (prompt + generated tokens) + ``attach_prefix`` + ``grow`` at admission (grow evicts when short),
+``append_tokens`` for the generated tokens, ``cache_sequence`` + ``free_sequence`` at finish.
+The model is pure attention (one small layer: the replay measures bookkeeping, not bandwidth).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from w2 import REFERENCE_HIT_TOKENS, REFERENCE_PROMPT_TOKENS, W2Trace, load_w2, result
+
+from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
+
+REPEATS = 3
+
+
+def replay_model(trace: W2Trace) -> tuple[float, int, int]:
+    """One timed replay on a fresh model; returns (seconds, hit tokens, blocks evicted)."""
+    config = ModelConfig(
+        layers=(AttentionLayer(num_kv_heads=1, head_dim=8),),
+        block_size=trace.block_size,
+        num_blocks=trace.num_blocks,
+        max_seqs=trace.max_live,
+        name="w2",
+    )
+    model = HybridModel(config, "host")
+    requests = [
+        (trace.tokens[i][: trace.prompt_lens[i]], trace.tokens[i][trace.prompt_lens[i] :], trace.prompt_lens[i] + trace.gen_len)
+        for i in range(trace.num_requests)
+    ]
+    live: deque[SequenceState] = deque()
+    max_live = trace.max_live
+    alloc, attach, grow = model.alloc_sequence_for, model.attach_prefix, model.grow
+    cache, free = model.cache_sequence, model.free_sequence
+
+    def finish() -> None:
+        seq = live.popleft()
+        cache(seq)
+        free(seq)
+
+    start = time.perf_counter()
+    for prompt, generated, total in requests:
+        if len(live) == max_live:
+            finish()
+        seq = alloc(total)
+        attach(seq, prompt)
+        grow(seq, total)
+        seq.append_tokens(generated)
+        live.append(seq)
+    while live:
+        finish()
+    seconds = time.perf_counter() - start
+    model.check_invariants()
+    stats = model.stats()
+    model.teardown()
+    report = model.teardown_report
+    if report is None or report.leaked:
+        raise AssertionError(f"W2 through the model leaked: {report}")
+    return seconds, stats.prefix_hit_tokens, stats.blocks_evicted
+
+
+def run(trace_path: Path, repeats: int = REPEATS) -> list[dict[str, Any]]:
+    """Median of ``repeats`` replays; asserts the hit tokens equal the peers' to the token."""
+    trace = load_w2(trace_path)
+    prompt_tokens = sum(trace.prompt_lens)
+    runs = [replay_model(trace) for _ in range(repeats)]
+    seconds = statistics.median(r[0] for r in runs)
+    _, hit_tokens, blocks_evicted = runs[0]
+    if prompt_tokens != REFERENCE_PROMPT_TOKENS or hit_tokens != REFERENCE_HIT_TOKENS:
+        raise AssertionError(
+            f"W2 (model API) hit {hit_tokens} of {prompt_tokens} prompt tokens; the peers hit "
+            f"{REFERENCE_HIT_TOKENS} of {REFERENCE_PROMPT_TOKENS}"
+        )
+    record = result("lifecycle-model", seconds, hit_tokens, prompt_tokens, blocks_evicted, trace.num_requests)
+    record["workload"] = "W2-model"
+    return [record]
