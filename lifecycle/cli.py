@@ -34,7 +34,7 @@ DEFAULT_TURNS: Final = 4
 #: pool that a full batch of the default trace's chats just overflows, so one run shows prefix reuse,
 #: eviction and preemption by swap together.
 SIMULATION_SIZING: Final[dict[str, dict[str, int]]] = {
-    "small-hybrid": {"num_blocks": 2048, "num_snapshots": 128},
+    "small-hybrid": {"num_blocks": 2048, "num_snapshots": 256},
 }
 _PLOT_SUFFIXES: Final = (".png", ".svg", ".pdf")
 _PLOT_HINT: Final = "--plot needs matplotlib: pip install 'kv-lifecycle[plot]' (or: pip install matplotlib)"

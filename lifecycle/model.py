@@ -718,6 +718,7 @@ class HybridModel(LifecycleDefaults):
             self._adapters.release(slot, uid)
 
     def _release_pins(self, holdings: Holdings) -> None:
+        holdings.rolling_snapshot = None  # the snapshot stays cached with its node
         pinned, holdings.pinned_nodes = holdings.pinned_nodes, _EMPTY_I32
         cache_pins, holdings.cache_pins = holdings.cache_pins, []
         holdings.pinned_depth = 0
@@ -743,23 +744,39 @@ class HybridModel(LifecycleDefaults):
 
     # ------------------------------------------------------------------ snapshots
 
-    def _save_snapshot(self, slot: int, node_id: int) -> None:
+    def _save_snapshot(self, slot: int, node_id: int) -> int:
+        """Snapshot ``slot`` at ``node_id`` (or refresh the node's existing snapshot's LRU
+        position); returns the snapshot id."""
         snapshots = self._snapshots
         assert snapshots is not None
-        if self._trie.get_tag(node_id) >= 0:
-            snapshots.touch(self._trie.get_tag(node_id))
-            return
+        existing = self._trie.get_tag(node_id)
+        if existing >= 0:
+            snapshots.touch(existing)
+            return existing
         snapshot_id, dropped_node = snapshots.save(slot, node_id)
         if dropped_node >= 0:
             self._trie.set_tag(dropped_node, -1)
             self._stats.snapshots_evicted += 1
         self._trie.set_tag(node_id, snapshot_id)
         self._stats.snapshots_saved += 1
+        return snapshot_id
 
-    def save_snapshot(self, seq: SequenceState, num_tokens: int) -> bool:
+    def _drop_snapshot(self, node_id: int, snapshot_id: int) -> None:
+        """Drop a rolling snapshot unless it was reused meanwhile by another node (LRU)."""
+        snapshots = self._snapshots
+        if snapshots is not None and self._trie.get_tag(node_id) == snapshot_id:
+            self._trie.set_tag(node_id, -1)
+            snapshots.drop(np.array([snapshot_id], dtype=np.int32))
+
+    def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
         SSM state in its slot has consumed exactly) with an SSM snapshot at that point, so a later
-        hybrid lookup can reuse them. Returns False when snapshots are disabled."""
+        hybrid lookup can reuse them. Returns False when snapshots are disabled.
+
+        ``rolling=True`` replaces the sequence's previous rolling snapshot: an engine can take one
+        at every block boundary while decoding, so that the state at the last whole block of the
+        finished sequence (where the next turn of a chat resumes) is cached, at the cost of one
+        snapshot per live sequence."""
         with self._lock:
             started = self._enter()
             holdings = self._holdings(seq)
@@ -782,7 +799,12 @@ class HybridModel(LifecycleDefaults):
             )
             self._stats.blocks_cached += taken
             self._pin_path(holdings, node_ids)
-            self._save_snapshot(seq.slot_idx, int(node_ids[full - 1]))
+            node = int(node_ids[full - 1])
+            previous = holdings.rolling_snapshot
+            if rolling and previous is not None and previous[0] != node:
+                self._drop_snapshot(*previous)
+            snapshot_id = self._save_snapshot(seq.slot_idx, node)
+            holdings.rolling_snapshot = (node, snapshot_id) if rolling else None
             self._leave(started)
             return True
 

@@ -609,9 +609,12 @@ class _Simulation:
         # The newest token is sampled, not yet fed through the SSM layers.
         consumed = seq.num_tokens - 1
         seq.ssm_tokens = consumed
+        if consumed % self.block_size or consumed <= seq.prompt_len:
+            return
+        # Every block boundary gets a rolling snapshot (the last one is where the chat's next turn
+        # resumes); every interval a snapshot that stays.
         interval = self.options.snapshot_interval_blocks * self.block_size
-        if interval and consumed % interval == 0 and consumed > seq.prompt_len:
-            self.model.save_snapshot(seq, consumed)
+        self.model.save_snapshot(seq, consumed, rolling=not (interval and consumed % interval == 0))
 
     def _preempt(self, live: _Live) -> None:
         """Take ``live`` off the batch: swap it out, or (tier missing or refusing) cache and free it

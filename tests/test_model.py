@@ -820,3 +820,34 @@ def test_sequences_on_a_stream_of_threads_keep_invariants(model: HybridModel) ->
         t.join()
     assert errors == []
     assert_clean(model)
+
+
+def test_a_rolling_snapshot_replaces_the_previous_one(model: HybridModel) -> None:
+    seq = model.alloc_sequence()
+    model.attach_prefix(seq, prompt(8))
+    model.grow(seq, 16)
+    seq.append_tokens(range(100, 108))
+    assert model.save_snapshot(seq, 8, rolling=True)
+    model.check_invariants()
+    assert model.save_snapshot(seq, 12, rolling=True)
+    model.check_invariants()
+    assert model._snapshots is not None and model._snapshots.num_used == 1
+    assert model.save_snapshot(seq, 16)  # a kept one: the rolling one at 12 stays too
+    assert model._snapshots.num_used == 2
+    model.free_sequence(seq)
+    resumed = model.alloc_sequence()
+    tokens = np.concatenate((prompt(8), np.arange(100, 108, dtype=np.int32), prompt(3, start=900)))
+    assert model.attach_prefix(resumed, tokens) == 16
+    model.free_sequence(resumed)
+    assert_clean(model)
+
+
+def test_save_snapshot_refuses_a_point_off_a_block_boundary(model: HybridModel) -> None:
+    seq = run_prefill(model, prompt(9))
+    with pytest.raises(InvalidId, match="num_tokens=6"):
+        model.save_snapshot(seq, 6)
+    with pytest.raises(InvalidId, match="num_tokens=12"):
+        model.save_snapshot(seq, 12)  # past the sequence's 9 tokens
+    model.check_invariants()
+    model.free_sequence(seq)
+    assert_clean(model)
