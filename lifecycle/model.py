@@ -50,6 +50,7 @@ from lifecycle.swap import StagingBuffer, SwapContext, restore as swap_restore, 
 __all__ = ["HybridModel", "TeardownReport"]
 
 _log = logging.getLogger("lifecycle.model")
+_now = time.perf_counter_ns
 _model_ids = itertools.count(1)
 _NO_ROOT: Final = 0
 _EMPTY_I32: Final = np.empty(0, dtype=np.int32)
@@ -128,14 +129,14 @@ class HybridModel(LifecycleDefaults):
 
     def _enter(self) -> int:
         """Start of every public call (lock held): refuse after teardown, reap dropped sequences."""
-        if self._torn_down:
-            raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
-        if self._drop_queue:
+        if self._torn_down or self._drop_queue:
+            if self._torn_down:
+                raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
             self._reap_dropped()
-        return time.perf_counter_ns()
+        return _now()
 
     def _leave(self, started: int) -> None:
-        self._stats.time_in_library_ns += time.perf_counter_ns() - started
+        self._stats.time_in_library_ns += _now() - started
 
     def _holdings(self, seq: SequenceState) -> Holdings:
         if not isinstance(seq, SequenceState):
@@ -696,16 +697,18 @@ class HybridModel(LifecycleDefaults):
         """Adapter reference, prefix pins, block references: each step runs even if one before it
         failed; the first failure is raised at the end. The sequence counts as freed either way."""
         first_error: BaseException | None = None
-        steps: tuple[Callable[[Holdings], None], ...] = (
-            self._release_adapter,
-            self._release_pins,
-            self._release_blocks,
-        )
-        for step in steps:
-            try:
-                step(holdings)
-            except BaseException as exc:
-                first_error = first_error or exc
+        try:
+            self._release_adapter(holdings)
+        except BaseException as exc:
+            first_error = exc
+        try:
+            self._release_pins(holdings)
+        except BaseException as exc:
+            first_error = first_error or exc
+        try:
+            self._release_blocks(holdings)
+        except BaseException as exc:
+            first_error = first_error or exc
         holdings.status = SeqStatus.FREED
         self._live.pop(holdings.seq_id, None)
         if first_error is not None:

@@ -101,7 +101,7 @@ class SequenceState:
         "num_cached_tokens",
         "ssm_tokens",
         "budget_tokens",
-        "draft_tokens",
+        "_draft_tokens",
         "_failed",
         "_drop_queue",
         "__weakref__",
@@ -134,8 +134,7 @@ class SequenceState:
         self.ssm_tokens: int | None = None
         #: The most tokens this request can reach (prompt + max new tokens).
         self.budget_tokens = budget_tokens
-        #: Per-sequence proposer state for speculative decoding: draft token ids, sized to the budget.
-        self.draft_tokens: npt.NDArray[np.int32] = np.zeros(budget_tokens, dtype=np.int32)
+        self._draft_tokens: npt.NDArray[np.int32] | None = None
         self._failed = False
         self._drop_queue = drop_queue
 
@@ -167,6 +166,14 @@ class SequenceState:
     def ssm_addrs(self) -> tuple[tuple[int, int], ...]:
         """Per SSM layer, the (h_state, conv_state) device addresses of this sequence's slot."""
         return self._ssm_addrs
+
+    @property
+    def draft_tokens(self) -> npt.NDArray[np.int32]:
+        """Per-sequence proposer state for speculative decoding: draft token ids, sized to the
+        budget (allocated on first use, so sequences that never draft pay nothing)."""
+        if self._draft_tokens is None:
+            self._draft_tokens = np.zeros(self.budget_tokens, dtype=np.int32)
+        return self._draft_tokens
 
     @property
     def block_table(self) -> npt.NDArray[np.int32]:
