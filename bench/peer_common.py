@@ -1,0 +1,114 @@
+"""Shared by the peer runners (``peer_*.py``), which run inside each peer's virtual environment.
+
+Only numpy and the standard library here: the peers' environments do not have ``lifecycle``.
+Every runner prints one JSON line per workload, in the same shape as ``bench/workloads.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from w2 import REPEATS, W2Trace, load_w2, result  # noqa: E402
+
+W1Replay = Callable[[NDArray[np.int32], int], float]
+W2Replay = Callable[[W2Trace], tuple[float, int, int]]
+
+
+class _ImportStub(types.ModuleType):
+    """A module whose every attribute is another stub; calling anything in it raises."""
+
+    def __getattr__(self, name: str) -> _ImportStub:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        child = _ImportStub(f"{self.__name__}.{name}")
+        setattr(self, name, child)
+        return child
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{self.__name__} is an import stub: the benchmark must not use it")
+
+    def __mro_entries__(self, bases: tuple[object, ...]) -> tuple[type, ...]:
+        return (object,)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, package: str, version: str) -> None:
+        self.package = package
+        self.version = version
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == self.package or fullname.startswith(self.package + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _ImportStub(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []
+        module.__version__ = self.version  # type: ignore[attr-defined]
+
+
+def stub_torchvision(version: str = "0.28.0") -> None:
+    """Make ``import torchvision...`` succeed with stubs (see peer_sglang.py for why)."""
+    sys.meta_path.insert(0, _StubFinder("torchvision", version))
+
+
+def load_w1(trace_path: Path) -> tuple[NDArray[np.int32], int, int]:
+    """The W1 ops ``(op, seq_id, k)``, the pool size, and the blocks allocated in all."""
+    with np.load(trace_path) as trace:
+        meta = json.loads(str(trace["meta"]))["w1"]
+        return trace["w1_ops"], int(meta["num_blocks"]), int(meta["blocks_allocated"])
+
+
+def w1_record(library: str, seconds: float, blocks: int, note: str = "") -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "workload": "W1",
+        "library": library,
+        "ns_per_block": round(seconds / blocks * 1e9, 2),
+    }
+    if note:
+        record["note"] = note
+    return record
+
+
+def main(library: str, replay_w1: W1Replay, replay_w2: W2Replay, *, w1_note: str = "", w2_note: str = "") -> int:
+    """Run W1 and W2 (best of ``--repeats``) and print one JSON line each."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--workloads", default="w1,w2")
+    args = parser.parse_args()
+    wanted = set(args.workloads.split(","))
+    if "w1" in wanted:
+        ops, num_blocks, blocks = load_w1(args.trace)
+        seconds = min(replay_w1(ops, num_blocks) for _ in range(args.repeats))
+        print(json.dumps(w1_record(library, seconds, blocks, w1_note)), flush=True)
+    if "w2" in wanted:
+        trace = load_w2(args.trace)
+        runs = [replay_w2(trace) for _ in range(args.repeats)]
+        _, hit_tokens, evicted = runs[0]
+        record = result(
+            library, min(r[0] for r in runs), hit_tokens, sum(trace.prompt_lens), evicted, trace.num_requests
+        )
+        if w2_note:
+            record["note"] = w2_note
+        print(json.dumps(record), flush=True)
+    return 0

@@ -1,0 +1,178 @@
+"""W1 and W2 for lifecycle, vLLM and SGLang, side by side in one run (SPEC §7). Not part of CI.
+
+    python bench/peers.py              # install the peers if needed, run, print one table
+    python bench/peers.py --json       # one JSON line per (workload, library)
+
+Each peer gets its own virtual environment under ``bench/.venv-peers/`` (ignored by git) with
+CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by a constraints file
+(``torch==2.13.0`` resolves to /opt/wheels' ``+cpu`` build, so pip never pulls a CUDA build), the
+peer itself is installed with ``--no-deps``, and only the packages that its block pool / radix tree
+modules import come next to it (listed below with the versions measured).
+
+The peers run from ``peer_vllm.py`` and ``peer_sglang.py`` inside their environments, replaying the
+same traces by the same rules as ``w2.py`` (hit tokens are checked against the reference there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import venv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from workloads import DEFAULT_TRACE  # noqa: E402
+
+VENVS = HERE / ".venv-peers"
+TORCH = "torch==2.13.0"
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    package: str
+    runner: str
+    deps: tuple[str, ...]
+    probe: str  # the imports the runner needs, checked after installing
+
+
+PEERS = {
+    "vllm": Peer(
+        name="vllm",
+        package="vllm==0.33.0",
+        runner="peer_vllm.py",
+        deps=(
+            "aiohttp==3.14.5", "cachetools==8.0.2", "cbor2==6.3.0", "cloudpickle==3.1.3",
+            "fastapi==0.165.0", "llguidance==1.9.1", "msgspec==0.22.0", "openai-harmony==0.0.8",
+            "openai==3.57.0", "partial-json-parser==0.2.1.1.post7", "pillow==13.0.0",
+            "prometheus-client==0.26.0", "psutil==7.2.2", "py-cpuinfo==9.0.0", "pybase64==1.5.1",
+            "pyzmq==27.3.0", "requests==2.34.2", "uvloop==0.23.0", "xgrammar==0.2.9",
+        ),
+        probe="from vllm.v1.core.block_pool import BlockPool; from vllm.utils.hashing import get_hash_fn_by_name",
+    ),
+    "sglang": Peer(
+        name="sglang",
+        package="sglang==0.5.23",
+        runner="peer_sglang.py",
+        deps=(
+            "aiohttp==3.14.5", "apache-tvm-ffi==0.1.11", "compressed-tensors==0.20.1", "dill==0.4.1",
+            "gguf==0.19.0", "ipython==9.18.1", "msgspec==0.22.0", "orjson==3.13.0", "pillow==13.0.0",
+            "pybase64==1.5.1", "pyzmq==27.3.0", "sentencepiece==0.2.3", "starlette==1.10.0",
+            "triton==3.9.0",
+        ),
+        probe=(
+            "import sys; sys.path.insert(0, {here!r}); from peer_common import stub_torchvision; "
+            "stub_torchvision(); from sglang.srt.mem_cache.radix_cache import RadixCache; "
+            "from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator"
+        ),
+    ),
+}
+
+
+def _python(env: Path) -> Path:
+    return env / "bin" / "python"
+
+
+def _pip(env: Path, *args: str) -> None:
+    command = [str(_python(env)), "-m", "pip", "install", "-q", "-c", str(env / "constraints.txt"), *args]
+    print(f"[peers] {' '.join(command[2:])}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True)
+
+
+def ensure_peer(peer: Peer) -> Path:
+    """The peer's virtual environment, created and filled unless it already matches the spec."""
+    env = VENVS / peer.name
+    marker = env / "lifecycle-peer.json"
+    spec = {"package": peer.package, "torch": TORCH, "deps": list(peer.deps)}
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return env
+    print(f"[peers] creating {env}", file=sys.stderr, flush=True)
+    venv.EnvBuilder(with_pip=True, clear=True).create(env)
+    (env / "constraints.txt").write_text(f"{TORCH}\n")
+    _pip(env, TORCH, "numpy")
+    _pip(env, *peer.deps)
+    _pip(env, "--no-deps", peer.package)
+    probe = subprocess.run(
+        [str(_python(env)), "-c", peer.probe.format(here=str(HERE))], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        raise SystemExit(
+            f"[peers] {peer.package} installed but its modules do not import:\n{probe.stderr[-3000:]}"
+        )
+    marker.write_text(json.dumps(spec))
+    return env
+
+
+def run_peer(peer: Peer, env: Path, trace: Path, repeats: int) -> list[dict[str, Any]]:
+    completed = subprocess.run(
+        [str(_python(env)), "-W", "ignore", str(HERE / peer.runner), str(trace), "--repeats", str(repeats)],
+        capture_output=True,
+        text=True,
+    )
+    if completed.returncode != 0:
+        raise SystemExit(f"[peers] {peer.runner} failed:\n{completed.stderr[-3000:]}")
+    return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+
+
+def run_lifecycle(trace: Path, repeats: int) -> list[dict[str, Any]]:
+    from w2 import run as run_w2
+
+    results: list[dict[str, Any]] = []
+    if (HERE / "w1.py").is_file():
+        from w1 import run as run_w1
+
+        results += [r for r in run_w1(trace) if r.get("library") == "lifecycle"]
+    return results + run_w2(trace, repeats)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    w1 = {r["library"]: r for r in results if r["workload"] == "W1"}
+    w2 = {r["library"]: r for r in results if r["workload"] == "W2"}
+    libraries = list(dict.fromkeys(r["library"] for r in results))
+    lines = [
+        f"{'library':<10} {'W1 ns/block':>12} {'W2 us/request':>14} {'hit rate':>9} {'hit tokens':>11} "
+        f"{'evicted':>8}  W2 vs lifecycle",
+    ]
+    ours = w2.get("lifecycle", {}).get("us_per_request")
+    for library in libraries:
+        one = w1.get(library, {})
+        two = w2.get(library, {})
+        ratio = f"{two['us_per_request'] / ours:.1f}x slower" if ours and library != "lifecycle" and two else ""
+        lines.append(
+            f"{library:<10} {one.get('ns_per_block', '-'):>12} {two.get('us_per_request', '-'):>14} "
+            f"{two.get('hit_rate', 0) * 100:>8.3f}% {two.get('hit_tokens', '-'):>11} "
+            f"{two.get('blocks_evicted', '-'):>8}  {ratio}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="one JSON line per (workload, library)")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--peers", default="vllm,sglang", help="comma-separated subset of vllm,sglang")
+    parser.add_argument("--repeats", type=int, default=3, help="replays per workload; the best counts")
+    args = parser.parse_args(argv)
+    if not args.trace.is_file():
+        parser.error(f"--trace {args.trace}: no such file")
+    chosen = [PEERS[name] for name in args.peers.split(",") if name]
+    envs = {peer.name: ensure_peer(peer) for peer in chosen}
+    results = run_lifecycle(args.trace, args.repeats)
+    for peer in chosen:
+        results += run_peer(peer, envs[peer.name], args.trace, args.repeats)
+    if args.json:
+        for record in results:
+            print(json.dumps(record), flush=True)
+    else:
+        print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
