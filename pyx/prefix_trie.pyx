@@ -874,43 +874,48 @@ cdef class PrefixTrie:
         Node ids handed out before become invalid; tags of dropped nodes go to ``evicted_tags``.
         """
         cdef Py_ssize_t i, count = 0
-        cdef cnp.npy_intp dim = self._num_cached
         cdef int32_t *dest
-        out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
-        dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
         with nogil:
             _acquire(self)
-            for i in range(self._high_water):
-                if self._nodes[i].parent >= 0:
-                    dest[count] = self._nodes[i].block_id
-                    count += 1
-                    if self._nodes[i].tag >= 0:
-                        self._evicted_tags[self._num_evicted_tags] = self._nodes[i].tag
-                        self._num_evicted_tags += 1
-            memset(self._buckets, 0xFF, self._capacity * sizeof(int32_t))
-            self._high_water = 0
-            self._num_free_slots = 0
-            self._num_cached = 0
-            self._num_roots = 0
-            self._lru_head = -1
-            self._lru_tail = -1
-            self._lru_count = 0
+        try:
+            # Sized under the lock: another thread may have inserted since the call began.
+            out = _empty_int32(self._num_cached)
+            dest = _data(out)
+            with nogil:
+                for i in range(self._high_water):
+                    if self._nodes[i].parent >= 0:
+                        dest[count] = self._nodes[i].block_id
+                        count += 1
+                        if self._nodes[i].tag >= 0:
+                            self._evicted_tags[self._num_evicted_tags] = self._nodes[i].tag
+                            self._num_evicted_tags += 1
+                memset(self._buckets, 0xFF, self._capacity * sizeof(int32_t))
+                self._high_water = 0
+                self._num_free_slots = 0
+                self._num_cached = 0
+                self._num_roots = 0
+                self._lru_head = -1
+                self._lru_tail = -1
+                self._lru_count = 0
+        finally:
             _release(self)
         return out
 
     def cached_block_ids(self):
         """The block id of every cached node (a block cached at two nodes appears twice)."""
         cdef Py_ssize_t i, count = 0
-        cdef cnp.npy_intp dim = self._num_cached
         cdef int32_t *dest
-        out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
-        dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
         with nogil:
             _acquire(self)
-            for i in range(self._high_water):
-                if self._nodes[i].parent >= 0:
-                    dest[count] = self._nodes[i].block_id
-                    count += 1
+        try:
+            out = _empty_int32(self._num_cached)
+            dest = _data(out)
+            with nogil:
+                for i in range(self._high_water):
+                    if self._nodes[i].parent >= 0:
+                        dest[count] = self._nodes[i].block_id
+                        count += 1
+        finally:
             _release(self)
         return out
 
