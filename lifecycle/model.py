@@ -366,9 +366,11 @@ class HybridModel(LifecycleDefaults):
             self.teardown_report = report
             self._live.clear()
             self._slot_owner.clear()
-            self._release_device_memory()
-            if self._owns_device:
-                self._device.close()
+            try:
+                self._release_device_memory()
+            finally:
+                if self._owns_device:
+                    self._device.close()
             if report.leaked:
                 _log.warning("teardown of %r released memory still referenced: %s", self._config.name, report)
 
@@ -440,12 +442,14 @@ class HybridModel(LifecycleDefaults):
                 raise SequenceStateError(f"restore_sequence_state: sequence {seq.seq_id} is detached")
             if not isinstance(num_blocks, int) or num_blocks < 0:
                 raise InvalidId(f"restore_sequence_state: num_blocks={num_blocks!r} must be an int >= 0")
-            self._grow_blocks(holdings, num_blocks)
             try:
-                read = swap_restore(self._swap_ctx, seq, num_blocks, reader)
+                read = swap_restore(
+                    self._swap_ctx, seq, num_blocks, reader, allocate=lambda: self._grow_blocks(holdings, num_blocks)
+                )
             except BaseException:
-                self._pool.dec_ref(holdings.block_ids())
-                holdings.num_blocks = 0
+                if holdings.num_blocks:
+                    self._pool.dec_ref(holdings.block_ids())
+                    holdings.num_blocks = 0
                 self._stats.swap_failures += 1
                 raise
             self._stats.swaps_in += 1
@@ -756,13 +760,15 @@ class HybridModel(LifecycleDefaults):
         if existing >= 0:
             snapshots.touch(existing)
             return existing
-        snapshot_id, dropped_node = snapshots.save(slot, node_id)
-        if dropped_node >= 0:
-            self._trie.set_tag(dropped_node, -1)
-            self._stats.snapshots_evicted += 1
+        snapshot_id = snapshots.save(slot, node_id, self._forget_snapshot)
         self._trie.set_tag(node_id, snapshot_id)
         self._stats.snapshots_saved += 1
         return snapshot_id
+
+    def _forget_snapshot(self, node_id: int) -> None:
+        """The snapshot pool reused ``node_id``'s snapshot (LRU): the node keeps its KV only."""
+        self._trie.set_tag(node_id, -1)
+        self._stats.snapshots_evicted += 1
 
     def _drop_snapshot(self, node_id: int, snapshot_id: int) -> None:
         """Drop a rolling snapshot unless it was reused meanwhile by another node (LRU)."""
@@ -806,8 +812,10 @@ class HybridModel(LifecycleDefaults):
             previous = holdings.rolling_snapshot
             if rolling and previous is not None and previous[0] != node:
                 self._drop_snapshot(*previous)
+            created = self._trie.get_tag(node) < 0
             snapshot_id = self._save_snapshot(seq.slot_idx, node)
-            holdings.rolling_snapshot = (node, snapshot_id) if rolling else None
+            # Only a snapshot this call took may be dropped by the sequence's next rolling save.
+            holdings.rolling_snapshot = (node, snapshot_id) if rolling and created else None
             self._leave(started)
             return True
 
@@ -859,7 +867,10 @@ class HybridModel(LifecycleDefaults):
 def _as_tokens(prompt: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:
     if isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and prompt.ndim == 1:
         return cast("npt.NDArray[np.int32]", prompt)
-    tokens = np.asarray(prompt, dtype=np.int64)
+    try:
+        tokens = np.asarray(prompt, dtype=np.int64)
+    except OverflowError:
+        raise InvalidId("prompt token ids must lie in [0, 2147483647]; one does not fit 64 bits") from None
     if tokens.ndim != 1:
         raise InvalidId(f"prompt must be a one-dimensional token sequence, got shape {tokens.shape}")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0x7FFFFFFF):

@@ -229,7 +229,10 @@ class SequenceState:
         ):
             new = tokens  # every value fits the int32 token buffer: nothing to check
         else:
-            new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+            try:
+                new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+            except OverflowError:
+                raise SequenceStateError("token ids must lie in [0, 2147483647]; one does not fit 64 bits") from None
             if new.ndim != 1:
                 raise SequenceStateError(f"tokens must be one-dimensional, got shape {new.shape}")
             if new.size and (int(new.min()) < 0 or int(new.max()) > 0x7FFFFFFF):

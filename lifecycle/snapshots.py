@@ -10,6 +10,7 @@ that node). Evicting a node drops its snapshot with it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, final
 
 import numpy as np
@@ -58,17 +59,24 @@ class SnapshotPool:
             copies.append((snap_addr, slot_addr, nbytes) if to_snapshot else (slot_addr, snap_addr, nbytes))
         return copies
 
-    def save(self, slot: int, node_id: int) -> tuple[int, int]:
-        """Copy ``slot``'s state into a snapshot for ``node_id``. Returns (snapshot id, the node
-        whose snapshot was dropped to make room, or -1)."""
-        dropped_node = -1
+    def save(self, slot: int, node_id: int, forget: Callable[[int], None]) -> int:
+        """Copy ``slot``'s state into a snapshot for ``node_id`` and wait for the copy (the engine
+        writes the slot again at its next step); returns the snapshot id. When the pool is full the
+        least recently used snapshot is reused, and ``forget(its node)`` is called first. If the
+        copy fails, the snapshot goes back to the free list."""
         if self._free:
             snapshot_id = self._free.pop()
         else:
             snapshot_id, dropped_node = self._lru.popitem(last=False)
-        self._device.copy_batch(self._copies(snapshot_id, slot, to_snapshot=True))
+            forget(dropped_node)
+        try:
+            self._device.copy_batch(self._copies(snapshot_id, slot, to_snapshot=True))
+            self._device.synchronize()
+        except BaseException:
+            self._free.append(snapshot_id)
+            raise
         self._lru[snapshot_id] = node_id
-        return snapshot_id, dropped_node
+        return snapshot_id
 
     def restore_into(self, snapshot_id: int, slot: int) -> None:
         """Copy a snapshot into ``slot`` and wait for it, so the snapshot's memory may be reused

@@ -28,7 +28,7 @@ propagates unchanged.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO, Final, Protocol
 
@@ -347,6 +347,9 @@ class _Out:
         self.offset += total
 
 
+_READ_CHUNK: Final = 1 << 20
+
+
 class _In:
     """The reader, counting bytes; a short stream raises SwapFormatError naming the offset."""
 
@@ -387,9 +390,21 @@ class _In:
         self.offset += total
 
     def read(self, nbytes: int) -> npt.NDArray[np.uint8]:
-        out = np.empty(nbytes, dtype=np.uint8)
-        self.readinto(out.data)
-        return out
+        """Read exactly ``nbytes``. Memory grows with the bytes that actually arrive (chunks of at
+        most ``_READ_CHUNK``), so a forged size on a short stream fails as truncated before it can
+        allocate what it announced."""
+        if nbytes <= _READ_CHUNK:
+            out = np.empty(nbytes, dtype=np.uint8)
+            self.readinto(out.data)
+            return out
+        parts = []
+        left = nbytes
+        while left:
+            part = np.empty(min(left, _READ_CHUNK), dtype=np.uint8)
+            self.readinto(part.data)
+            parts.append(part)
+            left -= part.shape[0]
+        return np.concatenate(parts)
 
 
 def _check_section(name: str, stored: int, computed: int, offset: int) -> None:
@@ -703,21 +718,31 @@ def _check_adapter(ctx: SwapContext, seq: SequenceState, name: bytes, generation
         )
 
 
-def restore(ctx: SwapContext, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> int:
-    """Stream a record into ``seq``, whose block table already holds ``num_blocks`` fresh blocks;
-    returns the bytes read. The header, layer table, adapter and tokens are checked before any
-    memory is written; KV is written into the fresh blocks as it streams (the caller frees them on
-    failure); the SSM state, tokens and prompt length are set only after every checksum verified.
-    Reads exactly the record's bytes from ``reader``, never beyond."""
+def restore(
+    ctx: SwapContext,
+    seq: SequenceState,
+    num_blocks: int,
+    reader: BinaryIO,
+    allocate: Callable[[], None] | None = None,
+) -> int:
+    """Stream a record into ``seq``; returns the bytes read. The header is read and checked against
+    the model first; then ``allocate()`` (if given) gives the sequence its ``num_blocks`` fresh
+    blocks, so a record refused by its header costs no allocation (nor any eviction). The layer
+    table, adapter and tokens are checked before any memory is written; KV is written into the
+    fresh blocks as it streams (the caller frees them on failure); the SSM state, tokens and prompt
+    length are set only after every checksum verified. Reads exactly the record's bytes from
+    ``reader``, never beyond."""
     layout = ctx.layout()
     slot = _slot_of(ctx, seq, "restore")
-    block_ids = seq.block_table
-    if block_ids.shape[0] != num_blocks:
-        raise SequenceStateError(f"restore: sequence {seq.seq_id} holds {block_ids.shape[0]} blocks, expected {num_blocks}")
     inp = _In(reader)
     header = parse_header(inp.read(HEADER_BYTES).data)
     _check_header(header, layout, num_blocks)
     inp.record_bytes = header.record_bytes
+    if allocate is not None:
+        allocate()
+    block_ids = seq.block_table
+    if block_ids.shape[0] != num_blocks:
+        raise SequenceStateError(f"restore: sequence {seq.seq_id} holds {block_ids.shape[0]} blocks, expected {num_blocks}")
 
     inp.section = layout.section_name(_META_SECTION)
     meta = inp.read(header.meta_bytes)
