@@ -121,7 +121,7 @@ def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
 
     def finish() -> None:
         tokens, block_table, node_ids, full_blocks = live.popleft()
-        insert(tokens, block_table[:full_blocks])
+        insert(tokens, block_table[:full_blocks], 0, known_prefix=node_ids)
         unpin(node_ids)
         dec_ref(block_table)
 

@@ -152,7 +152,14 @@ class PrefixCache:
 
     # -- inserting and evicting --
 
-    def insert(self, tokens: TokenArray, block_ids: Int32Array, adapter: int = 0) -> Int32Array:
+    def insert(
+        self,
+        tokens: TokenArray,
+        block_ids: Int32Array,
+        adapter: int = 0,
+        *,
+        known_prefix: Int32Array | None = None,
+    ) -> Int32Array:
         """Cache the ``len(block_ids)`` full blocks that start ``tokens``, under ``adapter``.
 
         Blocks at new nodes gain one cache reference. Returns the duplicates: the caller's blocks
@@ -160,8 +167,11 @@ class PrefixCache:
         nothing of the caller's there). The caller's own references are untouched either way: it
         releases every block it holds, duplicates included, when it frees the sequence.
 
-        All or nothing: an invalid block id (out of range, or free in the pool) or too few tokens
-        raise before the trie or any refcount changes.
+        ``known_prefix`` may name the nodes of a match the caller still holds pinned for these
+        tokens (``Match.node_ids``): they are verified rather than looked up again.
+
+        All or nothing: an invalid block id (out of range, or free in the pool), too few tokens or
+        a wrong known prefix raise before the trie or any refcount changes.
         """
         return self.insert_path(tokens, block_ids, adapter)[1]
 

@@ -382,6 +382,26 @@ cdef inline Py_ssize_t _walk(
     return k
 
 
+cdef Py_ssize_t _check_known_prefix(
+    PrefixTrie t, int32_t root, const int32_t *known, Py_ssize_t num_known, const int32_t *tokens
+) noexcept nogil:
+    # Index of the first entry that is not the node of its block on the path from root, or -1.
+    cdef Py_ssize_t i
+    cdef int32_t v, parent = root
+    cdef size_t nbytes = t._block_size * sizeof(int32_t)
+    for i in range(num_known):
+        v = known[i]
+        if (
+            root < 0
+            or not _is_cached_node(t, v)
+            or t._nodes[v].parent != parent
+            or memcmp(t._tokens + <Py_ssize_t>v * t._block_size, tokens + i * t._block_size, nbytes) != 0
+        ):
+            return i
+        parent = v
+    return -1
+
+
 cdef inline void _touch(PrefixTrie t, const int32_t *path, Py_ssize_t k) noexcept nogil:
     # Deepest first, so that each node lands after its descendants. Protected nodes form a prefix
     # of any path (a protected node's ancestors are protected), so the first one ends the walk.
@@ -732,7 +752,7 @@ cdef class PrefixTrie:
             raise InvalidId(f"node id {node_id} is not a cached node")
         return count
 
-    def insert(self, tokens, block_ids, adapter=0):
+    def insert(self, tokens, block_ids, adapter=0, *, known_prefix=None):
         """Cache the ``len(block_ids)`` full blocks at the start of ``tokens`` under ``adapter``.
 
         Returns ``(taken, duplicates, node_ids)``: ``taken`` are the caller's block ids now held by
@@ -741,6 +761,10 @@ cdef class PrefixTrie:
         node keeps its own block and the cache holds nothing of the caller's there; ``node_ids`` is
         the path, one node per block. ``taken`` is always a suffix of ``block_ids`` and
         ``duplicates`` the prefix before it. The path becomes the most recently used.
+
+        ``known_prefix``: node ids of a path the caller already holds for these tokens (its pinned
+        match). They are checked (live, linked from the adapter's root, same tokens) instead of
+        looked up, and anything else raises ``InvalidId`` with the trie unchanged.
         """
         cdef const int32_t *token_data = NULL
         cdef const int32_t *block_data = NULL
@@ -753,7 +777,9 @@ cdef class PrefixTrie:
         cdef TrieNode *node
         cdef uint64_t h
         cdef int failed = 0
-        node_path = _empty_int32(0)
+        cdef const int32_t *known = NULL
+        cdef Py_ssize_t num_known = 0
+        cdef Py_ssize_t bad_known = -1
         if not _int32_fast(tokens, &token_data, &num_tokens):
             tokens = _coerce_int32(tokens, "tokens", -(1 << 31))
             _int32_fast(tokens, &token_data, &num_tokens)
@@ -768,12 +794,20 @@ cdef class PrefixTrie:
             raise InvalidId(
                 f"insert: {n} blocks need {n * bs} tokens but only {num_tokens} were given"
             )
+        if known_prefix is not None:
+            if not _int32_fast(known_prefix, &known, &num_known):
+                known_prefix = _coerce_int32(known_prefix, "known prefix", -(1 << 31))
+                _int32_fast(known_prefix, &known, &num_known)
+            if num_known > n:
+                raise InvalidId(f"insert: a known prefix of {num_known} nodes is longer than the {n} blocks")
         node_path = _empty_int32(n)
         path = _data(node_path)
         with nogil:
             _acquire(self)
             failed = self._ensure_slots(n + 1)
-            if not failed and n > 0:
+            if not failed and num_known > 0:
+                bad_known = _check_known_prefix(self, _find_root(self, key), known, num_known, token_data)
+            if not failed and n > 0 and bad_known < 0:
                 root = _find_root(self, key)
                 if root < 0:
                     root = _take_slot(self)
@@ -790,7 +824,13 @@ cdef class PrefixTrie:
                     node.depth = 0
                     _chain_link(self, root)
                     self._num_roots += 1
-                k = _walk(self, root, token_data, n, path)
+                if num_known > 0:
+                    memcpy(path, known, num_known * sizeof(int32_t))
+                    k = num_known + _walk(
+                        self, known[num_known - 1], token_data + num_known * bs, n - num_known, path + num_known
+                    )
+                else:
+                    k = _walk(self, root, token_data, n, path)
                 parent = path[k - 1] if k > 0 else root
                 h = self._nodes[parent].key_hash
                 for i in range(k, n):
@@ -822,6 +862,11 @@ cdef class PrefixTrie:
             _release(self)
         if failed:
             raise MemoryError(f"insert: cannot grow the trie by {n} nodes")
+        if bad_known >= 0:
+            raise InvalidId(
+                f"insert: known prefix entry {bad_known} (node id {known[bad_known]}) is not the cached "
+                "node of that block on this path"
+            )
         taken = _int32_array(block_data + k, n - k)
         duplicates = _int32_array(block_data, k)
         return taken, duplicates, node_path

@@ -121,6 +121,19 @@ def test_insert_counts_duplicates_and_new_nodes_under_each_adapter(cache: Prefix
     cache.check_invariants()
 
 
+def test_insert_after_an_attached_prefix_reuses_the_pinned_path(cache: PrefixCache) -> None:
+    kept = cache_blocks(cache, seq(1, 2))
+    match = cache.lookup(seq(1, 2, 3), pin=True)
+    cache.pool.inc_ref(match.block_ids)
+    block_table = np.concatenate([match.block_ids, cache.pool.allocate(1)])
+    duplicates = cache.insert(seq(1, 2, 3), block_table, known_prefix=match.node_ids)
+    assert duplicates.tolist() == kept.tolist()
+    cache.unpin(match.node_ids)
+    cache.pool.dec_ref(block_table)
+    assert cache.num_cached_blocks == 3
+    cache.check_invariants()
+
+
 # -- scenario 9: cache_sequence over existing nodes ---------------------------------------------
 
 

@@ -127,6 +127,34 @@ def test_reinserting_the_cached_blocks_takes_nothing(trie: PrefixTrie) -> None:
     assert trie.num_cached_blocks == 2
 
 
+def test_insert_with_a_known_prefix_extends_that_path(trie: PrefixTrie) -> None:
+    trie.insert(seq(1, 2), blocks(10, 11))
+    _, known = trie.match(seq(1, 2), pin=True)
+    taken, duplicates, path = trie.insert(seq(1, 2, 3), blocks(20, 21, 22), known_prefix=known)
+    assert (taken.tolist(), duplicates.tolist()) == ([22], [20, 21])
+    assert path[:2].tolist() == known.tolist()
+    assert trie.match(seq(1, 2, 3))[0].tolist() == [10, 11, 22]
+    trie.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["other tokens", "not linked", "other adapter", "too long"])
+def test_insert_refuses_a_wrong_known_prefix_unchanged(trie: PrefixTrie, case: str) -> None:
+    _, _, path = trie.insert(seq(1, 2), blocks(10, 11))
+    tokens, known, adapter = seq(1, 2, 3), path, 0
+    if case == "other tokens":
+        tokens = seq(1, 5, 3)
+    elif case == "not linked":
+        known = path[1:]
+    elif case == "other adapter":
+        adapter = 4
+    else:
+        known = np.concatenate([path, path])
+    with pytest.raises(InvalidId, match="known prefix"):
+        trie.insert(tokens, blocks(20, 21, 22), adapter, known_prefix=known)
+    assert trie.num_cached_blocks == 2
+    trie.check_invariants()
+
+
 def test_insert_of_zero_blocks_changes_nothing(trie: PrefixTrie) -> None:
     taken, duplicates, path = trie.insert(seq(1), blocks())
     assert taken.size == duplicates.size == path.size == 0

@@ -217,6 +217,26 @@ class TrieMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.pinned))
     @rule(data=st.data())
+    def insert_after_a_pinned_match(self, data: st.DataObject) -> None:
+        path = data.draw(st.sampled_from(self.pinned), label="pinned path")
+        tokens = [token for node in path for token in node.key] + self.draw_tokens(data)
+        count = data.draw(st.integers(len(path), len(tokens) // self.ref.block_size), label="blocks")
+        block_ids = list(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        adapter = path[0].adapter if path else 0
+        taken, duplicates, node_ids = self.trie.insert(
+            np.array(tokens, dtype=np.int32), block_ids, adapter, known_prefix=self.ids(path)
+        )
+        ref_path, existing = self.ref.insert(tokens, block_ids, adapter)
+        assert taken.tolist() == block_ids[existing:]
+        assert duplicates.tolist() == block_ids[:existing]
+        for node, node_id in zip(ref_path, node_ids.tolist()):
+            if node.node_id < 0:
+                node.node_id = node_id
+            assert node.node_id == node_id
+
+    @precondition(lambda self: bool(self.pinned))
+    @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
         path = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1), label="which"))
         order = data.draw(st.sampled_from(["path", "reversed"]), label="order")
