@@ -29,6 +29,7 @@ EMULATED_SUITES: list[str] = [
     "tests/test_swap_format.py",
     "tests/test_swap_model.py",
     "tests/test_swap_tier.py",
+    "tests/test_snapshots.py",
 ]
 
 TIMEOUT_S = 600
