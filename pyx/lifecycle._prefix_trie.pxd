@@ -8,12 +8,13 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from cpython.pythread cimport PyThread_type_lock
 
 
-# 48 bytes; with its hash bucket and free-stack entry (4 bytes each) a cached block costs 56 bytes
-# of metadata plus its tokens.
+# 52 bytes, 56 with alignment; with its hash bucket (4 bytes) a cached block costs 60 bytes of
+# metadata plus its tokens.
 cdef struct TrieNode:
     uint64_t key_hash      # chained hash of (parent's key_hash, tokens), masked; a root stores its adapter key
     int32_t parent         # parent node; -1 for an adapter root, -2 for an unused slot
-    int32_t hash_next      # next node in the same hash bucket
+    int32_t hash_next      # next node in the same hash bucket (next unused slot when unused)
+    int32_t hash_prev      # previous node in the same hash bucket, -1 at the head
     int32_t block_id       # the KV block the node holds; -1 for a root
     int32_t pin_count      # pins placed on this node itself
     int32_t lock_count     # pin_count + number of children with lock_count > 0 (0 = evictable)
@@ -37,7 +38,7 @@ cdef class PrefixTrie:
     cdef Py_ssize_t _bucket_mask
     cdef Py_ssize_t _num_evicted_tags
     cdef Py_ssize_t _evicted_tags_capacity
-    cdef int32_t *_free_slots      # stack of unused slots below _high_water
+    cdef int32_t _free_head        # most recently freed unused slot below _high_water, -1 if none
     cdef Py_ssize_t _num_free_slots
     cdef Py_ssize_t _num_cached    # live non-root nodes
     cdef Py_ssize_t _num_roots

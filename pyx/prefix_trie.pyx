@@ -228,12 +228,13 @@ cdef inline bint _is_cached_node(PrefixTrie t, int64_t v) noexcept nogil:
 
 
 cdef inline int32_t _take_slot(PrefixTrie t) noexcept nogil:
-    # The caller reserved capacity beforehand, so a slot is always there. A stack of free slots
-    # (not a chain through the nodes) hands one out without reading a cold node.
-    cdef int32_t v
-    if t._num_free_slots > 0:
+    # The caller reserved capacity beforehand, so a slot is always there. Unused slots are chained
+    # through hash_next, most recently freed first (the warmest).
+    cdef int32_t v = t._free_head
+    if v >= 0:
+        t._free_head = t._nodes[v].hash_next
         t._num_free_slots -= 1
-        return t._free_slots[t._num_free_slots]
+        return v
     v = <int32_t>t._high_water
     t._high_water += 1
     return v
@@ -244,23 +245,33 @@ cdef inline void _return_slot(PrefixTrie t, int32_t v) noexcept nogil:
     node.parent = FREE_PARENT
     node.block_id = -1
     node.tag = -1
-    node.hash_next = -1
-    t._free_slots[t._num_free_slots] = v
+    node.hash_prev = -1
+    node.hash_next = t._free_head
+    t._free_head = v
     t._num_free_slots += 1
 
 
 cdef inline void _chain_link(PrefixTrie t, int32_t v) noexcept nogil:
     cdef Py_ssize_t b = _bucket_of(t, v)
-    t._nodes[v].hash_next = t._buckets[b]
+    cdef int32_t head = t._buckets[b]
+    t._nodes[v].hash_next = head
+    t._nodes[v].hash_prev = -1
+    if head >= 0:
+        t._nodes[head].hash_prev = v
     t._buckets[b] = v
 
 
 cdef inline void _chain_unlink(PrefixTrie t, int32_t v) noexcept nogil:
-    cdef Py_ssize_t b = _bucket_of(t, v)
-    cdef int32_t *link = &t._buckets[b]
-    while link[0] != v:
-        link = &t._nodes[link[0]].hash_next
-    link[0] = t._nodes[v].hash_next
+    # Doubly linked: the LRU victim is usually behind newer nodes of its bucket, and walking to
+    # it would cost a cache miss per node passed. Here the neighbours are only written.
+    cdef int32_t prev = t._nodes[v].hash_prev
+    cdef int32_t after = t._nodes[v].hash_next
+    if prev >= 0:
+        t._nodes[prev].hash_next = after
+    else:
+        t._buckets[_bucket_of(t, v)] = after
+    if after >= 0:
+        t._nodes[after].hash_prev = prev
 
 
 cdef inline void _lru_append(PrefixTrie t, int32_t v) noexcept nogil:
@@ -498,6 +509,7 @@ cdef class PrefixTrie:
         self._hash_mask = 0xFFFFFFFFFFFFFFFFULL
         self._lru_head = -1
         self._lru_tail = -1
+        self._free_head = -1
         self._lock = PyThread_allocate_lock()
         self._hash_keys = <uint32_t *>malloc(2 * sizeof(uint32_t))
         if self._hash_keys != NULL:
@@ -539,7 +551,6 @@ cdef class PrefixTrie:
         free(self._buckets)
         free(self._evicted_tags)
         free(self._hash_keys)
-        free(self._free_slots)
         if self._lock != NULL:
             PyThread_free_lock(self._lock)
 
@@ -560,7 +571,6 @@ cdef class PrefixTrie:
         cdef TrieNode *nodes
         cdef int32_t *tokens
         cdef int32_t *buckets
-        cdef int32_t *free_slots
         cdef int32_t *tags
         # Every live node may add one tag before the next evicted_tags() call drains the buffer.
         cdef Py_ssize_t tags_needed = self._num_evicted_tags + live + extra
@@ -586,10 +596,6 @@ cdef class PrefixTrie:
         if tokens == NULL:
             return 1
         self._tokens = tokens
-        free_slots = <int32_t *>realloc(self._free_slots, capacity * sizeof(int32_t))
-        if free_slots == NULL:
-            return 1
-        self._free_slots = free_slots
         # One bucket per node slot keeps chains short (load factor <= 1).
         buckets = <int32_t *>malloc(capacity * sizeof(int32_t))
         if buckets == NULL:
@@ -636,15 +642,14 @@ cdef class PrefixTrie:
     def nbytes(self):
         """Bytes of C memory the trie holds now (nodes, token arena, buckets, evicted-tag buffer)."""
         return (
-            self._capacity * (sizeof(TrieNode) + sizeof(int32_t) * (self._block_size + 2))
+            self._capacity * (sizeof(TrieNode) + sizeof(int32_t) * (self._block_size + 1))
             + self._evicted_tags_capacity * sizeof(int32_t)
         )
 
     @staticmethod
     def metadata_bytes_per_block():
-        """Bytes of metadata per node slot, tokens excluded: the node, its hash bucket and its
-        entry in the free-slot stack."""
-        return sizeof(TrieNode) + 2 * sizeof(int32_t)
+        """Bytes of metadata per node slot, tokens excluded: the node and its hash bucket."""
+        return sizeof(TrieNode) + sizeof(int32_t)
 
     def reserve(self, Py_ssize_t num_blocks):
         """Grow the tables so that ``num_blocks`` blocks (plus one root each) fit without growing again."""
@@ -780,6 +785,8 @@ cdef class PrefixTrie:
         cdef const int32_t *known = NULL
         cdef Py_ssize_t num_known = 0
         cdef Py_ssize_t bad_known = -1
+        cdef Py_ssize_t width, j
+        cdef uint64_t hashes[WALK_WINDOW]
         if not _int32_fast(tokens, &token_data, &num_tokens):
             tokens = _coerce_int32(tokens, "tokens", -(1 << 31))
             _int32_fast(tokens, &token_data, &num_tokens)
@@ -833,26 +840,35 @@ cdef class PrefixTrie:
                     k = _walk(self, root, token_data, n, path)
                 parent = path[k - 1] if k > 0 else root
                 h = self._nodes[parent].key_hash
-                for i in range(k, n):
-                    h = _block_hash(h, token_data + i * bs, bs, self._hash_keys, self._hash_mask)
-                    v = _take_slot(self)
-                    node = &self._nodes[v]
-                    node.key_hash = h
-                    node.parent = parent
-                    node.block_id = block_data[i]
-                    node.pin_count = 0
-                    node.lock_count = 0
-                    node.num_children = 0
-                    node.lru_prev = -1
-                    node.lru_next = -1
-                    node.tag = -1
-                    node.depth = self._nodes[parent].depth + 1
-                    memcpy(self._tokens + <Py_ssize_t>v * bs, token_data + i * bs, bs * sizeof(int32_t))
-                    _chain_link(self, v)
-                    self._nodes[parent].num_children += 1
-                    self._num_cached += 1
-                    path[i] = v
-                    parent = v
+                i = k
+                while i < n:
+                    # Hash a window ahead and prefetch its buckets: linking a node reads its
+                    # bucket's head, a likely cache miss otherwise.
+                    width = min(<Py_ssize_t>WALK_WINDOW, n - i)
+                    for j in range(width):
+                        h = _block_hash(h, token_data + (i + j) * bs, bs, self._hash_keys, self._hash_mask)
+                        hashes[j] = h
+                        __builtin_prefetch(&self._buckets[h & <uint64_t>self._bucket_mask])
+                    for j in range(width):
+                        v = _take_slot(self)
+                        node = &self._nodes[v]
+                        node.key_hash = hashes[j]
+                        node.parent = parent
+                        node.block_id = block_data[i + j]
+                        node.pin_count = 0
+                        node.lock_count = 0
+                        node.num_children = 0
+                        node.lru_prev = -1
+                        node.lru_next = -1
+                        node.tag = -1
+                        node.depth = self._nodes[parent].depth + 1
+                        memcpy(self._tokens + <Py_ssize_t>v * bs, token_data + (i + j) * bs, bs * sizeof(int32_t))
+                        _chain_link(self, v)
+                        self._nodes[parent].num_children += 1
+                        self._num_cached += 1
+                        path[i + j] = v
+                        parent = v
+                    i += width
                 # Deepest first: new nodes join the list, existing unprotected ones move to its end.
                 i = n - 1
                 while i >= k:
@@ -895,10 +911,13 @@ cdef class PrefixTrie:
                 if self._nodes[v].num_children != 0:
                     failure = FAIL_NOT_A_LEAF
                     break
-                # Two steps ahead: the next victim's bucket, and the node after it.
+                # Two steps ahead: the next victim's chain neighbours, and the node after it.
                 next_victim = self._nodes[v].lru_next
                 if next_victim >= 0 and count + 1 < n:
-                    __builtin_prefetch(&self._buckets[self._nodes[next_victim].key_hash & <uint64_t>self._bucket_mask])
+                    if self._nodes[next_victim].hash_prev >= 0:
+                        __builtin_prefetch(&self._nodes[self._nodes[next_victim].hash_prev])
+                    else:
+                        __builtin_prefetch(&self._buckets[self._nodes[next_victim].key_hash & <uint64_t>self._bucket_mask])
                     if self._nodes[next_victim].lru_next >= 0:
                         __builtin_prefetch(&self._nodes[self._nodes[next_victim].lru_next])
                 _lru_remove(self, v)
@@ -937,6 +956,7 @@ cdef class PrefixTrie:
                 memset(self._buckets, 0xFF, self._capacity * sizeof(int32_t))
                 self._high_water = 0
                 self._num_free_slots = 0
+                self._free_head = -1
                 self._num_cached = 0
                 self._num_roots = 0
                 self._lru_head = -1
@@ -1079,16 +1099,21 @@ cdef class PrefixTrie:
         cdef TrieNode *node
         if hw > self._capacity or self._num_free_slots > hw:
             return f"{hw} used slots and {self._num_free_slots} free ones for capacity {self._capacity}"
-        for i in range(self._num_free_slots):
-            v = self._free_slots[i]
-            if not 0 <= v < hw or self._nodes[v].parent != FREE_PARENT or on_free_stack[v]:
-                return f"free slot stack entry {i} holds {v}, which is not an unused slot (or twice)"
+        v = self._free_head
+        steps = 0
+        while v >= 0:
+            if v >= hw or self._nodes[v].parent != FREE_PARENT or on_free_stack[v]:
+                return f"free list reaches slot {v}, which is not an unused slot (or twice)"
             on_free_stack[v] = 1
+            steps += 1
+            v = self._nodes[v].hash_next
+        if steps != self._num_free_slots:
+            return f"free list holds {steps} slots, its counter says {self._num_free_slots}"
         for i in range(hw):
             node = &self._nodes[i]
             if node.parent == FREE_PARENT:
                 if not on_free_stack[i]:
-                    return f"unused slot {i} is not on the free slot stack"
+                    return f"unused slot {i} is not on the free list"
                 continue
             live += 1
             if node.parent == ROOT_PARENT:
@@ -1126,10 +1151,14 @@ cdef class PrefixTrie:
             )
         for i in range(self._bucket_mask + 1):
             v = self._buckets[i]
+            prev = -1
             while v >= 0:
                 chained += 1
                 if chained > live:
                     return "hash chains hold more entries than live nodes (a cycle)"
+                if self._nodes[v].hash_prev != prev:
+                    return f"node {v} in bucket {i} points back to {self._nodes[v].hash_prev}, not {prev}"
+                prev = v
                 v = self._nodes[v].hash_next
         if chained != live:
             return f"hash chains hold {chained} entries for {live} live nodes"
