@@ -198,6 +198,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 if self._ssm is not None:
                     self._ssm.zero_slot(slot)
+                    self._device.synchronize()  # the engine's kernels may run on another stream
             except BaseException:
                 guard.release()
                 raise
@@ -542,6 +543,10 @@ class HybridModel(LifecycleDefaults):
             matched = int(node_ids.shape[0])
             reused = self._reusable_blocks(node_ids)
             block_ids, node_ids = block_ids[:reused], node_ids[:reused]
+            if self._snapshots is not None and reused:
+                # First, so that a failing copy leaves nothing to undo (the lock keeps the
+                # snapshot from being evicted meanwhile).
+                self._snapshots.restore_into(self._trie.get_tag(int(node_ids[reused - 1])), seq.slot_idx)
             # New references first, then the retry's old ones: a block in both never reaches 0.
             self._trie.pin(node_ids)
             self._pool.inc_ref(block_ids)
@@ -553,8 +558,6 @@ class HybridModel(LifecycleDefaults):
             holdings.ensure_capacity(-(-int(tokens.shape[0]) // self._block_size) + 1)
             holdings.blocks[:reused] = block_ids
             holdings.num_blocks = reused
-            if self._snapshots is not None and reused:
-                self._snapshots.restore_into(self._trie.get_tag(int(node_ids[reused - 1])), seq.slot_idx)
             if not seq.num_tokens:
                 seq.append_tokens(tokens)
                 seq.prompt_len = int(tokens.shape[0])
@@ -770,12 +773,25 @@ class HybridModel(LifecycleDefaults):
         self._trie.set_tag(node_id, -1)
         self._stats.snapshots_evicted += 1
 
-    def _drop_snapshot(self, node_id: int, snapshot_id: int) -> None:
-        """Drop a rolling snapshot unless it was reused meanwhile by another node (LRU)."""
+    def _owns_rolling(self, rolling: tuple[int, int, int]) -> bool:
+        """Whether a sequence's rolling snapshot (node, id, generation) is still the one it took:
+        the pool may have reused the id since (LRU), even for the same node."""
+        node_id, snapshot_id, generation = rolling
         snapshots = self._snapshots
-        if snapshots is not None and self._trie.get_tag(node_id) == snapshot_id:
+        return (
+            snapshots is not None
+            and self._trie.get_tag(node_id) == snapshot_id
+            and snapshots.generation(snapshot_id) == generation
+        )
+
+    def _drop_snapshot(self, rolling: tuple[int, int, int]) -> None:
+        """Drop a sequence's previous rolling snapshot, if it is still the one it took."""
+        if self._owns_rolling(rolling):
+            node_id, snapshot_id, _ = rolling
             self._trie.set_tag(node_id, -1)
-            snapshots.drop(np.array([snapshot_id], dtype=np.int32))
+            assert self._snapshots is not None
+            self._snapshots.drop(np.array([snapshot_id], dtype=np.int32))
+            self._stats.snapshots_evicted += 1
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
@@ -789,7 +805,8 @@ class HybridModel(LifecycleDefaults):
         with self._lock:
             started = self._enter()
             holdings = self._holdings(seq)
-            if self._snapshots is None or not self._prefix.enabled or seq.failed:
+            snapshots = self._snapshots
+            if snapshots is None or not self._prefix.enabled or seq.failed:
                 self._leave(started)
                 return False
             if num_tokens <= 0 or num_tokens % self._block_size or num_tokens > seq.num_tokens:
@@ -810,12 +827,15 @@ class HybridModel(LifecycleDefaults):
             self._pin_path(holdings, node_ids)
             node = int(node_ids[full - 1])
             previous = holdings.rolling_snapshot
-            if rolling and previous is not None and previous[0] != node:
-                self._drop_snapshot(*previous)
-            created = self._trie.get_tag(node) < 0
+            repeat = previous is not None and previous[0] == node and self._owns_rolling(previous)
+            if rolling and previous is not None and not repeat:
+                self._drop_snapshot(previous)
+            # Only a snapshot this sequence took may be dropped by its next rolling save.
+            own = repeat or self._trie.get_tag(node) < 0
             snapshot_id = self._save_snapshot(seq.slot_idx, node)
-            # Only a snapshot this call took may be dropped by the sequence's next rolling save.
-            holdings.rolling_snapshot = (node, snapshot_id) if rolling and created else None
+            holdings.rolling_snapshot = (
+                (node, snapshot_id, snapshots.generation(snapshot_id)) if rolling and own else None
+            )
             self._leave(started)
             return True
 

@@ -68,8 +68,8 @@ class Holdings:
         self.cache_pins: list[npt.NDArray[np.int32]] = []
         #: How many leading nodes of the sequence's cached path are pinned by it.
         self.pinned_depth = 0
-        #: (trie node, snapshot id) of the last ``save_snapshot(..., rolling=True)``, or None.
-        self.rolling_snapshot: tuple[int, int] | None = None
+        #: (trie node, snapshot id, its generation) of the last ``save_snapshot(..., rolling=True)``.
+        self.rolling_snapshot: tuple[int, int, int] | None = None
         self.adapter_slot = NO_ADAPTER
         self.adapter_uid = 0
         self.status = SeqStatus.ACTIVE

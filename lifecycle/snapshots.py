@@ -41,6 +41,7 @@ class SnapshotPool:
         self._base = device.alloc(self.snapshot_bytes * capacity)
         self._released = False
         self._free = list(range(capacity - 1, -1, -1))
+        self._generations = [0] * capacity  # bumped at every save: tells a reused id from the old one
         self._lru: OrderedDict[int, int] = OrderedDict()  # snapshot id -> trie node, oldest first
 
     @property
@@ -69,6 +70,7 @@ class SnapshotPool:
         else:
             snapshot_id, dropped_node = self._lru.popitem(last=False)
             forget(dropped_node)
+        self._generations[snapshot_id] += 1
         try:
             self._device.copy_batch(self._copies(snapshot_id, slot, to_snapshot=True))
             self._device.synchronize()
@@ -77,6 +79,10 @@ class SnapshotPool:
             raise
         self._lru[snapshot_id] = node_id
         return snapshot_id
+
+    def generation(self, snapshot_id: int) -> int:
+        """How many times ``snapshot_id`` was (re)filled."""
+        return self._generations[snapshot_id]
 
     def restore_into(self, snapshot_id: int, slot: int) -> None:
         """Copy a snapshot into ``slot`` and wait for it, so the snapshot's memory may be reused

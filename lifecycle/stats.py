@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 @dataclass(slots=True)
 class Stats:
     """Monotonic counters since the model was built. ``time_in_library_ns`` sums the wall time
-    spent inside the public methods that mutate state."""
+    spent inside the public methods that mutate state. ``snapshots_evicted`` counts every snapshot
+    dropped: with its node, reused by the pool's LRU, or replaced by a rolling save."""
 
     sequences_allocated: int = 0
     sequences_freed: int = 0

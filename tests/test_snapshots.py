@@ -544,11 +544,6 @@ def test_a_sequences_own_kept_snapshot_survives_its_rolling_saves(build: Build) 
     assert_clean(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="save_snapshot: a rolling save at the node of the sequence's own rolling snapshot sees the tag "
-    "already set (created=False) and forgets it, so that snapshot is never replaced",
-)
 def test_repeating_a_rolling_save_at_the_same_point_keeps_it_rolling(build: Build) -> None:
     m = build()
     seq, _ = admit(m, path(1, 2))
@@ -564,12 +559,6 @@ def test_repeating_a_rolling_save_at_the_same_point_keeps_it_rolling(build: Buil
     assert_clean(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="save_snapshot keeps (node, snapshot id) of the rolling snapshot; once the pool's LRU reuses "
-    "that id and hands it back to the same node for another save, the next rolling save drops that "
-    "other save's snapshot instead of the least recently used one",
-)
 def test_a_rolling_save_never_drops_a_snapshot_the_lru_handed_to_another_save(build: Build) -> None:
     m = build(num_snapshots=2)
     rolling, _ = admit(m, path(1, 2))
