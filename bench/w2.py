@@ -109,8 +109,8 @@ def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
     live: deque[tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.int32], int]] = deque()
     max_live = trace.max_live
     lookup = cache.lookup
-    insert = cache.insert
-    unpin = cache.unpin
+    insert = cache.insert_path
+    unpin = cache.trie.unpin
     evict = cache.evict
     allocate_into = pool.allocate_into
     inc_ref = pool.inc_ref
@@ -130,7 +130,7 @@ def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
         if len(live) == max_live:
             finish()
         match = lookup(tokens, 0, reusable, pin=True)
-        hit = match.num_blocks
+        hit = len(match.block_ids)
         hit_tokens += match.num_tokens
         short = needed - hit - pool.num_free
         if short > 0:

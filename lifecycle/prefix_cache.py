@@ -70,6 +70,8 @@ def reusable_blocks(prompt_len: int, block_size: int) -> int:
 
 
 _EMPTY_MATCH = Match(_NO_IDS, _NO_IDS, 0)
+# tuple.__new__ straight away: the named tuple's own __new__ is one more Python frame per lookup.
+_new_match = tuple.__new__
 
 
 class PrefixCache:
@@ -79,7 +81,10 @@ class PrefixCache:
     duplicate, and the cache takes no reference (SPEC §8 scenario 11).
     """
 
-    __slots__ = ("_pool", "_trie", "_enabled", "_block_size", "_blocks_evicted")
+    __slots__ = (
+        "_pool", "_trie", "_enabled", "_block_size", "_blocks_evicted",
+        "_match", "_insert", "_evict", "_inc_ref", "_dec_ref",
+    )
 
     def __init__(self, pool: BlockPool, trie: PrefixTrie, *, enabled: bool = True) -> None:
         if trie.num_cached_blocks:
@@ -91,6 +96,12 @@ class PrefixCache:
         self._enabled = enabled
         self._block_size = trie.block_size
         self._blocks_evicted = 0
+        # Bound once: these run on every scheduler step.
+        self._match = trie.match
+        self._insert = trie.insert
+        self._evict = trie.evict
+        self._inc_ref = pool.inc_ref
+        self._dec_ref = pool.dec_ref
 
     @property
     def pool(self) -> BlockPool:
@@ -135,8 +146,8 @@ class PrefixCache:
         """
         if not self._enabled:
             return _EMPTY_MATCH
-        block_ids, node_ids = self._trie.match(tokens, adapter, max_blocks, pin=pin)
-        return Match(block_ids, node_ids, len(block_ids) * self._block_size)
+        block_ids, node_ids = self._match(tokens, adapter, max_blocks, pin=pin)
+        return _new_match(Match, (block_ids, node_ids, len(block_ids) * self._block_size))
 
     def lookup_prompt(self, prompt: TokenArray, adapter: int = 0, *, pin: bool = True) -> Match:
         """``lookup`` limited to the blocks prefill may reuse (see ``reusable_blocks``), pinned by default."""
@@ -173,10 +184,15 @@ class PrefixCache:
         All or nothing: an invalid block id (out of range, or free in the pool), too few tokens or
         a wrong known prefix raise before the trie or any refcount changes.
         """
-        return self.insert_path(tokens, block_ids, adapter)[1]
+        return self.insert_path(tokens, block_ids, adapter, known_prefix=known_prefix)[1]
 
     def insert_path(
-        self, tokens: TokenArray, block_ids: Int32Array, adapter: int = 0
+        self,
+        tokens: TokenArray,
+        block_ids: Int32Array,
+        adapter: int = 0,
+        *,
+        known_prefix: Int32Array | None = None,
     ) -> tuple[int, Int32Array, Int32Array]:
         """``insert``, returning (blocks newly taken by the cache, duplicates, the path's node ids).
         With the cache disabled nothing is taken and the path is empty."""
@@ -184,14 +200,14 @@ class PrefixCache:
             return 0, np.array(block_ids, dtype=np.int32), _NO_IDS
         # A temporary reference on every block validates the batch against the pool and is
         # acquired before anything is released, so no block can pass through refcount 0.
-        self._pool.inc_ref(block_ids)
+        self._inc_ref(block_ids)
         try:
-            taken, duplicates, path = self._trie.insert(tokens, block_ids, adapter)
+            taken, duplicates, path = self._insert(tokens, block_ids, adapter, known_prefix=known_prefix)
         except BaseException:
-            self._pool.dec_ref(block_ids)
+            self._dec_ref(block_ids)
             raise
         # What remains of the temporary references is exactly the one on each taken block.
-        self._pool.dec_ref(duplicates)
+        self._dec_ref(duplicates)
         return len(taken), duplicates, path
 
     def evict(self, n: int) -> int:
@@ -205,11 +221,11 @@ class PrefixCache:
             raise InvalidId(f"evict: the count {n} must be >= 0")
         freed = 0
         while freed < n:
-            evicted = self._trie.evict(n - freed)
+            evicted = self._evict(n - freed)
             if len(evicted) == 0:
                 break
             self._blocks_evicted += len(evicted)
-            freed += self._pool.dec_ref(evicted)
+            freed += self._dec_ref(evicted)
         return freed
 
     def reclaim_prefix_blocks(self, n: int) -> int:
