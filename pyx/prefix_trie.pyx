@@ -234,6 +234,8 @@ cdef inline int32_t _take_slot(PrefixTrie t) noexcept nogil:
     if v >= 0:
         t._free_head = t._nodes[v].hash_next
         t._num_free_slots -= 1
+        if t._free_head >= 0:
+            __builtin_prefetch(&t._nodes[t._free_head])
         return v
     v = <int32_t>t._high_water
     t._high_water += 1
@@ -812,6 +814,8 @@ cdef class PrefixTrie:
         with nogil:
             _acquire(self)
             failed = self._ensure_slots(n + 1)
+            if self._free_head >= 0:
+                __builtin_prefetch(&self._nodes[self._free_head])  # lands while the walk runs
             if not failed and num_known > 0:
                 bad_known = _check_known_prefix(self, _find_root(self, key), known, num_known, token_data)
             if not failed and n > 0 and bad_known < 0:
