@@ -21,10 +21,11 @@ from __future__ import annotations
 import gc
 import io
 import random
+import struct
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ from lifecycle.errors import (
     CudaError,
     ForeignSequence,
     InvalidId,
+    InvariantViolation,
     LifecycleError,
     OutOfSlots,
     PoolExhausted,
@@ -366,8 +368,8 @@ class Driver:
         room stay evicted: allocation under pressure evicts until enough is free or nothing is
         evictable, SPEC scenario 13.)"""
         after = model_digest(self.model)
-        refs_before = np.frombuffer(before[0], dtype=np.int32)  # type: ignore[arg-type]
-        refs_after = np.frombuffer(after[0], dtype=np.int32)  # type: ignore[arg-type]
+        refs_before = np.frombuffer(cast(bytes, before[0]), dtype=np.int32)
+        refs_after = np.frombuffer(cast(bytes, after[0]), dtype=np.int32)
         if (
             after[1:5] != before[1:5]
             or bool((refs_after > refs_before).any())
@@ -975,9 +977,8 @@ def _bad_tokens(d: Driver) -> None:
     track = d._pick(fresh)
     if track is None:
         return _bad_grow(d)
-    bad: object = ([1, -2, 3], [1, 2**31], np.ones((2, 3), dtype=np.int32), [[1, 2]], np.array([-1], dtype=np.int64))[
-        d.choose.integer(0, 4)
-    ]
+    bad: object = ([1, -2, 3], [1, 2**31], np.ones((2, 3), dtype=np.int32), [[1, 2]], np.array([-1], dtype=np.int64),
+                   [3, 2**70])[d.choose.integer(0, 5)]
     d._refused(f"attach_prefix({bad!r})", lambda: d.model.attach_prefix(track.seq, bad),  # type: ignore[arg-type]
                InvalidId, track.seq, kind="attach: bad tokens")
 
@@ -1109,7 +1110,7 @@ def _bad_append(d: Driver) -> None:
     track = d._pick([t for t in d.seqs if not t.seq.is_freed])
     if track is None:
         return _bad_budget(d)
-    bad: object = ([-1], [2**31], np.ones((2, 2), dtype=np.int64), np.array([2**40]))[d.choose.integer(0, 3)]
+    bad: object = ([-1], [2**31], np.ones((2, 2), dtype=np.int64), np.array([2**40]), [2**70])[d.choose.integer(0, 4)]
     d._refused(f"append_tokens({bad!r})", lambda: track.seq.append_tokens(bad),  # type: ignore[arg-type]
                SequenceStateError, track.seq, kind="append: bad tokens")
 
@@ -1185,13 +1186,11 @@ MUTATIONS: Final[tuple[str, ...]] = (
     "resealed_flip",  # flip a payload bit, then recompute that section's checksum
 )
 _FIELD_VALUES: Final = (0, 1, 2, 3, 4, 7, 8, 16, 127, 128, 255, 4096, 65535, 2**31 - 1, 2**31, 2**32 - 1, 2**63 - 1)
-#: Token counts a consistent forged header may announce here. Larger ones make restore allocate
-#: 4 bytes per announced token before reading them (see test_fuzz_restore's xfail), so the fuzz
-#: budget stays bounded.
-MAX_FORGED_TOKENS: Final = 100_000
+#: Token counts a consistent forged header may announce (up to the format's limit and past it).
+MAX_FORGED_TOKENS: Final = 2**32
 
 
-def _header_struct() -> Any:
+def _header_struct() -> struct.Struct:
     from lifecycle.swap import _HEADER
 
     return _HEADER
@@ -1386,3 +1385,272 @@ def fuzz_restore(num_records: int, *, seed: int = 0, device_factory: Callable[[]
             model.teardown()
             device.close()
     return counts
+
+
+# ---------------------------------------------------------------------------- fault sweeps
+
+#: A 14-token prompt: 3 full blocks of 4, so a second request reuses up to 3 with a snapshot.
+FAULT_PROMPT: Final = np.arange(1, 15, dtype=np.int32)
+
+
+class EmulatorControls(Protocol):
+    """The part of ``tests/devices.py``'s ``Emulator`` a fault sweep uses."""
+
+    def reset(self) -> None: ...
+    def fail_from_call(self, n: int, code: int) -> None: ...
+    @property
+    def live_allocations(self) -> int: ...
+    @property
+    def call_count(self) -> int: ...
+
+
+@dataclass
+class Lifecycle:
+    """One run of the representative lifecycle (:func:`run_lifecycle`); what a sweep inspects
+    after a fault."""
+
+    config: ModelConfig
+    model: HybridModel | None = None
+    held: list[SequenceState] = field(default_factory=list)
+    step: str = "start"
+    #: (step, driver calls it made), filled when an emulator is passed
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+
+def workload(life: Lifecycle, emulator: EmulatorControls | None = None) -> None:
+    """Every model method that touches the device, in the order a serving engine calls them:
+    bind, alloc (zeroes the slot), attach (miss, then a hit restoring a snapshot), cache (saves a
+    snapshot), save_snapshot, compaction into a free and into a retired slot, swap out (staging
+    allocated on first use), swap in, a second swap out (staging reused), free."""
+    m = life.model
+    assert m is not None
+    last = emulator.call_count if emulator is not None else 0
+
+    def at(step: str) -> None:
+        nonlocal last
+        if emulator is not None:
+            now = emulator.call_count
+            life.calls.append((life.step, now - last))
+            last = now
+        life.step = step
+
+    at("bind_gpu_to_thread")
+    m.bind_gpu_to_thread()
+    at("alloc_sequence (zero slot)")
+    a = m.alloc_sequence()
+    life.held.append(a)
+    at("attach_prefix (miss)")
+    m.attach_prefix(a, FAULT_PROMPT)
+    m.grow(a, 16)
+    a.append_tokens([7, 7])
+    at("cache_sequence (snapshot save)")
+    m.cache_sequence(a)
+    at("save_snapshot")
+    m.save_snapshot(a, 8)
+    at("alloc_sequence (zero slot) 2")
+    b = m.alloc_sequence()
+    life.held.append(b)
+    at("attach_prefix (snapshot restore)")
+    m.attach_prefix(b, FAULT_PROMPT)
+    m.grow(b, 20)
+    b.append_tokens(range(100, 106))
+    at("compact_sequence (free slot)")
+    free_slot = next(s for s in range(life.config.max_seqs) if m._slots.is_free(s))
+    m.compact_sequence(b, free_slot)
+    at("compact_sequence (retired slot)")
+    m.retire_sequence(a)
+    m.compact_sequence(b, a.slot_idx)
+    at("save_sequence_state")
+    record = io.BytesIO()
+    m.save_sequence_state(b, record)
+    at("alloc_sequence (zero slot) 3")
+    c = m.alloc_sequence()
+    life.held.append(c)
+    at("restore_sequence_state")
+    m.restore_sequence_state(c, b.num_blocks, io.BytesIO(record.getvalue()))
+    at("save_sequence_state (staging reused)")
+    m.save_sequence_state(c, io.BytesIO())
+    at("free")
+    for seq in life.held:
+        m.free_sequence(seq)
+    life.held.clear()
+    at("done")
+
+
+def run_lifecycle(life: Lifecycle, dev: Device, emulator: EmulatorControls | None = None) -> None:
+    """Construct the model, run :func:`workload`, tear down."""
+    life.step = "HybridModel() (pool allocations)"
+    start = emulator.call_count if emulator is not None else 0
+    life.model = HybridModel(life.config, dev)
+    if emulator is not None:
+        life.calls.append((life.step, emulator.call_count - start))
+    workload(life, emulator)
+    life.step = "teardown (frees)"
+    start = emulator.call_count if emulator is not None else 0
+    life.model.teardown()
+    if emulator is not None:
+        life.calls.append((life.step, emulator.call_count - start))
+    life.step = "after teardown"
+
+
+def release_everything(m: HybridModel, held: list[SequenceState]) -> None:
+    """Free what is still held and require every block, slot and adapter reference back."""
+    m.check_invariants()
+    for seq in held:
+        m.free_sequence(seq)
+    held.clear()
+    m.check_invariants()
+    while m.reclaim_prefix_blocks(m.num_total_blocks()):
+        pass
+    problems = []
+    if m.num_free_blocks() != m.num_total_blocks():
+        problems.append(f"{m.num_total_blocks() - m.num_free_blocks()} blocks not back")
+    if m._slots.num_free != m.config.max_seqs:
+        problems.append(f"{m.config.max_seqs - m._slots.num_free} slots not back")
+    if sum(m._adapters.refcounts()):
+        problems.append(f"adapter references {m._adapters.refcounts()}")
+    if m.num_live_sequences:
+        problems.append(f"{m.num_live_sequences} live sequences")
+    if problems:
+        raise DriverFailure("; ".join(problems))
+
+
+class one_shot_faults:
+    """Context manager: the emulator's sticky fault is lifted the moment the device layer builds
+    the ``CudaError`` for it (every failing call goes through ``lifecycle.device.cuda._error``),
+    so exactly one driver call fails."""
+
+    def __init__(self, emulator: EmulatorControls) -> None:
+        self.emulator = emulator
+        self._original: Any = None
+
+    def __enter__(self) -> one_shot_faults:
+        import lifecycle.device.cuda as cuda_module
+
+        self._original = original = cuda_module._error
+        emulator = self.emulator
+
+        def lift_then_report(driver: Any, call: str, err: Any) -> CudaError:
+            emulator.reset()
+            return original(driver, call, err)
+
+        cuda_module._error = lift_then_report
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import lifecycle.device.cuda as cuda_module
+
+        cuda_module._error = self._original
+
+
+@dataclass
+class SweepResult:
+    """A fault at every driver call of the lifecycle, one at a time."""
+
+    calls: int = 0
+    surfaced: int = 0
+    survived: int = 0
+    teardown_raised: int = 0
+    leaks: int = 0
+    sites: Counter[tuple[str, str]] = field(default_factory=Counter)
+    broken: Counter[str] = field(default_factory=Counter)
+    never_surfaced: list[int] = field(default_factory=list)
+
+
+def count_lifecycle_calls(emulator: EmulatorControls, device_factory: Callable[[], Device],
+                          config: ModelConfig) -> tuple[int, list[tuple[str, int]]]:
+    """Driver calls of one fault-free lifecycle, in all and per step."""
+    dev = device_factory()
+    try:
+        life = Lifecycle(config)
+        before = emulator.call_count
+        run_lifecycle(life, dev, emulator)
+        return emulator.call_count - before, [(s, n) for s, n in life.calls if n]
+    finally:
+        dev.close()
+
+
+def fault_sweep(emulator: EmulatorControls, device_factory: Callable[[], Device], *, sticky: bool,
+                code: int = 719, config: ModelConfig | None = None) -> SweepResult:
+    """For every driver call N of the lifecycle: a fresh device and model, call N fails (once,
+    or from N on when ``sticky``), and then:
+
+    - the fault must surface as a ``CudaError`` (else N is listed in ``never_surfaced``);
+    - transient: every reference comes back, the whole workload runs again and teardown reports
+      no leak; a failed teardown free leaves the allocation to ``device.close()``;
+    - sticky: the host-side bookkeeping still frees everything; teardown finishes (raising the
+      driver's error, counted in ``teardown_raised``); once the driver recovers, closing the
+      device frees what the model could not.
+
+    A recount that breaks after the fault is counted in ``broken`` by step; device allocations
+    left after closing are counted in ``leaks``."""
+    config = config or CONFIGS["hybrid"]
+    result = SweepResult()
+    result.calls, _ = count_lifecycle_calls(emulator, device_factory, config)
+    for n in range(1, result.calls + 1):
+        dev = device_factory()
+        baseline = emulator.live_allocations
+        life = Lifecycle(config)
+        emulator.fail_from_call(n, code)
+        try:
+            run_lifecycle(life, dev)
+        except CudaError as exc:
+            result.surfaced += 1
+            result.sites[(life.step, exc.call.split("(", 1)[0])] += 1
+        else:
+            result.never_surfaced.append(n)
+        m = life.model
+        try:
+            if m is not None and life.step == "teardown (frees)":
+                # one free failed: teardown went on with the rest and raised; nothing was held
+                report = m.teardown_report
+                if report is None or report.leaked:
+                    result.leaks += 1
+                try:
+                    m.alloc_sequence()
+                except TornDown:
+                    pass
+                else:
+                    raise DriverFailure("a model whose teardown raised still accepts calls")
+            elif m is not None:
+                release_everything(m, life.held)
+                if not sticky:
+                    emulator.reset()
+                    again = Lifecycle(config, model=m)
+                    workload(again)
+                    release_everything(m, again.held)
+                try:
+                    m.teardown()
+                except CudaError:
+                    result.teardown_raised += 1
+                report = m.teardown_report
+                if report is None or report.leaked:
+                    result.leaks += 1
+            result.survived += 1
+        except (InvariantViolation, DriverFailure):
+            result.broken[life.step] += 1
+            if m is not None:
+                emulator.reset()
+                m.teardown()
+        emulator.reset()
+        dev.close()  # frees what a failed free left behind, now that the driver works
+        result.leaks += emulator.live_allocations - baseline
+    return result
+
+
+def soak(dev: Device, emulator: EmulatorControls, config: ModelConfig, ops: int, seed: int,
+         code: int = 719) -> Driver:
+    """The random driver with a one-shot fault armed at a random upcoming driver call before
+    about one operation in eight (use inside :class:`one_shot_faults`)."""
+    rng = random.Random(seed)
+
+    def arm(_: Driver) -> None:
+        if rng.random() < 0.125:
+            emulator.fail_from_call(rng.randint(1, 6), code)
+
+    driver = Driver(config, dev, RandomChooser(seed), expect_faults=True, on_op=arm)
+    driver.run(ops)
+    emulator.reset()
+    driver.finish()
+    driver.counts.faults_survived = driver.counts.faults_injected
+    return driver

@@ -30,6 +30,9 @@ EMULATED_SUITES: list[str] = [
     "tests/test_swap_model.py",
     "tests/test_swap_tier.py",
     "tests/test_snapshots.py",
+    "tests/test_faults.py",
+    "tests/test_fuzz_restore.py",
+    "tests/test_threads.py",
 ]
 
 TIMEOUT_S = 600

@@ -236,12 +236,9 @@ def test_counts_merge_adds_every_field() -> None:
     assert (a.operations, a.bad_inputs, a.by_op["alloc"]) == (5, 4, 3)
 
 
-# ----------------------------------------------------------------------------- findings
+# ----------------------------------------------------------------------------- regressions (bugs these suites found)
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="append_tokens converts a list through int64 "
-                   "(sequence.py append_tokens: np.asarray(..., dtype=np.int64)), so an int beyond 64 bits "
-                   "raises OverflowError instead of SequenceStateError")
 def test_an_oversized_python_token_is_refused_by_append_tokens() -> None:
     m = HybridModel(CONFIGS["attention"], HostDevice())
     seq = m.alloc_sequence()
@@ -251,9 +248,6 @@ def test_an_oversized_python_token_is_refused_by_append_tokens() -> None:
     m.teardown()
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="_as_tokens converts a list through int64 "
-                   "(model.py _as_tokens: np.asarray(prompt, dtype=np.int64)), so attach_prefix and "
-                   "reclaim_prefix_blocks_for raise OverflowError instead of InvalidId for an int beyond 64 bits")
 def test_an_oversized_python_token_is_refused_by_attach_prefix() -> None:
     m = HybridModel(CONFIGS["attention"], HostDevice())
     seq = m.alloc_sequence()

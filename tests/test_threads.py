@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import pytest
@@ -173,7 +174,7 @@ def hammer(*, drop_sequences: bool, concurrent_checks: bool) -> Tally:
     m = HybridModel(CONFIG, dev)
     tally = Tally()
     stop = threading.Event()
-    workers = [threading.Thread(target=guarded(tally, lambda k=k: worker(m, k, tally, drop_sequences)))
+    workers = [threading.Thread(target=guarded(tally, partial(worker, m, k, tally, drop_sequences)))
                for k in range(WORKERS)]
     background = [threading.Thread(target=guarded(tally, lambda: scheduler(m, stop, tally, concurrent_checks)))]
     if concurrent_checks:
@@ -232,7 +233,7 @@ def test_sequences_dropped_on_other_threads_are_reaped_once() -> None:
 
     boxes = [[s] for s in seqs]
     seqs.clear()
-    threads = [threading.Thread(target=guarded(tally, lambda b=b: drop(b))) for b in boxes]
+    threads = [threading.Thread(target=guarded(tally, partial(drop, b))) for b in boxes]
     for t in threads:
         t.start()
     barrier.wait()
