@@ -34,7 +34,7 @@ from devices import (  # noqa: F401  (fixtures)
     emu,
     make_device,
 )
-from reliability import (
+from reliability_driver import (
     CONFIGS,
     FAULT_PROMPT,
     count_lifecycle_calls,

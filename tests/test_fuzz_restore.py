@@ -30,7 +30,7 @@ from lifecycle.model import HybridModel
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header
 from devices import make_device
-from reliability import (
+from reliability_driver import (
     CONFIGS,
     MUTATIONS,
     SYSTEM_PROMPTS,

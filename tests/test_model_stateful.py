@@ -1,7 +1,7 @@
 """Long-run stateful testing of the whole model API.
 
 - A hypothesis ``RuleBasedStateMachine`` with one rule per operation of the shared driver
-  (``tests/reliability.py``): admission (alloc, alloc_for, adapter binding, prefix attach), growth
+  (``tests/reliability_driver.py``): admission (alloc, alloc_for, adapter binding, prefix attach), growth
   and decode, caching and SSM snapshots, retirement, compaction into free, retired and detached
   slots (and refused into active ones), detach, free, drop without free, reclaim, swap round
   trips, adapter load/reload/unload, and bad input of every kind. ``check_invariants()`` runs after
@@ -26,7 +26,7 @@ from lifecycle.device.host import HostDevice
 from lifecycle.errors import InvalidId, InvariantViolation, SequenceStateError
 from lifecycle.model import HybridModel
 from devices import make_device
-from reliability import _BAD_INPUTS, CONFIGS, Counts, Driver, RandomChooser, run_random
+from reliability_driver import _BAD_INPUTS, CONFIGS, Counts, Driver, RandomChooser, run_random
 
 LONG = os.environ.get("LIFECYCLE_LONG") == "1"
 #: Operations of the random-driver test: a few seconds in CI, 1,000,000 in the long mode.

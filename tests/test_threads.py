@@ -26,7 +26,7 @@ from lifecycle.errors import InvariantViolation, PoolExhausted, SlotInUse
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from devices import make_device
-from reliability import CONFIGS, SYSTEM_PROMPTS
+from reliability_driver import CONFIGS, SYSTEM_PROMPTS
 
 CONFIG: ModelConfig = CONFIGS["hybrid"].__class__(
     layers=CONFIGS["hybrid"].layers,
