@@ -121,6 +121,7 @@ def run_peer(peer: Peer, env: Path, trace: Path, repeats: int) -> list[dict[str,
 
 
 def run_lifecycle(trace: Path, repeats: int) -> list[dict[str, Any]]:
+    from w2 import LIFECYCLE_REPEATS
     from w2 import run as run_w2
 
     results: list[dict[str, Any]] = []
@@ -128,7 +129,7 @@ def run_lifecycle(trace: Path, repeats: int) -> list[dict[str, Any]]:
         from w1 import run as run_w1
 
         results += [r for r in run_w1(trace) if r.get("library") == "lifecycle"]
-    return results + run_w2(trace, repeats)
+    return results + run_w2(trace, max(repeats, LIFECYCLE_REPEATS))
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON line per (workload, library)")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--peers", default="vllm,sglang", help="comma-separated subset of vllm,sglang")
-    parser.add_argument("--repeats", type=int, default=3, help="replays per workload; the best counts")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="replays per workload and peer, the best counts (lifecycle: at least 10)"
+    )
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file")
