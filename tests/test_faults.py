@@ -47,6 +47,7 @@ from reliability_driver import (
 CONFIG = CONFIGS["hybrid"]
 PROMPT = FAULT_PROMPT
 
+
 @pytest.fixture
 def one_shot(emu: Emulator) -> Iterator[Emulator]:
     """Faults injected through this emulator fail exactly one driver call."""
@@ -101,8 +102,9 @@ def test_construction_past_the_allocation_budget_leaks_nothing(device: Device, e
     m.teardown()
     for budget in (0, 1, need // 3, need // 2, need - 1):
         emu.set_alloc_budget(baseline_bytes + budget)
-        with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        with pytest.raises(CudaError) as failure:
             HybridModel(CONFIG, device)
+        assert failure.value.code == CUDA_ERROR_OUT_OF_MEMORY
         assert emu.live_allocations == baseline
     emu.set_alloc_budget(baseline_bytes + need)
     fits = HybridModel(CONFIG, device)
