@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lifecycle.device.base import Device
-from lifecycle.errors import SwapError, SwapFormatError
+from lifecycle.errors import LifecycleError, SwapError, SwapFormatError
 from lifecycle.model import HybridModel
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header
@@ -38,6 +39,7 @@ from reliability_driver import (
     model_digest,
     mutate,
     restore_mutated,
+    section_spans,
     seq_digest,
 )
 
@@ -254,6 +256,46 @@ def test_a_bad_record_evicts_nothing_from_the_prefix_cache() -> None:
             m.restore_sequence_state(target, 3, io.BytesIO(b"not a swap record"))
         m.check_invariants()
         assert m._trie.num_cached_blocks == cached
+    finally:
+        m.teardown()
+        dev.close()
+
+
+# ----------------------------------------------------------------------------- open findings
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="restore_sequence_state does not check "
+                   "num_blocks against max_blocks_per_seq (grow does), so a forged record with valid checksums "
+                   "restores a sequence with more blocks than the per-sequence limit an engine sizes its block "
+                   "tables by (model.py restore_sequence_state / swap.py _check_header)")
+def test_a_record_over_the_per_sequence_block_limit_is_refused() -> None:
+    config = dataclasses.replace(CONFIGS["attention"], max_blocks_per_seq=4)
+    dev = make_device()
+    m = HybridModel(config, dev)
+    try:
+        source = m.alloc_sequence()
+        m.grow(source, 16)
+        source.append_tokens(range(16))
+        out = io.BytesIO()
+        m.save_sequence_state(source, out)
+        record = out.getvalue()
+        header = parse_header(record[:HEADER_BYTES])
+        over = 10  # blocks, the limit being 4
+        kv = [bytes([i + 1]) * (over * n) for i, n in enumerate(np.frombuffer(
+            record, dtype="<u8", count=header.num_attention_layers, offset=HEADER_BYTES).tolist())]
+        forged_header = dataclasses.replace(
+            header, num_blocks=over, record_bytes=header.record_bytes + (over - header.num_blocks) * header.kv_block_bytes
+        )
+        meta_start, meta_end = section_spans(record)[0]
+        meta = record[meta_start:meta_end]
+        forged = forged_header.pack() + meta + xxhash.xxh3_64_intdigest(meta, 1).to_bytes(8, "little")
+        for index, payload in enumerate(kv, start=2):
+            forged += payload + xxhash.xxh3_64_intdigest(payload, index).to_bytes(8, "little")
+        target = m.alloc_sequence()
+        before = model_digest(m)
+        with pytest.raises(LifecycleError):
+            m.restore_sequence_state(target, over, io.BytesIO(forged))
+        assert model_digest(m) == before and target.num_blocks == 0
     finally:
         m.teardown()
         dev.close()
