@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from w2 import REPEATS, W2Trace, load_w2, result  # noqa: E402
+from w2 import REPEATS, W2Trace, load_w2, no_gc, result, timed  # noqa: E402
 
 W1Replay = Callable[[NDArray[np.int32], int], float]
 W2Replay = Callable[[W2Trace], tuple[float, int, int]]
@@ -99,11 +99,14 @@ def main(library: str, replay_w1: W1Replay, replay_w2: W2Replay, *, w1_note: str
     wanted = set(args.workloads.split(","))
     if "w1" in wanted:
         ops, num_blocks, blocks = load_w1(args.trace)
-        seconds = min(replay_w1(ops, num_blocks) for _ in range(args.repeats))
+        seconds = float("inf")
+        for _ in range(args.repeats):
+            with no_gc():
+                seconds = min(seconds, replay_w1(ops, num_blocks))
         print(json.dumps(w1_record(library, seconds, blocks, w1_note)), flush=True)
     if "w2" in wanted:
         trace = load_w2(args.trace)
-        runs = [replay_w2(trace) for _ in range(args.repeats)]
+        runs = [timed(replay_w2, trace) for _ in range(args.repeats)]
         _, hit_tokens, evicted = runs[0]
         record = result(
             library, min(r[0] for r in runs), hit_tokens, sum(trace.prompt_lens), evicted, trace.num_requests
