@@ -441,8 +441,11 @@ class HybridModel(LifecycleDefaults):
                 )
             if self._ssm is not None and seq.is_detached:
                 raise SequenceStateError(f"restore_sequence_state: sequence {seq.seq_id} is detached")
-            if not isinstance(num_blocks, int) or num_blocks < 0:
-                raise InvalidId(f"restore_sequence_state: num_blocks={num_blocks!r} must be an int >= 0")
+            if not isinstance(num_blocks, int) or not 0 <= num_blocks <= self._config.max_blocks_per_seq_resolved:
+                raise InvalidId(
+                    f"restore_sequence_state: num_blocks={num_blocks!r} must be an int in "
+                    f"[0, {self._config.max_blocks_per_seq_resolved}] (the per-sequence block limit)"
+                )
             try:
                 read = swap_restore(
                     self._swap_ctx, seq, num_blocks, reader, allocate=lambda: self._grow_blocks(holdings, num_blocks)
@@ -841,6 +844,21 @@ class HybridModel(LifecycleDefaults):
 
     # ------------------------------------------------------------------ invariants
 
+    def _check_slot_owners(self) -> None:
+        """Every guarded slot has a live owner whose guard holds it, and no live owner's slot is
+        free or detached. A slot whose owner was just dropped (on another thread, its guard
+        releasing the slot outside our lock) is in flight and accepted."""
+        slots = self._slots
+        for slot in range(self._config.max_seqs):
+            ref = self._slot_owner.get(slot)
+            owner = ref() if ref is not None else None
+            owns = owner is not None and owner._guard is not None and owner._guard.slot == slot
+            if slots.is_free(slot) or slots.is_detached(slot):
+                if owner is not None and owns:
+                    raise InvariantViolation(f"slot {slot} is not guarded in the pool, yet sequence {owner.seq_id} owns it")
+            elif ref is None or (owner is not None and not owns):
+                raise InvariantViolation(f"slot {slot} is guarded, but no live sequence of this model owns it")
+
     def check_invariants(self) -> None:
         """Recount every reference from scratch (blocks, pins, slots, adapters, snapshots) and
         raise ``InvariantViolation`` on any mismatch."""
@@ -873,13 +891,7 @@ class HybridModel(LifecycleDefaults):
                     raise InvariantViolation(f"trie node {node} pinned {self._trie.pin_count(node)}x, sequences hold {count}")
             if adapter_refs != self._adapters.refcounts():
                 raise InvariantViolation(f"adapter refcounts {self._adapters.refcounts()} but sequences hold {adapter_refs}")
-            guarded = 0
-            for slot, ref in self._slot_owner.items():
-                seq = ref()
-                if seq is not None and seq._guard is not None and seq._guard.slot == slot and not seq.is_freed:
-                    guarded += 1
-            if guarded != self._slots.num_guarded:
-                raise InvariantViolation(f"{self._slots.num_guarded} slots guarded but live sequences own {guarded}")
+            self._check_slot_owners()
             if self._snapshots is not None:
                 self._snapshots.check_invariants(self._trie)
 

@@ -264,10 +264,6 @@ def test_a_bad_record_evicts_nothing_from_the_prefix_cache() -> None:
 # ----------------------------------------------------------------------------- open findings
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="restore_sequence_state does not check "
-                   "num_blocks against max_blocks_per_seq (grow does), so a forged record with valid checksums "
-                   "restores a sequence with more blocks than the per-sequence limit an engine sizes its block "
-                   "tables by (model.py restore_sequence_state / swap.py _check_header)")
 def test_a_record_over_the_per_sequence_block_limit_is_refused() -> None:
     config = dataclasses.replace(CONFIGS["attention"], max_blocks_per_seq=4)
     dev = make_device()
