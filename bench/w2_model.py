@@ -21,8 +21,10 @@ from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
 REPEATS = 3
 
 
-def replay_model(trace: W2Trace) -> tuple[float, int, int]:
-    """One timed replay on a fresh model; returns (seconds, hit tokens, blocks evicted)."""
+def replay_model(trace: W2Trace, separate_calls: bool = False) -> tuple[float, int, int]:
+    """One timed replay on a fresh model; returns (seconds, hit tokens, blocks evicted). A request
+    finishes with ``finish_sequence``, or ``separate_calls`` of ``cache_sequence`` then
+    ``free_sequence`` (whose cached path is pinned in between)."""
     config = ModelConfig(
         layers=(AttentionLayer(num_kv_heads=1, head_dim=8),),
         block_size=trace.block_size,
@@ -38,12 +40,15 @@ def replay_model(trace: W2Trace) -> tuple[float, int, int]:
     live: deque[SequenceState] = deque()
     max_live = trace.max_live
     alloc, attach, grow = model.alloc_sequence_for, model.attach_prefix, model.grow
-    cache, free = model.cache_sequence, model.free_sequence
+    cache, free, finish_sequence = model.cache_sequence, model.free_sequence, model.finish_sequence
 
     def finish() -> None:
         seq = live.popleft()
-        cache(seq)
-        free(seq)
+        if separate_calls:
+            cache(seq)
+            free(seq)
+        else:
+            finish_sequence(seq)
 
     start = time.perf_counter()
     for prompt, generated, total in requests:

@@ -219,20 +219,37 @@ class HybridModel(LifecycleDefaults):
         sequence is never cached. Call it before ``free_sequence``."""
         with self._lock:
             started = self._enter()
-            holdings = self._holdings(seq)
-            if seq.failed or holdings.status is SeqStatus.FREED or not self._prefix.enabled:
-                self._leave(started)
-                return
-            full = min(seq.num_tokens // self._block_size, holdings.num_blocks)
-            if full > 0:
-                tokens = seq.tokens[: full * self._block_size]
-                taken, _, node_ids = self._prefix.insert_path(tokens, holdings.blocks[:full], holdings.adapter_uid)
-                self._stats.blocks_cached += taken
-                self._pin_path(holdings, node_ids)
-                ssm_tokens = seq.num_tokens if seq.ssm_tokens is None else seq.ssm_tokens
-                if self._snapshots is not None and ssm_tokens == full * self._block_size and not seq.is_detached:
-                    self._save_snapshot(seq.slot_idx, int(node_ids[full - 1]))
+            self._cache(seq, self._holdings(seq), pin=True)
             self._leave(started)
+
+    def finish_sequence(self, seq: SequenceState) -> None:
+        """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
+        request finishes). Nothing can evict in between, so the cached path needs no pins."""
+        with self._lock:
+            started = self._enter()
+            holdings = self._holdings(seq)
+            try:
+                self._cache(seq, holdings, pin=False)
+            finally:
+                self._free(seq, holdings)
+                self._leave(started)
+
+    def _cache(self, seq: SequenceState, holdings: Holdings, *, pin: bool) -> None:
+        if seq.failed or holdings.status is SeqStatus.FREED or not self._prefix.enabled:
+            return
+        full = min(seq.num_tokens // self._block_size, holdings.num_blocks)
+        if full <= 0:
+            return
+        tokens = seq.tokens[: full * self._block_size]
+        taken, _, node_ids = self._prefix.insert_path(
+            tokens, holdings.blocks[:full], holdings.adapter_uid, known_prefix=holdings.pinned_nodes
+        )
+        self._stats.blocks_cached += taken
+        if pin:
+            self._pin_path(holdings, node_ids)
+        ssm_tokens = seq.num_tokens if seq.ssm_tokens is None else seq.ssm_tokens
+        if self._snapshots is not None and ssm_tokens == full * self._block_size and not seq.is_detached:
+            self._save_snapshot(seq.slot_idx, int(node_ids[full - 1]))
 
     def _pin_path(self, holdings: Holdings, node_ids: npt.NDArray[np.int32]) -> None:
         """Pin the nodes of the sequence's cached path it does not pin yet: while the sequence
@@ -249,20 +266,23 @@ class HybridModel(LifecycleDefaults):
         pins and one reference on every block. A second call is a no-op."""
         with self._lock:
             started = self._enter()
-            holdings = self._holdings(seq)
-            if holdings.status is SeqStatus.FREED:
-                self._leave(started)
-                return
-            guard = seq._guard
-            seq._guard = None
             try:
-                if guard is not None:
-                    self._slot_owner.pop(guard.slot, None)
-                    guard.release()
+                self._free(seq, self._holdings(seq))
             finally:
-                self._release_holdings(holdings)
-                self._stats.sequences_freed += 1
                 self._leave(started)
+
+    def _free(self, seq: SequenceState, holdings: Holdings) -> None:
+        if holdings.status is SeqStatus.FREED:
+            return
+        guard = seq._guard
+        seq._guard = None
+        try:
+            if guard is not None:
+                self._slot_owner.pop(guard.slot, None)
+                guard.release()
+        finally:
+            self._release_holdings(holdings)
+            self._stats.sequences_freed += 1
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
         """Move the sequence's SSM state to ``new_slot`` (one batched copy of every SSM layer,

@@ -851,3 +851,25 @@ def test_save_snapshot_refuses_a_point_off_a_block_boundary(model: HybridModel) 
     model.check_invariants()
     model.free_sequence(seq)
     assert_clean(model)
+
+
+def test_finish_sequence_caches_then_frees_in_one_step(attn: HybridModel) -> None:
+    seq = run_prefill(attn, prompt(13), generated=3)
+    attn.finish_sequence(seq)
+    attn.check_invariants()
+    assert seq.is_freed and attn.num_live_sequences == 0
+    assert attn._trie.num_cached_blocks == 4  # 16 tokens: prompt and generated, whole blocks
+    again = attn.alloc_sequence()
+    assert attn.attach_prefix(again, prompt(13)) == 12
+    attn.free_sequence(again)
+    attn.finish_sequence(again)  # already freed: nothing happens
+    assert_clean(attn)
+
+
+def test_finish_sequence_of_a_failed_sequence_only_frees(attn: HybridModel) -> None:
+    seq = run_prefill(attn, prompt(13))
+    seq.mark_failed()
+    attn.finish_sequence(seq)
+    assert attn._trie.num_cached_blocks == 0
+    assert attn.num_free_blocks() == attn.num_total_blocks()
+    assert_clean(attn)
