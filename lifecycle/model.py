@@ -906,9 +906,13 @@ class HybridModel(LifecycleDefaults):
                 raise InvariantViolation(
                     f"block {bad}: refcount {int(actual[bad])} but sequences and cache hold {int(expected[bad])}"
                 )
-            for node, count in pins.items():
-                if self._trie.pin_count(node) < count:
-                    raise InvariantViolation(f"trie node {node} pinned {self._trie.pin_count(node)}x, sequences hold {count}")
+            pinned_nodes, pin_counts = self._trie.pin_counts()
+            trie_pins = dict(zip(pinned_nodes.tolist(), pin_counts.tolist()))
+            if trie_pins != pins:
+                bad = min(set(trie_pins.items()) ^ set(pins.items()))[0]
+                raise InvariantViolation(
+                    f"trie node {bad} pinned {trie_pins.get(bad, 0)}x, but live sequences hold {pins.get(bad, 0)} pins on it"
+                )
             if adapter_refs != self._adapters.refcounts():
                 raise InvariantViolation(f"adapter refcounts {self._adapters.refcounts()} but sequences hold {adapter_refs}")
             self._check_slot_owners()

@@ -988,6 +988,33 @@ cdef class PrefixTrie:
             _release(self)
         return out
 
+    def pin_counts(self):
+        """``(node_ids, counts)`` of every node pinned at least once, for recounts from scratch."""
+        cdef Py_ssize_t i, count = 0
+        cdef int32_t *ids
+        cdef int32_t *pins
+        with nogil:
+            _acquire(self)
+        try:
+            with nogil:
+                for i in range(self._high_water):
+                    if self._nodes[i].parent >= 0 and self._nodes[i].pin_count > 0:
+                        count += 1
+            node_ids = _empty_int32(count)
+            pin_counts = _empty_int32(count)
+            ids = _data(node_ids)
+            pins = _data(pin_counts)
+            count = 0
+            with nogil:
+                for i in range(self._high_water):
+                    if self._nodes[i].parent >= 0 and self._nodes[i].pin_count > 0:
+                        ids[count] = <int32_t>i
+                        pins[count] = self._nodes[i].pin_count
+                        count += 1
+        finally:
+            _release(self)
+        return node_ids, pin_counts
+
     # -- tags (hybrid models: the SSM snapshot kept at a node) --
 
     def set_tag(self, Py_ssize_t node_id, Py_ssize_t tag):
