@@ -121,6 +121,17 @@ class HybridModel(LifecycleDefaults):
         self._drop_queue: deque[int] = deque()
         self._seq_ids = itertools.count()
         self._innerq_hook: Callable[[], None] | None = None
+        self._kv_block_bytes = config.kv_block_bytes()
+        ssm = self._ssm
+        # Per slot, the (h, conv) addresses of every SSM layer: what a sequence in that slot holds.
+        self._addrs_by_slot: list[tuple[tuple[int, int], ...]] = (
+            [
+                tuple((ssm.h_addr(layer, slot), ssm.conv_addr(layer, slot)) for layer in range(ssm.num_layers))
+                for slot in range(config.max_seqs)
+            ]
+            if ssm is not None
+            else []
+        )
         self._swap_ctx = SwapContext(
             config, self._device, self._kv, self._ssm, staging=self._swap_staging, adapters=self._adapters
         )
@@ -154,10 +165,7 @@ class HybridModel(LifecycleDefaults):
         return holdings
 
     def _ssm_addrs(self, slot: int) -> tuple[tuple[int, int], ...]:
-        ssm = self._ssm
-        if ssm is None:
-            return ()
-        return tuple((ssm.h_addr(layer, slot), ssm.conv_addr(layer, slot)) for layer in range(ssm.num_layers))
+        return self._addrs_by_slot[slot] if self._addrs_by_slot else ()
 
     def _root_of(self, adapter_slot: int) -> int:
         if adapter_slot == NO_ADAPTER:
@@ -362,7 +370,7 @@ class HybridModel(LifecycleDefaults):
         """Bytes one block index holds across every attention layer, K and V (0 without any)."""
         with self._lock:
             self._enter()
-            return self._config.kv_block_bytes()
+            return self._kv_block_bytes
 
     # ------------------------------------------------------------------ provided methods
 
