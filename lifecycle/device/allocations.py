@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle._hostcopy import first_bad_row
-from lifecycle.errors import InvalidId
+from lifecycle.errors import InvalidId, TornDown
 
 #: A batch of copies as an (n, 3) int64 array of rows (dst, src, nbytes).
 CopyArray = npt.NDArray[np.int64]
@@ -217,3 +217,35 @@ class BatchChecker:
             as_copy_array(call, rows)  # names a negative size
             check_batch(call, rows, *self._tables)
         return rows
+
+
+class TrackedDevice:
+    """What both devices keep the same way: a table of device and one of pinned allocations
+    (``live_allocations`` lets tests prove nothing leaked), and refusal of every call after close."""
+
+    _device: AllocationTable
+    _pinned: AllocationTable
+    _closed: bool
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` completed."""
+        return self._closed
+
+    @property
+    def live_allocations(self) -> int:
+        """Live ``alloc`` plus ``alloc_pinned`` allocations (tests assert nothing leaked)."""
+        return self._device.count + self._pinned.count
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of live ``alloc`` plus ``alloc_pinned`` allocations."""
+        return self._device.nbytes + self._pinned.nbytes
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise TornDown(f"{call}: device {self.name!r} is closed")

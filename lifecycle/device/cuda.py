@@ -24,12 +24,13 @@ from lifecycle.device.allocations import (
     AllocationTable,
     BatchChecker,
     CopyArray,
+    TrackedDevice,
     check_alloc_size,
     check_nbytes,
 )
 from lifecycle.device.base import Copy, DeviceKind
 from lifecycle.device.host import _host_view
-from lifecycle.errors import CudaError, DriverNotFound, InvalidId, TornDown
+from lifecycle.errors import CudaError, DriverNotFound, InvalidId
 
 _log = logging.getLogger("lifecycle.device")
 
@@ -143,7 +144,7 @@ class CudaArrayView:
         return f"CudaArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype})"
 
 
-class CudaDevice:
+class CudaDevice(TrackedDevice):
     """One GPU through the CUDA driver API: its primary context (retained once, released in
     :meth:`close`), one non-blocking stream that every copy and memset is issued on, and
     ``cuMemAlloc``/``cuMemHostAlloc`` allocations tracked by address.
@@ -228,27 +229,12 @@ class CudaDevice:
         """The raw ``CUstream`` of the device's stream (as ``__cuda_array_interface__`` gives it)."""
         return self._stream_handle
 
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` completed."""
-        return self._closed
 
-    @property
-    def live_allocations(self) -> int:
-        """Live ``alloc`` plus ``alloc_pinned`` allocations (tests assert nothing leaked)."""
-        return self._device.count + self._pinned.count
 
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of live ``alloc`` plus ``alloc_pinned`` allocations."""
-        return self._device.nbytes + self._pinned.nbytes
 
     def __repr__(self) -> str:
         return f"CudaDevice({self._name!r}, live={self.live_allocations}, closed={self._closed})"
 
-    def _check_open(self, call: str) -> None:
-        if self._closed:
-            raise TornDown(f"{call}: device {self._name!r} is closed")
 
     def bind_to_thread(self) -> None:
         """Make the primary context current on the calling thread (``cuCtxSetCurrent``)."""

@@ -21,11 +21,12 @@ from lifecycle.device.allocations import (
     AllocationTable,
     BatchChecker,
     CopyArray,
+    TrackedDevice,
     check_alloc_size,
     check_nbytes,
 )
 from lifecycle.device.base import Copy, DeviceKind
-from lifecycle.errors import DeviceError, InvalidId, TornDown
+from lifecycle.errors import DeviceError, InvalidId
 
 _ALIGN = 256
 _memmove = ctypes.memmove
@@ -64,7 +65,7 @@ def _shaped_view(buf: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...]
     return buf[offset : offset + nbytes].view(dt).reshape(shape)
 
 
-class HostDevice:
+class HostDevice(TrackedDevice):
     """Host memory behind the :class:`~lifecycle.device.base.Device` interface.
 
     ``capacity`` bounds the bytes of live ``alloc`` allocations (default: physical memory); an
@@ -99,27 +100,12 @@ class HostDevice:
         """True when copies and memsets wait for :meth:`synchronize`."""
         return self._deferred
 
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._closed
 
-    @property
-    def live_allocations(self) -> int:
-        """Live ``alloc`` plus ``alloc_pinned`` allocations (tests assert nothing leaked)."""
-        return self._device.count + self._pinned.count
 
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of live ``alloc`` plus ``alloc_pinned`` allocations."""
-        return self._device.nbytes + self._pinned.nbytes
 
     def __repr__(self) -> str:
         return f"HostDevice(capacity={self._capacity}, deferred={self._deferred}, live={self.live_allocations})"
 
-    def _check_open(self, call: str) -> None:
-        if self._closed:
-            raise TornDown(f"{call}: device {self.name!r} is closed")
 
     def bind_to_thread(self) -> None:
         """No-op on host (there is no context), but refused after close like on CUDA."""
