@@ -8,7 +8,55 @@ of paying a Python call per block.
 
 cimport cython
 from libc.stdint cimport int64_t, uintptr_t
-from libc.string cimport memmove
+from libc.string cimport memcpy, memmove
+
+cdef extern from *:
+    """
+    #include <string.h>
+    #include <stdint.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #define LC_HAVE_STREAM 1
+    #else
+    #define LC_HAVE_STREAM 0
+    #endif
+    /* Copy with non-temporal (streaming) stores: the destination is not read into the cache
+       first, which is what makes one large memcpy faster than many block-sized ones. */
+    static void lc_stream_copy(char *dst, const char *src, size_t n) {
+    #if LC_HAVE_STREAM
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        if (head > n) head = n;
+        memcpy(dst, src, head);
+        dst += head; src += head; n -= head;
+        size_t blocks = n / 64;
+        for (size_t i = 0; i < blocks; i++) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+            dst += 64; src += 64;
+        }
+        memcpy(dst, src, n - blocks * 64);
+    #else
+        memcpy(dst, src, n);
+    #endif
+    }
+    static void lc_stream_fence(void) {
+    #if LC_HAVE_STREAM
+        _mm_sfence();
+    #endif
+    }
+    """
+    void lc_stream_copy(char *dst, const char *src, size_t n) noexcept nogil
+    void lc_stream_fence() noexcept nogil
+
+# Batches moving more bytes than this (well past a last-level cache) use streaming stores.
+DEF STREAM_BATCH_BYTES = 16 << 20
+DEF STREAM_ROW_BYTES = 4096
 
 
 cdef inline bint _inside(int64_t ptr, int64_t nbytes, const int64_t[::1] starts,
@@ -58,9 +106,22 @@ def memmove_rows(const int64_t[:, ::1] rows):
     """``memmove(dst, src, nbytes)`` for every row, in order. The caller has checked the ranges."""
     cdef Py_ssize_t i
     cdef Py_ssize_t n = rows.shape[0]
+    cdef int64_t total = 0, dst, src, nbytes
+    cdef bint stream
     if rows.shape[1] != 3:
         raise ValueError(f"rows must have 3 columns, not {rows.shape[1]}")
     with nogil:
         for i in range(n):
             if rows[i, 2] > 0:
-                memmove(<void*><uintptr_t>rows[i, 0], <const void*><uintptr_t>rows[i, 1], <size_t>rows[i, 2])
+                total += rows[i, 2]
+        stream = total >= STREAM_BATCH_BYTES
+        for i in range(n):
+            dst, src, nbytes = rows[i, 0], rows[i, 1], rows[i, 2]
+            if nbytes <= 0:
+                continue
+            if stream and nbytes >= STREAM_ROW_BYTES and (dst - src >= nbytes or src - dst >= nbytes):
+                lc_stream_copy(<char*><uintptr_t>dst, <const char*><uintptr_t>src, <size_t>nbytes)
+            else:
+                memmove(<void*><uintptr_t>dst, <const void*><uintptr_t>src, <size_t>nbytes)
+        if stream:
+            lc_stream_fence()
