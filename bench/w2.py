@@ -130,45 +130,31 @@ def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
          (trace.prompt_lens[i] + trace.gen_len) // trace.block_size)
         for i in range(trace.num_requests)
     ]
-    live: deque[tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.int32], int]] = deque()
+    live: deque[tuple[NDArray[np.int32], NDArray[np.int32], int, int, NDArray[np.int32]]] = deque()
     max_live = trace.max_live
     block_size = trace.block_size
-    # The trie's own match (the cache's lookup adds a Match around the same call).
-    match_and_pin = cache.trie.match
-    insert = cache.insert_path
-    unpin = cache.trie.unpin
-    evict = cache.evict
-    allocate_into = pool.allocate_into
-    inc_ref = pool.inc_ref
-    dec_ref = pool.dec_ref
+    # The cache's fused calls, one C call each: match + pin + reference the prefix into the
+    # block table; evict as needed + allocate the rest; cache + unpin + release at finish.
+    core = cache.core
+    acquire_prefix = core.acquire_prefix
+    allocate = core.allocate
+    cache_and_release = core.cache_and_release
     empty = np.empty
     int32 = np.int32
     hit_tokens = 0
 
-    def finish() -> None:
-        tokens, block_table, node_ids, full_blocks = live.popleft()
-        insert(tokens, block_table[:full_blocks], 0, known_prefix=node_ids)
-        unpin(node_ids)
-        dec_ref(block_table)
-
     start = time.perf_counter()
     for tokens, reusable, needed, full_blocks in requests:
         if len(live) == max_live:
-            finish()
-        hit_blocks, node_ids = match_and_pin(tokens, 0, reusable, pin=True)
-        hit = len(hit_blocks)
-        hit_tokens += hit * block_size
-        short = needed - hit - pool.num_free
-        if short > 0:
-            evict(short)
+            cache_and_release(*live.popleft())
         block_table = empty(needed, int32)
-        if hit:
-            block_table[:hit] = hit_blocks
-            inc_ref(hit_blocks)
-        allocate_into(block_table, hit, needed - hit)
-        live.append((tokens, block_table, node_ids, full_blocks))
+        node_ids = acquire_prefix(tokens, block_table, 0, reusable)
+        hit = len(node_ids)
+        hit_tokens += hit * block_size
+        allocate(block_table, hit, needed - hit)
+        live.append((tokens, block_table, full_blocks, 0, node_ids))
     while live:
-        finish()
+        cache_and_release(*live.popleft())
     seconds = time.perf_counter() - start
     cache.check_invariants()
     if pool.num_free + cache.num_cached_blocks != pool.num_total:

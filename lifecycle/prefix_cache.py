@@ -16,8 +16,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lifecycle._blockpool import BlockPool
+from lifecycle._prefix_cache import PrefixCacheCore
 from lifecycle._prefix_trie import PrefixTrie
-from lifecycle.errors import ConfigError, InvalidId, InvariantViolation
+from lifecycle.errors import InvalidId, InvariantViolation
 
 Int32Array = NDArray[np.int32]
 TokenArray = NDArray[np.int32]
@@ -79,29 +80,29 @@ class PrefixCache:
 
     With ``enabled=False`` nothing is ever cached: lookups miss, inserts hand every block back as a
     duplicate, and the cache takes no reference (SPEC §8 scenario 11).
+
+    The composite operations run in ``core`` (a ``PrefixCacheCore``), one C call each; a hot path
+    may call the core's fused operations directly (``acquire_prefix``, ``allocate``,
+    ``cache_and_release``, ``insert_path``, ``evict``).
     """
 
-    __slots__ = (
-        "_pool", "_trie", "_enabled", "_block_size", "_blocks_evicted",
-        "_match", "_insert", "_evict", "_inc_ref", "_dec_ref",
-    )
+    __slots__ = ("_core", "_pool", "_trie", "_enabled", "_block_size", "_match", "_insert_path", "_evict")
 
     def __init__(self, pool: BlockPool, trie: PrefixTrie, *, enabled: bool = True) -> None:
-        if trie.num_cached_blocks:
-            raise ConfigError(
-                f"trie: a PrefixCache needs an empty trie, this one caches {trie.num_cached_blocks} blocks"
-            )
+        self._core = PrefixCacheCore(pool, trie, enabled=enabled)
         self._pool = pool
         self._trie = trie
         self._enabled = enabled
         self._block_size = trie.block_size
-        self._blocks_evicted = 0
         # Bound once: these run on every scheduler step.
         self._match = trie.match
-        self._insert = trie.insert
-        self._evict = trie.evict
-        self._inc_ref = pool.inc_ref
-        self._dec_ref = pool.dec_ref
+        self._insert_path = self._core.insert_path
+        self._evict = self._core.evict
+
+    @property
+    def core(self) -> PrefixCacheCore:
+        """The fused operations on the same pool and trie."""
+        return self._core
 
     @property
     def pool(self) -> BlockPool:
@@ -132,7 +133,7 @@ class PrefixCache:
     @property
     def blocks_evicted(self) -> int:
         """Trie nodes evicted so far (each dropped one cache reference, freed or not)."""
-        return self._blocks_evicted
+        return self._core.blocks_evicted
 
     # -- lookups and pins --
 
@@ -195,38 +196,17 @@ class PrefixCache:
         known_prefix: Int32Array | None = None,
     ) -> tuple[int, Int32Array, Int32Array]:
         """``insert``, returning (blocks newly taken by the cache, duplicates, the path's node ids).
-        With the cache disabled nothing is taken and the path is empty."""
-        if not self._enabled:
-            return 0, np.array(block_ids, dtype=np.int32), _NO_IDS
-        # A temporary reference on every block validates the batch against the pool and is
-        # acquired before anything is released, so no block can pass through refcount 0.
-        self._inc_ref(block_ids)
-        try:
-            taken, duplicates, path = self._insert(tokens, block_ids, adapter, known_prefix=known_prefix)
-        except BaseException:
-            self._dec_ref(block_ids)
-            raise
-        # What remains of the temporary references is exactly the one on each taken block.
-        self._dec_ref(duplicates)
-        return len(taken), duplicates, path
+        With the cache disabled nothing is taken and the path is empty. One C call."""
+        return self._insert_path(tokens, block_ids, adapter, known_prefix=known_prefix)
 
     def evict(self, n: int) -> int:
         """Evict least recently used unpinned leaves until ``n`` blocks became free or nothing is
-        evictable; return how many blocks became free.
+        evictable; return how many blocks became free (one C call).
 
         A node whose block a live sequence still references loses the cache's reference but frees
         nothing, and is not counted. So 0 means nothing evictable is left (for ``n > 0``).
         """
-        if n < 0:
-            raise InvalidId(f"evict: the count {n} must be >= 0")
-        freed = 0
-        while freed < n:
-            evicted = self._evict(n - freed)
-            if len(evicted) == 0:
-                break
-            self._blocks_evicted += len(evicted)
-            freed += self._dec_ref(evicted)
-        return freed
+        return self._evict(n)
 
     def reclaim_prefix_blocks(self, n: int) -> int:
         """SPEC §4: ``evict(n)``."""
@@ -256,9 +236,7 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Drop every cached block (pinned ones too: teardown only); return how many became free."""
-        dropped = self._trie.clear()
-        self._blocks_evicted += len(dropped)
-        return self._pool.dec_ref(dropped) if len(dropped) else 0
+        return self._core.clear()
 
     def check_invariants(self) -> None:
         """Check the trie and the pool, then that every cached block holds at least as many pool

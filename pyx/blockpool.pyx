@@ -46,22 +46,6 @@ cdef inline object _new_ids(cnp.npy_intp n):
     Py_INCREF(_ID_DTYPE)
     return PyArray_NewFromDescr(<void *>cnp.ndarray, <void *>_ID_DTYPE, 1, &n, NULL, NULL, 0, NULL)
 
-# Why a batch was refused (reported with the index of the offending entry).
-cdef enum Refusal:
-    REFUSAL_NONE = 0
-    REFUSAL_OUT_OF_RANGE = 1
-    REFUSAL_ZERO = 2        # dec_ref below zero, or inc_ref of a free block
-    REFUSAL_SATURATED = 3   # inc_ref past INT32_MAX
-
-
-cdef struct BatchResult:
-    Py_ssize_t failed_at   # index of the first refused entry, -1 when the batch was applied
-    Refusal refusal
-    int32_t block_id       # the refused id
-    int32_t refcount       # its refcount before the batch (pool restored)
-    Py_ssize_t repeats     # how often it occurs in the batch up to and including failed_at
-
-
 cdef inline bint _out_of_range(int32_t block_id, Py_ssize_t num_blocks) noexcept nogil:
     # One unsigned compare covers both negative ids and ids >= num_blocks (num_blocks <= INT32_MAX).
     return <uint32_t>block_id >= <uint32_t>num_blocks
@@ -391,6 +375,23 @@ cdef class BlockPool:
             6: f"{zeros} blocks have refcount 0 but num_free is {self._num_free}",
         }
         raise InvariantViolation(f"BlockPool: {messages[problem]}")
+
+    cdef bint _allocate_locked(self, int32_t *dest, Py_ssize_t n) noexcept nogil:
+        return _pop_free(self, dest, n)
+
+    cdef void _inc_ref_locked(self, const int32_t *ids, Py_ssize_t n, BatchResult *result) noexcept nogil:
+        _inc_ref_batch(self, ids, n, result)
+
+    cdef Py_ssize_t _dec_ref_locked(self, const int32_t *ids, Py_ssize_t n, BatchResult *result) noexcept nogil:
+        return _dec_ref_batch(self, ids, n, result)
+
+    cdef int _raise_refused(self, BatchResult *result, str call) except -1:
+        _raise_refusal(self, result, call)
+        return 0
+
+    cdef int _raise_short(self, Py_ssize_t n) except -1:
+        _raise_out_of_blocks(self, n)
+        return 0
 
 
 # -- cores: called with the lock held and the GIL released ------------------------------

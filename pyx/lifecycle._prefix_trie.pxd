@@ -25,6 +25,21 @@ cdef struct TrieNode:
     int32_t depth          # blocks from the root; 0 for a root
 
 
+cdef enum Failure:
+    FAIL_NONE = 0
+    FAIL_NO_MEMORY = 1
+    FAIL_BAD_NODE = 2        # not a live cached node (out of range, evicted, or a root)
+    FAIL_UNPIN_ZERO = 3      # unpin of a node whose pin count is 0
+    FAIL_PIN_SATURATED = 4   # pin count at INT32_MAX
+    FAIL_NOT_A_LEAF = 5      # LRU head has children: the ordering invariant broke
+
+
+cdef struct Outcome:
+    Failure failure
+    Py_ssize_t index         # position in the caller's batch of the refused entry
+    int64_t value            # the refused node id
+
+
 @cython.final
 cdef class PrefixTrie:
     cdef TrieNode *_nodes
@@ -53,3 +68,20 @@ cdef class PrefixTrie:
     cdef int _ensure_slots(self, Py_ssize_t extra) noexcept nogil
     cdef str _find_problem(self)
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos, unsigned char *on_free_stack)
+
+    # C-level operations for other Cython modules (the prefix cache's fused calls). The caller
+    # holds ``_lock`` (GIL released or not); each has the semantics of its Python counterpart.
+    cdef Py_ssize_t _match_locked(
+        self, int64_t key, const int32_t *tokens, Py_ssize_t num_blocks, int32_t *path,
+        int32_t *blocks, bint pin, Outcome *outcome
+    ) noexcept nogil
+    cdef int _insert_locked(
+        self, int64_t key, const int32_t *tokens, const int32_t *blocks, Py_ssize_t n,
+        const int32_t *known, Py_ssize_t num_known, int32_t *path, Py_ssize_t *matched,
+        Py_ssize_t *bad_known
+    ) noexcept nogil
+    cdef Py_ssize_t _evict_locked(self, Py_ssize_t n, int32_t *dest, Outcome *outcome) noexcept nogil
+    cdef Outcome _pin_locked(self, const int32_t *ids, Py_ssize_t n) noexcept nogil
+    cdef Outcome _unpin_locked(self, const int32_t *ids, Py_ssize_t n) noexcept nogil
+    # Raise what the Python call ``call`` raises for a failed outcome (lock released).
+    cdef int _raise_failed(self, Outcome outcome, str call) except -1

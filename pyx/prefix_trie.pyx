@@ -59,21 +59,6 @@ cdef enum:
     WALK_WINDOW = 16        # blocks hashed and prefetched ahead of the walk at a time
 
 
-cdef enum Failure:
-    FAIL_NONE = 0
-    FAIL_NO_MEMORY = 1
-    FAIL_BAD_NODE = 2        # not a live cached node (out of range, evicted, or a root)
-    FAIL_UNPIN_ZERO = 3      # unpin of a node whose pin count is 0
-    FAIL_PIN_SATURATED = 4   # pin count at INT32_MAX
-    FAIL_NOT_A_LEAF = 5      # LRU head has children: the ordering invariant broke
-
-
-cdef struct Outcome:
-    Failure failure
-    Py_ssize_t index         # position in the caller's batch of the refused entry
-    int64_t value            # the refused node id
-
-
 # -- hashing --------------------------------------------------------------------------------
 
 cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
@@ -677,9 +662,8 @@ cdef class PrefixTrie:
         """
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0
-        cdef Py_ssize_t num_blocks, k = 0, i
+        cdef Py_ssize_t num_blocks, k = 0
         cdef int64_t key = _adapter_key(adapter)
-        cdef int32_t root
         cdef int32_t *path
         cdef int32_t *blocks
         cdef Outcome outcome
@@ -698,15 +682,7 @@ cdef class PrefixTrie:
         blocks = _data(block_ids)
         with nogil:
             _acquire(self)
-            root = _find_root(self, key)
-            if root >= 0:
-                k = _walk(self, root, data, num_blocks, path)
-                if pin:
-                    outcome = _pin_batch(self, path, k)
-                else:
-                    _touch(self, path, k)
-                for i in range(k):
-                    blocks[i] = self._nodes[path[i]].block_id
+            k = self._match_locked(key, data, num_blocks, path, blocks, pin, &outcome)
             _release(self)
         if outcome.failure != FAIL_NONE:
             _raise_outcome(outcome, "match")
@@ -779,16 +755,11 @@ cdef class PrefixTrie:
         cdef int64_t key = _adapter_key(adapter)
         cdef Py_ssize_t k = 0, i
         cdef Py_ssize_t bs = self._block_size
-        cdef int32_t root = -1, parent, v
         cdef int32_t *path
-        cdef TrieNode *node
-        cdef uint64_t h
         cdef int failed = 0
         cdef const int32_t *known = NULL
         cdef Py_ssize_t num_known = 0
         cdef Py_ssize_t bad_known = -1
-        cdef Py_ssize_t width, j
-        cdef uint64_t hashes[WALK_WINDOW]
         if not _int32_fast(tokens, &token_data, &num_tokens):
             tokens = _coerce_int32(tokens, "tokens", -(1 << 31))
             _int32_fast(tokens, &token_data, &num_tokens)
@@ -813,72 +784,7 @@ cdef class PrefixTrie:
         path = _data(node_path)
         with nogil:
             _acquire(self)
-            failed = self._ensure_slots(n + 1)
-            if self._free_head >= 0:
-                __builtin_prefetch(&self._nodes[self._free_head])  # lands while the walk runs
-            if not failed and num_known > 0:
-                bad_known = _check_known_prefix(self, _find_root(self, key), known, num_known, token_data)
-            if not failed and n > 0 and bad_known < 0:
-                root = _find_root(self, key)
-                if root < 0:
-                    root = _take_slot(self)
-                    node = &self._nodes[root]
-                    node.key_hash = <uint64_t>key
-                    node.parent = ROOT_PARENT
-                    node.block_id = -1
-                    node.pin_count = 0
-                    node.lock_count = 0
-                    node.num_children = 0
-                    node.lru_prev = -1
-                    node.lru_next = -1
-                    node.tag = -1
-                    node.depth = 0
-                    _chain_link(self, root)
-                    self._num_roots += 1
-                if num_known > 0:
-                    memcpy(path, known, num_known * sizeof(int32_t))
-                    k = num_known + _walk(
-                        self, known[num_known - 1], token_data + num_known * bs, n - num_known, path + num_known
-                    )
-                else:
-                    k = _walk(self, root, token_data, n, path)
-                parent = path[k - 1] if k > 0 else root
-                h = self._nodes[parent].key_hash
-                i = k
-                while i < n:
-                    # Hash a window ahead and prefetch its buckets: linking a node reads its
-                    # bucket's head, a likely cache miss otherwise.
-                    width = min(<Py_ssize_t>WALK_WINDOW, n - i)
-                    for j in range(width):
-                        h = _block_hash(h, token_data + (i + j) * bs, bs, self._hash_keys, self._hash_mask)
-                        hashes[j] = h
-                        __builtin_prefetch(&self._buckets[h & <uint64_t>self._bucket_mask])
-                    for j in range(width):
-                        v = _take_slot(self)
-                        node = &self._nodes[v]
-                        node.key_hash = hashes[j]
-                        node.parent = parent
-                        node.block_id = block_data[i + j]
-                        node.pin_count = 0
-                        node.lock_count = 0
-                        node.num_children = 0
-                        node.lru_prev = -1
-                        node.lru_next = -1
-                        node.tag = -1
-                        node.depth = self._nodes[parent].depth + 1
-                        memcpy(self._tokens + <Py_ssize_t>v * bs, token_data + (i + j) * bs, bs * sizeof(int32_t))
-                        _chain_link(self, v)
-                        self._nodes[parent].num_children += 1
-                        self._num_cached += 1
-                        path[i + j] = v
-                        parent = v
-                    i += width
-                # Deepest first: new nodes join the list, existing unprotected ones move to its end.
-                i = n - 1
-                while i >= k:
-                    _lru_append(self, path[i])
-                    i -= 1
-                _touch(self, path, k)
+            failed = self._insert_locked(key, token_data, block_data, n, known, num_known, path, &k, &bad_known)
             _release(self)
         if failed:
             raise MemoryError(f"insert: cannot grow the trie by {n} nodes")
@@ -899,9 +805,10 @@ cdef class PrefixTrie:
         fewer are evictable. O(1) per dropped node.
         """
         cdef Py_ssize_t count = 0
-        cdef int32_t v, next_victim
+        cdef int32_t v
         cdef int32_t *dest
-        cdef Failure failure = FAIL_NONE
+        cdef Failure failure
+        cdef Outcome outcome
         if n < 0:
             raise InvalidId(f"evict: the count {n} must be >= 0")
         if n > self._lru_count:
@@ -910,25 +817,10 @@ cdef class PrefixTrie:
         dest = _data(out)
         with nogil:
             _acquire(self)
-            while count < n and self._lru_head >= 0:
-                v = self._lru_head
-                if self._nodes[v].num_children != 0:
-                    failure = FAIL_NOT_A_LEAF
-                    break
-                # Two steps ahead: the next victim's chain neighbours, and the node after it.
-                next_victim = self._nodes[v].lru_next
-                if next_victim >= 0 and count + 1 < n:
-                    if self._nodes[next_victim].hash_prev >= 0:
-                        __builtin_prefetch(&self._nodes[self._nodes[next_victim].hash_prev])
-                    else:
-                        __builtin_prefetch(&self._buckets[self._nodes[next_victim].key_hash & <uint64_t>self._bucket_mask])
-                    if self._nodes[next_victim].lru_next >= 0:
-                        __builtin_prefetch(&self._nodes[self._nodes[next_victim].lru_next])
-                _lru_remove(self, v)
-                dest[count] = self._nodes[v].block_id
-                count += 1
-                _remove_leaf(self, v)
+            count = self._evict_locked(n, dest, &outcome)
             _release(self)
+        failure = outcome.failure
+        v = <int32_t>outcome.value
         if failure != FAIL_NONE:
             raise InvariantViolation(
                 f"PrefixTrie: LRU head node {v} has {self._nodes[v].num_children} children "
@@ -1078,6 +970,148 @@ cdef class PrefixTrie:
         if bad >= 0:
             raise InvalidId(f"deepest_tagged: node id {data[bad]} (entry {bad}) is not a cached node")
         return best
+
+    cdef Py_ssize_t _match_locked(
+        self, int64_t key, const int32_t *data, Py_ssize_t num_blocks, int32_t *path,
+        int32_t *blocks, bint pin, Outcome *outcome
+    ) noexcept nogil:
+        # On a refused pin (saturated count) nothing is pinned, and 0 blocks are reported.
+        cdef Py_ssize_t k = 0, i
+        cdef int32_t root = _find_root(self, key)
+        outcome.failure = FAIL_NONE
+        if root < 0:
+            return 0
+        k = _walk(self, root, data, num_blocks, path)
+        if pin:
+            outcome[0] = _pin_batch(self, path, k)
+            if outcome.failure != FAIL_NONE:
+                return 0
+        else:
+            _touch(self, path, k)
+        if blocks != NULL:
+            for i in range(k):
+                blocks[i] = self._nodes[path[i]].block_id
+        return k
+
+    cdef Outcome _pin_locked(self, const int32_t *ids, Py_ssize_t n) noexcept nogil:
+        return _pin_batch(self, ids, n)
+
+    cdef Outcome _unpin_locked(self, const int32_t *ids, Py_ssize_t n) noexcept nogil:
+        return _unpin_batch(self, ids, n)
+
+    cdef int _raise_failed(self, Outcome outcome, str call) except -1:
+        _raise_outcome(outcome, call)
+        return 0
+
+    cdef int _insert_locked(
+        self, int64_t key, const int32_t *token_data, const int32_t *block_data, Py_ssize_t n,
+        const int32_t *known, Py_ssize_t num_known, int32_t *path, Py_ssize_t *matched,
+        Py_ssize_t *bad_known_out
+    ) noexcept nogil:
+        cdef Py_ssize_t k = 0, i, width, j
+        cdef Py_ssize_t bs = self._block_size
+        cdef int32_t root = -1, parent, v
+        cdef TrieNode *node
+        cdef uint64_t h
+        cdef int failed = 0
+        cdef Py_ssize_t bad_known = -1
+        cdef uint64_t hashes[WALK_WINDOW]
+        failed = self._ensure_slots(n + 1)
+        if self._free_head >= 0:
+            __builtin_prefetch(&self._nodes[self._free_head])  # lands while the walk runs
+        if not failed and num_known > 0:
+            bad_known = _check_known_prefix(self, _find_root(self, key), known, num_known, token_data)
+        if not failed and n > 0 and bad_known < 0:
+            root = _find_root(self, key)
+            if root < 0:
+                root = _take_slot(self)
+                node = &self._nodes[root]
+                node.key_hash = <uint64_t>key
+                node.parent = ROOT_PARENT
+                node.block_id = -1
+                node.pin_count = 0
+                node.lock_count = 0
+                node.num_children = 0
+                node.lru_prev = -1
+                node.lru_next = -1
+                node.tag = -1
+                node.depth = 0
+                _chain_link(self, root)
+                self._num_roots += 1
+            if num_known > 0:
+                memcpy(path, known, num_known * sizeof(int32_t))
+                k = num_known + _walk(
+                    self, known[num_known - 1], token_data + num_known * bs, n - num_known, path + num_known
+                )
+            else:
+                k = _walk(self, root, token_data, n, path)
+            parent = path[k - 1] if k > 0 else root
+            h = self._nodes[parent].key_hash
+            i = k
+            while i < n:
+                # Hash a window ahead and prefetch its buckets: linking a node reads its
+                # bucket's head, a likely cache miss otherwise.
+                width = min(<Py_ssize_t>WALK_WINDOW, n - i)
+                for j in range(width):
+                    h = _block_hash(h, token_data + (i + j) * bs, bs, self._hash_keys, self._hash_mask)
+                    hashes[j] = h
+                    __builtin_prefetch(&self._buckets[h & <uint64_t>self._bucket_mask])
+                for j in range(width):
+                    v = _take_slot(self)
+                    node = &self._nodes[v]
+                    node.key_hash = hashes[j]
+                    node.parent = parent
+                    node.block_id = block_data[i + j]
+                    node.pin_count = 0
+                    node.lock_count = 0
+                    node.num_children = 0
+                    node.lru_prev = -1
+                    node.lru_next = -1
+                    node.tag = -1
+                    node.depth = self._nodes[parent].depth + 1
+                    memcpy(self._tokens + <Py_ssize_t>v * bs, token_data + (i + j) * bs, bs * sizeof(int32_t))
+                    _chain_link(self, v)
+                    self._nodes[parent].num_children += 1
+                    self._num_cached += 1
+                    path[i + j] = v
+                    parent = v
+                i += width
+            # Deepest first: new nodes join the list, existing unprotected ones move to its end.
+            i = n - 1
+            while i >= k:
+                _lru_append(self, path[i])
+                i -= 1
+            _touch(self, path, k)
+        matched[0] = k
+        bad_known_out[0] = bad_known
+        return failed
+
+    cdef Py_ssize_t _evict_locked(self, Py_ssize_t n, int32_t *dest, Outcome *outcome) noexcept nogil:
+        cdef Py_ssize_t count = 0
+        cdef int32_t v = -1, next_victim
+        cdef Failure failure = FAIL_NONE
+        while count < n and self._lru_head >= 0:
+            v = self._lru_head
+            if self._nodes[v].num_children != 0:
+                failure = FAIL_NOT_A_LEAF
+                break
+            # Two steps ahead: the next victim's chain neighbours, and the node after it.
+            next_victim = self._nodes[v].lru_next
+            if next_victim >= 0 and count + 1 < n:
+                if self._nodes[next_victim].hash_prev >= 0:
+                    __builtin_prefetch(&self._nodes[self._nodes[next_victim].hash_prev])
+                else:
+                    __builtin_prefetch(&self._buckets[self._nodes[next_victim].key_hash & <uint64_t>self._bucket_mask])
+                if self._nodes[next_victim].lru_next >= 0:
+                    __builtin_prefetch(&self._nodes[self._nodes[next_victim].lru_next])
+            _lru_remove(self, v)
+            dest[count] = self._nodes[v].block_id
+            count += 1
+            _remove_leaf(self, v)
+        outcome.failure = failure
+        outcome.index = count
+        outcome.value = v
+        return count
 
     # -- checking --
 

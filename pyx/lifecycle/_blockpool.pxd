@@ -36,6 +36,21 @@ cdef extern from *:
     void lc_mutex_destroy(lc_mutex_t *mutex) noexcept nogil
 
 
+# Why a batch was refused (reported with the index of the offending entry).
+cdef enum Refusal:
+    REFUSAL_NONE = 0
+    REFUSAL_OUT_OF_RANGE = 1
+    REFUSAL_ZERO = 2        # dec_ref below zero, or inc_ref of a free block
+    REFUSAL_SATURATED = 3   # inc_ref past INT32_MAX
+
+
+cdef struct BatchResult:
+    Py_ssize_t failed_at   # index of the first refused entry, -1 when the batch was applied
+    Refusal refusal
+    int32_t block_id       # the refused id
+    int32_t refcount       # its refcount before the batch (pool restored)
+    Py_ssize_t repeats     # how often it occurs in the batch up to and including failed_at
+
 
 @cython.final
 cdef class BlockPool:
@@ -44,3 +59,12 @@ cdef class BlockPool:
     cdef Py_ssize_t _num_blocks
     cdef Py_ssize_t _num_free
     cdef lc_mutex_t _lock         # taken with the GIL released, except by short batches (see .pyx)
+
+    # C-level batch operations for other Cython modules (the prefix cache's fused calls). The
+    # caller holds ``_lock``; each has the all-or-nothing semantics of its Python counterpart.
+    cdef bint _allocate_locked(self, int32_t *dest, Py_ssize_t n) noexcept nogil
+    cdef void _inc_ref_locked(self, const int32_t *ids, Py_ssize_t n, BatchResult *result) noexcept nogil
+    cdef Py_ssize_t _dec_ref_locked(self, const int32_t *ids, Py_ssize_t n, BatchResult *result) noexcept nogil
+    # Raise what the Python call ``call`` raises for a refused batch or a short pool (lock released).
+    cdef int _raise_refused(self, BatchResult *result, str call) except -1
+    cdef int _raise_short(self, Py_ssize_t n) except -1

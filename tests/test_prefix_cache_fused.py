@@ -1,0 +1,128 @@
+"""The fused calls of ``PrefixCacheCore``: each equals its separate calls, and a refused call
+changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lifecycle._blockpool import BlockPool
+from lifecycle._prefix_cache import PrefixCacheCore
+from lifecycle._prefix_trie import PrefixTrie
+from lifecycle.errors import DoubleFree, InvalidId, OutOfBlocks
+
+BS = 4
+
+
+def _core(num_blocks: int = 16) -> PrefixCacheCore:
+    return PrefixCacheCore(BlockPool(num_blocks), PrefixTrie(BS))
+
+
+def _check(core: PrefixCacheCore) -> None:
+    core.trie.check_invariants()
+    core.pool.check_invariants()
+
+
+def _cache_one(core: PrefixCacheCore, tokens: np.ndarray, blocks: int) -> np.ndarray:
+    """Admit and finish a request of ``tokens`` that holds ``blocks`` blocks; return its table."""
+    table = np.empty(blocks, np.int32)
+    pinned = core.acquire_prefix(tokens, table, 0, (len(tokens) - 1) // BS)
+    core.allocate(table, len(pinned), blocks - len(pinned))
+    core.cache_and_release(tokens, table, len(tokens) // BS, 0, pinned)
+    _check(core)
+    return table
+
+
+def test_acquire_prefix_pins_and_references_the_match_into_the_table() -> None:
+    core = _core()
+    tokens = np.arange(12, dtype=np.int32)
+    cached = _cache_one(core, tokens, 3)
+    table = np.full(3, -1, np.int32)
+    pinned = core.acquire_prefix(tokens, table, 0, 2)
+    assert list(table[:2]) == list(cached[:2]) and len(pinned) == 2
+    assert [core.pool.refcount(int(b)) for b in cached[:2]] == [2, 2]
+    assert core.trie.pin_count(int(pinned[1])) == 1
+    _check(core)
+
+
+def test_cache_and_release_frees_duplicates_and_keeps_cached_blocks() -> None:
+    core = _core()
+    tokens = np.arange(12, dtype=np.int32)
+    _cache_one(core, tokens, 3)
+    assert core.num_cached_blocks == 3 and core.pool.num_free == 13
+    _cache_one(core, tokens, 3)  # reuses 2 blocks; the third is a duplicate and goes free
+    assert core.num_cached_blocks == 3 and core.pool.num_free == 13
+    assert core.num_evictable_blocks == 3
+
+
+def test_cache_and_release_with_a_bad_pin_changes_nothing() -> None:
+    core = _core()
+    tokens = np.arange(12, dtype=np.int32)
+    _cache_one(core, tokens, 3)
+    table = np.empty(3, np.int32)
+    pinned = core.acquire_prefix(tokens, table, 0, 2)
+    core.allocate(table, 2, 1)
+    core.trie.unpin(pinned)  # the caller loses track of its pins
+    before = core.pool.refcounts()
+    with pytest.raises(DoubleFree):
+        core.cache_and_release(tokens, table, 3, 0, pinned)
+    assert np.array_equal(core.pool.refcounts(), before)
+    assert core.num_cached_blocks == 3
+    _check(core)
+
+
+def test_cache_and_release_with_a_free_block_changes_nothing() -> None:
+    core = _core()
+    tokens = np.arange(12, dtype=np.int32)
+    table = np.empty(3, np.int32)
+    pinned = core.acquire_prefix(tokens, table, 0, 2)
+    core.allocate(table, 0, 3)
+    table[2] = 15  # never allocated
+    before = core.pool.refcounts()
+    with pytest.raises(DoubleFree):
+        core.cache_and_release(tokens, table, 2, 0, pinned)
+    assert np.array_equal(core.pool.refcounts(), before) and core.num_cached_blocks == 0
+    _check(core)
+
+
+def test_allocate_evicts_least_recently_used_blocks_when_short() -> None:
+    core = _core(8)
+    _cache_one(core, np.arange(16, dtype=np.int32), 4)
+    _cache_one(core, np.arange(100, 116, dtype=np.int32), 4)
+    assert core.pool.num_free == 0
+    table = np.empty(2, np.int32)
+    assert core.allocate(table, 0, 2) == 2
+    assert core.blocks_evicted == 2
+    # The older request's deepest blocks went first.
+    pinned = core.acquire_prefix(np.arange(16, dtype=np.int32), np.empty(4, np.int32))
+    assert len(pinned) == 2
+    _check(core)
+
+
+def test_allocate_raises_out_of_blocks_when_eviction_cannot_make_room() -> None:
+    core = _core(4)
+    table = np.empty(5, np.int32)
+    with pytest.raises(OutOfBlocks):
+        core.allocate(table, 0, 5)
+    assert core.pool.num_free == 4
+    with pytest.raises(InvalidId):
+        core.allocate(table, 4, 2)
+
+
+def test_insert_path_with_a_free_block_changes_nothing() -> None:
+    core = _core()
+    with pytest.raises(InvalidId):
+        core.insert_path(np.arange(8, dtype=np.int32), np.array([0, 1], np.int32))
+    assert core.num_cached_blocks == 0 and core.pool.num_free == 16
+    _check(core)
+
+
+def test_evict_counts_only_blocks_that_became_free() -> None:
+    core = _core()
+    tokens = np.arange(8, dtype=np.int32)
+    table = np.empty(2, np.int32)
+    core.allocate(table, 0, 2)
+    core.insert_path(tokens, table)
+    assert core.evict(2) == 0  # the sequence still holds both
+    assert core.blocks_evicted == 2 and core.num_cached_blocks == 0
+    _check(core)
