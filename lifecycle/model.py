@@ -114,6 +114,7 @@ class HybridModel(LifecycleDefaults):
         self._pool = BlockPool(config.num_blocks_resolved)
         self._trie = PrefixTrie(self._block_size)
         self._prefix = PrefixCache(self._pool, self._trie, enabled=config.enable_prefix_cache)
+        self._core = self._prefix.core
         self._slots = SlotPool(config.max_seqs)
         self._adapters = AdapterTable(config.num_adapter_slots)
         self._live: dict[int, Holdings] = {}
@@ -236,10 +237,18 @@ class HybridModel(LifecycleDefaults):
         with self._lock:
             started = self._enter()
             holdings = self._holdings(seq)
+            fused = (
+                self._snapshots is None
+                and self._prefix.enabled
+                and not seq.failed
+                and not holdings.cache_pins
+                and holdings.status is not SeqStatus.FREED
+            )
             try:
-                self._cache(seq, holdings, pin=False)
+                if not fused:
+                    self._cache(seq, holdings, pin=False)
             finally:
-                self._free(seq, holdings)
+                self._free(seq, holdings, cache=fused)
                 self._leave(started)
 
     def _cache(self, seq: SequenceState, holdings: Holdings, *, pin: bool) -> None:
@@ -279,7 +288,9 @@ class HybridModel(LifecycleDefaults):
             finally:
                 self._leave(started)
 
-    def _free(self, seq: SequenceState, holdings: Holdings) -> None:
+    def _free(self, seq: SequenceState, holdings: Holdings, *, cache: bool = False) -> None:
+        """The release order of free_sequence; ``cache`` inserts the full blocks into the prefix
+        cache in the same C call that drops the sequence's pins and block references."""
         if holdings.status is SeqStatus.FREED:
             return
         guard = seq._guard
@@ -289,7 +300,7 @@ class HybridModel(LifecycleDefaults):
                 self._slot_owner.pop(guard.slot, None)
                 guard.release()
         finally:
-            self._release_holdings(holdings)
+            self._release_holdings(holdings, seq if cache else None)
             self._stats.sequences_freed += 1
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
@@ -570,6 +581,20 @@ class HybridModel(LifecycleDefaults):
                 )
             if seq.is_detached and self._ssm is not None:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
+            holdings.ensure_capacity(-(-int(tokens.shape[0]) // self._block_size) + 1)
+            if self._ssm is None and not retry and self._prefix.enabled and tokens.shape[0] > 1:
+                # Every matched block is reusable: match, pin and reference in one C call,
+                # straight into the block table.
+                node_ids = self._core.acquire_prefix(
+                    tokens, holdings.blocks, holdings.adapter_uid, (int(tokens.shape[0]) - 1) // self._block_size
+                )
+                reused = matched = int(node_ids.shape[0])
+                holdings.pinned_nodes = node_ids
+                holdings.pinned_depth = holdings.num_blocks = reused
+                self._record_prompt(seq, tokens, reused)
+                self._count_lookup(int(tokens.shape[0]), matched, reused)
+                self._leave(started)
+                return seq.num_cached_tokens
             block_ids, node_ids = self._match(tokens, holdings.adapter_uid)
             matched = int(node_ids.shape[0])
             reused = self._reusable_blocks(node_ids)
@@ -586,17 +611,19 @@ class HybridModel(LifecycleDefaults):
                 self._pool.dec_ref(holdings.block_ids())
             holdings.pinned_nodes = node_ids
             holdings.pinned_depth = reused
-            holdings.ensure_capacity(-(-int(tokens.shape[0]) // self._block_size) + 1)
             holdings.blocks[:reused] = block_ids
             holdings.num_blocks = reused
-            if not seq.num_tokens:
-                seq.append_tokens(tokens)
-                seq.prompt_len = int(tokens.shape[0])
-            seq.num_cached_tokens = reused * self._block_size
+            self._record_prompt(seq, tokens, reused)
             if not retry:
                 self._count_lookup(int(tokens.shape[0]), matched, reused)
             self._leave(started)
             return seq.num_cached_tokens
+
+    def _record_prompt(self, seq: SequenceState, tokens: npt.NDArray[np.int32], reused: int) -> None:
+        if not seq.num_tokens:
+            seq.append_tokens(tokens)
+            seq.prompt_len = int(tokens.shape[0])
+        seq.num_cached_tokens = reused * self._block_size
 
     def _match(self, tokens: npt.NDArray[np.int32], root: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """(block ids, node ids) of the cached prefix a prefill of ``tokens`` may use: whole blocks,
@@ -639,26 +666,32 @@ class HybridModel(LifecycleDefaults):
             return added
 
     def _grow_blocks(self, holdings: Holdings, count: int) -> None:
-        pool = self._pool
-        if pool.num_free < count:
-            while pool.num_free < count and self._evict(count - pool.num_free):
-                pass
-            if pool.num_free < count:
-                raise OutOfBlocks(
-                    f"need {count} blocks, {pool.num_free} free of {pool.num_total} after evicting every "
-                    "evictable cached block"
-                )
+        """Append ``count`` fresh blocks to the table, evicting cached blocks first when the free
+        list is short (one C call); all or nothing."""
         holdings.ensure_capacity(holdings.num_blocks + count)
-        pool.allocate_into(holdings.blocks, holdings.num_blocks, count)
+        free_before = self._pool.num_free
+        try:
+            freed = self._core.allocate(holdings.blocks, holdings.num_blocks, count)
+        except OutOfBlocks:
+            self._evicted(self._pool.num_free - free_before)
+            raise OutOfBlocks(
+                f"need {count} blocks, {self._pool.num_free} free of {self._pool.num_total} after evicting "
+                "every evictable cached block"
+            ) from None
+        self._evicted(freed)
         holdings.num_blocks += count
         self._stats.blocks_allocated += count
 
     def _evict(self, num_blocks: int) -> int:
-        freed = self._prefix.evict(num_blocks)
+        freed = self._core.evict(num_blocks)
+        self._evicted(freed)
+        return freed
+
+    def _evicted(self, freed: int) -> None:
+        """Account for an eviction: count the freed blocks, drop the evicted nodes' snapshots."""
         self._stats.blocks_evicted += freed
         if self._snapshots is not None:
             self._stats.snapshots_evicted += self._snapshots.drop(self._trie.evicted_tags())
-        return freed
 
     def load_adapter(self, name: str) -> int:
         """Load (or reload, as a new generation) a LoRA adapter; returns its slot."""
@@ -731,14 +764,21 @@ class HybridModel(LifecycleDefaults):
 
     # ------------------------------------------------------------------ release paths
 
-    def _release_holdings(self, holdings: Holdings) -> None:
+    def _release_holdings(self, holdings: Holdings, cached_by: SequenceState | None = None) -> None:
         """Adapter reference, prefix pins, block references: each step runs even if one before it
-        failed; the first failure is raised at the end. The sequence counts as freed either way."""
+        failed; the first failure is raised at the end. The sequence counts as freed either way.
+        With ``cached_by``, that sequence's full blocks are cached as its references are dropped."""
         first_error: BaseException | None = None
+        adapter_uid = holdings.adapter_uid
         try:
             self._release_adapter(holdings)
         except BaseException as exc:
             first_error = exc
+        if cached_by is not None:
+            try:
+                self._cache_and_release(cached_by, holdings, adapter_uid)
+            except BaseException as exc:
+                first_error = first_error or exc
         try:
             self._release_pins(holdings)
         except BaseException as exc:
@@ -751,6 +791,17 @@ class HybridModel(LifecycleDefaults):
         self._live.pop(holdings.seq_id, None)
         if first_error is not None:
             raise first_error
+
+    def _cache_and_release(self, seq: SequenceState, holdings: Holdings, adapter_uid: int) -> None:
+        """Cache the sequence's full blocks, unpin its prefix and drop its block references in one
+        all-or-nothing C call (on failure the separate release steps that follow still run)."""
+        full = min(seq.num_tokens // self._block_size, holdings.num_blocks)
+        taken, freed = self._core.cache_and_release(
+            seq.tokens[: full * self._block_size], holdings.block_ids(), full, adapter_uid, holdings.pinned_nodes
+        )
+        holdings.pinned_nodes, holdings.pinned_depth, holdings.num_blocks = _EMPTY_I32, 0, 0
+        self._stats.blocks_cached += taken
+        self._stats.blocks_freed += freed
 
     def _release_adapter(self, holdings: Holdings) -> None:
         slot, uid = holdings.adapter_slot, holdings.adapter_uid
