@@ -112,7 +112,7 @@ class HybridModel(LifecycleDefaults):
         self._swap_staging = StagingBuffer(self._device)
         self._releases.append(self._swap_staging.release)
         self._pool = BlockPool(config.num_blocks_resolved)
-        self._trie = PrefixTrie(self._block_size)
+        self._trie = PrefixTrie(self._block_size, capacity=config.num_blocks_resolved)
         self._prefix = PrefixCache(self._pool, self._trie, enabled=config.enable_prefix_cache)
         self._core = self._prefix.core
         self._slots = SlotPool(config.max_seqs)
