@@ -124,12 +124,16 @@ def run_lifecycle(trace: Path, repeats: int) -> list[dict[str, Any]]:
     from w2 import LIFECYCLE_REPEATS
     from w2 import run as run_w2
 
-    results: list[dict[str, Any]] = []
-    if (HERE / "w1.py").is_file():
-        from w1 import run as run_w1
+    from w1 import run as run_w1
+    from w2_model import run as run_w2_model
 
-        results += [r for r in run_w1(trace) if r.get("library") == "lifecycle"]
-    return results + run_w2(trace, max(repeats, LIFECYCLE_REPEATS))
+    # W1 for lifecycle and its limit (a plain C free-list loop); W2 at the trie + pool level and
+    # through the HybridModel API.
+    results: list[dict[str, Any]] = list(run_w1(trace))
+    results += run_w2(trace, max(repeats, LIFECYCLE_REPEATS))
+    for record in run_w2_model(trace, max(repeats, LIFECYCLE_REPEATS)):
+        results.append({**record, "workload": "W2"})
+    return results
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -137,7 +141,7 @@ def table(results: list[dict[str, Any]]) -> str:
     w2 = {r["library"]: r for r in results if r["workload"] == "W2"}
     libraries = list(dict.fromkeys(r["library"] for r in results))
     lines = [
-        f"{'library':<10} {'W1 ns/block':>12} {'W2 us/request':>14} {'hit rate':>9} {'hit tokens':>11} "
+        f"{'library':<15} {'W1 ns/block':>12} {'W2 us/request':>14} {'hit rate':>9} {'hit tokens':>11} "
         f"{'evicted':>8}  W2 vs lifecycle",
     ]
     ours = w2.get("lifecycle", {}).get("us_per_request")
@@ -145,9 +149,10 @@ def table(results: list[dict[str, Any]]) -> str:
         one = w1.get(library, {})
         two = w2.get(library, {})
         ratio = f"{two['us_per_request'] / ours:.1f}x slower" if ours and library != "lifecycle" and two else ""
+        hit_rate = f"{two['hit_rate'] * 100:.3f}%" if two else "-"
         lines.append(
-            f"{library:<10} {one.get('ns_per_block', '-'):>12} {two.get('us_per_request', '-'):>14} "
-            f"{two.get('hit_rate', 0) * 100:>8.3f}% {two.get('hit_tokens', '-'):>11} "
+            f"{library:<15} {one.get('ns_per_block', '-'):>12} {two.get('us_per_request', '-'):>14} "
+            f"{hit_rate:>9} {two.get('hit_tokens', '-'):>11} "
             f"{two.get('blocks_evicted', '-'):>8}  {ratio}"
         )
     return "\n".join(lines)
