@@ -53,6 +53,9 @@ else
         || fail "device bench"
     BENCH_JSON="$OUT_DIR/device_bench_gpu.jsonl"
 fi
+say "swap save/restore on the GPU (fraction of pinned<->device copies of the same bytes)"
+timeout 120 "$PY" bench/swap_bench.py --device cuda --json >"$OUT_DIR/swap_bench_gpu.jsonl" 2>"$OUT_DIR/swap_bench_gpu.err" \
+    || say "swap bench failed (see $OUT_DIR/swap_bench_gpu.err)"
 "$PY" - "$BENCH_JSON" <<'PYEOF' | tee "$OUT_DIR/summary.txt"
 import json, sys
 sys.path.insert(0, "bench")
