@@ -54,6 +54,10 @@ _now = time.perf_counter_ns
 _model_ids = itertools.count(1)
 _NO_ROOT: Final = 0
 _EMPTY_I32: Final = np.empty(0, dtype=np.int32)
+_INT32: Final = np.dtype(np.int32)
+# Module globals read faster than the enum's class attributes (the hot paths test them every call).
+_ACTIVE: Final = SeqStatus.ACTIVE
+_FREED: Final = SeqStatus.FREED
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,16 +127,21 @@ class HybridModel(LifecycleDefaults):
         self._seq_ids = itertools.count()
         self._innerq_hook: Callable[[], None] | None = None
         self._kv_block_bytes = config.kv_block_bytes()
+        # Fixed for the model's life; read on every request, so computed once.
+        self._max_blocks_per_seq = config.max_blocks_per_seq_resolved
+        self._max_budget_tokens = self._max_blocks_per_seq * self._block_size if self._kv is not None else None
+        # Without snapshots every matched prefix block is reusable, so a finishing request can cache
+        # and release in one C call; without SSM layers the same holds for attach_prefix.
+        self._fused_finish = self._snapshots is None and config.enable_prefix_cache
+        self._fused_attach = self._ssm is None and config.enable_prefix_cache
         ssm = self._ssm
         # Per slot, the (h, conv) addresses of every SSM layer: what a sequence in that slot holds.
-        self._addrs_by_slot: list[tuple[tuple[int, int], ...]] = (
-            [
-                tuple((ssm.h_addr(layer, slot), ssm.conv_addr(layer, slot)) for layer in range(ssm.num_layers))
-                for slot in range(config.max_seqs)
-            ]
+        self._addrs_by_slot: list[tuple[tuple[int, int], ...]] = [
+            tuple((ssm.h_addr(layer, slot), ssm.conv_addr(layer, slot)) for layer in range(ssm.num_layers))
             if ssm is not None
-            else []
-        )
+            else ()
+            for slot in range(config.max_seqs)
+        ]
         self._swap_ctx = SwapContext(
             config, self._device, self._kv, self._ssm, staging=self._swap_staging, adapters=self._adapters
         )
@@ -140,12 +149,17 @@ class HybridModel(LifecycleDefaults):
     # ------------------------------------------------------------------ plumbing
 
     def _enter(self) -> int:
-        """Start of every public call (lock held): refuse after teardown, reap dropped sequences."""
+        """Start of every public call (lock held): refuse after teardown, reap dropped sequences.
+        The request-path methods inline it as ``if self._torn_down or self._drop_queue:
+        self._enter_slow()`` then ``started = _now()``."""
         if self._torn_down or self._drop_queue:
-            if self._torn_down:
-                raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
-            self._reap_dropped()
+            self._enter_slow()
         return _now()
+
+    def _enter_slow(self) -> None:
+        if self._torn_down:
+            raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
+        self._reap_dropped()
 
     def _leave(self, started: int) -> None:
         self._stats.time_in_library_ns += _now() - started
@@ -160,13 +174,13 @@ class HybridModel(LifecycleDefaults):
         return seq._holdings
 
     def _active(self, seq: SequenceState, what: str) -> Holdings:
+        """The holdings of an active sequence of this model. The request-path methods inline it as
+        ``holdings = seq._holdings if type(seq) is SequenceState and seq._model_id ==
+        self._model_id else self._holdings(seq)`` (SequenceState is final) then the status test."""
         holdings = self._holdings(seq)
-        if holdings.status is not SeqStatus.ACTIVE:
-            raise SequenceStateError(f"{what}: sequence {seq.seq_id} is {holdings.status.value}, not active")
+        if holdings.status is not _ACTIVE:
+            raise _not_active(seq, holdings, what)
         return holdings
-
-    def _ssm_addrs(self, slot: int) -> tuple[tuple[int, int], ...]:
-        return self._addrs_by_slot[slot] if self._addrs_by_slot else ()
 
     def _root_of(self, adapter_slot: int) -> int:
         if adapter_slot == NO_ADAPTER:
@@ -197,29 +211,32 @@ class HybridModel(LifecycleDefaults):
         proposer (draft) state and token buffer are sized to that budget."""
         if not isinstance(budget_tokens, int) or budget_tokens < 0:
             raise InvalidId(f"budget_tokens={budget_tokens!r} must be an int >= 0")
-        limit = self._config.max_blocks_per_seq_resolved * self._block_size
-        if self._kv is not None and budget_tokens > limit:
+        limit = self._max_budget_tokens
+        if limit is not None and budget_tokens > limit:
             raise InvalidId(f"budget_tokens={budget_tokens} exceeds the per-sequence limit of {limit} tokens")
         with self._lock:
-            started = self._enter()
+            if self._torn_down or self._drop_queue:
+                self._enter_slow()
+            started = _now()
             guard = self._slots.acquire()
             slot = guard.slot
-            try:
-                if self._ssm is not None:
+            if self._ssm is not None:
+                try:
                     self._ssm.zero_slot(slot)
                     self._device.synchronize()  # the engine's kernels may run on another stream
-            except BaseException:
-                guard.release()
-                raise
+                except BaseException:
+                    guard.release()
+                    raise
             seq_id = next(self._seq_ids)
             holdings = Holdings(seq_id, max(-(-budget_tokens // self._block_size), 4))
             seq = SequenceState(
-                seq_id, self._model_id, holdings, guard, self._ssm_addrs(slot), budget_tokens, self._drop_queue
+                seq_id, self._model_id, holdings, guard, self._addrs_by_slot[slot], budget_tokens, self._drop_queue
             )
             self._live[seq_id] = holdings
             self._slot_owner[slot] = weakref.ref(seq)
-            self._stats.sequences_allocated += 1
-            self._leave(started)
+            stats = self._stats
+            stats.sequences_allocated += 1
+            stats.time_in_library_ns += _now() - started
             return seq
 
     def cache_sequence(self, seq: SequenceState) -> None:
@@ -235,24 +252,24 @@ class HybridModel(LifecycleDefaults):
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
         request finishes). Nothing can evict in between, so the cached path needs no pins."""
         with self._lock:
-            started = self._enter()
-            holdings = self._holdings(seq)
-            fused = (
-                self._snapshots is None
-                and self._prefix.enabled
-                and not seq.failed
-                and not holdings.cache_pins
-                and holdings.status is not SeqStatus.FREED
+            if self._torn_down or self._drop_queue:
+                self._enter_slow()
+            started = _now()
+            holdings = (
+                seq._holdings
+                if type(seq) is SequenceState and seq._model_id == self._model_id
+                else self._holdings(seq)
             )
+            fused = self._fused_finish and not seq._failed and not holdings.cache_pins
             try:
                 if not fused:
                     self._cache(seq, holdings, pin=False)
             finally:
                 self._free(seq, holdings, cache=fused)
-                self._leave(started)
+                self._stats.time_in_library_ns += _now() - started
 
     def _cache(self, seq: SequenceState, holdings: Holdings, *, pin: bool) -> None:
-        if seq.failed or holdings.status is SeqStatus.FREED or not self._prefix.enabled:
+        if seq.failed or holdings.status is _FREED or not self._prefix.enabled:
             return
         full = min(seq.num_tokens // self._block_size, holdings.num_blocks)
         if full <= 0:
@@ -275,7 +292,7 @@ class HybridModel(LifecycleDefaults):
         if node_ids.shape[0] > depth:
             extra = node_ids[depth:]
             self._trie.pin(extra)
-            holdings.cache_pins.append(extra)
+            holdings.cache_pins += (extra,)
             holdings.pinned_depth = int(node_ids.shape[0])
 
     def free_sequence(self, seq: SequenceState) -> None:
@@ -291,7 +308,7 @@ class HybridModel(LifecycleDefaults):
     def _free(self, seq: SequenceState, holdings: Holdings, *, cache: bool = False) -> None:
         """The release order of free_sequence; ``cache`` inserts the full blocks into the prefix
         cache in the same C call that drops the sequence's pins and block references."""
-        if holdings.status is SeqStatus.FREED:
+        if holdings.status is _FREED:
             return
         guard = seq._guard
         seq._guard = None
@@ -333,7 +350,7 @@ class HybridModel(LifecycleDefaults):
                 new_guard = self._slots.claim_specific(new_slot)
             seq._guard = new_guard
             seq._slot_idx = new_slot
-            seq._ssm_addrs = self._ssm_addrs(new_slot)
+            seq._ssm_addrs = self._addrs_by_slot[new_slot]
             self._slot_owner[new_slot] = weakref.ref(seq)
             self._slot_owner.pop(old_slot, None)
             old_guard.release()
@@ -394,7 +411,7 @@ class HybridModel(LifecycleDefaults):
                 return
             if self._drop_queue:
                 self._reap_dropped()
-            live = [h for h in self._live.values() if h.status is not SeqStatus.FREED]
+            live = [h for h in self._live.values() if h.status is not _FREED]
             report = TeardownReport(
                 live_sequences=len(live),
                 live_blocks=sum(h.num_blocks for h in live),
@@ -451,7 +468,7 @@ class HybridModel(LifecycleDefaults):
         with self._lock:
             started = self._enter()
             holdings = self._holdings(seq)
-            if holdings.status is SeqStatus.FREED:
+            if holdings.status is _FREED:
                 raise SequenceStateError(f"save_sequence_state: sequence {seq.seq_id} was freed")
             if self._ssm is not None and seq.is_detached:
                 raise SequenceStateError(
@@ -565,35 +582,59 @@ class HybridModel(LifecycleDefaults):
         to a node with an SSM snapshot, which is restored into the slot), pin it and put its blocks
         at the head of the block table. Returns the reused token count. Calling it again for the
         same sequence and prompt (a retried lookup) takes no second set of references."""
-        tokens = _as_tokens(prompt)
+        # An int32 vector needs no conversion (the dtype identity test is the cheap common case).
+        tokens: npt.NDArray[np.int32] = (
+            cast("npt.NDArray[np.int32]", prompt)
+            if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype is _INT32
+            else _as_tokens(prompt)
+        )
         with self._lock:
-            started = self._enter()
-            holdings = self._active(seq, "attach_prefix")
-            retry = holdings.pinned_nodes.shape[0]
+            if self._torn_down or self._drop_queue:
+                self._enter_slow()
+            started = _now()
+            holdings = (
+                seq._holdings
+                if type(seq) is SequenceState and seq._model_id == self._model_id
+                else self._holdings(seq)
+            )
+            if holdings.status is not _ACTIVE:
+                raise _not_active(seq, holdings, "attach_prefix")
+            retry = len(holdings.pinned_nodes)
             if holdings.num_blocks != retry:
                 raise SequenceStateError(
                     f"attach_prefix: sequence {seq.seq_id} already grew to {holdings.num_blocks} blocks; "
                     "attach a prefix before allocating the rest"
                 )
-            if seq.num_tokens and not np.array_equal(seq.tokens, tokens):
+            if seq._num_tokens and not np.array_equal(seq.tokens, tokens):
                 raise SequenceStateError(
                     f"attach_prefix: sequence {seq.seq_id} already holds {seq.num_tokens} other tokens"
                 )
-            if seq.is_detached and self._ssm is not None:
+            if self._ssm is not None and seq._slot_idx == DETACHED_SLOT:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
-            holdings.ensure_capacity(-(-int(tokens.shape[0]) // self._block_size) + 1)
-            if self._ssm is None and not retry and self._prefix.enabled and tokens.shape[0] > 1:
+            num_tokens = len(tokens)
+            block_size = self._block_size
+            capacity = -(-num_tokens // block_size) + 1
+            if capacity > len(holdings.blocks):
+                holdings.ensure_capacity(capacity)
+            if self._fused_attach and not retry and num_tokens > 1:
                 # Every matched block is reusable: match, pin and reference in one C call,
                 # straight into the block table.
                 node_ids = self._core.acquire_prefix(
-                    tokens, holdings.blocks, holdings.adapter_uid, (int(tokens.shape[0]) - 1) // self._block_size
+                    tokens, holdings.blocks, holdings.adapter_uid, (num_tokens - 1) // block_size
                 )
-                reused = matched = int(node_ids.shape[0])
+                reused = len(node_ids)
                 holdings.pinned_nodes = node_ids
                 holdings.pinned_depth = holdings.num_blocks = reused
                 self._record_prompt(seq, tokens, reused)
-                self._count_lookup(int(tokens.shape[0]), matched, reused)
-                self._leave(started)
+                stats = self._stats
+                stats.prefix_lookups += 1
+                stats.prefix_lookup_tokens += num_tokens
+                if reused:
+                    stats.prefix_hits += 1
+                    stats.prefix_hit_tokens += reused * block_size
+                else:
+                    stats.prefix_misses += 1
+                stats.time_in_library_ns += _now() - started
                 return seq.num_cached_tokens
             block_ids, node_ids = self._match(tokens, holdings.adapter_uid)
             matched = int(node_ids.shape[0])
@@ -620,9 +661,13 @@ class HybridModel(LifecycleDefaults):
             return seq.num_cached_tokens
 
     def _record_prompt(self, seq: SequenceState, tokens: npt.NDArray[np.int32], reused: int) -> None:
-        if not seq.num_tokens:
-            seq.append_tokens(tokens)
-            seq.prompt_len = int(tokens.shape[0])
+        if not seq._num_tokens:
+            # The prompt was validated (int32, 1-D) and the sequence is active: write it directly.
+            num_tokens = len(tokens)
+            if num_tokens > len(seq._tokens):
+                seq._grow_tokens(num_tokens)
+            seq._tokens[:num_tokens] = tokens
+            seq._num_tokens = seq.prompt_len = num_tokens
         seq.num_cached_tokens = reused * self._block_size
 
     def _match(self, tokens: npt.NDArray[np.int32], root: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -651,35 +696,48 @@ class HybridModel(LifecycleDefaults):
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
         prefix blocks when the free list runs short. Returns the number of blocks added."""
         with self._lock:
-            started = self._enter()
-            holdings = self._active(seq, "grow")
+            if self._torn_down or self._drop_queue:
+                self._enter_slow()
+            started = _now()
+            holdings = (
+                seq._holdings
+                if type(seq) is SequenceState and seq._model_id == self._model_id
+                else self._holdings(seq)
+            )
+            if holdings.status is not _ACTIVE:
+                raise _not_active(seq, holdings, "grow")
             if not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidId(f"grow: num_tokens={num_tokens!r} must be an int >= 0")
             wanted = -(-num_tokens // self._block_size)
-            limit = self._config.max_blocks_per_seq_resolved
+            limit = self._max_blocks_per_seq
             if wanted > limit:
                 raise InvalidId(f"grow: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
-            added = max(wanted - holdings.num_blocks, 0)
-            if added:
+            added = wanted - holdings.num_blocks
+            if added > 0:
                 self._grow_blocks(holdings, added)
-            self._leave(started)
+            else:
+                added = 0
+            self._stats.time_in_library_ns += _now() - started
             return added
 
     def _grow_blocks(self, holdings: Holdings, count: int) -> None:
         """Append ``count`` fresh blocks to the table, evicting cached blocks first when the free
         list is short (one C call); all or nothing."""
-        holdings.ensure_capacity(holdings.num_blocks + count)
+        start = holdings.num_blocks
+        if start + count > len(holdings.blocks):
+            holdings.ensure_capacity(start + count)
         free_before = self._pool.num_free
         try:
-            freed = self._core.allocate(holdings.blocks, holdings.num_blocks, count)
+            freed = self._core.allocate(holdings.blocks, start, count)
         except OutOfBlocks:
             self._evicted(self._pool.num_free - free_before)
             raise OutOfBlocks(
                 f"need {count} blocks, {self._pool.num_free} free of {self._pool.num_total} after evicting "
                 "every evictable cached block"
             ) from None
-        self._evicted(freed)
-        holdings.num_blocks += count
+        if freed:
+            self._evicted(freed)
+        holdings.num_blocks = start + count
         self._stats.blocks_allocated += count
 
     def _evict(self, num_blocks: int) -> int:
@@ -760,7 +818,7 @@ class HybridModel(LifecycleDefaults):
         with self._lock:
             if self._drop_queue and not self._torn_down:
                 self._reap_dropped()
-            return sum(1 for h in self._live.values() if h.status is not SeqStatus.FREED)
+            return sum(1 for h in self._live.values() if h.status is not _FREED)
 
     # ------------------------------------------------------------------ release paths
 
@@ -770,24 +828,29 @@ class HybridModel(LifecycleDefaults):
         With ``cached_by``, that sequence's full blocks are cached as its references are dropped."""
         first_error: BaseException | None = None
         adapter_uid = holdings.adapter_uid
-        try:
-            self._release_adapter(holdings)
-        except BaseException as exc:
-            first_error = exc
+        # Each step is skipped when there is nothing to release (the common request holds no
+        # adapter, and the fused cache-and-release leaves no pins or blocks).
+        if holdings.adapter_slot != NO_ADAPTER or adapter_uid:
+            try:
+                self._release_adapter(holdings)
+            except BaseException as exc:
+                first_error = exc
         if cached_by is not None:
             try:
                 self._cache_and_release(cached_by, holdings, adapter_uid)
             except BaseException as exc:
                 first_error = first_error or exc
-        try:
-            self._release_pins(holdings)
-        except BaseException as exc:
-            first_error = first_error or exc
-        try:
-            self._release_blocks(holdings)
-        except BaseException as exc:
-            first_error = first_error or exc
-        holdings.status = SeqStatus.FREED
+        if len(holdings.pinned_nodes) or holdings.cache_pins or holdings.rolling_snapshot is not None:
+            try:
+                self._release_pins(holdings)
+            except BaseException as exc:
+                first_error = first_error or exc
+        if holdings.num_blocks:
+            try:
+                self._release_blocks(holdings)
+            except BaseException as exc:
+                first_error = first_error or exc
+        holdings.status = _FREED
         self._live.pop(holdings.seq_id, None)
         if first_error is not None:
             raise first_error
@@ -795,13 +858,17 @@ class HybridModel(LifecycleDefaults):
     def _cache_and_release(self, seq: SequenceState, holdings: Holdings, adapter_uid: int) -> None:
         """Cache the sequence's full blocks, unpin its prefix and drop its block references in one
         all-or-nothing C call (on failure the separate release steps that follow still run)."""
-        full = min(seq.num_tokens // self._block_size, holdings.num_blocks)
+        num_blocks = holdings.num_blocks
+        full = min(seq._num_tokens // self._block_size, num_blocks)
+        # The whole token buffer: the call reads only the first ``full`` blocks' tokens, all written.
         taken, freed = self._core.cache_and_release(
-            seq.tokens[: full * self._block_size], holdings.block_ids(), full, adapter_uid, holdings.pinned_nodes
+            seq._tokens, holdings.blocks[:num_blocks], full, adapter_uid, holdings.pinned_nodes
         )
-        holdings.pinned_nodes, holdings.pinned_depth, holdings.num_blocks = _EMPTY_I32, 0, 0
-        self._stats.blocks_cached += taken
-        self._stats.blocks_freed += freed
+        holdings.pinned_nodes = _EMPTY_I32
+        holdings.pinned_depth = holdings.num_blocks = 0
+        stats = self._stats
+        stats.blocks_cached += taken
+        stats.blocks_freed += freed
 
     def _release_adapter(self, holdings: Holdings) -> None:
         slot, uid = holdings.adapter_slot, holdings.adapter_uid
@@ -812,9 +879,9 @@ class HybridModel(LifecycleDefaults):
     def _release_pins(self, holdings: Holdings) -> None:
         holdings.rolling_snapshot = None  # the snapshot stays cached with its node
         pinned, holdings.pinned_nodes = holdings.pinned_nodes, _EMPTY_I32
-        cache_pins, holdings.cache_pins = holdings.cache_pins, []
+        cache_pins, holdings.cache_pins = holdings.cache_pins, ()
         holdings.pinned_depth = 0
-        if pinned.shape[0]:
+        if len(pinned):
             self._trie.unpin(pinned)
         for path in cache_pins:
             self._trie.unpin(path)
@@ -830,7 +897,7 @@ class HybridModel(LifecycleDefaults):
         already released the slot)."""
         while self._drop_queue:
             holdings = self._live.get(self._drop_queue.popleft())
-            if holdings is not None and holdings.status is not SeqStatus.FREED:
+            if holdings is not None and holdings.status is not _FREED:
                 self._release_holdings(holdings)
                 self._stats.sequences_freed += 1
 
@@ -949,7 +1016,7 @@ class HybridModel(LifecycleDefaults):
             expected = np.zeros(self._pool.num_total, dtype=np.int64)
             pins: dict[int, int] = {}
             adapter_refs = [0] * self._adapters.num_slots
-            live = [h for h in self._live.values() if h.status is not SeqStatus.FREED]
+            live = [h for h in self._live.values() if h.status is not _FREED]
             for holdings in live:
                 np.add.at(expected, holdings.block_ids(), 1)
                 for path in (holdings.pinned_nodes, *holdings.cache_pins):
@@ -977,6 +1044,10 @@ class HybridModel(LifecycleDefaults):
             self._check_slot_owners()
             if self._snapshots is not None:
                 self._snapshots.check_invariants(self._trie)
+
+
+def _not_active(seq: SequenceState, holdings: Holdings, what: str) -> SequenceStateError:
+    return SequenceStateError(f"{what}: sequence {seq.seq_id} is {holdings.status.value}, not active")
 
 
 def _as_tokens(prompt: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:

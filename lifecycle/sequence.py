@@ -30,6 +30,7 @@ DETACHED_SLOT: Final[int] = -1
 NO_ADAPTER: Final[int] = -1
 
 _EMPTY_I32: Final = np.empty(0, dtype=np.int32)
+_INT32: Final = np.dtype(np.int32)
 
 
 class SeqStatus(enum.Enum):
@@ -38,6 +39,9 @@ class SeqStatus(enum.Enum):
     ACTIVE = "active"
     RETIRED = "retired"
     FREED = "freed"
+
+
+_FREED: Final = SeqStatus.FREED  # a module global reads faster than the enum's class attribute
 
 
 @final
@@ -64,8 +68,9 @@ class Holdings:
         self.num_blocks = 0
         #: Pins on the cached prefix attached at admission (its blocks head the block table).
         self.pinned_nodes: npt.NDArray[np.int32] = _EMPTY_I32
-        #: Pins on the nodes the sequence's own ``cache_sequence`` calls added after that prefix.
-        self.cache_pins: list[npt.NDArray[np.int32]] = []
+        #: Pins on the nodes the sequence's own ``cache_sequence`` calls added after that prefix
+        #: (a tuple, replaced when it grows: most sequences never add any, and share the empty one).
+        self.cache_pins: tuple[npt.NDArray[np.int32], ...] = ()
         #: How many leading nodes of the sequence's cached path are pinned by it.
         self.pinned_depth = 0
         #: (trie node, snapshot id, its generation) of the last ``save_snapshot(..., rolling=True)``.
@@ -112,7 +117,7 @@ class SequenceState:
         seq_id: int,
         model_id: int,
         holdings: Holdings,
-        guard: SlotGuard | None,
+        guard: SlotGuard,
         ssm_addrs: tuple[tuple[int, int], ...],
         budget_tokens: int,
         drop_queue: deque[int],
@@ -120,8 +125,8 @@ class SequenceState:
         self._seq_id = seq_id
         self._model_id = model_id
         self._holdings = holdings
-        self._guard = guard
-        self._slot_idx = guard.slot if guard is not None else DETACHED_SLOT
+        self._guard: SlotGuard | None = guard
+        self._slot_idx = guard.slot
         self._ssm_addrs = ssm_addrs
         self._tokens: npt.NDArray[np.int32] = np.empty(max(budget_tokens, 16), dtype=np.int32)
         self._num_tokens = 0
@@ -141,7 +146,7 @@ class SequenceState:
     def __del__(self) -> None:
         # Dropped without free_sequence (an exception path): the slot guard releases the slot by
         # itself; the model reaps the other references at its next call.
-        if self._holdings.status is not SeqStatus.FREED:
+        if self._holdings.status is not _FREED:
             self._drop_queue.append(self._seq_id)
 
     def __repr__(self) -> str:
@@ -222,26 +227,37 @@ class SequenceState:
 
     def append_tokens(self, tokens: Iterable[int] | npt.NDArray[np.integer]) -> None:
         """Record tokens whose KV the engine has computed (prompt first, then generated ones)."""
-        if self._holdings.status is SeqStatus.FREED:
+        if self._holdings.status is _FREED:
             raise SequenceStateError(f"sequence {self._seq_id} was freed; cannot append tokens")
-        if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.itemsize <= 4 and (
-            tokens.dtype == np.int32 or tokens.dtype.kind == "u"
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and (
+            tokens.dtype is _INT32
+            or (tokens.dtype.itemsize <= 4 and (tokens.dtype == np.int32 or tokens.dtype.kind == "u"))
         ):
             new = tokens  # every value fits the int32 token buffer: nothing to check
         else:
-            try:
-                new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
-            except OverflowError:
-                raise SequenceStateError("token ids must lie in [0, 2147483647]; one does not fit 64 bits") from None
-            if new.ndim != 1:
-                raise SequenceStateError(f"tokens must be one-dimensional, got shape {new.shape}")
-            if new.size and (int(new.min()) < 0 or int(new.max()) > 0x7FFFFFFF):
-                bad = int(new.min()) if int(new.min()) < 0 else int(new.max())
-                raise SequenceStateError(f"token id {bad} out of range [0, 2147483647]")
-        end = self._num_tokens + new.shape[0]
-        if end > self._tokens.shape[0]:
-            grown = np.empty(max(end, 2 * self._tokens.shape[0]), dtype=np.int32)
-            grown[: self._num_tokens] = self._tokens[: self._num_tokens]
-            self._tokens = grown
-        self._tokens[self._num_tokens : end] = new
+            new = _checked_tokens(tokens)
+        start = self._num_tokens
+        end = start + len(new)
+        if end > len(self._tokens):
+            self._grow_tokens(end)
+        self._tokens[start:end] = new
         self._num_tokens = end
+
+    def _grow_tokens(self, needed: int) -> None:
+        grown = np.empty(max(needed, 2 * len(self._tokens)), dtype=np.int32)
+        grown[: self._num_tokens] = self._tokens[: self._num_tokens]
+        self._tokens = grown
+
+
+def _checked_tokens(tokens: Iterable[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
+    """``tokens`` as a 1-D int64 array, every id checked to fit the int32 token buffer."""
+    try:
+        new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+    except OverflowError:
+        raise SequenceStateError("token ids must lie in [0, 2147483647]; one does not fit 64 bits") from None
+    if new.ndim != 1:
+        raise SequenceStateError(f"tokens must be one-dimensional, got shape {new.shape}")
+    if new.size and (int(new.min()) < 0 or int(new.max()) > 0x7FFFFFFF):
+        bad = int(new.min()) if int(new.min()) < 0 else int(new.max())
+        raise SequenceStateError(f"token id {bad} out of range [0, 2147483647]")
+    return new
