@@ -635,7 +635,7 @@ class HybridModel(LifecycleDefaults):
                 else:
                     stats.prefix_misses += 1
                 stats.time_in_library_ns += _now() - started
-                return seq.num_cached_tokens
+                return reused * block_size
             block_ids, node_ids = self._match(tokens, holdings.adapter_uid)
             matched = int(node_ids.shape[0])
             reused = self._reusable_blocks(node_ids)
