@@ -37,6 +37,8 @@ cdef extern from "numpy/arrayobject.h":
 
 cnp.import_array()
 
+from lifecycle._int32 cimport int32_vector as _ids_fast
+
 # The dtype of every id array this module creates, looked up once: allocate() is on the hot path.
 cdef cnp.dtype _ID_DTYPE = np.dtype(np.int32)
 
@@ -87,21 +89,6 @@ cdef inline void _unlocked(BlockPool pool) noexcept nogil:
     lc_mutex_unlock(&pool._lock)
 
 
-cdef inline bint _ids_fast(object ids, const int32_t **data, Py_ssize_t *n):
-    """True when ``ids`` is a 1-D, C-contiguous, aligned, native int32 array (read in place)."""
-    cdef cnp.ndarray array
-    if not cnp.PyArray_Check(ids):
-        return False
-    array = <cnp.ndarray>ids
-    if (
-        cnp.PyArray_TYPE(array) != cnp.NPY_INT32
-        or cnp.PyArray_NDIM(array) != 1
-        or not cnp.PyArray_ISCARRAY_RO(array)
-    ):
-        return False
-    data[0] = <const int32_t *>cnp.PyArray_DATA(array)
-    n[0] = cnp.PyArray_DIM(array, 0)
-    return True
 
 
 cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):

@@ -31,6 +31,8 @@ from lifecycle.errors import ConfigError, InvalidId
 
 cnp.import_array()
 
+from lifecycle._int32 cimport int32_vector as _int32_in
+
 
 cdef inline void _lock_both(PrefixCacheCore c) noexcept nogil:
     PyThread_acquire_lock(c._trie._lock, WAIT_LOCK)
@@ -42,21 +44,6 @@ cdef inline void _unlock_both(PrefixCacheCore c) noexcept nogil:
     PyThread_release_lock(c._trie._lock)
 
 
-cdef inline bint _int32_in(object values, const int32_t **data, Py_ssize_t *n):
-    """True when ``values`` is a 1-D, C-contiguous, aligned, native int32 array (read in place)."""
-    cdef cnp.ndarray array
-    if not cnp.PyArray_Check(values):
-        return False
-    array = <cnp.ndarray>values
-    if (
-        cnp.PyArray_TYPE(array) != cnp.NPY_INT32
-        or cnp.PyArray_NDIM(array) != 1
-        or not cnp.PyArray_ISCARRAY_RO(array)
-    ):
-        return False
-    data[0] = <const int32_t *>cnp.PyArray_DATA(array)
-    n[0] = cnp.PyArray_DIM(array, 0)
-    return True
 
 
 cdef inline int32_t *_table(object out, str call, Py_ssize_t *n) except NULL:

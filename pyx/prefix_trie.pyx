@@ -43,6 +43,8 @@ from lifecycle.errors import (
 
 cnp.import_array()
 
+from lifecycle._int32 cimport int32_vector as _int32_fast
+
 cdef enum:
     ROOT_PARENT = -1        # parent field of an adapter root
     FREE_PARENT = -2        # parent field of an unused slot
@@ -126,21 +128,6 @@ cdef inline void _release(PrefixTrie t) noexcept nogil:
 
 # -- argument coercion (GIL held) -------------------------------------------------------------
 
-cdef inline bint _int32_fast(object values, const int32_t **data, Py_ssize_t *n):
-    """True when ``values`` is a 1-D, C-contiguous, aligned, native int32 array (read in place)."""
-    cdef cnp.ndarray array
-    if not cnp.PyArray_Check(values):
-        return False
-    array = <cnp.ndarray>values
-    if (
-        cnp.PyArray_TYPE(array) != cnp.NPY_INT32
-        or cnp.PyArray_NDIM(array) != 1
-        or not cnp.PyArray_ISCARRAY_RO(array)
-    ):
-        return False
-    data[0] = <const int32_t *>cnp.PyArray_DATA(array)
-    n[0] = cnp.PyArray_DIM(array, 0)
-    return True
 
 
 cdef object _coerce_int32(object values, str what, int64_t lowest):
