@@ -626,15 +626,8 @@ class HybridModel(LifecycleDefaults):
                 holdings.pinned_nodes = node_ids
                 holdings.pinned_depth = holdings.num_blocks = reused
                 self._record_prompt(seq, tokens, reused)
-                stats = self._stats
-                stats.prefix_lookups += 1
-                stats.prefix_lookup_tokens += num_tokens
-                if reused:
-                    stats.prefix_hits += 1
-                    stats.prefix_hit_tokens += reused * block_size
-                else:
-                    stats.prefix_misses += 1
-                stats.time_in_library_ns += _now() - started
+                self._count_lookup(num_tokens, reused, reused)
+                self._stats.time_in_library_ns += _now() - started
                 return reused * block_size
             block_ids, node_ids = self._match(tokens, holdings.adapter_uid)
             matched = int(node_ids.shape[0])
