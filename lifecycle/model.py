@@ -40,7 +40,7 @@ from lifecycle.errors import (
     TornDown,
 )
 from lifecycle.pools import KVPool, SSMPool
-from lifecycle.prefix_cache import PrefixCache
+from lifecycle.prefix_cache import PrefixCache, reusable_blocks
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, Holdings, SeqStatus, SequenceState
 from lifecycle.snapshots import SnapshotPool
@@ -549,19 +549,11 @@ class HybridModel(LifecycleDefaults):
         tokens = _as_tokens(prompt)
         with self._lock:
             started = self._enter()
-            root = self._root_of(adapter_slot)
-            _, node_ids = self._match(tokens, root)
-            reused = self._reusable_blocks(node_ids)
-            pinned = node_ids[:reused]
-            self._trie.pin(pinned)
-            try:
-                target = max(blocks_needed - reused, 0)
-                while self._pool.num_free < target:
-                    if self._evict(target - self._pool.num_free) == 0:
-                        break
-            finally:
-                self._trie.unpin(pinned)
-            result = PrefixReclaim(target=target, free=self._pool.num_free)
+            free_before = self._pool.num_free
+            result = self._prefix.reclaim_prefix_blocks_for(
+                tokens, self._root_of(adapter_slot), blocks_needed, self._reusable_blocks
+            )
+            self._evicted(result.free - free_before)
             self._leave(started)
             return result
 
@@ -620,7 +612,7 @@ class HybridModel(LifecycleDefaults):
                 # Every matched block is reusable: match, pin and reference in one C call,
                 # straight into the block table.
                 node_ids = self._core.acquire_prefix(
-                    tokens, holdings.blocks, holdings.adapter_uid, (num_tokens - 1) // block_size
+                    tokens, holdings.blocks, holdings.adapter_uid, reusable_blocks(num_tokens, block_size)
                 )
                 reused = len(node_ids)
                 holdings.pinned_nodes = node_ids
@@ -668,7 +660,7 @@ class HybridModel(LifecycleDefaults):
         never covering the last token (its logits must be computed)."""
         if not self._prefix.enabled or tokens.shape[0] <= 1:
             return _EMPTY_I32, _EMPTY_I32
-        return self._trie.match(tokens, root, (int(tokens.shape[0]) - 1) // self._block_size)
+        return self._trie.match(tokens, root, reusable_blocks(len(tokens), self._block_size))
 
     def _count_lookup(self, prompt_tokens: int, matched: int, reused: int) -> None:
         stats = self._stats
@@ -1003,8 +995,7 @@ class HybridModel(LifecycleDefaults):
         raise ``InvariantViolation`` on any mismatch."""
         with self._lock:
             self._enter()
-            self._pool.check_invariants()
-            self._trie.check_invariants()
+            self._prefix.check_invariants()  # the pool, the trie, and the cache's references
             self._slots.check_invariants()
             expected = np.zeros(self._pool.num_total, dtype=np.int64)
             pins: dict[int, int] = {}

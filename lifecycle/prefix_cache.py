@@ -9,6 +9,7 @@ within one call never passes through refcount 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -212,26 +213,38 @@ class PrefixCache:
         """SPEC §4: ``evict(n)``."""
         return self.evict(n)
 
-    def reclaim_prefix_blocks_for(self, prompt: TokenArray, adapter: int, blocks_needed: int) -> PrefixReclaim:
+    def reclaim_prefix_blocks_for(
+        self,
+        prompt: TokenArray,
+        adapter: int,
+        blocks_needed: int,
+        reusable: Callable[[Int32Array], int] | None = None,
+    ) -> PrefixReclaim:
         """Make room for a prefill of ``prompt`` that needs ``blocks_needed`` blocks in all.
 
-        Pins the prefix prefill will reuse (``reusable_blocks`` of the prompt; none for an empty
-        prompt), sets ``target = max(0, blocks_needed - reused)``, evicts until the pool has
-        ``target`` free blocks or nothing is evictable, unpins, and returns the target and the
-        free count. The reused prefix is never evicted by this call.
+        Pins the prefix prefill will reuse (``reusable_blocks`` of the prompt, cut to
+        ``reusable(node_ids)`` of the matched nodes when given — a hybrid model reuses only up to
+        an SSM snapshot; none for an empty prompt), sets ``target = max(0, blocks_needed - reused)``,
+        evicts until the pool has ``target`` free blocks or nothing is evictable, unpins, and
+        returns the target and the free count. The reused prefix is never evicted by this call.
         """
         if blocks_needed < 0:
             raise InvalidId(f"reclaim_prefix_blocks_for: blocks_needed {blocks_needed} must be >= 0")
         if not self._enabled:
             return PrefixReclaim(blocks_needed, self._pool.num_free)
-        match = self.lookup_prompt(prompt, adapter, pin=True)
+        if reusable is None:
+            pinned = self.lookup_prompt(prompt, adapter, pin=True).node_ids
+        else:
+            matched = self.lookup_prompt(prompt, adapter, pin=False).node_ids
+            pinned = matched[: reusable(matched)]
+            self._trie.pin(pinned)
         try:
-            target = max(0, blocks_needed - match.num_blocks)
+            target = max(0, blocks_needed - len(pinned))
             short = target - self._pool.num_free
             if short > 0:
                 self.evict(short)
         finally:
-            self._trie.unpin(match.node_ids)
+            self._trie.unpin(pinned)
         return PrefixReclaim(target, self._pool.num_free)
 
     def clear(self) -> int:
