@@ -133,25 +133,20 @@ def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
     live: deque[tuple[NDArray[np.int32], NDArray[np.int32], int, int, NDArray[np.int32]]] = deque()
     max_live = trace.max_live
     block_size = trace.block_size
-    # The cache's fused calls, one C call each: match + pin + reference the prefix into the
-    # block table; evict as needed + allocate the rest; cache + unpin + release at finish.
+    # The cache's fused calls, one C call each: at admission, match + pin + reference the prefix
+    # and evict as needed + allocate the rest into a new block table; at finish, cache + unpin +
+    # release.
     core = cache.core
-    acquire_prefix = core.acquire_prefix
-    allocate = core.allocate
+    admit = core.admit
     cache_and_release = core.cache_and_release
-    empty = np.empty
-    int32 = np.int32
     hit_tokens = 0
 
     start = time.perf_counter()
     for tokens, reusable, needed, full_blocks in requests:
         if len(live) == max_live:
             cache_and_release(*live.popleft())
-        block_table = empty(needed, int32)
-        node_ids = acquire_prefix(tokens, block_table, 0, reusable)
-        hit = len(node_ids)
-        hit_tokens += hit * block_size
-        allocate(block_table, hit, needed - hit)
+        block_table, node_ids = admit(tokens, needed, 0, reusable)
+        hit_tokens += len(node_ids) * block_size
         live.append((tokens, block_table, full_blocks, 0, node_ids))
     while live:
         cache_and_release(*live.popleft())

@@ -300,6 +300,78 @@ cdef class PrefixCacheCore:
             _shrink(node_ids, k)
         return node_ids
 
+    def admit(self, tokens, Py_ssize_t num_blocks, adapter=0, Py_ssize_t max_prefix=-1):
+        """Admit a request in one atomic step: acquire its longest cached prefix (as
+        ``acquire_prefix``, at most ``max_prefix`` blocks, -1 = no limit) and allocate the rest of
+        its ``num_blocks`` blocks (as ``allocate``, evicting when short).
+
+        Returns ``(block_table, node_ids)``: a new int32 table of ``num_blocks`` ids, each with
+        one pool reference owned by the caller, whose first ``len(node_ids)`` blocks are the
+        cached prefix, and that prefix's node ids (pinned: ``unpin`` them, or pass them to
+        ``cache_and_release``). All or nothing: when even eviction leaves too few blocks it raises
+        ``OutOfBlocks`` with nothing pinned or referenced (blocks evicted stay evicted, as for
+        ``allocate``).
+        """
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, prefix_blocks, k = 0, need, freed = 0
+        cdef int64_t key = _adapter_key(adapter)
+        cdef Outcome outcome, evicted
+        cdef BatchResult result, released
+        cdef bint short = False
+        cdef cnp.ndarray table, node_ids
+        cdef int32_t *dest
+        cdef int32_t *nodes
+        if num_blocks < 0:
+            raise InvalidId(f"admit: cannot allocate {num_blocks} blocks: the count must be >= 0")
+        if max_prefix < -1:
+            raise InvalidId(f"admit: max_prefix {max_prefix} must be >= 0, or -1 for no limit")
+        if not _int32_in(tokens, &data, &n):
+            _, node_ids = self._trie.match(tokens, adapter, 0)  # the trie's conversion and errors
+            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+            _int32_in(tokens, &data, &n)
+        prefix_blocks = n // self._block_size if self._enabled else 0
+        if 0 <= max_prefix < prefix_blocks:
+            prefix_blocks = max_prefix
+        if prefix_blocks > num_blocks:
+            prefix_blocks = num_blocks
+        table = _empty_int32(num_blocks)
+        node_ids = _empty_int32(prefix_blocks)
+        dest = <int32_t *>cnp.PyArray_DATA(table)
+        nodes = <int32_t *>cnp.PyArray_DATA(node_ids)
+        outcome.failure = FAIL_NONE
+        evicted.failure = FAIL_NONE
+        result.failed_at = -1
+        released.failed_at = -1
+        with nogil:
+            _lock_both(self)
+            if prefix_blocks:
+                k = self._trie._match_locked(key, data, prefix_blocks, nodes, dest, True, &outcome)
+                if k:
+                    self._pool._inc_ref_locked(dest, k, &result)
+                    if result.failed_at >= 0:
+                        self._trie._unpin_locked(nodes, k)
+            if outcome.failure == FAIL_NONE and result.failed_at < 0:
+                need = num_blocks - k
+                if self._pool._num_free < need:
+                    freed = self._evict_locked(need - self._pool._num_free, &evicted, &released)
+                if evicted.failure == FAIL_NONE and released.failed_at < 0:
+                    short = not self._pool._allocate_locked(dest + k, need)
+                if (short or evicted.failure != FAIL_NONE or released.failed_at >= 0) and k:
+                    # Give the prefix back exactly: the references just taken, then the pins.
+                    self._pool._dec_ref_locked(dest, k, &result)
+                    self._trie._unpin_locked(nodes, k)
+            _unlock_both(self)
+        if outcome.failure != FAIL_NONE:
+            self._trie._raise_failed(outcome, "admit")
+        if result.failed_at >= 0:
+            self._pool._raise_refused(&result, "inc_ref")
+        self._raise_evict_failure(&evicted, &released)
+        if short:
+            self._pool._raise_short(num_blocks - k)
+        if k < prefix_blocks:
+            _shrink(node_ids, k)
+        return table, node_ids
+
     # -- inserting --
 
     def insert_path(self, tokens, block_ids, adapter=0, *, known_prefix=None):

@@ -29,7 +29,7 @@ from cpython.pythread cimport (
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcmp, memcpy, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
 
@@ -73,27 +73,81 @@ cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
     return h
 
 
+cdef extern from *:
+    """
+    /* NH (the UMAC inner hash) of one block: the sum of (t[2i] + k[2i]) * (t[2i+1] + k[2i+1]) over
+     * the token pairs, as 32x32->64 products mod 2^64; an odd last token pairs with k[n]. With
+     * SSE2 (every x86-64) four tokens go per step: one add of the keys, and one multiply that forms
+     * both products of the step (pmuludq pairs lane 0 with 1 and lane 2 with 3). The sum does not
+     * depend on the grouping, so the vector and the scalar paths give the same value. */
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+    #if defined(__SSE2__)
+    static inline __m128i lc_nh_step(__m128i sum, const int32_t *t, const uint32_t *k) {
+        __m128i x = _mm_add_epi32(_mm_loadu_si128((const __m128i *)t), _mm_loadu_si128((const __m128i *)k));
+        return _mm_add_epi64(sum, _mm_mul_epu32(x, _mm_srli_epi64(x, 32)));
+    }
+    #endif
+    static inline uint64_t lc_nh_block(const int32_t *t, Py_ssize_t n, const uint32_t *k) {
+        uint64_t acc = 0;
+        Py_ssize_t i = 0;
+    #if defined(__SSE2__)
+        __m128i sum = _mm_setzero_si128();
+        if (n == 16) {  /* the usual block size, unrolled */
+            sum = lc_nh_step(lc_nh_step(lc_nh_step(lc_nh_step(sum, t, k), t + 4, k + 4), t + 8, k + 8), t + 12, k + 12);
+            return (uint64_t)_mm_cvtsi128_si64(sum) + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
+        }
+        for (; i + 4 <= n; i += 4)
+            sum = lc_nh_step(sum, t + i, k + i);
+        acc = (uint64_t)_mm_cvtsi128_si64(sum) + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
+    #endif
+        for (; i + 2 <= n; i += 2)
+            acc += (uint64_t)((uint32_t)t[i] + k[i]) * (uint64_t)((uint32_t)t[i + 1] + k[i + 1]);
+        if (i < n)
+            acc += (uint64_t)((uint32_t)t[i] + k[i]) * (uint64_t)k[n];
+        return acc;
+    }
+
+    /* Whether two blocks of n tokens are equal; 16 tokens (the usual block size) as four vector
+     * compares instead of a call to memcmp. */
+    static inline int lc_tokens_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) {
+    #if defined(__SSE2__)
+        if (n == 16) {
+            __m128i e0 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)a), _mm_loadu_si128((const __m128i *)b));
+            __m128i e1 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 4)), _mm_loadu_si128((const __m128i *)(b + 4)));
+            __m128i e2 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 8)), _mm_loadu_si128((const __m128i *)(b + 8)));
+            __m128i e3 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 12)), _mm_loadu_si128((const __m128i *)(b + 12)));
+            return _mm_movemask_epi8(_mm_and_si128(_mm_and_si128(e0, e1), _mm_and_si128(e2, e3))) == 0xFFFF;
+        }
+    #endif
+        return memcmp(a, b, (size_t)n * sizeof(int32_t)) == 0;
+    }
+
+    /* Copy one block of n tokens; 16 tokens as a fixed-size copy the compiler inlines. */
+    static inline void lc_copy_tokens(int32_t *dest, const int32_t *src, Py_ssize_t n) {
+        if (n == 16)
+            memcpy(dest, src, 16 * sizeof(int32_t));
+        else
+            memcpy(dest, src, (size_t)n * sizeof(int32_t));
+    }
+    """
+    bint lc_tokens_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil
+    void lc_copy_tokens(int32_t *dest, const int32_t *src, Py_ssize_t n) noexcept nogil
+    uint64_t lc_nh_block(const int32_t *tokens, Py_ssize_t n, const uint32_t *keys) noexcept nogil
+
+
 cdef inline uint64_t _block_hash(
     uint64_t parent_hash, const int32_t *tokens, Py_ssize_t block_size, const uint32_t *keys,
     uint64_t mask
 ) noexcept nogil:
     # The key of a node is chained from its parent's key, like a rolling prefix hash, so every
-    # block hash of a query is known before the walk and the walk can prefetch ahead. The tokens
-    # go through NH (the UMAC inner hash): independent 32x32->64 products of key-offset token
-    # pairs, which pipeline instead of forming one serial chain. A collision costs only a token
-    # compare: matches are decided by (parent, tokens), never by the hash.
-    cdef uint64_t acc0 = 0, acc1 = 0
-    cdef Py_ssize_t i = 0
-    while i + 3 < block_size:
-        acc0 += <uint64_t>(<uint32_t>tokens[i] + keys[i]) * <uint64_t>(<uint32_t>tokens[i + 1] + keys[i + 1])
-        acc1 += <uint64_t>(<uint32_t>tokens[i + 2] + keys[i + 2]) * <uint64_t>(<uint32_t>tokens[i + 3] + keys[i + 3])
-        i += 4
-    if i + 1 < block_size:
-        acc0 += <uint64_t>(<uint32_t>tokens[i] + keys[i]) * <uint64_t>(<uint32_t>tokens[i + 1] + keys[i + 1])
-        i += 2
-    if i < block_size:
-        acc1 += <uint64_t>(<uint32_t>tokens[i] + keys[i]) * <uint64_t>keys[block_size]
-    return _mix(acc0 + acc1 + parent_hash * 0x9E3779B97F4A7C15ULL) & mask
+    # block hash of a query is known before the walk and the walk can prefetch ahead. Only the
+    # block's own NH goes through the finalizer; the chain itself is one multiply-add, so hashing
+    # the blocks of a window is not one long serial chain of finalizers. A collision costs only a
+    # token compare: matches are decided by (parent, tokens), never by the hash.
+    return (_mix(lc_nh_block(tokens, block_size, keys)) + parent_hash * 0x9E3779B97F4A7C15ULL) & mask
 
 
 cdef void _fill_hash_keys(uint32_t *keys, Py_ssize_t n) noexcept nogil:
@@ -319,14 +373,13 @@ cdef inline int32_t _find_child(
 ) noexcept nogil:
     cdef int32_t v = t._buckets[<Py_ssize_t>(h & <uint64_t>t._bucket_mask)]
     cdef TrieNode *node
-    cdef size_t nbytes = t._block_size * sizeof(int32_t)
     while v >= 0:
         node = &t._nodes[v]
         # The exact token compare is what makes a match safe; the hash only narrows the search.
         if (
             node.key_hash == h
             and node.parent == parent
-            and memcmp(t._tokens + <Py_ssize_t>v * t._block_size, tokens, nbytes) == 0
+            and lc_tokens_equal(t._tokens + <Py_ssize_t>v * t._block_size, tokens, t._block_size)
         ):
             return v
         v = node.hash_next
@@ -334,17 +387,21 @@ cdef inline int32_t _find_child(
 
 
 cdef inline Py_ssize_t _walk(
-    PrefixTrie t, int32_t root, const int32_t *tokens, Py_ssize_t num_blocks, int32_t *path
+    PrefixTrie t, int32_t root, const int32_t *tokens, Py_ssize_t num_blocks, int32_t *path,
+    uint64_t *hashes, Py_ssize_t *carried
 ) noexcept nogil:
     # Window by window: hash the blocks and prefetch their buckets, then prefetch the candidate
     # nodes and tokens, then walk. The cache misses of a window overlap instead of queueing.
-    cdef uint64_t hashes[WALK_WINDOW]
+    # ``hashes`` holds WALK_WINDOW entries; on return its first ``carried[0]`` entries are the
+    # hashes of the blocks from the first unmatched one on (already computed, so that an insert
+    # continuing from there need not hash them again).
     cdef Py_ssize_t bs = t._block_size
     cdef uint64_t h = t._nodes[root].key_hash
     cdef uint64_t bucket_mask = <uint64_t>t._bucket_mask
     cdef Py_ssize_t k = 0, j, width
     cdef int32_t node = root
     cdef int32_t v
+    carried[0] = 0
     while k < num_blocks:
         width = min(<Py_ssize_t>WALK_WINDOW, num_blocks - k)
         for j in range(width):
@@ -360,6 +417,9 @@ cdef inline Py_ssize_t _walk(
         for j in range(width):
             v = _find_child(t, node, hashes[j], tokens + (k + j) * bs)
             if v < 0:
+                if j:
+                    memmove(hashes, hashes + j, (width - j) * sizeof(uint64_t))
+                carried[0] = width - j
                 return k + j
             path[k + j] = v
             node = v
@@ -373,14 +433,13 @@ cdef Py_ssize_t _check_known_prefix(
     # Index of the first entry that is not the node of its block on the path from root, or -1.
     cdef Py_ssize_t i
     cdef int32_t v, parent = root
-    cdef size_t nbytes = t._block_size * sizeof(int32_t)
     for i in range(num_known):
         v = known[i]
         if (
             root < 0
             or not _is_cached_node(t, v)
             or t._nodes[v].parent != parent
-            or memcmp(t._tokens + <Py_ssize_t>v * t._block_size, tokens + i * t._block_size, nbytes) != 0
+            or not lc_tokens_equal(t._tokens + <Py_ssize_t>v * t._block_size, tokens + i * t._block_size, t._block_size)
         ):
             return i
         parent = v
@@ -963,12 +1022,14 @@ cdef class PrefixTrie:
         int32_t *blocks, bint pin, Outcome *outcome
     ) noexcept nogil:
         # On a refused pin (saturated count) nothing is pinned, and 0 blocks are reported.
+        cdef uint64_t hashes[WALK_WINDOW]
+        cdef Py_ssize_t carried = 0
         cdef Py_ssize_t k = 0, i
         cdef int32_t root = _find_root(self, key)
         outcome.failure = FAIL_NONE
         if root < 0:
             return 0
-        k = _walk(self, root, data, num_blocks, path)
+        k = _walk(self, root, data, num_blocks, path, hashes, &carried)
         if pin:
             outcome[0] = _pin_batch(self, path, k)
             if outcome.failure != FAIL_NONE:
@@ -1002,6 +1063,7 @@ cdef class PrefixTrie:
         cdef uint64_t h
         cdef int failed = 0
         cdef Py_ssize_t bad_known = -1
+        cdef Py_ssize_t carried = 0
         cdef uint64_t hashes[WALK_WINDOW]
         failed = self._ensure_slots(n + 1)
         if self._free_head >= 0:
@@ -1028,21 +1090,24 @@ cdef class PrefixTrie:
             if num_known > 0:
                 memcpy(path, known, num_known * sizeof(int32_t))
                 k = num_known + _walk(
-                    self, known[num_known - 1], token_data + num_known * bs, n - num_known, path + num_known
+                    self, known[num_known - 1], token_data + num_known * bs, n - num_known, path + num_known,
+                    hashes, &carried
                 )
             else:
-                k = _walk(self, root, token_data, n, path)
+                k = _walk(self, root, token_data, n, path, hashes, &carried)
             parent = path[k - 1] if k > 0 else root
-            h = self._nodes[parent].key_hash
+            h = hashes[carried - 1] if carried else self._nodes[parent].key_hash
             i = k
             while i < n:
                 # Hash a window ahead and prefetch its buckets: linking a node reads its
-                # bucket's head, a likely cache miss otherwise.
+                # bucket's head, a likely cache miss otherwise. The walk's hashes past its last
+                # match are reused (their buckets are prefetched already).
                 width = min(<Py_ssize_t>WALK_WINDOW, n - i)
-                for j in range(width):
+                for j in range(carried, width):
                     h = _block_hash(h, token_data + (i + j) * bs, bs, self._hash_keys, self._hash_mask)
                     hashes[j] = h
                     __builtin_prefetch(&self._buckets[h & <uint64_t>self._bucket_mask])
+                carried = 0
                 for j in range(width):
                     v = _take_slot(self)
                     node = &self._nodes[v]
@@ -1056,7 +1121,7 @@ cdef class PrefixTrie:
                     node.lru_next = -1
                     node.tag = -1
                     node.depth = self._nodes[parent].depth + 1
-                    memcpy(self._tokens + <Py_ssize_t>v * bs, token_data + (i + j) * bs, bs * sizeof(int32_t))
+                    lc_copy_tokens(self._tokens + <Py_ssize_t>v * bs, token_data + (i + j) * bs, bs)
                     _chain_link(self, v)
                     self._nodes[parent].num_children += 1
                     self._num_cached += 1

@@ -126,3 +126,99 @@ def test_evict_counts_only_blocks_that_became_free() -> None:
     assert core.evict(2) == 0  # the sequence still holds both
     assert core.blocks_evicted == 2 and core.num_cached_blocks == 0
     _check(core)
+
+
+# -- admit: acquire_prefix + allocate in one call ------------------------------------------
+
+
+def _admit_separately(core: PrefixCacheCore, tokens: np.ndarray, blocks: int, max_prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    table = np.empty(blocks, np.int32)
+    pinned = core.acquire_prefix(tokens, table, 0, max_prefix)
+    core.allocate(table, len(pinned), blocks - len(pinned))
+    return table, pinned
+
+
+def test_admit_equals_acquire_prefix_then_allocate() -> None:
+    # Two caches driven by the same random requests (small alphabet: prefixes are shared often,
+    # small pool: eviction runs often), one through admit, one through the two calls.
+    rng = np.random.default_rng(7)
+    fused, separate = _core(24), _core(24)
+    live: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    for _ in range(300):
+        if len(live) == 3:
+            tokens, table_a, pinned_a, table_b, pinned_b = live.pop(0)
+            full = len(tokens) // BS
+            assert fused.cache_and_release(tokens, table_a, full, 0, pinned_a) == separate.cache_and_release(
+                tokens, table_b, full, 0, pinned_b
+            )
+        tokens = rng.integers(0, 2, size=int(rng.integers(1, 20)), dtype=np.int32)
+        blocks = -(-(len(tokens) + 2) // BS)
+        max_prefix = (len(tokens) - 1) // BS
+        table_a, pinned_a = fused.admit(tokens, blocks, 0, max_prefix)
+        table_b, pinned_b = _admit_separately(separate, tokens, blocks, max_prefix)
+        assert np.array_equal(pinned_a, pinned_b) and np.array_equal(table_a, table_b)
+        assert np.array_equal(fused.pool.refcounts(), separate.pool.refcounts())
+        assert fused.blocks_evicted == separate.blocks_evicted
+        live.append((tokens, table_a, pinned_a, table_b, pinned_b))
+        _check(fused)
+    assert fused.num_cached_blocks == separate.num_cached_blocks
+
+
+def test_admit_returns_the_prefix_then_fresh_blocks() -> None:
+    core = _core()
+    tokens = np.arange(12, dtype=np.int32)
+    cached = _cache_one(core, tokens, 3)
+    table, pinned = core.admit(tokens, 5, 0, 2)
+    assert table.dtype == np.int32 and len(table) == 5 and len(pinned) == 2
+    assert list(table[:2]) == list(cached[:2])
+    assert [core.pool.refcount(int(b)) for b in table] == [2, 2, 1, 1, 1]
+    assert core.trie.pin_count(int(pinned[1])) == 1
+    # The prefix is capped by max_prefix and by the table length; -1 means no cap.
+    assert len(core.admit(tokens, 5, 0, 0)[1]) == 0
+    assert len(core.admit(tokens, 1, 0, -1)[1]) == 1
+    assert len(core.admit(tokens, 4)[1]) == 3
+    _check(core)
+
+
+def test_admit_short_of_blocks_gives_the_prefix_back() -> None:
+    core = _core(6)
+    tokens = np.arange(12, dtype=np.int32)
+    _cache_one(core, tokens, 3)
+    holder = np.empty(3, np.int32)
+    core.allocate(holder, 0, 3)  # 3 cached, 3 held by another sequence, none free
+    before = core.pool.refcounts()
+    with pytest.raises(OutOfBlocks):
+        core.admit(tokens, 5, 0, 2)  # 2 from the cache, 3 more: only the third cached one can go
+    # Nothing pinned or referenced; the one evictable block that was not the prefix is evicted.
+    assert core.blocks_evicted == 1 and core.num_cached_blocks == 2
+    after = core.pool.refcounts()
+    assert np.count_nonzero(after != before) == 1 and core.pool.num_free == 1
+    assert core.trie.num_evictable_blocks == 2
+    _check(core)
+
+
+def test_admit_refuses_bad_arguments_and_changes_nothing() -> None:
+    core = _core()
+    tokens = np.arange(12, dtype=np.int32)
+    _cache_one(core, tokens, 3)
+    before = core.pool.refcounts()
+    with pytest.raises(InvalidId, match="-1 blocks"):
+        core.admit(tokens, -1)
+    with pytest.raises(InvalidId, match="max_prefix -2"):
+        core.admit(tokens, 2, 0, -2)
+    with pytest.raises(InvalidId):
+        core.admit(tokens, 2, "lora")  # type: ignore[arg-type]
+    with pytest.raises(InvalidId):
+        core.admit(np.zeros((2, 4), np.int32), 2)
+    assert np.array_equal(core.pool.refcounts(), before) and core.trie.num_evictable_blocks == 3
+    # Other int sequences take the trie's conversion.
+    table, pinned = core.admit(list(range(12)), 3, 0, 2)
+    assert len(pinned) == 2
+    _check(core)
+
+
+def test_admit_with_the_cache_disabled_matches_nothing() -> None:
+    pool = BlockPool(8)
+    core = PrefixCacheCore(pool, PrefixTrie(BS), enabled=False)
+    table, pinned = core.admit(np.arange(12, dtype=np.int32), 3)
+    assert len(pinned) == 0 and len(table) == 3 and pool.num_free == 5

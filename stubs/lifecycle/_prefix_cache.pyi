@@ -36,6 +36,9 @@ class PrefixCacheCore:
     def acquire_prefix(
         self, tokens: _Int32s, block_table: NDArray[np.int32], adapter: _AdapterKey = 0, max_blocks: int = -1
     ) -> NDArray[np.int32]: ...
+    def admit(
+        self, tokens: _Int32s, num_blocks: int, adapter: _AdapterKey = 0, max_prefix: int = -1
+    ) -> tuple[NDArray[np.int32], NDArray[np.int32]]: ...
     def insert_path(
         self, tokens: _Int32s, block_ids: _Int32s, adapter: _AdapterKey = 0, *, known_prefix: _Int32s | None = None
     ) -> tuple[int, NDArray[np.int32], NDArray[np.int32]]: ...
