@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["host", "cuda"], default="host")
     parser.add_argument("--layers", type=int, default=4, help="attention layers of the llama-like model (default 4)")
     parser.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     device = open_device(args.device)

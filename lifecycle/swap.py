@@ -12,6 +12,12 @@ copy of one half overlaps the hashing and I/O of the other), so memory use does 
 sequence. On the host device, whose "device" memory is host memory, the bytes are hashed and
 written straight from the pools (``SwapContext.zero_copy_host``), which saves one copy.
 
+Writers and readers over memory can skip their own ``write`` / ``readinto`` copy: a writer with
+``reserve(nbytes) -> memoryview`` (the next ``nbytes`` of its destination, counted as written) and
+a reader with ``claim(nbytes) -> memoryview`` (its next bytes, at most ``nbytes``, counted as read)
+get the payload copied in and out with streaming stores, each piece hashed while it is still in
+the cache. The swap tier's host pool works this way.
+
 ``restore`` is all-or-nothing for the sequence: KV streams into the freshly allocated blocks (the
 caller frees them on failure), but the SSM sections (one slot's worth, whatever the sequence's
 length) and the token ids are buffered on the host and only written into the sequence's slot and
@@ -36,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from lifecycle._hostcopy import stream_copy
 from lifecycle.errors import (
     LifecycleError,
     SequenceStateError,
@@ -318,14 +325,20 @@ def parse_header(data: bytes | bytearray | memoryview) -> SwapHeader:
 
 
 class _Out:
-    """The writer, counting bytes; wraps the writer's own exceptions in SwapError."""
+    """The writer, counting bytes; wraps the writer's own exceptions in SwapError.
 
-    __slots__ = ("writer", "offset", "section")
+    A writer with a ``reserve(nbytes)`` method returning a writable memoryview of the next
+    ``nbytes`` bytes of its destination (the swap tier's host pool has one) gets the large
+    sections copied straight in with streaming stores, instead of through ``write``."""
+
+    __slots__ = ("writer", "offset", "section", "reserve")
 
     def __init__(self, writer: BinaryIO) -> None:
         self.writer = writer
         self.offset = 0
         self.section = "header"
+        reserve = getattr(writer, "reserve", None)
+        self.reserve: Callable[[int], memoryview] | None = reserve if callable(reserve) else None
 
     def write(self, data: bytes | memoryview) -> None:
         view = data if isinstance(data, memoryview) else memoryview(data)
@@ -346,6 +359,23 @@ class _Out:
             ) from exc
         self.offset += total
 
+    def write_bulk(self, view: memoryview) -> None:
+        """``write`` for a large piece of payload (a flat byte view)."""
+        if self.reserve is None:
+            self.write(view)
+            return
+        total = view.nbytes
+        try:
+            dest = self.reserve(total)
+            if not isinstance(dest, memoryview) or dest.nbytes != total:
+                raise SwapError(f"writer.reserve({total}) returned {dest!r}, not a memoryview of {total} bytes")
+            stream_copy(dest.cast("B"), view)
+        except LifecycleError:
+            raise
+        except Exception as exc:
+            raise SwapError(f"writing section {self.section!r} at byte {self.offset} failed: {exc!r}") from exc
+        self.offset += total
+
 
 _READ_CHUNK: Final = 1 << 20
 
@@ -353,7 +383,7 @@ _READ_CHUNK: Final = 1 << 20
 class _In:
     """The reader, counting bytes; a short stream raises SwapFormatError naming the offset."""
 
-    __slots__ = ("reader", "offset", "section", "record_bytes", "_readinto")
+    __slots__ = ("reader", "offset", "section", "record_bytes", "_readinto", "_claim")
 
     def __init__(self, reader: BinaryIO) -> None:
         self.reader = reader
@@ -361,6 +391,41 @@ class _In:
         self.section = "header"
         self.record_bytes: int | None = None
         self._readinto = getattr(reader, "readinto", None)
+        # A reader with claim(nbytes) -> memoryview of its next (at most) nbytes bytes, counted
+        # as read (the swap tier's host pool has one): large pieces are copied straight out of it.
+        claim = getattr(reader, "claim", None)
+        self._claim: Callable[[int], memoryview] | None = claim if callable(claim) else None
+
+    def _truncated(self, got: int, total: int) -> SwapFormatError:
+        size = f" of a {self.record_bytes}-byte record" if self.record_bytes is not None else ""
+        return SwapFormatError(
+            f"record truncated: stream ended at byte {self.offset + got}{size}, inside section "
+            f"{self.section!r} ({total - got} more bytes expected)"
+        )
+
+    def readinto_bulk(self, view: memoryview) -> memoryview:
+        """``readinto`` for a large piece of payload (a flat byte view); returns a view of the
+        same bytes that is still in the cache, for the checksum."""
+        if self._claim is None:
+            self.readinto(view)
+            return view
+        total = view.nbytes
+        try:
+            source = self._claim(total)
+            if not isinstance(source, memoryview) or source.nbytes > total:
+                raise SwapError(f"reader.claim({total}) returned {source!r}, not a memoryview of at most {total} bytes")
+            source = source.cast("B")
+            got = source.nbytes
+            if got:
+                stream_copy(view[:got] if got < total else view, source)
+        except LifecycleError:
+            raise
+        except Exception as exc:
+            raise SwapError(f"reading section {self.section!r} at byte {self.offset} failed: {exc!r}") from exc
+        if got < total:
+            raise self._truncated(got, total)
+        self.offset += total
+        return source
 
     def readinto(self, view: memoryview) -> None:
         """Fill ``view`` exactly (it is a byte view)."""
@@ -382,11 +447,7 @@ class _In:
         except Exception as exc:
             raise SwapError(f"reading section {self.section!r} at byte {self.offset + got} failed: {exc!r}") from exc
         if got < total:
-            size = f" of a {self.record_bytes}-byte record" if self.record_bytes is not None else ""
-            raise SwapFormatError(
-                f"record truncated: stream ended at byte {self.offset + got}{size}, inside section "
-                f"{self.section!r} ({total - got} more bytes expected)"
-            )
+            raise self._truncated(got, total)
         self.offset += total
 
     def read(self, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -478,7 +539,7 @@ class _Mover:
                 view = self._device_view(addr, nbytes)
                 for start in range(0, nbytes, _HOST_PIECE):
                     piece = view[start : start + _HOST_PIECE]
-                    out.write(piece)
+                    out.write_bulk(piece)
                     hasher.update(piece)  # after the copy: the piece is still in cache
             return
         assert self.halves is not None
@@ -506,17 +567,15 @@ class _Mover:
 
     @staticmethod
     def _emit(view: memoryview, hasher: xxhash.xxh3_64, out: _Out) -> None:
-        hasher.update(view)
-        out.write(view)
+        out.write_bulk(view)
+        hasher.update(view)  # after the copy: the view is still in cache
 
     def restore(self, ranges: list[tuple[int, int]], hasher: xxhash.xxh3_64, inp: _In) -> None:
         if self.direct:
             for addr, nbytes in ranges:
                 view = self._device_view(addr, nbytes)
                 for start in range(0, nbytes, _HOST_PIECE):
-                    piece = view[start : start + _HOST_PIECE]
-                    inp.readinto(piece)
-                    hasher.update(piece)
+                    hasher.update(inp.readinto_bulk(view[start : start + _HOST_PIECE]))
             return
         assert self.halves is not None
         device, half_bytes = self.device, self.half_bytes

@@ -117,6 +117,15 @@ class _ViewWriter:
         self._pos = end
         return view.nbytes
 
+    def reserve(self, nbytes: int) -> memoryview:
+        """The next ``nbytes`` bytes of the extent, to be filled by the caller (counted as written)."""
+        end = self._pos + nbytes
+        if nbytes < 0 or end > self._view.nbytes:
+            raise SwapError(f"record overflows its host extent: {end} > {self._view.nbytes} bytes")
+        view = self._view[self._pos : end]
+        self._pos = end
+        return view
+
 
 class _ViewReader:
     """A binary reader over a fixed memoryview."""
@@ -130,6 +139,13 @@ class _ViewReader:
         buffer[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
         return n
+
+    def claim(self, nbytes: int) -> memoryview:
+        """The next ``nbytes`` bytes (fewer at the end of the extent), counted as read."""
+        end = min(self._pos + max(nbytes, 0), self._view.nbytes)
+        view = self._view[self._pos : end]
+        self._pos = end
+        return view
 
     def read(self, nbytes: int = -1) -> bytes:
         end = self._view.nbytes if nbytes < 0 else min(self._pos + nbytes, self._view.nbytes)

@@ -125,3 +125,21 @@ def memmove_rows(const int64_t[:, ::1] rows):
                 memmove(<void*><uintptr_t>dst, <const void*><uintptr_t>src, <size_t>nbytes)
         if stream:
             lc_stream_fence()
+
+
+def stream_copy(unsigned char[::1] dst not None, const unsigned char[::1] src not None):
+    """Copy ``src`` into ``dst`` (equal lengths, not overlapping) with streaming stores, the GIL
+    released: the destination's lines are not read into the cache first, and ``src`` stays in
+    the cache for whoever reads it next (the swap checksum)."""
+    cdef Py_ssize_t n = src.shape[0]
+    if dst.shape[0] != n:
+        raise ValueError(f"stream_copy: destination holds {dst.shape[0]} bytes, source {n}")
+    if n == 0:
+        return
+    cdef uintptr_t d = <uintptr_t>&dst[0]
+    cdef uintptr_t s = <uintptr_t>&src[0]
+    if d < s + <uintptr_t>n and s < d + <uintptr_t>n:
+        raise ValueError("stream_copy: source and destination overlap")
+    with nogil:
+        lc_stream_copy(<char *>d, <const char *>s, <size_t>n)
+        lc_stream_fence()

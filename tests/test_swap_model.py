@@ -31,6 +31,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header, record_nbytes
+from lifecycle.swap_tier import _ViewReader, _ViewWriter
 from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu, write_device  # noqa: F401  (fixtures)
 from swap_helpers import BS, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config
 
@@ -447,3 +448,74 @@ def test_a_keyboard_interrupt_from_the_reader_propagates_unchanged(model: Hybrid
         model.restore_sequence_state(target, seq.num_blocks, InterruptedReader())  # type: ignore[arg-type]
     model.check_invariants()
     assert (model.num_free_blocks(), observable(model, target)) == (free, before)
+
+
+# ------------------------------------------------- writers with reserve(), readers with claim()
+# The swap tier's host pool offers them; large pieces are then copied in and out directly.
+
+
+def test_reserve_and_claim_round_trip_bit_exact(model: HybridModel, rng: np.random.Generator) -> None:
+    seq = filled(model, rng, num_tokens=13)
+    record = saved(model, seq)
+    extent = bytearray(len(record))
+    model.save_sequence_state(seq, _ViewWriter(memoryview(extent)))  # type: ignore[arg-type]
+    assert bytes(extent) == record
+    target = fresh_target(model, rng)
+    model.restore_sequence_state(target, seq.num_blocks, _ViewReader(memoryview(extent)))  # type: ignore[arg-type]
+    model.check_invariants()
+    assert kv_image(model, target) == kv_image(model, seq)
+    assert slot_image(model, target.slot_idx) == slot_image(model, seq.slot_idx)
+
+
+def test_a_cut_at_every_byte_offset_of_a_claiming_reader_is_refused(
+    model: HybridModel, rng: np.random.Generator
+) -> None:
+    seq, record = small_record(model, rng)
+    target = fresh_target(model, rng)
+    free, before = model.num_free_blocks(), observable(model, target)
+    for cut in range(len(record)):
+        with pytest.raises(SwapFormatError, match=f"truncated: stream ended at byte {cut}\\b"):
+            model.restore_sequence_state(target, seq.num_blocks, _ViewReader(memoryview(record[:cut])))  # type: ignore[arg-type]
+        assert model.num_free_blocks() == free
+    model.check_invariants()
+    assert observable(model, target) == before
+
+
+class _BadReserve(_ViewWriter):
+    def reserve(self, nbytes: int) -> memoryview:
+        return super().reserve(nbytes)[:-1]  # one byte short
+
+
+class _FailingClaim(_ViewReader):
+    def __init__(self, view: memoryview, limit: int) -> None:
+        super().__init__(view)
+        self.limit, self.claimed = limit, 0
+
+    def claim(self, nbytes: int) -> memoryview:
+        self.claimed += 1
+        if self.claimed > self.limit:
+            raise OSError("mapping went away")
+        return super().claim(nbytes)
+
+
+def test_a_reserve_of_the_wrong_size_is_refused(model: HybridModel, rng: np.random.Generator) -> None:
+    seq = filled(model, rng)
+    free, before, kv = model.num_free_blocks(), observable(model, seq), kv_image(model, seq)
+    with pytest.raises(SwapError, match="reserve"):
+        model.save_sequence_state(seq, _BadReserve(memoryview(bytearray(1 << 16))))  # type: ignore[arg-type]
+    model.check_invariants()
+    assert (model.num_free_blocks(), observable(model, seq), kv_image(model, seq)) == (free, before, kv)
+
+
+def test_a_claim_that_raises_is_reported_chained(model: HybridModel, rng: np.random.Generator) -> None:
+    if model.device.kind != "host":
+        pytest.skip("only the direct host path claims pieces; the staged path reads through readinto")
+    seq, record = small_record(model, rng)
+    target = fresh_target(model, rng)
+    counting = _FailingClaim(memoryview(record), 1 << 30)
+    model.restore_sequence_state(fresh_target(model, rng), seq.num_blocks, counting)  # type: ignore[arg-type]
+    assert counting.claimed >= 2  # a piece per KV layer and SSM range
+    for limit in range(counting.claimed):
+        reader = _FailingClaim(memoryview(record), limit)
+        error = assert_refused(model, target, reader, seq.num_blocks, SwapError, "reading section")  # type: ignore[arg-type]
+        assert isinstance(error.__cause__, OSError) and reader.claimed == limit + 1
