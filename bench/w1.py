@@ -7,9 +7,13 @@ from a seed. The figure is the replay's time divided by the blocks allocated (ea
 the median over a few repeats.
 
 lifecycle is driven the way a scheduler drives it: a Python loop over the ops calling the public
-API, ``allocate(k)`` for a new sequence and ``dec_ref(its block table)`` when it finishes. The rows
-are turned into Python ints before the clock starts, as was done for the peers measured on this
-trace. ``c-limit`` is the same replay as one C loop (bench/c_limit.c), timed inside that call.
+API, in the two forms it offers. ``lifecycle``: ``allocate(k)`` returns a new block table for a new
+sequence and ``dec_ref(its block table)`` releases it when it finishes. ``lifecycle-table``: the
+scheduler keeps its block tables in one preallocated int32 table, a row of ``max_k`` ids per live
+sequence (as vLLM and SGLang hold theirs), and calls ``allocate_into(table, row, k)`` and
+``dec_ref_range(table, row, k)``; no object is made per sequence. The rows are turned into Python
+ints before the clock starts, as was done for the peers measured on this trace. ``c-limit`` is the
+same replay as one C loop (bench/c_limit.c), timed inside that call.
 """
 
 from __future__ import annotations
@@ -132,6 +136,34 @@ def time_lifecycle(rows: list[Row], num_blocks: int) -> int:
     return elapsed
 
 
+def time_lifecycle_table(rows: list[Row], num_blocks: int) -> int:
+    """Nanoseconds for one replay through the in-place form: block tables are rows of one
+    preallocated table, filled by ``allocate_into`` and released by ``dec_ref_range``."""
+    pool = BlockPool(num_blocks)
+    allocate_into = pool.allocate_into
+    release = pool.dec_ref_range
+    # Every live sequence holds at least one block: num_blocks rows always suffice.
+    table = np.empty(num_blocks * MAX_BLOCKS_PER_SEQ, dtype=np.int32)
+    free_rows = list(range(0, num_blocks * MAX_BLOCKS_PER_SEQ, MAX_BLOCKS_PER_SEQ))
+    take_row = free_rows.pop
+    give_row = free_rows.append
+    row_of: dict[int, int] = {}
+    start = time.perf_counter_ns()
+    for op, seq_id, k in rows:
+        if op:
+            row = take_row()
+            allocate_into(table, row, k)
+            row_of[seq_id] = row
+        else:
+            row = row_of.pop(seq_id)
+            release(table, row, k)  # a free row's k is the sequence's block count
+            give_row(row)
+    elapsed = time.perf_counter_ns() - start
+    if pool.num_free != num_blocks:
+        raise AssertionError(f"W1 (table form) ended with {pool.num_free} of {num_blocks} blocks free")
+    return elapsed
+
+
 def _build_c_limit(workdir: Path) -> Any:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -185,18 +217,23 @@ def run(trace_path: Path) -> list[dict[str, Any]]:
     if counted != blocks:
         raise AssertionError(f"lifecycle allocated {counted} blocks, the trace asks for {blocks}")
 
+    if int(ops[:, 2].max()) > MAX_BLOCKS_PER_SEQ or any(k <= 0 for op, _, k in rows if not op):
+        raise AssertionError(f"the table form needs k <= {MAX_BLOCKS_PER_SEQ} and a block count on every free row")
+
     lifecycle_ns: list[int] = []
+    table_ns: list[int] = []
     c_limit_ns: list[int] = []
     with tempfile.TemporaryDirectory(prefix="lifecycle-c-limit-") as workdir:
         replay = _build_c_limit(Path(workdir))
-        # Alternate the two so that both medians see the same machine load.
+        # Alternate them so that every median sees the same machine load.
         for _ in range(REPEATS):
             lifecycle_ns.append(_without_gc(time_lifecycle, rows, num_blocks))
+            table_ns.append(_without_gc(time_lifecycle_table, rows, num_blocks))
             c_limit_ns.append(time_c_limit(replay, ops, num_blocks, blocks))
 
     return [
         {"workload": "W1", "library": library, "ns_per_block": round(_median_ns(samples) / blocks, 2), "blocks": blocks}
-        for library, samples in (("lifecycle", lifecycle_ns), ("c-limit", c_limit_ns))
+        for library, samples in (("lifecycle", lifecycle_ns), ("lifecycle-table", table_ns), ("c-limit", c_limit_ns))
     ]
 
 

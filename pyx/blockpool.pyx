@@ -150,6 +150,8 @@ cdef class BlockPool:
             self._refcounts = NULL
             self._free_stack = NULL
             raise MemoryError(f"BlockPool({count}): cannot allocate its tables")
+        # The entry past the last id (refcount 0, like a free block) is where release batches
+        # charge out-of-range ids (see _dec_ref_batch).
         # Reversed so that a fresh pool hands out 0, 1, 2, ...
         for i in range(count):
             self._free_stack[i] = <int32_t>(count - 1 - i)
@@ -287,6 +289,44 @@ cdef class BlockPool:
                 _unlocked(self)
         if result.failed_at >= 0:
             _raise_refusal(self, &result, "dec_ref")
+        return freed
+
+    def dec_ref_range(self, ids, Py_ssize_t start, Py_ssize_t n):
+        """``dec_ref(ids[start:start + n])`` without making the slice: release part of a block
+        table in place (a finished sequence's row of a preallocated table, or the tail a
+        rolled-back step no longer needs). Returns how many blocks became free; refused before
+        anything changes exactly like ``dec_ref``, and for a range outside ``ids``."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t length = 0
+        cdef BatchResult result
+        cdef Py_ssize_t freed
+        cdef bint fast = _ids_fast(ids, &data, &length)
+        if not fast:
+            try:
+                length = len(ids)
+            except TypeError:
+                _coerce_ids(ids, self._num_blocks)  # names what is wrong with it
+                raise
+        if n < 0 or start < 0 or start > length or n > length - start:
+            raise InvalidId(
+                f"dec_ref_range: cannot release {n} ids at start {start} of an array of length {length}"
+            )
+        if fast:
+            data += start
+        else:
+            # Only the range is converted (and checked): the rest of the table is not ours to judge.
+            ids = _coerce_ids(ids[start : start + n], self._num_blocks)
+            _ids_fast(ids, &data, &length)
+        if _locked_with_gil(self, n):
+            freed = _dec_ref_batch(self, data, n, &result)
+            _unlocked(self)
+        else:
+            with nogil:
+                _locked(self)
+                freed = _dec_ref_batch(self, data, n, &result)
+                _unlocked(self)
+        if result.failed_at >= 0:
+            _raise_refusal(self, &result, "dec_ref_range")
         return freed
 
     def refcount(self, Py_ssize_t block_id):
@@ -434,16 +474,45 @@ cdef inline void _inc_ref_batch(
 cdef inline Py_ssize_t _dec_ref_batch(
     BlockPool self, const int32_t *ids, Py_ssize_t n, BatchResult *result
 ) noexcept nogil:
-    # Apply as we go, pushing ids that reach 0 above the free stack's top; on a refusal the
-    # refcounts are restored and the top is left where it was, which discards those pushes.
-    cdef Py_ssize_t i, j
+    # Optimistic and branch-free: every id is applied as it comes, an out-of-range one charged to
+    # the spare entry past the last id (refcount 0, so it goes negative like a double free), and
+    # ids reaching 0 are pushed above the free stack's top (the slot is written every time, the
+    # top moves only on a push). Whether any count went negative is looked at once, after the
+    # loop: then every decrement is undone, the top is left where it was (which discards the
+    # pushes), and a careful pass finds the first offending entry. A block reaches 0 at most
+    # once per batch, so pushes never pass the end of the stack, whose one spare slot takes the
+    # write after its last push.
+    cdef Py_ssize_t i, j, index, n_applied
     cdef int32_t block_id, count
     cdef int32_t *refcounts = self._refcounts
     cdef int32_t *stack = self._free_stack
     cdef Py_ssize_t top = self._num_free
     cdef Py_ssize_t num_blocks = self._num_blocks
+    cdef int32_t bad = 0
     result.failed_at = -1
     result.refusal = REFUSAL_NONE
+    if n >= INT32_MAX:
+        bad = -1  # a batch that could wrap the spare entry around: the careful pass only
+        n_applied = 0
+    else:
+        n_applied = n
+    for i in range(n_applied):
+        block_id = ids[i]
+        index = num_blocks if _out_of_range(block_id, num_blocks) else block_id
+        count = refcounts[index] - 1
+        bad |= count
+        refcounts[index] = count
+        stack[top] = block_id
+        top += count == 0
+    if bad >= 0:
+        i = top - self._num_free
+        self._num_free = top
+        return i
+    for i in range(n_applied):
+        block_id = ids[i]
+        refcounts[num_blocks if _out_of_range(block_id, num_blocks) else block_id] += 1
+    # The careful pass: apply with pushes, stop at the first refusal and undo up to it.
+    top = self._num_free
     for i in range(n):
         block_id = ids[i]
         if _out_of_range(block_id, num_blocks):
@@ -487,7 +556,7 @@ cdef void _raise_refusal(BlockPool self, BatchResult *result, str call) except *
         )
     if result.repeats > 1:
         raise DoubleFree(
-            f"dec_ref: block id {block_id} is released {result.repeats} times in one batch "
+            f"{call}: block id {block_id} is released {result.repeats} times in one batch "
             f"but its refcount is {result.refcount} (double free)"
         )
-    raise DoubleFree(f"dec_ref: block id {block_id} has refcount 0 (double free)")
+    raise DoubleFree(f"{call}: block id {block_id} has refcount 0 (double free)")

@@ -287,6 +287,37 @@ def test_dec_ref_of_an_empty_batch_frees_nothing(pool: BlockPool) -> None:
         assert pool.dec_ref(ids()) == 0
 
 
+def test_dec_ref_range_releases_only_the_range(pool: BlockPool) -> None:
+    table = np.full(8, -1, np.int32)
+    pool.allocate_into(table, 2, 4)  # a row of a preallocated table: junk around the ids
+    assert pool.dec_ref_range(table, 4, 2) == 2  # the tail of the row
+    assert pool.num_free == NUM_BLOCKS - 2
+    assert pool.dec_ref_range(table, 2, 2) == 2
+    assert pool.dec_ref_range(table, 8, 0) == 0
+    assert pool.num_free == NUM_BLOCKS
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("start, n", [(-1, 1), (0, -1), (7, 2), (9, 0)])
+def test_dec_ref_range_outside_the_array_is_refused(pool: BlockPool, start: int, n: int) -> None:
+    table = pool.allocate(8)
+    with unchanged(pool), pytest.raises(InvalidId, match=f"cannot release {n} ids at start {start} of an array of length 8"):
+        pool.dec_ref_range(table, start, n)
+    with unchanged(pool), pytest.raises(InvalidId):
+        pool.dec_ref_range(table.tolist(), start, n)
+
+
+def test_dec_ref_range_refuses_a_double_free_inside_the_range(pool: BlockPool) -> None:
+    table = pool.allocate(4)
+    pool.dec_ref(table[2:3])
+    with unchanged(pool), pytest.raises(DoubleFree, match="dec_ref_range: block id 2 has refcount 0"):
+        pool.dec_ref_range(table, 1, 3)
+    with unchanged(pool), pytest.raises(BlockIdOutOfRange, match="block id 99 "):
+        pool.dec_ref_range([0, 1, 99], 0, 3)
+    assert pool.dec_ref_range(table, 0, 2) == 2  # what is around the freed block is fine
+    assert pool.dec_ref_range([7, 3, -5], 1, 1) == 1  # other sequences: only the range is read
+
+
 def test_double_free_is_refused(pool: BlockPool) -> None:
     blocks = pool.allocate(3)
     pool.dec_ref(blocks[1:2])

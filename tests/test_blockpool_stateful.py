@@ -17,6 +17,7 @@ NUM_BLOCKS = 24
 
 # The forms a caller may pass ids in: the int32 fast path and the converting fallbacks.
 ID_FORMS = st.sampled_from(["int32", "int64", "list", "tuple", "strided-int32"])
+RELEASES = st.sampled_from(["dec_ref", "dec_ref_range"])
 OUT_OF_RANGE = st.sampled_from([-(2**31), -1, NUM_BLOCKS, NUM_BLOCKS + 1, 2**31 - 1])
 
 
@@ -32,6 +33,16 @@ def as_form(values: list[int], form: str) -> Any:
         padded[::2] = values
         return padded[::2]
     return list(values)
+
+
+def call_pool(pool: BlockPool, call: str, batch: list[int], form: str) -> int | None:
+    """``pool.<call>(batch)``; for ``dec_ref_range`` the batch sits inside junk that must be
+    ignored (ids out of range, and block 0 whatever its state)."""
+    if call != "dec_ref_range":
+        result: int | None = getattr(pool, call)(as_form(batch, form))
+        return result
+    padded = [-7, 0, *batch, NUM_BLOCKS + 3]
+    return pool.dec_ref_range(as_form(padded, form), 2, len(batch))
 
 
 def named_id(error: LifecycleError) -> int:
@@ -63,7 +74,7 @@ class BlockPoolModel(RuleBasedStateMachine):
         """The call must raise one of the offenders' errors, name that offender, and change nothing."""
         before = self.pool.refcounts()
         try:
-            getattr(self.pool, call)(as_form(batch, form))
+            call_pool(self.pool, call, batch, form)
         except LifecycleError as error:
             block = named_id(error)
             assert block in offenders, f"{call}({batch}) named block {block}, offenders {offenders}"
@@ -111,38 +122,38 @@ class BlockPoolModel(RuleBasedStateMachine):
             self.refcounts[block] += 1
 
     @precondition(lambda self: any(self.refcounts))
-    @rule(data=st.data(), form=ID_FORMS)
-    def dec_ref(self, data: st.DataObject, form: str) -> None:
+    @rule(data=st.data(), form=ID_FORMS, call=RELEASES)
+    def dec_ref(self, data: st.DataObject, form: str, call: str) -> None:
         # A valid batch: a sub-multiset of the references held, so repeats never pass a refcount.
         references = [block for block in self.held() for _ in range(self.refcounts[block])]
         shuffled = data.draw(st.permutations(references))
         batch = shuffled[: data.draw(st.integers(0, min(8, len(shuffled))))]
-        freed = self.pool.dec_ref(as_form(batch, form))
+        freed = call_pool(self.pool, call, batch, form)
         for block in batch:
             self.refcounts[block] -= 1
         assert freed == sum(1 for block in set(batch) if self.refcounts[block] == 0)
 
     @precondition(lambda self: any(self.refcounts))
-    @rule(data=st.data(), form=ID_FORMS)
-    def release_everything_held(self, data: st.DataObject, form: str) -> None:
+    @rule(data=st.data(), form=ID_FORMS, call=RELEASES)
+    def release_everything_held(self, data: st.DataObject, form: str, call: str) -> None:
         batch = [block for block in self.held() for _ in range(self.refcounts[block])]
         batch = data.draw(st.permutations(batch))
-        assert self.pool.dec_ref(as_form(batch, form)) == len(set(batch))
+        assert call_pool(self.pool, call, batch, form) == len(set(batch))
         self.refcounts = [0] * NUM_BLOCKS
 
     @precondition(lambda self: any(count == 0 for count in self.refcounts))
-    @rule(data=st.data(), form=ID_FORMS)
-    def double_free(self, data: st.DataObject, form: str) -> None:
+    @rule(data=st.data(), form=ID_FORMS, call=RELEASES)
+    def double_free(self, data: st.DataObject, form: str, call: str) -> None:
         free_block = data.draw(st.sampled_from(self.freed()))
         prefix = data.draw(st.lists(st.sampled_from(self.held()), max_size=3, unique=True)) if any(self.refcounts) else []
-        self.expect_refused("dec_ref", [*prefix, free_block], form, {free_block: DoubleFree})
+        self.expect_refused(call, [*prefix, free_block], form, {free_block: DoubleFree})
 
     @precondition(lambda self: any(self.refcounts))
-    @rule(data=st.data(), form=ID_FORMS)
-    def repeated_past_refcount(self, data: st.DataObject, form: str) -> None:
+    @rule(data=st.data(), form=ID_FORMS, call=RELEASES)
+    def repeated_past_refcount(self, data: st.DataObject, form: str, call: str) -> None:
         block = data.draw(st.sampled_from(self.held()))
         batch = data.draw(st.permutations([block] * (self.refcounts[block] + 1)))
-        self.expect_refused("dec_ref", list(batch), form, {block: DoubleFree})
+        self.expect_refused(call, list(batch), form, {block: DoubleFree})
 
     @precondition(lambda self: any(count == 0 for count in self.refcounts))
     @rule(data=st.data(), form=ID_FORMS)
@@ -151,18 +162,18 @@ class BlockPoolModel(RuleBasedStateMachine):
         batch = data.draw(st.permutations([free_block, free_block, *self.held()[:3]]))
         self.expect_refused("inc_ref", list(batch), form, {free_block: InvalidId})
 
-    @rule(data=st.data(), form=ID_FORMS, call=st.sampled_from(["inc_ref", "dec_ref"]), bad=OUT_OF_RANGE)
+    @rule(data=st.data(), form=ID_FORMS, call=st.sampled_from(["inc_ref", "dec_ref", "dec_ref_range"]), bad=OUT_OF_RANGE)
     def out_of_range(self, data: st.DataObject, form: str, call: str, bad: int) -> None:
         valid = self.held()[:3]
         batch = list(data.draw(st.permutations([*valid, bad])))
         self.expect_refused(call, batch, form, {bad: BlockIdOutOfRange})
 
     @precondition(lambda self: any(count == 0 for count in self.refcounts))
-    @rule(data=st.data(), form=ID_FORMS, call=st.sampled_from(["inc_ref", "dec_ref"]), bad=OUT_OF_RANGE)
+    @rule(data=st.data(), form=ID_FORMS, call=st.sampled_from(["inc_ref", "dec_ref", "dec_ref_range"]), bad=OUT_OF_RANGE)
     def free_and_out_of_range_together(self, data: st.DataObject, form: str, call: str, bad: int) -> None:
         free_block = data.draw(st.sampled_from(self.freed()))
         batch = list(data.draw(st.permutations([free_block, bad, *self.held()[:2]])))
-        refused_free = DoubleFree if call == "dec_ref" else InvalidId
+        refused_free = InvalidId if call == "inc_ref" else DoubleFree
         self.expect_refused(call, batch, form, {free_block: refused_free, bad: BlockIdOutOfRange})
 
     # -- after every step -----------------------------------------------------------------------
