@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
 """Refcounted pool of KV block ids on C arrays.
 
 Block ids are ``0 .. num_blocks - 1``. A block with refcount 0 sits on a LIFO free stack; every

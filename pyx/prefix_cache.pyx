@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
 """The prefix cache's composite operations, each one C call (module lifecycle._prefix_cache).
 
 ``PrefixCacheCore`` holds a ``BlockPool`` and a ``PrefixTrie`` and runs what a scheduler does per
