@@ -145,7 +145,7 @@ def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
     for tokens, reusable, needed, full_blocks in requests:
         if len(live) == max_live:
             cache_and_release(*live.popleft())
-        block_table, node_ids = admit(tokens, needed, 0, reusable)
+        block_table, node_ids, _ = admit(tokens, needed, 0, reusable)
         hit_tokens += len(node_ids) * block_size
         live.append((tokens, block_table, full_blocks, 0, node_ids))
     while live:

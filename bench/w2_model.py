@@ -1,7 +1,8 @@
 """W2 (SPEC §7) through the ``HybridModel`` API, to compare with the trie + pool replay of w2.py.
 
 The same trace and rules, but every step is a public model call a scheduler would make:
-``alloc_sequence_for`` (prompt + generated tokens) + ``attach_prefix`` + ``grow`` at admission (grow evicts when short),
+``alloc_sequence_for`` (prompt + generated tokens) + ``attach_prefix(prompt, grow_to=...)`` at admission (the
+cached prefix, then the rest of the blocks, evicting when short: the same as ``attach_prefix`` + ``grow``),
 ``append_tokens`` for the generated tokens, ``cache_sequence`` + ``free_sequence`` at finish.
 The model is pure attention (one small layer: the replay measures bookkeeping, not bandwidth).
 """
@@ -37,7 +38,7 @@ def replay_model(trace: W2Trace, separate_calls: bool = False) -> tuple[float, i
     ]
     live: deque[SequenceState] = deque()
     max_live = trace.max_live
-    alloc, attach, grow = model.alloc_sequence_for, model.attach_prefix, model.grow
+    alloc, attach = model.alloc_sequence_for, model.attach_prefix
     cache, free, finish_sequence = model.cache_sequence, model.free_sequence, model.finish_sequence
 
     def finish() -> None:
@@ -54,8 +55,7 @@ def replay_model(trace: W2Trace, separate_calls: bool = False) -> tuple[float, i
             if len(live) == max_live:
                 finish()
             seq = alloc(total)
-            attach(seq, prompt)
-            grow(seq, total)
+            attach(seq, prompt, grow_to=total)
             seq.append_tokens(generated)
             live.append(seq)
         while live:

@@ -21,6 +21,7 @@ from typing import BinaryIO, Final, cast
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._hostcopy import put_int32 as _put_int32
 from lifecycle._blockpool import BlockPool
 from lifecycle._prefix_trie import PrefixTrie
 from lifecycle._slots import SlotPool
@@ -568,12 +569,18 @@ class HybridModel(LifecycleDefaults):
             holdings.status = SeqStatus.RETIRED
             self._leave(started)
 
-    def attach_prefix(self, seq: SequenceState, prompt: Sequence[int] | npt.NDArray[np.integer]) -> int:
+    def attach_prefix(
+        self, seq: SequenceState, prompt: Sequence[int] | npt.NDArray[np.integer], *, grow_to: int | None = None
+    ) -> int:
         """Record ``prompt`` as the sequence's tokens, find its longest cached prefix under the
         sequence's adapter (whole blocks, never the prompt's last token; for a hybrid model only up
         to a node with an SSM snapshot, which is restored into the slot), pin it and put its blocks
         at the head of the block table. Returns the reused token count. Calling it again for the
-        same sequence and prompt (a retried lookup) takes no second set of references."""
+        same sequence and prompt (a retried lookup) takes no second set of references.
+
+        ``grow_to``: then grow the block table to cover that many tokens, as ``grow(seq, grow_to)``
+        would, in the same call (for a pure-attention model, the same C call). It ends as the two
+        calls would: when the growth raises ``OutOfBlocks``, the prefix stays attached."""
         # An int32 vector needs no conversion (the dtype identity test is the cheap common case).
         tokens: npt.NDArray[np.int32] = (
             cast("npt.NDArray[np.int32]", prompt)
@@ -608,18 +615,25 @@ class HybridModel(LifecycleDefaults):
             capacity = -(-num_tokens // block_size) + 1
             if capacity > len(holdings.blocks):
                 holdings.ensure_capacity(capacity)
+            wanted = -1 if grow_to is None else self._wanted_blocks(grow_to, "attach_prefix")
             if self._fused_attach and not retry and num_tokens > 1:
                 # Every matched block is reusable: match, pin and reference in one C call,
-                # straight into the block table.
-                node_ids = self._core.acquire_prefix(
-                    tokens, holdings.blocks, holdings.adapter_uid, reusable_blocks(num_tokens, block_size)
-                )
+                # straight into the block table (with grow_to, allocating the rest in it too).
+                reusable = reusable_blocks(num_tokens, block_size)
+                if wanted >= reusable and self._admit(seq, holdings, tokens, wanted, reusable):
+                    self._stats.time_in_library_ns += _now() - started
+                    return seq.num_cached_tokens
+                node_ids = self._core.acquire_prefix(tokens, holdings.blocks, holdings.adapter_uid, reusable)
                 reused = len(node_ids)
                 holdings.pinned_nodes = node_ids
                 holdings.pinned_depth = holdings.num_blocks = reused
                 self._record_prompt(seq, tokens, reused)
                 self._count_lookup(num_tokens, reused, reused)
-                self._stats.time_in_library_ns += _now() - started
+                try:
+                    if wanted > reused:
+                        self._grow_blocks(holdings, wanted - reused)
+                finally:
+                    self._stats.time_in_library_ns += _now() - started
                 return reused * block_size
             block_ids, node_ids = self._match(tokens, holdings.adapter_uid)
             matched = int(node_ids.shape[0])
@@ -642,7 +656,11 @@ class HybridModel(LifecycleDefaults):
             self._record_prompt(seq, tokens, reused)
             if not retry:
                 self._count_lookup(int(tokens.shape[0]), matched, reused)
-            self._leave(started)
+            try:
+                if wanted > holdings.num_blocks:
+                    self._grow_blocks(holdings, wanted - holdings.num_blocks)
+            finally:
+                self._leave(started)
             return seq.num_cached_tokens
 
     def _record_prompt(self, seq: SequenceState, tokens: npt.NDArray[np.int32], reused: int) -> None:
@@ -651,7 +669,8 @@ class HybridModel(LifecycleDefaults):
             num_tokens = len(tokens)
             if num_tokens > len(seq._tokens):
                 seq._grow_tokens(num_tokens)
-            seq._tokens[:num_tokens] = tokens
+            if not _put_int32(seq._tokens, 0, tokens):
+                seq._tokens[:num_tokens] = tokens
             seq._num_tokens = seq.prompt_len = num_tokens
         seq.num_cached_tokens = reused * self._block_size
 
@@ -691,12 +710,7 @@ class HybridModel(LifecycleDefaults):
             )
             if holdings.status is not _ACTIVE:
                 raise _not_active(seq, holdings, "grow")
-            if not isinstance(num_tokens, int) or num_tokens < 0:
-                raise InvalidId(f"grow: num_tokens={num_tokens!r} must be an int >= 0")
-            wanted = -(-num_tokens // self._block_size)
-            limit = self._max_blocks_per_seq
-            if wanted > limit:
-                raise InvalidId(f"grow: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
+            wanted = self._wanted_blocks(num_tokens, "grow")
             added = wanted - holdings.num_blocks
             if added > 0:
                 self._grow_blocks(holdings, added)
@@ -704,6 +718,41 @@ class HybridModel(LifecycleDefaults):
                 added = 0
             self._stats.time_in_library_ns += _now() - started
             return added
+
+    def _wanted_blocks(self, num_tokens: int, what: str) -> int:
+        """Blocks that cover ``num_tokens`` tokens, checked against the per-sequence limit."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidId(f"{what}: num_tokens={num_tokens!r} must be an int >= 0")
+        wanted = -(-num_tokens // self._block_size)
+        limit = self._max_blocks_per_seq
+        if wanted > limit:
+            raise InvalidId(f"{what}: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
+        return wanted
+
+    def _admit(
+        self, seq: SequenceState, holdings: Holdings, tokens: npt.NDArray[np.int32], wanted: int, reusable: int
+    ) -> bool:
+        """The fused attach + grow of a fresh sequence of a pure-attention model: one C call that
+        matches, pins and references the prefix and allocates the rest of ``wanted`` blocks.
+        False when even eviction could not make room (nothing taken, evictions accounted)."""
+        if wanted > len(holdings.blocks):
+            holdings.ensure_capacity(wanted)
+        free_before = self._pool.num_free
+        try:
+            _, node_ids, freed = self._core.admit(tokens, wanted, holdings.adapter_uid, reusable, holdings.blocks)
+        except OutOfBlocks:
+            self._evicted(self._pool.num_free - free_before)
+            return False
+        if freed:
+            self._evicted(freed)
+        reused = len(node_ids)
+        holdings.pinned_nodes = node_ids
+        holdings.pinned_depth = reused
+        holdings.num_blocks = wanted
+        self._stats.blocks_allocated += wanted - reused
+        self._record_prompt(seq, tokens, reused)
+        self._count_lookup(len(tokens), reused, reused)
+        return True
 
     def _grow_blocks(self, holdings: Holdings, count: int) -> None:
         """Append ``count`` fresh blocks to the table, evicting cached blocks first when the free

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Final, final
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._hostcopy import put_int32 as _put_int32
 from lifecycle.errors import SequenceStateError
 
 if TYPE_CHECKING:
@@ -231,6 +232,10 @@ class SequenceState:
         """Record tokens whose KV the engine has computed (prompt first, then generated ones)."""
         if self._holdings.status is _FREED:
             raise SequenceStateError(f"sequence {self._seq_id} was freed; cannot append tokens")
+        start = self._num_tokens
+        if _put_int32(self._tokens, start, tokens):  # int32 tokens that fit: one memcpy
+            self._num_tokens = start + len(tokens)  # type: ignore[arg-type]
+            return
         if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and (
             tokens.dtype is _INT32
             or (tokens.dtype.itemsize <= 4 and (tokens.dtype == np.int32 or tokens.dtype.kind == "u"))
@@ -238,7 +243,6 @@ class SequenceState:
             new = tokens  # every value fits the int32 token buffer: nothing to check
         else:
             new = _checked_tokens(tokens)
-        start = self._num_tokens
         end = start + len(new)
         if end > len(self._tokens):
             self._grow_tokens(end)

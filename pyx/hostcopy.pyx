@@ -143,3 +143,32 @@ def stream_copy(unsigned char[::1] dst not None, const unsigned char[::1] src no
     with nogil:
         lc_stream_copy(<char *>d, <const char *>s, <size_t>n)
         lc_stream_fence()
+
+
+cimport numpy as cnp
+cnp.import_array()
+
+
+def put_int32(dst, Py_ssize_t start, src):
+    """``dst[start:start + len(src)] = src`` for two 1-D C-contiguous int32 arrays (``dst``
+    writeable and long enough), as one memcpy: a token buffer's append without numpy's slice
+    machinery. Returns False, copying nothing, for any other kind of argument (the caller falls
+    back to a numpy assignment) or a range outside ``dst``."""
+    cdef cnp.ndarray d, s
+    cdef Py_ssize_t n
+    if not (cnp.PyArray_Check(dst) and cnp.PyArray_Check(src)):
+        return False
+    d = <cnp.ndarray>dst
+    s = <cnp.ndarray>src
+    if (
+        cnp.PyArray_TYPE(d) != cnp.NPY_INT32 or cnp.PyArray_TYPE(s) != cnp.NPY_INT32
+        or cnp.PyArray_NDIM(d) != 1 or cnp.PyArray_NDIM(s) != 1
+        or not cnp.PyArray_ISCARRAY(d) or not cnp.PyArray_ISCARRAY_RO(s)
+    ):
+        return False
+    n = cnp.PyArray_DIM(s, 0)
+    if start < 0 or start > cnp.PyArray_DIM(d, 0) - n:
+        return False
+    if n:
+        memmove(<char *>cnp.PyArray_DATA(d) + start * 4, cnp.PyArray_DATA(s), n * 4)
+    return True

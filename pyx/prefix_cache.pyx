@@ -300,20 +300,22 @@ cdef class PrefixCacheCore:
             _shrink(node_ids, k)
         return node_ids
 
-    def admit(self, tokens, Py_ssize_t num_blocks, adapter=0, Py_ssize_t max_prefix=-1):
+    def admit(self, tokens, Py_ssize_t num_blocks, adapter=0, Py_ssize_t max_prefix=-1, block_table=None):
         """Admit a request in one atomic step: acquire its longest cached prefix (as
         ``acquire_prefix``, at most ``max_prefix`` blocks, -1 = no limit) and allocate the rest of
         its ``num_blocks`` blocks (as ``allocate``, evicting when short).
 
-        Returns ``(block_table, node_ids)``: a new int32 table of ``num_blocks`` ids, each with
-        one pool reference owned by the caller, whose first ``len(node_ids)`` blocks are the
-        cached prefix, and that prefix's node ids (pinned: ``unpin`` them, or pass them to
-        ``cache_and_release``). All or nothing: when even eviction leaves too few blocks it raises
-        ``OutOfBlocks`` with nothing pinned or referenced (blocks evicted stay evicted, as for
-        ``allocate``).
+        Returns ``(block_table, node_ids, freed)``: the int32 table whose first ``num_blocks``
+        ids each carry one pool reference owned by the caller (a new array, or the caller's
+        ``block_table``, written in place, which must be a writeable C-contiguous 1-D int32 array
+        of at least ``num_blocks``), the first ``len(node_ids)`` of them the cached prefix; that
+        prefix's node ids (pinned: ``unpin`` them, or pass them to ``cache_and_release``); and how
+        many blocks eviction freed. All or nothing: when even eviction leaves too few blocks it
+        raises ``OutOfBlocks`` with nothing pinned or referenced (blocks evicted stay evicted, as
+        for ``allocate``).
         """
         cdef const int32_t *data = NULL
-        cdef Py_ssize_t n = 0, prefix_blocks, k = 0, need, freed = 0
+        cdef Py_ssize_t n = 0, length = 0, prefix_blocks, k = 0, need, freed = 0
         cdef int64_t key = _adapter_key(adapter)
         cdef Outcome outcome, evicted
         cdef BatchResult result, released
@@ -334,7 +336,13 @@ cdef class PrefixCacheCore:
             prefix_blocks = max_prefix
         if prefix_blocks > num_blocks:
             prefix_blocks = num_blocks
-        table = _empty_int32(num_blocks)
+        if block_table is None:
+            table = _empty_int32(num_blocks)
+        else:
+            _table(block_table, "admit", &length)
+            if length < num_blocks:
+                raise InvalidId(f"admit: the block table holds {length} ids, {num_blocks} are needed")
+            table = <cnp.ndarray>block_table
         node_ids = _empty_int32(prefix_blocks)
         dest = <int32_t *>cnp.PyArray_DATA(table)
         nodes = <int32_t *>cnp.PyArray_DATA(node_ids)
@@ -370,7 +378,7 @@ cdef class PrefixCacheCore:
             self._pool._raise_short(num_blocks - k)
         if k < prefix_blocks:
             _shrink(node_ids, k)
-        return table, node_ids
+        return table, node_ids, freed
 
     # -- inserting --
 

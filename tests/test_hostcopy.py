@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from lifecycle._hostcopy import memmove_rows
+import pytest
+
+from lifecycle._hostcopy import memmove_rows, put_int32, stream_copy
 
 
 def test_a_large_batch_of_unaligned_rows_is_copied_exactly() -> None:
@@ -33,3 +35,43 @@ def test_overlapping_rows_keep_memmove_semantics_in_a_large_batch() -> None:
     base = buf.ctypes.data
     memmove_rows(np.array([(base + 1000, base, 20 << 20)], dtype=np.int64))
     assert np.array_equal(buf, expected)
+
+
+@pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 63, 64, 65, 4096 + 7, (1 << 20) + 3])
+@pytest.mark.parametrize("offset", [0, 1, 8, 13])
+def test_stream_copy_is_exact_at_every_alignment(size: int, offset: int) -> None:
+    rng = np.random.default_rng(size + offset)
+    src = rng.integers(0, 256, size + 32, dtype=np.uint8)
+    dst = np.zeros(size + 32, dtype=np.uint8)
+    stream_copy(memoryview(dst)[offset : offset + size], memoryview(src)[3 : 3 + size])
+    assert np.array_equal(dst[offset : offset + size], src[3 : 3 + size])
+    assert not dst[:offset].any() and not dst[offset + size :].any()
+
+
+def test_stream_copy_refuses_unequal_sizes_and_overlap() -> None:
+    buf = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="holds 8 bytes, source 9"):
+        stream_copy(memoryview(buf)[:8], memoryview(buf)[16:25])
+    with pytest.raises(ValueError, match="overlap"):
+        stream_copy(memoryview(buf)[:16], memoryview(buf)[8:24])
+    with pytest.raises(BufferError):
+        stream_copy(memoryview(bytes(8)), memoryview(buf)[:8])  # read-only destination
+
+
+def test_put_int32_copies_into_place_or_declines() -> None:
+    dst = np.full(10, -1, dtype=np.int32)
+    assert put_int32(dst, 2, np.arange(3, dtype=np.int32))
+    assert dst.tolist() == [-1, -1, 0, 1, 2, -1, -1, -1, -1, -1]
+    assert put_int32(dst, 10, np.empty(0, dtype=np.int32))
+    # Anything it cannot do as one memcpy is declined, with nothing written.
+    before = dst.copy()
+    assert not put_int32(dst, 8, np.arange(3, dtype=np.int32))  # past the end
+    assert not put_int32(dst, -1, np.arange(1, dtype=np.int32))
+    assert not put_int32(dst, 0, np.arange(3))  # int64
+    assert not put_int32(dst, 0, np.arange(6, dtype=np.int32)[::2])  # strided
+    assert not put_int32(dst[::2], 0, np.arange(3, dtype=np.int32))
+    assert not put_int32(dst, 0, [1, 2, 3])
+    readonly = np.zeros(4, dtype=np.int32)
+    readonly.flags.writeable = False
+    assert not put_int32(readonly, 0, np.arange(2, dtype=np.int32))
+    assert np.array_equal(dst, before)

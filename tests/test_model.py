@@ -873,3 +873,84 @@ def test_finish_sequence_of_a_failed_sequence_only_frees(attn: HybridModel) -> N
     assert attn._trie.num_cached_blocks == 0
     assert attn.num_free_blocks() == attn.num_total_blocks()
     assert_clean(attn)
+
+
+# ------------------------------------------------------------------ attach_prefix(grow_to=...)
+
+
+def _drive(m: HybridModel, fused: bool, seed: int) -> list[Any]:
+    """A random admission workload (shared prefixes, a pool small enough to evict and to run
+    out); returns what a scheduler can observe after every step."""
+    rng = np.random.default_rng(seed)
+    live: list[SequenceState] = []
+    seen: list[Any] = []
+    for _ in range(120):
+        if len(live) == 4 or (live and rng.random() < 0.3):
+            seq = live.pop(int(rng.integers(len(live))))
+            m.finish_sequence(seq)
+        prompt = np.concatenate([np.arange(int(rng.integers(0, 3)) * 4, dtype=np.int32), rng.integers(0, 3, int(rng.integers(1, 14)))])
+        total = len(prompt) + int(rng.integers(0, 20))
+        seq = m.alloc_sequence()
+        try:
+            if fused:
+                reused = m.attach_prefix(seq, prompt, grow_to=total)
+            else:
+                reused = m.attach_prefix(seq, prompt)
+                m.grow(seq, total)
+            outcome: Any = reused
+        except OutOfBlocks:
+            outcome = "out of blocks"
+        m.check_invariants()
+        stats = m.stats()
+        seen.append((outcome, seq.block_table.tolist(), seq.num_cached_tokens, m.num_free_blocks(),
+                     stats.blocks_evicted, stats.blocks_allocated, stats.prefix_hit_tokens))
+        live.append(seq)
+    for seq in live:
+        m.free_sequence(seq)
+    m.check_invariants()
+    return seen
+
+
+@pytest.mark.parametrize("make_config", [attention_config, hybrid_config], ids=["attention", "hybrid"])
+def test_attach_prefix_with_grow_to_ends_as_attach_then_grow(device: Device, make_config: Any) -> None:
+    for seed in range(3):
+        one, two = HybridModel(make_config(num_blocks=24), device), HybridModel(make_config(num_blocks=24), device)
+        try:
+            assert _drive(one, True, seed) == _drive(two, False, seed)
+            one.reclaim_prefix_blocks(one.num_total_blocks())  # what is left is cached, nothing leaked
+            assert one.num_free_blocks() == one.num_total_blocks()
+        finally:
+            one.teardown()
+            two.teardown()
+
+
+def test_attach_prefix_out_of_blocks_keeps_the_prefix(attn: HybridModel) -> None:
+    prompt = np.arange(10, dtype=np.int32)
+    first = attn.alloc_sequence()
+    attn.attach_prefix(first, prompt, grow_to=12)
+    attn.finish_sequence(first)  # 2 full blocks cached
+    hog = attn.alloc_sequence()
+    attn.grow(hog, (attn.num_free_blocks() - 1) * BS)
+    seq = attn.alloc_sequence()
+    with pytest.raises(OutOfBlocks):
+        attn.attach_prefix(seq, prompt, grow_to=40)
+    assert seq.num_cached_tokens == 8 and seq.num_blocks == 2 and seq.num_tokens == 10
+    attn.check_invariants()
+    attn.free_sequence(hog)
+    attn.grow(seq, 40)  # the prefix is still there to grow from
+    assert seq.num_blocks == 10
+    attn.free_sequence(seq)
+    attn.reclaim_prefix_blocks(attn.num_total_blocks())
+    assert attn.num_free_blocks() == attn.num_total_blocks()
+    attn.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "8", 64 * BS * 2])
+def test_attach_prefix_refuses_a_bad_grow_to_and_changes_nothing(attn: HybridModel, bad: Any) -> None:
+    seq = attn.alloc_sequence()
+    free = attn.num_free_blocks()
+    with pytest.raises(InvalidId, match="attach_prefix: (num_tokens=|512 tokens need 128 blocks, over the per-sequence limit of 64)"):
+        attn.attach_prefix(seq, np.arange(10, dtype=np.int32), grow_to=bad)
+    assert (seq.num_blocks, seq.num_tokens, attn.num_free_blocks()) == (0, 0, free)
+    attn.free_sequence(seq)
+    attn.check_invariants()

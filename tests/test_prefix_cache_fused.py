@@ -154,7 +154,7 @@ def test_admit_equals_acquire_prefix_then_allocate() -> None:
         tokens = rng.integers(0, 2, size=int(rng.integers(1, 20)), dtype=np.int32)
         blocks = -(-(len(tokens) + 2) // BS)
         max_prefix = (len(tokens) - 1) // BS
-        table_a, pinned_a = fused.admit(tokens, blocks, 0, max_prefix)
+        table_a, pinned_a, _ = fused.admit(tokens, blocks, 0, max_prefix)
         table_b, pinned_b = _admit_separately(separate, tokens, blocks, max_prefix)
         assert np.array_equal(pinned_a, pinned_b) and np.array_equal(table_a, table_b)
         assert np.array_equal(fused.pool.refcounts(), separate.pool.refcounts())
@@ -168,7 +168,8 @@ def test_admit_returns_the_prefix_then_fresh_blocks() -> None:
     core = _core()
     tokens = np.arange(12, dtype=np.int32)
     cached = _cache_one(core, tokens, 3)
-    table, pinned = core.admit(tokens, 5, 0, 2)
+    table, pinned, freed = core.admit(tokens, 5, 0, 2)
+    assert freed == 0
     assert table.dtype == np.int32 and len(table) == 5 and len(pinned) == 2
     assert list(table[:2]) == list(cached[:2])
     assert [core.pool.refcount(int(b)) for b in table] == [2, 2, 1, 1, 1]
@@ -212,7 +213,7 @@ def test_admit_refuses_bad_arguments_and_changes_nothing() -> None:
         core.admit(np.zeros((2, 4), np.int32), 2)
     assert np.array_equal(core.pool.refcounts(), before) and core.trie.num_evictable_blocks == 3
     # Other int sequences take the trie's conversion.
-    table, pinned = core.admit(list(range(12)), 3, 0, 2)
+    table, pinned, _ = core.admit(list(range(12)), 3, 0, 2)
     assert len(pinned) == 2
     _check(core)
 
@@ -220,5 +221,22 @@ def test_admit_refuses_bad_arguments_and_changes_nothing() -> None:
 def test_admit_with_the_cache_disabled_matches_nothing() -> None:
     pool = BlockPool(8)
     core = PrefixCacheCore(pool, PrefixTrie(BS), enabled=False)
-    table, pinned = core.admit(np.arange(12, dtype=np.int32), 3)
+    table, pinned, _ = core.admit(np.arange(12, dtype=np.int32), 3)
     assert len(pinned) == 0 and len(table) == 3 and pool.num_free == 5
+
+
+def test_admit_writes_into_a_given_block_table() -> None:
+    core = _core(5)
+    tokens = np.arange(12, dtype=np.int32)
+    cached = _cache_one(core, tokens, 3)
+    table = np.full(8, -1, np.int32)
+    out, pinned, freed = core.admit(tokens, 5, 0, 2, table)
+    assert out is table and list(table[:2]) == list(cached[:2]) and table[5:].tolist() == [-1, -1, -1]
+    assert freed == 1 and core.blocks_evicted == 1  # 3 fresh blocks: the third cached one had to go
+    with pytest.raises(InvalidId, match="holds 2 ids, 3 are needed"):
+        core.admit(tokens, 3, 0, 2, np.empty(2, np.int32))
+    with pytest.raises(InvalidId):
+        core.admit(tokens, 1, 0, 0, np.empty(4, np.int64))
+    core.trie.unpin(pinned)
+    core.pool.dec_ref(table[:5])
+    _check(core)

@@ -37,8 +37,13 @@ class PrefixCacheCore:
         self, tokens: _Int32s, block_table: NDArray[np.int32], adapter: _AdapterKey = 0, max_blocks: int = -1
     ) -> NDArray[np.int32]: ...
     def admit(
-        self, tokens: _Int32s, num_blocks: int, adapter: _AdapterKey = 0, max_prefix: int = -1
-    ) -> tuple[NDArray[np.int32], NDArray[np.int32]]: ...
+        self,
+        tokens: _Int32s,
+        num_blocks: int,
+        adapter: _AdapterKey = 0,
+        max_prefix: int = -1,
+        block_table: NDArray[np.int32] | None = None,
+    ) -> tuple[NDArray[np.int32], NDArray[np.int32], int]: ...
     def insert_path(
         self, tokens: _Int32s, block_ids: _Int32s, adapter: _AdapterKey = 0, *, known_prefix: _Int32s | None = None
     ) -> tuple[int, NDArray[np.int32], NDArray[np.int32]]: ...
