@@ -43,7 +43,7 @@ def test_stream_copy_is_exact_at_every_alignment(size: int, offset: int) -> None
     rng = np.random.default_rng(size + offset)
     src = rng.integers(0, 256, size + 32, dtype=np.uint8)
     dst = np.zeros(size + 32, dtype=np.uint8)
-    stream_copy(memoryview(dst)[offset : offset + size], memoryview(src)[3 : 3 + size])
+    stream_copy(dst.data[offset : offset + size], src.data[3 : 3 + size])
     assert np.array_equal(dst[offset : offset + size], src[3 : 3 + size])
     assert not dst[:offset].any() and not dst[offset + size :].any()
 
@@ -51,11 +51,11 @@ def test_stream_copy_is_exact_at_every_alignment(size: int, offset: int) -> None
 def test_stream_copy_refuses_unequal_sizes_and_overlap() -> None:
     buf = np.zeros(64, dtype=np.uint8)
     with pytest.raises(ValueError, match="holds 8 bytes, source 9"):
-        stream_copy(memoryview(buf)[:8], memoryview(buf)[16:25])
+        stream_copy(buf.data[:8], buf.data[16:25])
     with pytest.raises(ValueError, match="overlap"):
-        stream_copy(memoryview(buf)[:16], memoryview(buf)[8:24])
+        stream_copy(buf.data[:16], buf.data[8:24])
     with pytest.raises(BufferError):
-        stream_copy(memoryview(bytes(8)), memoryview(buf)[:8])  # read-only destination
+        stream_copy(memoryview(bytes(8)), buf.data[:8])  # read-only destination
 
 
 def test_put_int32_copies_into_place_or_declines() -> None:
