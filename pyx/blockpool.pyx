@@ -274,22 +274,10 @@ cdef class BlockPool:
         """
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0
-        cdef BatchResult result
-        cdef Py_ssize_t freed
         if not _ids_fast(ids, &data, &n):
             ids = _coerce_ids(ids, self._num_blocks)
             _ids_fast(ids, &data, &n)
-        if _locked_with_gil(self, n):
-            freed = _dec_ref_batch(self, data, n, &result)
-            _unlocked(self)
-        else:
-            with nogil:
-                _locked(self)
-                freed = _dec_ref_batch(self, data, n, &result)
-                _unlocked(self)
-        if result.failed_at >= 0:
-            _raise_refusal(self, &result, "dec_ref")
-        return freed
+        return _release(self, data, n, "dec_ref")
 
     def dec_ref_range(self, ids, Py_ssize_t start, Py_ssize_t n):
         """``dec_ref(ids[start:start + n])`` without making the slice: release part of a block
@@ -298,8 +286,6 @@ cdef class BlockPool:
         anything changes exactly like ``dec_ref``, and for a range outside ``ids``."""
         cdef const int32_t *data = NULL
         cdef Py_ssize_t length = 0
-        cdef BatchResult result
-        cdef Py_ssize_t freed
         cdef bint fast = _ids_fast(ids, &data, &length)
         if not fast:
             try:
@@ -317,17 +303,7 @@ cdef class BlockPool:
             # Only the range is converted (and checked): the rest of the table is not ours to judge.
             ids = _coerce_ids(ids[start : start + n], self._num_blocks)
             _ids_fast(ids, &data, &length)
-        if _locked_with_gil(self, n):
-            freed = _dec_ref_batch(self, data, n, &result)
-            _unlocked(self)
-        else:
-            with nogil:
-                _locked(self)
-                freed = _dec_ref_batch(self, data, n, &result)
-                _unlocked(self)
-        if result.failed_at >= 0:
-            _raise_refusal(self, &result, "dec_ref_range")
-        return freed
+        return _release(self, data, n, "dec_ref_range")
 
     def refcount(self, Py_ssize_t block_id):
         """The current refcount of ``block_id`` (0 = free)."""
@@ -534,6 +510,23 @@ cdef inline Py_ssize_t _dec_ref_batch(
         refcounts[ids[j]] += 1
     _describe_refusal(result, refcounts, ids, i)
     return 0
+
+cdef inline Py_ssize_t _release(BlockPool self, const int32_t *data, Py_ssize_t n, str call) except -1:
+    """One release batch under the lock (the GIL kept for a short batch on a free lock), raising
+    the refusal as ``call``'s; how many blocks became free."""
+    cdef BatchResult result
+    cdef Py_ssize_t freed
+    if _locked_with_gil(self, n):
+        freed = _dec_ref_batch(self, data, n, &result)
+        _unlocked(self)
+    else:
+        with nogil:
+            _locked(self)
+            freed = _dec_ref_batch(self, data, n, &result)
+            _unlocked(self)
+    if result.failed_at >= 0:
+        _raise_refusal(self, &result, call)
+    return freed
 
 # -- errors (GIL held, lock released) ------------------------------------------------------
 
