@@ -580,7 +580,9 @@ class HybridModel(LifecycleDefaults):
 
         ``grow_to``: then grow the block table to cover that many tokens, as ``grow(seq, grow_to)``
         would, in the same call (for a pure-attention model, the same C call). It ends as the two
-        calls would: when the growth raises ``OutOfBlocks``, the prefix stays attached."""
+        calls would: when the growth raises ``OutOfBlocks``, the prefix stays attached. A
+        ``grow_to`` that ``grow`` would refuse (not an int >= 0, over the per-sequence limit) is
+        refused first, before anything is attached or recorded."""
         # An int32 vector needs no conversion (the dtype identity test is the cheap common case).
         tokens: npt.NDArray[np.int32] = (
             cast("npt.NDArray[np.int32]", prompt)

@@ -288,11 +288,14 @@ cdef class BlockPool:
         cdef Py_ssize_t length = 0
         cdef bint fast = _ids_fast(ids, &data, &length)
         if not fast:
+            # Any other sequence: as an array first, so that its length and its slice agree.
             try:
-                length = len(ids)
-            except TypeError:
-                _coerce_ids(ids, self._num_blocks)  # names what is wrong with it
-                raise
+                ids = np.asarray(ids)
+            except (TypeError, ValueError, OverflowError) as error:
+                raise InvalidId(f"block ids must be a 1-D sequence of ints, got {ids!r}") from error
+            if ids.ndim != 1:
+                raise InvalidId(f"block ids must be a 1-D sequence of ints, got shape {ids.shape}")
+            length = ids.shape[0]
         if n < 0 or start < 0 or start > length or n > length - start:
             raise InvalidId(
                 f"dec_ref_range: cannot release {n} ids at start {start} of an array of length {length}"
@@ -303,6 +306,8 @@ cdef class BlockPool:
             # Only the range is converted (and checked): the rest of the table is not ours to judge.
             ids = _coerce_ids(ids[start : start + n], self._num_blocks)
             _ids_fast(ids, &data, &length)
+            if length != n:  # cannot happen for an array; never read past what was converted
+                raise InvalidId(f"dec_ref_range: {n} ids expected, {length} converted")
         return _release(self, data, n, "dec_ref_range")
 
     def refcount(self, Py_ssize_t block_id):

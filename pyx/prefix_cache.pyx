@@ -312,7 +312,8 @@ cdef class PrefixCacheCore:
         prefix's node ids (pinned: ``unpin`` them, or pass them to ``cache_and_release``); and how
         many blocks eviction freed. All or nothing: when even eviction leaves too few blocks it
         raises ``OutOfBlocks`` with nothing pinned or referenced (blocks evicted stay evicted, as
-        for ``allocate``).
+        for ``allocate``; a caller's ``block_table`` may have had its head written, as with
+        ``acquire_prefix``).
         """
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0, length = 0, prefix_blocks, k = 0, need, freed = 0

@@ -81,10 +81,14 @@ cdef extern from *:
      * both products of the step (pmuludq pairs lane 0 with 1 and lane 2 with 3). The sum does not
      * depend on the grouping, so the vector and the scalar paths give the same value. */
     #include <string.h>
-    #if defined(__SSE2__)
+    /* The vector paths need SSE2 and 64-bit lanes moved to general registers (x86-64 only). */
+    #if defined(__SSE2__) && (defined(__x86_64__) || defined(_M_X64))
+    #define LC_NH_SSE2 1
     #include <emmintrin.h>
+    #else
+    #define LC_NH_SSE2 0
     #endif
-    #if defined(__SSE2__)
+    #if LC_NH_SSE2
     static inline __m128i lc_nh_step(__m128i sum, const int32_t *t, const uint32_t *k) {
         __m128i x = _mm_add_epi32(_mm_loadu_si128((const __m128i *)t), _mm_loadu_si128((const __m128i *)k));
         return _mm_add_epi64(sum, _mm_mul_epu32(x, _mm_srli_epi64(x, 32)));
@@ -93,7 +97,7 @@ cdef extern from *:
     static inline uint64_t lc_nh_block(const int32_t *t, Py_ssize_t n, const uint32_t *k) {
         uint64_t acc = 0;
         Py_ssize_t i = 0;
-    #if defined(__SSE2__)
+    #if LC_NH_SSE2
         __m128i sum = _mm_setzero_si128();
         if (n == 16) {  /* the usual block size, unrolled */
             sum = lc_nh_step(lc_nh_step(lc_nh_step(lc_nh_step(sum, t, k), t + 4, k + 4), t + 8, k + 8), t + 12, k + 12);
@@ -113,7 +117,7 @@ cdef extern from *:
     /* Whether two blocks of n tokens are equal; 16 tokens (the usual block size) as four vector
      * compares instead of a call to memcmp. */
     static inline int lc_tokens_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) {
-    #if defined(__SSE2__)
+    #if LC_NH_SSE2
         if (n == 16) {
             __m128i e0 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)a), _mm_loadu_si128((const __m128i *)b));
             __m128i e1 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 4)), _mm_loadu_si128((const __m128i *)(b + 4)));

@@ -418,3 +418,21 @@ def test_refcounts_is_a_copy(pool: BlockPool) -> None:
 def test_repr_shows_the_counts(pool: BlockPool) -> None:
     pool.allocate(3)
     assert repr(pool) == "BlockPool(num_total=16, num_free=13)"
+
+
+class _LyingTable(list):  # type: ignore[type-arg]
+    """A sequence whose length and slices disagree."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: Any) -> Any:
+        return [7]
+
+
+@pytest.mark.parametrize("table", [_LyingTable(), {0: 1, 1: 2}, "abc", [[1, 2], [3, 4]], [1, None, 2]])
+def test_dec_ref_range_of_odd_sequences_reads_only_what_it_converted(pool: BlockPool, table: Any) -> None:
+    ids_ = pool.allocate(NUM_BLOCKS)
+    pool.inc_ref(ids_)
+    with unchanged(pool), pytest.raises(LifecycleError):
+        pool.dec_ref_range(table, 0, 2)
