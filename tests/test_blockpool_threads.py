@@ -41,7 +41,12 @@ def hammer(pool: BlockPool, owner: list[int], worker: int, seed: int, errors: li
                 assert pool.dec_ref(blocks) == 0  # ... lets go: still held by us
                 for block in blocks.tolist():
                     owner[block] = NOBODY
-                assert pool.dec_ref(blocks) == len(blocks)
+                if rng.random() < 0.5:
+                    assert pool.dec_ref(blocks) == len(blocks)
+                else:  # the in-place form, on a row inside a larger table
+                    table = np.full(len(blocks) + 4, -1, dtype=np.int32)
+                    table[2 : 2 + len(blocks)] = blocks
+                    assert pool.dec_ref_range(table, 2, len(blocks)) == len(blocks)
                 continue
             n = rng.choice([1, 3, 16, 64, 600, 1000])
             try:
