@@ -464,18 +464,28 @@ class Driver:
         if self.has_ssm and seq.is_detached:
             return
         tokens = self._tokens(self.choose.integer(1, min(24, self.max_tokens)))
+        # Half the time the growth comes in the same call (attach_prefix(..., grow_to=...)).
+        grow_to = min(tokens.shape[0] + self.choose.integer(0, 8), self.max_tokens) if self.has_kv and self.choose.integer(0, 1) else None
         try:
-            reused = self.model.attach_prefix(seq, tokens)
+            reused = self.model.attach_prefix(seq, tokens, grow_to=grow_to)
         except CudaError as exc:  # restoring the snapshot failed: a failed prefill
             self._device_fault(exc)
             seq.mark_failed()
             self._free(track)
             return
-        if reused % BS or reused >= tokens.shape[0] or reused != seq.num_blocks * BS:
+        except PoolExhausted:  # only the growth can run short: the prefix stays attached
+            if grow_to is None or seq.num_blocks * BS != seq.num_cached_tokens or not np.array_equal(seq.tokens, tokens):
+                raise self._fail(f"attach_prefix(grow_to={grow_to}) ran short and left {seq!r}") from None
+            self.counts.refusals_under_pressure += 1
+            return
+        blocks = seq.num_blocks if grow_to is None else reused // BS
+        if grow_to is not None and seq.num_blocks != max(-(-grow_to // BS), reused // BS):
+            raise self._fail(f"attach_prefix(grow_to={grow_to}) left {seq.num_blocks} blocks")
+        if reused % BS or reused >= tokens.shape[0] or reused != blocks * BS or reused != seq.num_cached_tokens:
             raise self._fail(f"attach_prefix reused {reused} of {tokens.shape[0]} tokens with {seq.num_blocks} blocks")
         if not np.array_equal(seq.tokens, tokens) or seq.prompt_len != tokens.shape[0]:
             raise self._fail("attach_prefix did not record the prompt")
-        if self.choose.integer(0, 3) == 0:  # a retried lookup takes no second set of references
+        if grow_to is None and self.choose.integer(0, 3) == 0:  # a retried lookup takes no second set of references
             refs = self.model._pool.refcounts()
             try:
                 again = self.model.attach_prefix(seq, tokens)
