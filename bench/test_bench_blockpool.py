@@ -56,6 +56,20 @@ def test_allocate_into_then_free(benchmark: BenchmarkFixture, pool: BlockPool, b
 
 
 @pytest.mark.parametrize("batch", BATCH_SIZES)
+def test_table_row_fill_then_release(benchmark: BenchmarkFixture, pool: BlockPool, batch: int) -> None:
+    """W1's table form: a row of a preallocated table filled in place and released in place."""
+    table = np.zeros(4 * 64, dtype=np.int32)
+    allocate_into, release = pool.allocate_into, pool.dec_ref_range
+
+    def cycle() -> None:
+        allocate_into(table, 128, batch)
+        release(table, 128, batch)
+
+    benchmark(cycle)
+    assert_whole(pool)
+
+
+@pytest.mark.parametrize("batch", BATCH_SIZES)
 def test_share_then_release(benchmark: BenchmarkFixture, pool: BlockPool, batch: int) -> None:
     """A second holder (a prefix cache) takes and drops a reference on held blocks."""
     blocks = pool.allocate(batch)

@@ -97,6 +97,27 @@ def test_cache_insert_through_the_pool(benchmark: BenchmarkFixture) -> None:
     cache.check_invariants()
 
 
+def test_admit_then_cache_and_release(benchmark: BenchmarkFixture) -> None:
+    """One request's life through the fused calls: a 64-block cached prefix reused, 17 blocks
+    allocated, then everything cached and released."""
+    pool = BlockPool(4 * (SYSTEM_BLOCKS + SUFFIX_BLOCKS))
+    cache = PrefixCache(pool, PrefixTrie(BS))
+    core = cache.core
+    tokens = requests()[:2]
+    needed = SYSTEM_BLOCKS + SUFFIX_BLOCKS + 1
+    table, pinned, _ = core.admit(tokens[0], needed, 0, needed - 2)
+    core.cache_and_release(tokens[0], table, SYSTEM_BLOCKS + SUFFIX_BLOCKS, 0, pinned)
+
+    def request() -> None:
+        table, pinned, _ = core.admit(tokens[1], needed, 0, SYSTEM_BLOCKS + SUFFIX_BLOCKS - 1)
+        assert len(pinned) >= SYSTEM_BLOCKS
+        core.cache_and_release(tokens[1], table, SYSTEM_BLOCKS + SUFFIX_BLOCKS, 0, pinned)
+
+    benchmark(request)
+    cache.check_invariants()
+    assert pool.num_free + cache.num_cached_blocks == pool.num_total
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason="reference traces not present")
 def test_w2_replay(benchmark: BenchmarkFixture) -> None:
     from w2 import REFERENCE_HIT_TOKENS, load_w2, replay_lifecycle

@@ -1,6 +1,6 @@
 """SPEC §7 workloads, replayed from the reference traces.
 
-    python bench/workloads.py w1 --json         # W1 block churn: lifecycle and the C free-list limit
+    python bench/workloads.py w1 --json         # W1 block churn: lifecycle (both forms) and the C free-list limit
     python bench/workloads.py w2 --json         # W2 prefix-cache replay at the trie + pool level
     python bench/workloads.py w2-model --json   # W2 through the HybridModel API
 
