@@ -21,8 +21,8 @@ from typing import BinaryIO, Final, cast
 import numpy as np
 import numpy.typing as npt
 
-from lifecycle._hostcopy import put_int32 as _put_int32
 from lifecycle._blockpool import BlockPool
+from lifecycle._hostcopy import put_int32 as _put_int32
 from lifecycle._prefix_trie import PrefixTrie
 from lifecycle._slots import SlotPool
 from lifecycle.adapters import AdapterInfo, AdapterTable
@@ -619,24 +619,13 @@ class HybridModel(LifecycleDefaults):
                 holdings.ensure_capacity(capacity)
             wanted = -1 if grow_to is None else self._wanted_blocks(grow_to, "attach_prefix")
             if self._fused_attach and not retry and num_tokens > 1:
-                # Every matched block is reusable: match, pin and reference in one C call,
-                # straight into the block table (with grow_to, allocating the rest in it too).
-                reusable = reusable_blocks(num_tokens, block_size)
-                if wanted >= reusable and self._admit(seq, holdings, tokens, wanted, reusable):
-                    self._stats.time_in_library_ns += _now() - started
-                    return seq.num_cached_tokens
-                node_ids = self._core.acquire_prefix(tokens, holdings.blocks, holdings.adapter_uid, reusable)
-                reused = len(node_ids)
-                holdings.pinned_nodes = node_ids
-                holdings.pinned_depth = holdings.num_blocks = reused
-                self._record_prompt(seq, tokens, reused)
-                self._count_lookup(num_tokens, reused, reused)
+                self._attach_fused(seq, holdings, tokens, wanted, reusable_blocks(num_tokens, block_size))
                 try:
-                    if wanted > reused:
-                        self._grow_blocks(holdings, wanted - reused)
+                    if wanted > holdings.num_blocks:  # no grow_to, or admit could not make room
+                        self._grow_blocks(holdings, wanted - holdings.num_blocks)
                 finally:
                     self._stats.time_in_library_ns += _now() - started
-                return reused * block_size
+                return seq.num_cached_tokens
             block_ids, node_ids = self._match(tokens, holdings.adapter_uid)
             matched = int(node_ids.shape[0])
             reused = self._reusable_blocks(node_ids)
@@ -731,30 +720,35 @@ class HybridModel(LifecycleDefaults):
             raise InvalidId(f"{what}: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
         return wanted
 
-    def _admit(
+    def _attach_fused(
         self, seq: SequenceState, holdings: Holdings, tokens: npt.NDArray[np.int32], wanted: int, reusable: int
-    ) -> bool:
-        """The fused attach + grow of a fresh sequence of a pure-attention model: one C call that
-        matches, pins and references the prefix and allocates the rest of ``wanted`` blocks.
-        False when even eviction could not make room (nothing taken, evictions accounted)."""
-        if wanted > len(holdings.blocks):
-            holdings.ensure_capacity(wanted)
-        free_before = self._pool.num_free
-        try:
-            _, node_ids, freed = self._core.admit(tokens, wanted, holdings.adapter_uid, reusable, holdings.blocks)
-        except OutOfBlocks:
-            self._evicted(self._pool.num_free - free_before)
-            return False
-        if freed:
-            self._evicted(freed)
+    ) -> None:
+        """Attach for a fresh sequence of a pure-attention model, where every matched block is
+        reusable, in one C call straight into the block table: ``admit`` (the prefix and the
+        rest of ``wanted`` blocks) when there is a rest, else ``acquire_prefix`` (the prefix
+        alone); also when admit could not make room, which leaves the growth to the caller."""
+        node_ids = None
+        if wanted >= reusable:
+            if wanted > len(holdings.blocks):
+                holdings.ensure_capacity(wanted)
+            free_before = self._pool.num_free
+            try:
+                _, node_ids, freed = self._core.admit(tokens, wanted, holdings.adapter_uid, reusable, holdings.blocks)
+            except OutOfBlocks:
+                freed = self._pool.num_free - free_before  # nothing taken; what eviction freed stays free
+            if freed:
+                self._evicted(freed)
+        if node_ids is None:
+            node_ids = self._core.acquire_prefix(tokens, holdings.blocks, holdings.adapter_uid, reusable)
+            holdings.num_blocks = len(node_ids)
+        else:
+            holdings.num_blocks = wanted
+            self._stats.blocks_allocated += wanted - len(node_ids)
         reused = len(node_ids)
         holdings.pinned_nodes = node_ids
         holdings.pinned_depth = reused
-        holdings.num_blocks = wanted
-        self._stats.blocks_allocated += wanted - reused
         self._record_prompt(seq, tokens, reused)
         self._count_lookup(len(tokens), reused, reused)
-        return True
 
     def _grow_blocks(self, holdings: Holdings, count: int) -> None:
         """Append ``count`` fresh blocks to the table, evicting cached blocks first when the free

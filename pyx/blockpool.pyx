@@ -91,14 +91,20 @@ cdef inline void _unlocked(BlockPool pool) noexcept nogil:
 
 
 
-cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):
-    """Any 1-D sequence of ints -> a C-contiguous int32 array whose ids are all in range."""
+cdef object _id_vector(object ids):
+    """Any sequence -> a 1-D numpy array of it (any dtype), or ``InvalidId``."""
     try:
         array = np.asarray(ids)
     except (TypeError, ValueError, OverflowError) as error:
         raise InvalidId(f"block ids must be a 1-D sequence of ints, got {ids!r}") from error
     if array.ndim != 1:
         raise InvalidId(f"block ids must be a 1-D sequence of ints, got shape {array.shape}")
+    return array
+
+
+cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):
+    """Any 1-D sequence of ints -> a C-contiguous int32 array whose ids are all in range."""
+    array = _id_vector(ids)
     if array.size == 0:
         return np.empty(0, dtype=np.int32)
     kind = array.dtype.kind
@@ -141,7 +147,9 @@ cdef class BlockPool:
             raise ConfigError(f"num_blocks must be an int in [0, {INT32_MAX}], got {num_blocks!r}")
         cdef Py_ssize_t count = as_int
         cdef Py_ssize_t i
-        # At least one element each so that a zero-block pool still has valid pointers.
+        # One element more than there are blocks: a zero-block pool still has valid pointers; the
+        # spare refcount (0, like a free block) is where release batches charge out-of-range ids,
+        # and the spare stack slot takes the write after a release's last push (_dec_ref_batch).
         self._refcounts = <int32_t *>calloc(count + 1, sizeof(int32_t))
         self._free_stack = <int32_t *>malloc((count + 1) * sizeof(int32_t))
         if self._refcounts == NULL or self._free_stack == NULL:
@@ -150,8 +158,6 @@ cdef class BlockPool:
             self._refcounts = NULL
             self._free_stack = NULL
             raise MemoryError(f"BlockPool({count}): cannot allocate its tables")
-        # The entry past the last id (refcount 0, like a free block) is where release batches
-        # charge out-of-range ids (see _dec_ref_batch).
         # Reversed so that a fresh pool hands out 0, 1, 2, ...
         for i in range(count):
             self._free_stack[i] = <int32_t>(count - 1 - i)
@@ -288,13 +294,7 @@ cdef class BlockPool:
         cdef Py_ssize_t length = 0
         cdef bint fast = _ids_fast(ids, &data, &length)
         if not fast:
-            # Any other sequence: as an array first, so that its length and its slice agree.
-            try:
-                ids = np.asarray(ids)
-            except (TypeError, ValueError, OverflowError) as error:
-                raise InvalidId(f"block ids must be a 1-D sequence of ints, got {ids!r}") from error
-            if ids.ndim != 1:
-                raise InvalidId(f"block ids must be a 1-D sequence of ints, got shape {ids.shape}")
+            ids = _id_vector(ids)  # any other sequence: an array first, so its length and slice agree
             length = ids.shape[0]
         if n < 0 or start < 0 or start > length or n > length - start:
             raise InvalidId(

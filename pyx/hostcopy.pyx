@@ -7,8 +7,11 @@ of paying a Python call per block.
 """
 
 cimport cython
+cimport numpy as cnp
 from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy, memmove
+
+cnp.import_array()
 
 cdef extern from *:
     """
@@ -143,10 +146,6 @@ def stream_copy(unsigned char[::1] dst not None, const unsigned char[::1] src no
     with nogil:
         lc_stream_copy(<char *>d, <const char *>s, <size_t>n)
         lc_stream_fence()
-
-
-cimport numpy as cnp
-cnp.import_array()
 
 
 def put_int32(dst, Py_ssize_t start, src):

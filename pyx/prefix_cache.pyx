@@ -249,6 +249,44 @@ cdef class PrefixCacheCore:
             self._pool._raise_short(n)
         return freed
 
+    # -- prefix acquisition, shared by acquire_prefix and admit --
+
+    cdef object _prefix_tokens(self, tokens, adapter, const int32_t **data, Py_ssize_t *n):
+        """``tokens`` as an int32 vector to read in place (``data``, ``n``): other token sequences
+        go through the trie's own conversion and errors. Returns the array that owns ``data``."""
+        if not _int32_in(tokens, data, n):
+            self._trie.match(tokens, adapter, 0)
+            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+            _int32_in(tokens, data, n)
+        return tokens
+
+    cdef inline Py_ssize_t _prefix_blocks(self, Py_ssize_t num_tokens, Py_ssize_t max_blocks, Py_ssize_t room):
+        """Whole blocks of ``num_tokens`` to look up: at most ``max_blocks`` (-1: no limit) and ``room``."""
+        cdef Py_ssize_t blocks = num_tokens // self._block_size
+        if 0 <= max_blocks < blocks:
+            blocks = max_blocks
+        return room if blocks > room else blocks
+
+    cdef inline Py_ssize_t _acquire_locked(
+        self, int64_t key, const int32_t *data, Py_ssize_t num_blocks, int32_t *nodes, int32_t *dest,
+        Outcome *outcome, BatchResult *result
+    ) noexcept nogil:
+        # Both locks held: match and pin the prefix (node ids into ``nodes``), one pool reference
+        # on each of its blocks (ids into ``dest``); a refused reference drops the pins again.
+        cdef Py_ssize_t k = self._trie._match_locked(key, data, num_blocks, nodes, dest, True, outcome)
+        if k:
+            self._pool._inc_ref_locked(dest, k, result)
+            if result.failed_at >= 0:
+                self._trie._unpin_locked(nodes, k)
+        return k
+
+    cdef int _raise_acquire_failure(self, Outcome *outcome, BatchResult *result, str call) except -1:
+        if outcome.failure != FAIL_NONE:
+            self._trie._raise_failed(outcome[0], call)
+        if result.failed_at >= 0:
+            self._pool._raise_refused(result, "inc_ref")
+        return 0
+
     # -- lookups --
 
     def acquire_prefix(self, tokens, block_table, adapter=0, Py_ssize_t max_blocks=-1):
@@ -269,33 +307,18 @@ cdef class PrefixCacheCore:
         cdef cnp.ndarray node_ids
         if max_blocks < -1:
             raise InvalidId(f"acquire_prefix: max_blocks {max_blocks} must be >= 0, or -1 for no limit")
-        if not _int32_in(tokens, &data, &n):
-            # Other token sequences: the trie's own conversion and errors.
-            _, node_ids = self._trie.match(tokens, adapter, 0)
-            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-            _int32_in(tokens, &data, &n)
+        tokens = self._prefix_tokens(tokens, adapter, &data, &n)
         if not self._enabled:
             return _empty_int32(0)
-        num_blocks = n // self._block_size
-        if 0 <= max_blocks < num_blocks:
-            num_blocks = max_blocks
-        if num_blocks > length:
-            num_blocks = length
+        num_blocks = self._prefix_blocks(n, max_blocks, length)
         node_ids = _empty_int32(num_blocks)
         outcome.failure = FAIL_NONE
         result.failed_at = -1
         with nogil:
             _lock_both(self)
-            k = self._trie._match_locked(key, data, num_blocks, <int32_t *>cnp.PyArray_DATA(node_ids), dest, True, &outcome)
-            if k:
-                self._pool._inc_ref_locked(dest, k, &result)
-                if result.failed_at >= 0:
-                    self._trie._unpin_locked(<int32_t *>cnp.PyArray_DATA(node_ids), k)
+            k = self._acquire_locked(key, data, num_blocks, <int32_t *>cnp.PyArray_DATA(node_ids), dest, &outcome, &result)
             _unlock_both(self)
-        if outcome.failure != FAIL_NONE:
-            self._trie._raise_failed(outcome, "acquire_prefix")
-        if result.failed_at >= 0:
-            self._pool._raise_refused(&result, "inc_ref")
+        self._raise_acquire_failure(&outcome, &result, "acquire_prefix")
         if k < num_blocks:
             _shrink(node_ids, k)
         return node_ids
@@ -328,15 +351,8 @@ cdef class PrefixCacheCore:
             raise InvalidId(f"admit: cannot allocate {num_blocks} blocks: the count must be >= 0")
         if max_prefix < -1:
             raise InvalidId(f"admit: max_prefix {max_prefix} must be >= 0, or -1 for no limit")
-        if not _int32_in(tokens, &data, &n):
-            _, node_ids = self._trie.match(tokens, adapter, 0)  # the trie's conversion and errors
-            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-            _int32_in(tokens, &data, &n)
-        prefix_blocks = n // self._block_size if self._enabled else 0
-        if 0 <= max_prefix < prefix_blocks:
-            prefix_blocks = max_prefix
-        if prefix_blocks > num_blocks:
-            prefix_blocks = num_blocks
+        tokens = self._prefix_tokens(tokens, adapter, &data, &n)
+        prefix_blocks = self._prefix_blocks(n, max_prefix, num_blocks) if self._enabled else 0
         if block_table is None:
             table = _empty_int32(num_blocks)
         else:
@@ -354,11 +370,7 @@ cdef class PrefixCacheCore:
         with nogil:
             _lock_both(self)
             if prefix_blocks:
-                k = self._trie._match_locked(key, data, prefix_blocks, nodes, dest, True, &outcome)
-                if k:
-                    self._pool._inc_ref_locked(dest, k, &result)
-                    if result.failed_at >= 0:
-                        self._trie._unpin_locked(nodes, k)
+                k = self._acquire_locked(key, data, prefix_blocks, nodes, dest, &outcome, &result)
             if outcome.failure == FAIL_NONE and result.failed_at < 0:
                 need = num_blocks - k
                 if self._pool._num_free < need:
@@ -370,10 +382,7 @@ cdef class PrefixCacheCore:
                     self._pool._dec_ref_locked(dest, k, &result)
                     self._trie._unpin_locked(nodes, k)
             _unlock_both(self)
-        if outcome.failure != FAIL_NONE:
-            self._trie._raise_failed(outcome, "admit")
-        if result.failed_at >= 0:
-            self._pool._raise_refused(&result, "inc_ref")
+        self._raise_acquire_failure(&outcome, &result, "admit")
         self._raise_evict_failure(&evicted, &released)
         if short:
             self._pool._raise_short(num_blocks - k)

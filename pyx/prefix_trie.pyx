@@ -101,10 +101,11 @@ cdef extern from *:
         __m128i sum = _mm_setzero_si128();
         if (n == 16) {  /* the usual block size, unrolled */
             sum = lc_nh_step(lc_nh_step(lc_nh_step(lc_nh_step(sum, t, k), t + 4, k + 4), t + 8, k + 8), t + 12, k + 12);
-            return (uint64_t)_mm_cvtsi128_si64(sum) + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
+            i = 16;
+        } else {
+            for (; i + 4 <= n; i += 4)
+                sum = lc_nh_step(sum, t + i, k + i);
         }
-        for (; i + 4 <= n; i += 4)
-            sum = lc_nh_step(sum, t + i, k + i);
         acc = (uint64_t)_mm_cvtsi128_si64(sum) + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
     #endif
         for (; i + 2 <= n; i += 2)
