@@ -188,23 +188,13 @@ cdef class BlockPool:
         All or nothing: with fewer than ``n`` free blocks it raises ``OutOfBlocks`` and takes none.
         """
         cdef cnp.npy_intp dim = n
-        cdef bint short = False
         if n <= 0:
             if n == 0:
                 return _new_ids(dim)
             raise InvalidId(f"cannot allocate {n} blocks: the count must be >= 0")
         out = _new_ids(dim)
         cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
-        if _locked_with_gil(self, n):
-            short = not _pop_free(self, dest, n)
-            _unlocked(self)
-        else:
-            with nogil:
-                _locked(self)
-                short = not _pop_free(self, dest, n)
-                _unlocked(self)
-        if short:
-            _raise_out_of_blocks(self, n)
+        _take(self, dest, n)
         return out
 
     def allocate_into(self, out, Py_ssize_t start, Py_ssize_t n):
@@ -215,7 +205,6 @@ cdef class BlockPool:
         """
         cdef cnp.ndarray table
         cdef Py_ssize_t length
-        cdef bint short = False
         if not (
             cnp.PyArray_Check(out)
             and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_INT32
@@ -237,16 +226,7 @@ cdef class BlockPool:
         if n == 0:
             return
         cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(table) + start
-        if _locked_with_gil(self, n):
-            short = not _pop_free(self, dest, n)
-            _unlocked(self)
-        else:
-            with nogil:
-                _locked(self)
-                short = not _pop_free(self, dest, n)
-                _unlocked(self)
-        if short:
-            _raise_out_of_blocks(self, n)
+        _take(self, dest, n)
 
     def inc_ref(self, ids):
         """Add one reference to every id in ``ids`` (a repeated id gains one per occurrence).
@@ -514,6 +494,22 @@ cdef inline Py_ssize_t _dec_ref_batch(
     for j in range(i):
         refcounts[ids[j]] += 1
     _describe_refusal(result, refcounts, ids, i)
+    return 0
+
+cdef inline int _take(BlockPool self, int32_t *dest, Py_ssize_t n) except -1:
+    """``n`` fresh ids into ``dest`` under the lock (the GIL kept for a short batch on a free
+    lock), or ``OutOfBlocks`` with nothing taken."""
+    cdef bint short
+    if _locked_with_gil(self, n):
+        short = not _pop_free(self, dest, n)
+        _unlocked(self)
+    else:
+        with nogil:
+            _locked(self)
+            short = not _pop_free(self, dest, n)
+            _unlocked(self)
+    if short:
+        _raise_out_of_blocks(self, n)
     return 0
 
 cdef inline Py_ssize_t _release(BlockPool self, const int32_t *data, Py_ssize_t n, str call) except -1:

@@ -17,7 +17,6 @@ so this fixed order cannot deadlock.
 
 cimport cython
 cimport numpy as cnp
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from cpython.pythread cimport WAIT_LOCK, PyThread_acquire_lock, PyThread_release_lock
 from libc.stdint cimport int32_t, int64_t
 from libc.stdlib cimport free, realloc
@@ -31,7 +30,12 @@ from lifecycle.errors import ConfigError, InvalidId
 
 cnp.import_array()
 
-from lifecycle._int32 cimport int32_vector as _int32_in
+from lifecycle._int32 cimport (
+    adapter_key as _adapter_key,
+    empty_int32 as _empty_int32,
+    int32_vector as _int32_in,
+    shrink as _shrink,
+)
 
 
 cdef inline void _lock_both(PrefixCacheCore c) noexcept nogil:
@@ -62,30 +66,10 @@ cdef inline int32_t *_table(object out, str call, Py_ssize_t *n) except NULL:
     return <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
 
 
-cdef inline int64_t _adapter_key(object adapter) except? -1:
-    # The trie's rules: an int (or numpy integer, not a bool) in the int64 range.
-    cdef int overflow = 0
-    cdef long long key
-    if PyLong_CheckExact(adapter):
-        key = PyLong_AsLongLongAndOverflow(adapter, &overflow)
-        if not overflow:
-            return key
-    elif isinstance(adapter, np.integer) and not isinstance(adapter, np.bool_):
-        return _adapter_key(int(adapter))
-    if overflow or isinstance(adapter, int) and not isinstance(adapter, bool):
-        raise InvalidId(f"adapter key {adapter} is outside the int64 range")
-    raise InvalidId(f"adapter key must be an int, got {adapter!r}")
 
 
-cdef inline cnp.ndarray _empty_int32(Py_ssize_t n):
-    cdef cnp.npy_intp dim = n
-    return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
 
 
-cdef inline cnp.ndarray _shrink(cnp.ndarray array, Py_ssize_t n):
-    # A fresh array nobody else has seen can drop its tail in place (freed whole with it).
-    cnp.PyArray_DIMS(array)[0] = n
-    return array
 
 
 cdef inline void _undo_dec_ref(BlockPool pool, const int32_t *ids, Py_ssize_t n, Py_ssize_t freed) noexcept nogil:

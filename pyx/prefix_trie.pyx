@@ -26,7 +26,6 @@ from cpython.pythread cimport (
     PyThread_free_lock,
     PyThread_release_lock,
 )
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -43,7 +42,12 @@ from lifecycle.errors import (
 
 cnp.import_array()
 
-from lifecycle._int32 cimport int32_vector as _int32_fast
+from lifecycle._int32 cimport (
+    adapter_key as _adapter_key,
+    empty_int32 as _empty_int32,
+    int32_vector as _int32_fast,
+    shrink as _shrink,
+)
 
 cdef enum:
     ROOT_PARENT = -1        # parent field of an adapter root
@@ -215,23 +219,8 @@ cdef object _coerce_int32(object values, str what, int64_t lowest):
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
-cdef inline int64_t _adapter_key(object adapter) except? -1:
-    cdef int overflow = 0
-    cdef long long key
-    if PyLong_CheckExact(adapter):
-        key = PyLong_AsLongLongAndOverflow(adapter, &overflow)
-        if not overflow:
-            return key
-    elif isinstance(adapter, np.integer) and not isinstance(adapter, np.bool_):
-        return _adapter_key(int(adapter))
-    if overflow or isinstance(adapter, int) and not isinstance(adapter, bool):
-        raise InvalidId(f"adapter key {adapter} is outside the int64 range")
-    raise InvalidId(f"adapter key must be an int, got {adapter!r}")
 
 
-cdef inline cnp.ndarray _empty_int32(Py_ssize_t n):
-    cdef cnp.npy_intp dim = n
-    return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
 
 
 cdef inline cnp.ndarray _int32_array(const int32_t *source, Py_ssize_t n):
@@ -245,11 +234,6 @@ cdef inline int32_t *_data(cnp.ndarray array) noexcept:
     return <int32_t *>cnp.PyArray_DATA(array)
 
 
-cdef inline cnp.ndarray _shrink(cnp.ndarray array, Py_ssize_t n):
-    # A fresh 1-D array nobody else has seen can drop its tail in place: cheaper than a slice
-    # view, and the buffer is freed whole with the array.
-    cnp.PyArray_DIMS(array)[0] = n
-    return array
 
 
 # -- node slots, hash chains and the LRU list (lock held, GIL released) -------------------------
@@ -884,22 +868,11 @@ cdef class PrefixTrie:
 
         Node ids handed out before become invalid; tags of dropped nodes go to ``evicted_tags``.
         """
-        cdef Py_ssize_t i, count = 0
-        cdef int32_t *dest
         with nogil:
             _acquire(self)
         try:
-            # Sized under the lock: another thread may have inserted since the call began.
-            out = _empty_int32(self._num_cached)
-            dest = _data(out)
+            out = self._live_block_ids(True)
             with nogil:
-                for i in range(self._high_water):
-                    if self._nodes[i].parent >= 0:
-                        dest[count] = self._nodes[i].block_id
-                        count += 1
-                        if self._nodes[i].tag >= 0:
-                            self._evicted_tags[self._num_evicted_tags] = self._nodes[i].tag
-                            self._num_evicted_tags += 1
                 memset(self._buckets, 0xFF, self._capacity * sizeof(int32_t))
                 self._high_water = 0
                 self._num_free_slots = 0
@@ -915,20 +888,28 @@ cdef class PrefixTrie:
 
     def cached_block_ids(self):
         """The block id of every cached node (a block cached at two nodes appears twice)."""
-        cdef Py_ssize_t i, count = 0
-        cdef int32_t *dest
         with nogil:
             _acquire(self)
         try:
-            out = _empty_int32(self._num_cached)
-            dest = _data(out)
-            with nogil:
-                for i in range(self._high_water):
-                    if self._nodes[i].parent >= 0:
-                        dest[count] = self._nodes[i].block_id
-                        count += 1
+            return self._live_block_ids(False)
         finally:
             _release(self)
+
+    cdef object _live_block_ids(self, bint take_tags):
+        """(Lock held) the block id of every cached node, in slot order; with ``take_tags``, their
+        tags also go to the evicted tags (the nodes are about to be dropped)."""
+        cdef Py_ssize_t i, count = 0
+        # Sized under the lock: another thread may have inserted since the call began.
+        out = _empty_int32(self._num_cached)
+        cdef int32_t *dest = _data(out)
+        with nogil:
+            for i in range(self._high_water):
+                if self._nodes[i].parent >= 0:
+                    dest[count] = self._nodes[i].block_id
+                    count += 1
+                    if take_tags and self._nodes[i].tag >= 0:
+                        self._evicted_tags[self._num_evicted_tags] = self._nodes[i].tag
+                        self._num_evicted_tags += 1
         return out
 
     def pin_counts(self):

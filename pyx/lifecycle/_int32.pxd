@@ -1,6 +1,7 @@
 # Inline helpers the Cython modules share (no module of its own: cimport only).
 cimport numpy as cnp
-from libc.stdint cimport int32_t
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from libc.stdint cimport int32_t, int64_t
 
 
 cdef inline bint int32_vector(object values, const int32_t **data, Py_ssize_t *n):
@@ -19,3 +20,38 @@ cdef inline bint int32_vector(object values, const int32_t **data, Py_ssize_t *n
     data[0] = <const int32_t *>cnp.PyArray_DATA(array)
     n[0] = cnp.PyArray_DIM(array, 0)
     return True
+
+
+cdef inline cnp.ndarray empty_int32(Py_ssize_t n):
+    """A new uninitialised 1-D int32 array of ``n`` entries."""
+    cdef cnp.npy_intp dim = n
+    return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+
+
+cdef inline cnp.ndarray shrink(cnp.ndarray array, Py_ssize_t n):
+    """``array`` cut to its first ``n`` entries, in place: only for a fresh 1-D array nobody else
+    has seen (cheaper than a slice view, and the buffer is freed whole with the array)."""
+    cnp.PyArray_DIMS(array)[0] = n
+    return array
+
+
+cdef inline int64_t adapter_key(object adapter) except? -1:
+    """The trie's rule for an adapter key: an int (or numpy integer, not a bool) in the int64 range."""
+    cdef int overflow = 0
+    cdef long long key
+    if PyLong_CheckExact(adapter):
+        key = PyLong_AsLongLongAndOverflow(adapter, &overflow)
+        if not overflow:
+            return key
+    return _adapter_key_other(adapter)
+
+
+cdef inline int64_t _adapter_key_other(object adapter) except? -1:
+    # Off the fast path (numpy integers, refusals): imports where it runs.
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    if isinstance(adapter, np.integer) and not isinstance(adapter, np.bool_):
+        return adapter_key(int(adapter))
+    if isinstance(adapter, int) and not isinstance(adapter, bool):
+        raise InvalidId(f"adapter key {adapter} is outside the int64 range")
+    raise InvalidId(f"adapter key must be an int, got {adapter!r}")

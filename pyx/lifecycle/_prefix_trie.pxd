@@ -67,6 +67,7 @@ cdef class PrefixTrie:
 
     cdef int _ensure_slots(self, Py_ssize_t extra) noexcept nogil
     cdef str _find_problem(self)
+    cdef object _live_block_ids(self, bint take_tags)
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos, unsigned char *on_free_stack)
 
     # C-level operations for other Cython modules (the prefix cache's fused calls). The caller
