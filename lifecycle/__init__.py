@@ -9,7 +9,8 @@ files and back. Start with :class:`HybridModel` (the ``ModelLifecycle`` implemen
 from __future__ import annotations
 
 from lifecycle._blockpool import BlockPool
-from lifecycle._prefix_trie import PrefixTrie
+from lifecycle._kvcache import KVCacheCore
+from lifecycle._radix import RadixTrie
 from lifecycle._slots import SlotGuard, SlotPool
 from lifecycle.adapters import AdapterInfo
 from lifecycle.config import AttentionLayer, ModelConfig, ModelDims, SSMLayer
@@ -41,9 +42,8 @@ from lifecycle.errors import (
 )
 from lifecycle.model import HybridModel, TeardownReport
 from lifecycle.pools import KVPool, SSMPool
-from lifecycle.prefix_cache import Match, PrefixCache, PrefixReclaim
 from lifecycle.presets import preset, preset_names
-from lifecycle.protocol import LifecycleDefaults, ModelLifecycle
+from lifecycle.protocol import LifecycleDefaults, ModelLifecycle, PrefixReclaim
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SequenceState, SeqStatus
 from lifecycle.stats import Stats
 from lifecycle.swap_tier import SwapHandle, SwapTier
@@ -69,19 +69,18 @@ __all__ = [
     "HybridModel",
     "InvalidId",
     "InvariantViolation",
+    "KVCacheCore",
     "KVPool",
     "LifecycleDefaults",
     "LifecycleError",
-    "Match",
     "ModelConfig",
     "ModelDims",
     "ModelLifecycle",
     "OutOfBlocks",
     "OutOfSlots",
     "PoolExhausted",
-    "PrefixCache",
     "PrefixReclaim",
-    "PrefixTrie",
+    "RadixTrie",
     "SSMLayer",
     "SSMPool",
     "SeqStatus",

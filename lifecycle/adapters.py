@@ -112,6 +112,12 @@ class AdapterTable:
         self._refcounts[slot] -= 1
         self._reap(slot)
 
+    def release_ref(self, slot: int) -> None:
+        """Release one reference on ``slot`` by its index alone. A slot is never reloaded while it
+        is referenced, so the reference is on the generation that was acquired."""
+        self._check_range(slot)
+        self.release(slot, self._uids[slot])
+
     def info(self, slot: int) -> AdapterInfo:
         self._check_range(slot)
         return AdapterInfo(

@@ -8,16 +8,34 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
 from lifecycle.errors import Unsupported
-from lifecycle.prefix_cache import PrefixReclaim
 
 __all__ = ["LifecycleDefaults", "ModelLifecycle", "PrefixReclaim"]
 
 if TYPE_CHECKING:
     from lifecycle.config import ModelDims
     from lifecycle.sequence import SequenceState
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReclaim:
+    """Outcome of ``reclaim_prefix_blocks_for``.
+
+    ``target`` is how many new blocks the prefill still has to allocate once it reuses the cached
+    prefix (``blocks_needed`` minus the reusable blocks, never below 0); ``free`` is the pool's
+    free block count after reclaiming. ``free >= target`` means the prefill fits.
+    """
+
+    target: int
+    free: int
+
+    @property
+    def fits(self) -> bool:
+        """True when the pool now has enough free blocks for the prefill."""
+        return self.free >= self.target
 
 
 @runtime_checkable

@@ -284,6 +284,11 @@ class SwapTier:
             try:
                 if adapter_slot != NO_ADAPTER:
                     model.bind_adapter(seq, adapter_slot)
+                # A restore never evicts (so that a failed one gives back exactly what it took):
+                # make the room here first.
+                short = handle.num_blocks - model.num_free_blocks()
+                if short > 0:
+                    model.reclaim_prefix_blocks(short)
                 if record.offset >= 0:
                     reader = _ViewReader(self._host.view(record.offset, handle.nbytes))
                     model.restore_sequence_state(seq, handle.num_blocks, cast(BinaryIO, reader))

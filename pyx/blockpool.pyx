@@ -314,6 +314,17 @@ cdef class BlockPool:
         Checked: the free stack holds only in-range ids with refcount 0, each once; no refcount is
         negative; the number of refcount-0 blocks equals ``num_free``.
         """
+        with nogil:
+            _locked(self)
+        try:
+            problem = self._problem()
+        finally:
+            _unlocked(self)
+        if problem is not None:
+            raise InvariantViolation(f"BlockPool: {problem}")
+
+    cdef str _problem(self):
+        """(Lock held) the first inconsistency of the pool's tables, or None."""
         cdef unsigned char *seen = <unsigned char *>calloc(self._num_blocks + 1, 1)
         if seen == NULL:
             raise MemoryError("check_invariants: cannot allocate its scratch table")
@@ -323,7 +334,6 @@ cdef class BlockPool:
         cdef int32_t bad_value = 0
         cdef int problem = 0
         with nogil:
-            _locked(self)
             if self._num_free < 0 or self._num_free > self._num_blocks:
                 problem = 1
             if problem == 0:
@@ -350,10 +360,9 @@ cdef class BlockPool:
                         zeros += 1
                 if problem == 0 and zeros != self._num_free:
                     problem = 6
-            _unlocked(self)
         free(seen)
         if problem == 0:
-            return
+            return None
         messages = {
             1: f"num_free {self._num_free} outside [0, {self._num_blocks}]",
             2: f"free stack entry {bad_index} holds block id {bad_value} out of range [0, {self._num_blocks})",
@@ -362,7 +371,7 @@ cdef class BlockPool:
             5: f"block id {bad_index} has negative refcount {bad_value}",
             6: f"{zeros} blocks have refcount 0 but num_free is {self._num_free}",
         }
-        raise InvariantViolation(f"BlockPool: {messages[problem]}")
+        return messages[problem]
 
     cdef bint _allocate_locked(self, int32_t *dest, Py_ssize_t n) noexcept nogil:
         return _pop_free(self, dest, n)

@@ -15,7 +15,7 @@ put a slot on the free list twice or hand one slot to two guards.
 """
 
 cimport cython
-from libc.stdint cimport INT32_MAX, int32_t, uint8_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 
 from operator import index as _as_index
@@ -63,10 +63,14 @@ cdef class SlotPool:
         cdef int32_t* free_stack = <int32_t*>malloc(alloc_count * sizeof(int32_t))
         cdef int32_t* stack_pos = <int32_t*>malloc(alloc_count * sizeof(int32_t))
         cdef uint8_t* state = <uint8_t*>malloc(alloc_count * sizeof(uint8_t))
-        if free_stack == NULL or stack_pos == NULL or state == NULL:
+        cdef int64_t* owners = <int64_t*>malloc(alloc_count * sizeof(int64_t))
+        cdef void** guards = <void**>malloc(alloc_count * sizeof(void*))
+        if free_stack == NULL or stack_pos == NULL or state == NULL or owners == NULL or guards == NULL:
             free(free_stack)
             free(stack_pos)
             free(state)
+            free(owners)
+            free(guards)
             raise MemoryError(f"SlotPool({n}): cannot allocate its tables")
         cdef int32_t i
         # Slot 0 on top, so a fresh pool hands out 0, 1, 2, ... in order.
@@ -74,6 +78,10 @@ cdef class SlotPool:
             free_stack[i] = n - 1 - i
             stack_pos[n - 1 - i] = i
             state[i] = FREE
+            owners[i] = -1
+            guards[i] = NULL
+        self._owners = owners
+        self._guards = guards
         self._free_stack = free_stack
         self._stack_pos = stack_pos
         self._state = state
@@ -87,6 +95,8 @@ cdef class SlotPool:
         free(self._free_stack)
         free(self._stack_pos)
         free(self._state)
+        free(self._owners)
+        free(self._guards)
 
     # --- C-level state transitions: O(1), under the lock, no GIL ------------------------------
 
@@ -170,7 +180,14 @@ cdef class SlotPool:
         cdef SlotGuard guard = SlotGuard.__new__(SlotGuard)
         guard._pool = self
         guard._slot = slot
+        self._guards[slot] = <void*>guard
+        self._owners[slot] = -1
         return guard
+
+    cdef void _forget(self, int32_t slot):
+        """(GIL held) the guard of ``slot`` let go of it."""
+        self._guards[slot] = NULL
+        self._owners[slot] = -1
 
     # --- Python API ---------------------------------------------------------------------------
 
@@ -220,6 +237,20 @@ cdef class SlotPool:
                 f"claimed (pool of {self._num_slots} slots)"
             )
         return self._guard_for(wanted)
+
+    def owner_of(self, slot):
+        """The owner recorded on the guard of ``slot`` (``SlotGuard.owner``), -1 when the slot is
+        not guarded or its guard recorded none. Raises :class:`SlotOutOfRange`."""
+        cdef int32_t wanted = self._slot_arg(slot)
+        return self._owners[wanted] if self._guards[wanted] != NULL else -1
+
+    def guard_of(self, slot):
+        """The guard that owns ``slot``, or None when it is free or detached. Raises
+        :class:`SlotOutOfRange`."""
+        cdef int32_t wanted = self._slot_arg(slot)
+        if self._guards[wanted] == NULL:
+            return None
+        return <SlotGuard>self._guards[wanted]
 
     def is_free(self, slot):
         """Whether ``slot`` is on the free list. Raises :class:`SlotOutOfRange`."""
@@ -314,6 +345,7 @@ cdef class SlotGuard:
     def __dealloc__(self):
         # Must never raise: _release is noexcept, and a slot that is not guarded is left alone.
         if self._slot >= 0 and self._pool is not None:
+            self._pool._forget(self._slot)
             with nogil:
                 self._pool._release(self._slot)
             self._slot = -1
@@ -333,6 +365,18 @@ cdef class SlotGuard:
         """The pool the slot belongs to."""
         return self._pool
 
+    @property
+    def owner(self):
+        """Who owns the slot through this guard, as its holder recorded it (-1: not recorded,
+        or the guard is empty); the pool answers ``owner_of(slot)`` with it."""
+        return self._pool._owners[self._slot] if self._slot >= 0 else -1
+
+    @owner.setter
+    def owner(self, int64_t value):
+        if self._slot < 0:
+            raise InvariantViolation("an empty guard has no slot to record an owner on")
+        self._pool._owners[self._slot] = value
+
     def release(self):
         """Put the slot back on the free list and empty the guard. Returns False (and does nothing)
         when the guard is already empty. Raises :class:`DoubleFree` if the pool does not see the
@@ -348,6 +392,7 @@ cdef class SlotGuard:
                 f"slot {slot} is {_state_name(previous)} in its pool of {self._pool._num_slots} "
                 f"slots; a guard can only release a guarded slot"
             )
+        self._pool._forget(slot)
         self._slot = -1
         return True
 
@@ -364,15 +409,23 @@ cdef class SlotGuard:
             raise InvariantViolation(
                 f"guard holds slot {slot} but the pool sees it as {_state_name(previous)}"
             )
+        self._pool._forget(slot)
         self._slot = -1
         return slot
 
     def move(self):
         """Transfer ownership to a new guard and empty this one (the slot stays guarded throughout).
         Moving an empty guard returns an empty guard."""
-        cdef SlotGuard moved = self._pool._guard_for(self._slot)
+        if self._slot < 0:
+            moved = SlotGuard.__new__(SlotGuard)
+            (<SlotGuard>moved)._pool = self._pool
+            (<SlotGuard>moved)._slot = -1
+            return moved
+        cdef int64_t owner = self._pool._owners[self._slot]
+        cdef SlotGuard moved_guard = self._pool._guard_for(self._slot)
+        self._pool._owners[self._slot] = owner
         self._slot = -1
-        return moved
+        return moved_guard
 
     def __enter__(self):
         return self

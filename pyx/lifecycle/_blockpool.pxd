@@ -87,3 +87,5 @@ cdef class BlockPool:
     # Raise what the Python call ``call`` raises for a refused batch or a short pool (lock released).
     cdef int _raise_refused(self, BatchResult *result, str call) except -1
     cdef int _raise_short(self, Py_ssize_t n) except -1
+    # (Lock held) the first inconsistency of the pool's tables, or None.
+    cdef str _problem(self)

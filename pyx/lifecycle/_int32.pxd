@@ -55,3 +55,79 @@ cdef inline int64_t _adapter_key_other(object adapter) except? -1:
     if isinstance(adapter, int) and not isinstance(adapter, bool):
         raise InvalidId(f"adapter key {adapter} is outside the int64 range")
     raise InvalidId(f"adapter key must be an int, got {adapter!r}")
+
+
+cdef inline Py_ssize_t as_count(object value, str what, Py_ssize_t low, Py_ssize_t high) except? -1:
+    """An int argument in [low, high] (an exact int on the fast path), else ``InvalidId`` naming
+    the value and the range (never OverflowError or TypeError)."""
+    cdef int overflow = 0
+    cdef long long number
+    if PyLong_CheckExact(value):
+        number = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if not overflow and low <= number <= high:
+            return <Py_ssize_t>number
+    return _as_count_other(value, what, low, high)
+
+
+cdef inline Py_ssize_t _as_count_other(object value, str what, Py_ssize_t low, Py_ssize_t high) except? -1:
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    if isinstance(value, np.integer) and not isinstance(value, np.bool_):
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return <Py_ssize_t>value
+    raise InvalidId(f"{what}={value!r} must be an int in [{low}, {high}]")
+
+
+cdef inline object token_vector(object tokens, const int32_t **data, Py_ssize_t *n):
+    """``tokens`` as int32 values to read in place (``data``, ``n``); returns the array owning
+    them. A native int32 vector is taken as it is (the caller rejects negative ids while it reads
+    them); any other input must hold integers in [0, 2**31) and is converted, or ``InvalidId``
+    names the first value that is not a token id."""
+    if int32_vector(tokens, data, n):
+        return tokens
+    tokens = _coerce_tokens(tokens)
+    if not int32_vector(tokens, data, n):
+        raise AssertionError("token conversion did not produce an aligned int32 vector")
+    return tokens
+
+
+cdef inline object _coerce_tokens(object tokens):
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    try:
+        array = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidId(f"token ids must be a 1-D sequence of ints in [0, 2147483647], got {tokens!r}") from error
+    if array.ndim != 1:
+        raise InvalidId(f"token ids must be a 1-D sequence of ints in [0, 2147483647], got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, dtype=np.int32)
+    kind = array.dtype.kind
+    if kind == "O":
+        for value in array:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidId(f"token id {value!r} is not an int in [0, 2147483647]")
+            if not 0 <= value <= 0x7FFFFFFF:
+                raise InvalidId(f"token id {value} is outside [0, 2147483647]")
+        return array.astype(np.int32)
+    if kind not in "iu":
+        raise InvalidId(
+            f"token ids must be integers in [0, 2147483647], got an array of dtype {array.dtype} "
+            f"(first value {array[0]!r})"
+        )
+    outside = np.flatnonzero((array < 0) | (array > 0x7FFFFFFF))
+    if outside.size:
+        raise InvalidId(f"token id {int(array[outside[0]])} (at index {int(outside[0])}) is outside [0, 2147483647]")
+    # A copy that is aligned and contiguous (a view into a byte buffer may be neither).
+    return np.require(array, dtype=np.int32, requirements=["C", "A"])
+
+
+cdef inline object first_negative(const int32_t *data, Py_ssize_t n):
+    """The ``InvalidId`` for the first negative value among ``n`` int32 token ids."""
+    from lifecycle.errors import InvalidId
+    cdef Py_ssize_t i
+    for i in range(n):
+        if data[i] < 0:
+            return InvalidId(f"token id {data[i]} (at index {i}) is outside [0, 2147483647]")
+    return InvalidId("token ids must lie in [0, 2147483647]")

@@ -2,7 +2,7 @@
 # pyx/lifecycle/ because Cython finds the .pxd of module lifecycle._slots by its package path on the
 # include path; other Cython modules cimport it as ``from lifecycle._slots cimport SlotPool``.
 cimport cython
-from libc.stdint cimport int32_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 
 
 @cython.final
@@ -16,9 +16,14 @@ cdef class SlotPool:
     cdef int32_t* _free_stack
     cdef int32_t* _stack_pos
     cdef uint8_t* _state
+    # Per slot, the owner the holder of its guard recorded (-1: none) and that guard (a borrowed
+    # reference, cleared when the guard lets go), so the slot's owner is found from the slot.
+    cdef int64_t* _owners
+    cdef void** _guards
     cdef cython.pymutex _lock
 
     cdef SlotGuard _guard_for(self, int32_t slot)
+    cdef void _forget(self, int32_t slot)
     cdef int32_t _pop_free(self) noexcept nogil
     cdef int _claim(self, int32_t slot) noexcept nogil
     cdef int _release(self, int32_t slot) noexcept nogil

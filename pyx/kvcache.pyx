@@ -1,0 +1,1702 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
+"""The KV cache core (module lifecycle._kvcache): the one owner of a request's KV state.
+
+A ``KVCacheCore`` holds a ``BlockPool``, the prefix trie over it (``lifecycle._radix``), one record
+per request and the SSM snapshot ids. A record owns the request's token ids and block table (one
+``Chunk``), the pin on the cached path it uses or added, its content hashes once asked for, its
+adapter slot reference and its status. Python holds a handle (an int, refused once stale) and
+nothing else of that state.
+
+What a scheduler does per request is one call here, the same for every model: ``attach`` (find,
+pin and reference the cached prefix, then allocate the rest, evicting when short), ``append``,
+``grow``, ``cache`` (into the trie, mid-life), ``snapshot_point`` (a hybrid model's SSM snapshot
+at a block boundary), ``finish`` (cache the full blocks, release everything). When a finishing
+request's new blocks go into the trie, its chunk is taken over instead of copied, unless most of
+it would be waste.
+
+Ownership (as SPEC §4 states it): the cache holds one pool reference per cached block; a record
+holds one on every block of its table. References are acquired before any is released; a block the
+cache takes from a finishing request changes owner without passing through zero.
+
+Locking: every call works under the pool's lock (the trie and the records share it), with the GIL
+released when the call is long or the lock is taken; nothing holding it waits for anything else.
+"""
+
+cimport cython
+cimport numpy as cnp
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+
+from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
+from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash, lc_stream_tokens_checked
+from lifecycle._radix cimport (
+    ROOT_PARENT,
+    Chunk,
+    RadixTrie,
+    RNode,
+    WalkEnd,
+    chunk_decref,
+    chunk_new,
+    chunk_reserve,
+)
+
+import numpy as np
+
+from lifecycle.errors import (
+    ConfigError,
+    InvalidId,
+    InvariantViolation,
+    OutOfBlocks,
+    SequenceStateError,
+    TornDown,
+)
+
+cnp.import_array()
+
+from lifecycle._int32 cimport (
+    adapter_key as _adapter_key,
+    as_count as _as_count,
+    empty_int32 as _empty_int32,
+    first_negative as _first_negative,
+    token_vector as _token_vector,
+)
+
+# Record status.
+cdef enum:
+    FREE = 0
+    ACTIVE = 1
+    RETIRED = 2
+
+# Failure codes of a locked step.
+cdef enum:
+    OK = 0
+    E_HANDLE = 1            # not a live record of this core
+    E_STATE = 2             # the record is not in a state the call accepts
+    E_OUT_OF_BLOCKS = 3     # value: blocks needed, limit: free after eviction
+    E_NO_MEMORY = 4
+    E_REFUSED = 5           # the pool refused a batch (batch holds why)
+    E_INVARIANT = 6
+    E_NEGATIVE_TOKEN = 7
+    E_OTHER_TOKENS = 8      # attach on a record holding other tokens
+    E_GROWN = 9             # attach after the block table grew past its prefix
+    E_TOO_LONG = 10         # value: tokens or blocks asked for, limit: the per-sequence limit
+    E_NOT_CACHED = 11       # value: blocks asked for, limit: full blocks the record has
+    E_CLOSED = 12
+
+# Calls handling fewer tokens than this keep the GIL when the lock is free: handing it over and
+# back costs more than such a call.
+cdef enum:
+    NOGIL_MIN_TOKENS = 4096
+
+_STATUS_NAMES = ("freed", "active", "retired")
+
+
+INT64_MAX_PY = 2**63 - 1
+
+# A handle is (generation << 32) | record index.
+cdef int64_t INDEX_MASK = 0xFFFFFFFFLL
+
+
+cdef inline void _ok(Failure *f) noexcept nogil:
+    f.code = OK
+    f.batch.failed_at = -1
+
+
+cdef inline Py_ssize_t _blocks_for(Py_ssize_t tokens, Py_ssize_t block_size) noexcept nogil:
+    return (tokens + block_size - 1) // block_size
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class KVCacheCore:
+    """Block pool + prefix trie + per-request records, with one call per scheduler step.
+
+    ``pool`` is the ``BlockPool`` whose references it keeps; ``block_size`` tokens per block;
+    ``enable_prefix_cache=False`` makes it a plain allocator (nothing matches, nothing is cached);
+    ``snapshot_cut=True`` (hybrid models) reuses a cached prefix only up to its deepest SSM
+    snapshot, of which it keeps ids for ``num_snapshots``; ``max_blocks_per_seq`` caps a table.
+    """
+
+    def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
+                 num_snapshots=0, max_blocks_per_seq=None, capacity=None):
+        cdef Py_ssize_t i
+        if self._pool is not None:
+            raise ConfigError("this KVCacheCore is already initialized; make a new one")
+        total = pool.num_total
+        self._block_size = _as_count(block_size, "block_size", 1, 1 << 16)
+        self._max_blocks_per_seq = _as_count(
+            max(total, 1) if max_blocks_per_seq is None else max_blocks_per_seq, "max_blocks_per_seq", 1, INT32_MAX // self._block_size
+        )
+        self._num_snapshots = <int32_t>_as_count(num_snapshots, "num_snapshots", 0, INT32_MAX // 2)
+        # Nodes hold runs of blocks, so far fewer nodes than blocks are needed; the table grows.
+        self._trie = RadixTrie(self._block_size, capacity=_as_count(1024 if capacity is None else capacity, "capacity", 0, INT32_MAX // 4))
+        self._trie._lock = &pool._lock
+        self._pool = pool
+        self._enabled = bool(enable_prefix_cache)
+        self._snapshot_cut = bool(snapshot_cut)
+        self._recs_free = -1
+        self._snap_head = -1
+        self._snap_tail = -1
+        self._snap_free = -1
+        n = self._num_snapshots
+        self._snap_node = <int32_t *>malloc((n + 1) * sizeof(int32_t))
+        self._snap_generation = <uint32_t *>malloc((n + 1) * sizeof(uint32_t))
+        self._snap_prev = <int32_t *>malloc((n + 1) * sizeof(int32_t))
+        self._snap_next = <int32_t *>malloc((n + 1) * sizeof(int32_t))
+        if self._snap_node == NULL or self._snap_generation == NULL or self._snap_prev == NULL or self._snap_next == NULL:
+            raise MemoryError(f"KVCacheCore: cannot allocate tables for {n} snapshots")
+        for i in range(n - 1, -1, -1):
+            self._snap_node[i] = -1
+            self._snap_generation[i] = 0
+            self._snap_prev[i] = -1
+            self._snap_next[i] = self._snap_free
+            self._snap_free = <int32_t>i
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self._recs != NULL:
+            for i in range(self._recs_high_water):
+                if self._recs[i].status != FREE:
+                    chunk_decref(&self._trie._chunks, self._recs[i].chunk)
+        free(self._recs)
+        free(self._scratch)
+        free(self._snap_node)
+        free(self._snap_generation)
+        free(self._snap_prev)
+        free(self._snap_next)
+
+    def __repr__(self):
+        return (
+            f"KVCacheCore(blocks={self._pool.num_total}, free={self._pool.num_free}, "
+            f"cached={self._trie._num_blocks}, sequences={self._num_live})"
+        )
+
+    # -- properties --
+
+    @property
+    def pool(self):
+        """The ``BlockPool`` this core keeps references in."""
+        return self._pool
+
+    @property
+    def trie(self):
+        """The prefix trie (inspection and ``check_invariants`` only)."""
+        return self._trie
+
+    @property
+    def block_size(self):
+        return self._block_size
+
+    @property
+    def enabled(self):
+        """Whether the prefix cache is on."""
+        return self._enabled
+
+    @property
+    def max_blocks_per_seq(self):
+        return self._max_blocks_per_seq
+
+    @property
+    def num_snapshots(self):
+        """SSM snapshot ids this core hands out (0: none)."""
+        return self._num_snapshots
+
+    @property
+    def num_live_sequences(self):
+        return self._num_live
+
+    @property
+    def num_cached_blocks(self):
+        """Blocks the cache holds a reference on."""
+        return self._trie._num_blocks
+
+    @property
+    def num_evictable_blocks(self):
+        """Cached blocks eviction may drop: not pinned, not above a pinned node."""
+        return self._trie._lru_blocks
+
+    @property
+    def num_snapshots_used(self):
+        return self._snaps_used
+
+    # -- locking ----------------------------------------------------------------------------------
+
+    cdef bint _lock_with_gil(self, Py_ssize_t work):
+        """Take the lock keeping the GIL when the work is short and the lock free; False means
+        the caller must take it with the GIL released."""
+        return work < NOGIL_MIN_TOKENS and lc_mutex_trylock(&self._pool._lock)
+
+    cdef void _unlock(self) noexcept nogil:
+        lc_mutex_unlock(&self._pool._lock)
+
+    # -- records (lock held) ----------------------------------------------------------------------
+
+    cdef SeqRec *_rec(self, int64_t handle, Failure *f) noexcept nogil:
+        cdef int64_t index = handle & INDEX_MASK
+        cdef SeqRec *rec
+        if self._closed:
+            f.code = E_CLOSED
+            return NULL
+        if handle < 0 or index >= self._recs_high_water:
+            f.code = E_HANDLE
+            f.value = handle
+            return NULL
+        rec = &self._recs[index]
+        if rec.status == FREE or rec.generation != <uint32_t>(handle >> 32):
+            f.code = E_HANDLE
+            f.value = handle
+            return NULL
+        return rec
+
+    cdef SeqRec *_active(self, int64_t handle, Failure *f) noexcept nogil:
+        cdef SeqRec *rec = self._rec(handle, f)
+        if rec != NULL and rec.status != ACTIVE:
+            f.code = E_STATE
+            f.value = rec.seq_id
+            f.limit = rec.status
+            return NULL
+        return rec
+
+    cdef int64_t _open_locked(self, int64_t adapter, int32_t adapter_slot, Py_ssize_t tokens, Failure *f) noexcept nogil:
+        cdef Py_ssize_t capacity, index
+        cdef SeqRec *grown
+        cdef SeqRec *rec
+        cdef Chunk *chunk
+        if self._closed:
+            f.code = E_CLOSED
+            return -1
+        if self._recs_free < 0 and self._recs_high_water == self._recs_capacity:
+            capacity = max(<Py_ssize_t>64, 2 * self._recs_capacity)
+            if capacity > INT32_MAX:
+                f.code = E_NO_MEMORY
+                return -1
+            grown = <SeqRec *>realloc(self._recs, capacity * sizeof(SeqRec))
+            if grown == NULL:
+                f.code = E_NO_MEMORY
+                return -1
+            self._recs = grown
+            self._recs_capacity = capacity
+        chunk = chunk_new(&self._trie._chunks, _blocks_for(tokens, self._block_size) + 1, tokens)
+        if chunk == NULL:
+            f.code = E_NO_MEMORY
+            return -1
+        if self._recs_free >= 0:
+            index = self._recs_free
+            self._recs_free = self._recs[index].next_free
+        else:
+            index = self._recs_high_water
+            self._recs_high_water += 1
+            self._recs[index].generation = 0
+        rec = &self._recs[index]
+        rec.generation += 1
+        if rec.generation == 0:
+            rec.generation = 1
+        rec.chunk = chunk
+        rec.adapter = adapter
+        rec.adapter_slot = adapter_slot
+        rec.seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        rec.num_tokens = 0
+        rec.prompt_len = 0
+        rec.num_blocks = 0
+        rec.cached_tokens = 0
+        rec.lazy_tokens = 0
+        rec.pin_node = -1
+        rec.pin_blocks = 0
+        rec.ssm_tokens = -1
+        rec.rolling = -1
+        rec.rolling_generation = 0
+        rec.status = ACTIVE
+        rec.failed = 0
+        rec.next_free = -1
+        self._num_live += 1
+        self._counters.sequences_opened += 1
+        return (<int64_t>rec.generation << 32) | index
+
+    cdef int _reserve_rec(self, SeqRec *rec, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
+        """Room in the record's chunk; 1 when out of memory. A chunk trie nodes hold too never
+        moves: the record moves to a bigger copy instead."""
+        cdef Chunk *old = rec.chunk
+        cdef Chunk *chunk
+        if blocks <= old.block_capacity and tokens <= old.token_capacity:
+            return 0
+        if old.refs == 1:
+            return chunk_reserve(&self._trie._chunks, old, blocks, tokens)
+        chunk = chunk_new(
+            &self._trie._chunks, max(blocks, 2 * <Py_ssize_t>old.block_capacity), max(tokens, 2 * <Py_ssize_t>old.token_capacity)
+        )
+        if chunk == NULL:
+            return 1
+        memcpy(chunk.tokens + rec.lazy_tokens, old.tokens + rec.lazy_tokens, (rec.num_tokens - rec.lazy_tokens) * sizeof(int32_t))
+        memcpy(chunk.blocks, old.blocks, rec.num_blocks * sizeof(int32_t))
+        if old.num_hashed:
+            chunk.hashes = <uint64_t *>malloc(chunk.block_capacity * sizeof(uint64_t))
+            if chunk.hashes == NULL:
+                chunk_decref(&self._trie._chunks, chunk)
+                return 1
+            memcpy(chunk.hashes, old.hashes, old.num_hashed * sizeof(uint64_t))
+            chunk.num_hashed = old.num_hashed
+        rec.chunk = chunk
+        chunk_decref(&self._trie._chunks, old)
+        return 0
+
+    cdef void _materialize(self, SeqRec *rec) noexcept nogil:
+        """Write the record's leading tokens that only its pinned path held (attach copies just
+        what the cache did not have)."""
+        if rec.lazy_tokens:
+            self._trie._path_tokens(rec.pin_node, rec.chunk.tokens, rec.lazy_tokens // self._block_size)
+            rec.lazy_tokens = 0
+
+    cdef void _close_rec(self, SeqRec *rec) noexcept nogil:
+        cdef Py_ssize_t index = rec - self._recs
+        chunk_decref(&self._trie._chunks, rec.chunk)
+        rec.chunk = NULL
+        rec.status = FREE
+        rec.next_free = self._recs_free
+        self._recs_free = <int32_t>index
+        self._num_live -= 1
+        self._counters.sequences_closed += 1
+
+    # -- snapshots (lock held) ----------------------------------------------------------------------
+
+    cdef void _snap_unlink(self, int32_t sid) noexcept nogil:
+        cdef int32_t prev = self._snap_prev[sid], after = self._snap_next[sid]
+        if prev >= 0:
+            self._snap_next[prev] = after
+        else:
+            self._snap_head = after
+        if after >= 0:
+            self._snap_prev[after] = prev
+        else:
+            self._snap_tail = prev
+
+    cdef void _snap_append(self, int32_t sid) noexcept nogil:
+        self._snap_prev[sid] = self._snap_tail
+        self._snap_next[sid] = -1
+        if self._snap_tail >= 0:
+            self._snap_next[self._snap_tail] = sid
+        else:
+            self._snap_head = sid
+        self._snap_tail = sid
+
+    cdef void _snap_touch(self, int32_t sid) noexcept nogil:
+        self._snap_unlink(sid)
+        self._snap_append(sid)
+
+    cdef void _snap_release(self, int32_t sid) noexcept nogil:
+        """Free snapshot ``sid`` whose node lost its tag (already cleared there)."""
+        self._snap_unlink(sid)
+        self._snap_node[sid] = -1
+        self._snap_next[sid] = self._snap_free
+        self._snap_free = sid
+        self._snaps_used -= 1
+        self._counters.snapshots_evicted += 1
+
+    cdef void _drain_tags(self) noexcept nogil:
+        """Free the snapshots of nodes the trie trimmed or dropped."""
+        cdef Py_ssize_t i
+        for i in range(self._trie._num_evicted_tags):
+            self._snap_release(self._trie._evicted_tags[i])
+        self._trie._num_evicted_tags = 0
+
+    cdef int32_t _snap_take(self) noexcept nogil:
+        """A snapshot id for a new snapshot: a free one, else the least recently used one (its
+        node keeps its KV and loses the snapshot). -1 when there are none at all."""
+        cdef int32_t sid = self._snap_free
+        if sid >= 0:
+            self._snap_free = self._snap_next[sid]
+        else:
+            sid = self._snap_head
+            if sid < 0:
+                return -1
+            self._trie._nodes[self._snap_node[sid]].tag = -1
+            self._snap_unlink(sid)
+            self._snaps_used -= 1
+            self._counters.snapshots_evicted += 1
+        self._snap_generation[sid] += 1
+        self._snaps_used += 1
+        self._snap_append(sid)
+        return sid
+
+    # -- eviction and allocation (lock held) ----------------------------------------------------------
+
+    cdef int _reserve_scratch(self, Py_ssize_t n) noexcept nogil:
+        cdef int32_t *grown
+        if n <= self._scratch_capacity:
+            return 0
+        grown = <int32_t *>realloc(self._scratch, n * sizeof(int32_t))
+        if grown == NULL:
+            return 1
+        self._scratch = grown
+        self._scratch_capacity = n
+        return 0
+
+    cdef Py_ssize_t _evict_locked(self, Py_ssize_t n, Failure *f) noexcept nogil:
+        """Trim least recently used cached blocks until ``n`` became free or nothing is evictable;
+        returns how many became free. A block a request still holds loses the cache's reference
+        but frees nothing, so the next round trims more."""
+        cdef Py_ssize_t freed = 0, want, count
+        while freed < n:
+            want = min(n - freed, self._trie._lru_blocks)
+            if want <= 0:
+                break
+            if self._reserve_scratch(want):
+                f.code = E_NO_MEMORY
+                break
+            count = self._trie._trim(want, self._scratch)
+            if count < 0:
+                f.code = E_INVARIANT
+                f.value = self._trie._lru_head
+                break
+            self._counters.blocks_evicted += count
+            freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
+            if f.batch.failed_at >= 0:
+                f.code = E_INVARIANT
+                break
+            if self._trie._num_evicted_tags:
+                self._drain_tags()
+            if count == 0:
+                break
+        self._counters.blocks_freed += freed
+        return freed
+
+    cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
+        """Extend the record's table to ``num_blocks`` fresh blocks, evicting when short; all or
+        nothing (blocks evicted stay evicted)."""
+        cdef Py_ssize_t need = num_blocks - rec.num_blocks
+        if need <= 0:
+            return 0
+        if self._reserve_rec(rec, num_blocks, 0):
+            f.code = E_NO_MEMORY
+            return -1
+        if self._pool._num_free < need:
+            self._evict_locked(need - self._pool._num_free, f)
+            if f.code != OK:
+                return -1
+        if not self._pool._allocate_locked(rec.chunk.blocks + rec.num_blocks, need):
+            f.code = E_OUT_OF_BLOCKS
+            f.value = need
+            f.limit = self._pool._num_free
+            return -1
+        rec.num_blocks = <int32_t>num_blocks
+        self._counters.blocks_allocated += need
+        return 0
+
+    # -- prefix matching (lock held) ------------------------------------------------------------------
+
+    cdef int32_t _match(self, int64_t adapter, const int32_t *tokens, Py_ssize_t limit, Py_ssize_t *matched,
+                        Py_ssize_t *reuse, Failure *f) noexcept nogil:
+        """Walk the cached prefix of ``tokens`` (at most ``limit`` blocks), make it the most
+        recently used (cutting the node where the match ends) and return the node ending the part
+        prefill may reuse (all of it, or with ``snapshot_cut`` up to its deepest snapshot), -1 if
+        none; ``matched``/``reuse`` get their block counts. Pins nothing."""
+        cdef WalkEnd end
+        cdef int32_t root, last
+        matched[0] = 0
+        reuse[0] = 0
+        if limit <= 0:
+            return -1
+        root = self._trie._find_root(adapter)
+        if root < 0:
+            return -1
+        matched[0] = self._trie._walk(root, tokens, limit, &end)
+        if matched[0] == 0:
+            return -1
+        if self._trie._reserve(1):
+            f.code = E_NO_MEMORY
+            matched[0] = 0
+            return -1
+        last = self._trie._settle(&end)
+        self._trie._touch(last)
+        if not self._snapshot_cut:
+            reuse[0] = matched[0]
+            return last
+        reuse[0] = end.tagged_blocks
+        return end.tagged_node
+
+    cdef void _count_lookup(self, Py_ssize_t prompt_tokens, Py_ssize_t matched, Py_ssize_t reuse) noexcept nogil:
+        cdef Counters *c = &self._counters
+        c.prefix_lookups += 1
+        c.prefix_lookup_tokens += prompt_tokens
+        if reuse:
+            c.prefix_hits += 1
+            c.prefix_hit_tokens += reuse * self._block_size
+        else:
+            c.prefix_misses += 1
+        if self._snapshot_cut and matched:
+            if reuse:
+                c.snapshot_hits += 1
+            if reuse < matched:
+                c.snapshot_hits_cut_short += 1
+
+    # -- attach ---------------------------------------------------------------------------------------
+
+    cdef Py_ssize_t _attach_locked(self, SeqRec *rec, const int32_t *tokens, Py_ssize_t n, Py_ssize_t max_prefix,
+                                   Py_ssize_t grow_to, Failure *f) noexcept nogil:
+        cdef Py_ssize_t bs = self._block_size, limit = 0, matched = 0, reuse = 0
+        cdef int32_t end = -1, old_pin
+        cdef Py_ssize_t old_blocks
+        cdef bint retry = rec.num_tokens > 0
+        cdef Chunk *chunk
+        cdef WalkEnd walk
+        cdef int32_t root = -1
+        if retry:
+            self._materialize(rec)
+            if rec.num_tokens != n or memcmp_tokens(rec.chunk.tokens, tokens, n):
+                f.code = E_OTHER_TOKENS
+                f.value = rec.seq_id
+                f.limit = rec.num_tokens
+                return -1
+            if rec.num_blocks != rec.pin_blocks:
+                f.code = E_GROWN
+                f.value = rec.seq_id
+                f.limit = rec.num_blocks
+                return -1
+        elif self._reserve_rec(rec, max(grow_to, _blocks_for(n, bs)), n):
+            f.code = E_NO_MEMORY
+            return -1
+        # The walk only reads: a refused prompt (below) leaves the trie as it was.
+        if self._enabled and n > 1:
+            limit = (n - 1) // bs
+            if 0 <= max_prefix < limit:
+                limit = max_prefix
+            root = self._trie._find_root(rec.adapter)
+            if root >= 0 and limit > 0:
+                matched = self._trie._walk(root, tokens, limit, &walk)
+                reuse = matched if not self._snapshot_cut else walk.tagged_blocks
+        chunk = rec.chunk
+        if not retry:
+            # Only what the cache does not hold is copied; the reused head is the pinned path's.
+            if lc_stream_tokens_checked(chunk.tokens + reuse * bs, tokens + reuse * bs, n - reuse * bs):
+                f.code = E_NEGATIVE_TOKEN
+                return -1
+        if matched:
+            if self._trie._reserve(1):
+                f.code = E_NO_MEMORY
+                return -1
+            end = self._trie._settle(&walk)
+            self._trie._touch(end)
+            if self._snapshot_cut:
+                end = walk.tagged_node
+        old_pin = rec.pin_node
+        old_blocks = rec.pin_blocks
+        if retry and end == old_pin:
+            pass  # the same prefix is held already: no second set of references
+        elif retry:
+            # New references first (into scratch), then the old ones go.
+            if end >= 0:
+                if self._reserve_scratch(reuse):
+                    f.code = E_NO_MEMORY
+                    return -1
+                self._trie._path_blocks(end, self._scratch)
+                self._pool._inc_ref_locked(self._scratch, reuse, &f.batch)
+                if f.batch.failed_at >= 0:
+                    f.code = E_REFUSED
+                    return -1
+                self._trie._pin(end)
+            if old_pin >= 0:
+                self._trie._unpin(old_pin)
+                self._counters.blocks_freed += self._pool._dec_ref_locked(chunk.blocks, old_blocks, &f.batch)
+            if end >= 0:
+                memcpy(chunk.blocks, self._scratch, reuse * sizeof(int32_t))
+            rec.pin_node = end
+            rec.pin_blocks = <int32_t>reuse
+            rec.num_blocks = <int32_t>reuse
+        else:
+            if end >= 0:
+                self._trie._path_blocks(end, chunk.blocks)
+                self._pool._inc_ref_locked(chunk.blocks, reuse, &f.batch)
+                if f.batch.failed_at >= 0:
+                    f.code = E_REFUSED
+                    return -1
+                self._trie._pin(end)
+                if self._snapshot_cut:
+                    self._snap_touch(self._trie._nodes[end].tag)
+            rec.pin_node = end
+            rec.pin_blocks = <int32_t>reuse
+            rec.num_blocks = <int32_t>reuse
+            rec.num_tokens = <int32_t>n
+            rec.prompt_len = <int32_t>n
+            rec.lazy_tokens = <int32_t>(reuse * bs)
+            self._count_lookup(n, matched, reuse)
+        rec.cached_tokens = <int32_t>(reuse * bs)
+        if grow_to > rec.num_blocks:
+            self._grow_locked(rec, grow_to, f)
+        return reuse
+
+    # -- caching ----------------------------------------------------------------------------------------
+
+    cdef int32_t _cache_locked(self, SeqRec *rec, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil:
+        """Insert the record's first ``full`` blocks (past what it holds pinned) into the trie,
+        the cache taking a reference of its own on every new node's block, and move the record's
+        pin to the path's end; returns that end (-1 for ``full == 0``)."""
+        cdef Py_ssize_t bs = self._block_size, d = rec.pin_blocks, matched, pos
+        cdef int32_t start, v, end
+        cdef WalkEnd walk
+        cdef RNode *node
+        cdef Chunk *chunk = rec.chunk
+        taken[0] = 0
+        if full <= d:
+            return rec.pin_node if full == d else self._node_at(rec, full, f)
+        if self._trie._reserve(3):
+            f.code = E_NO_MEMORY
+            return -1
+        start = rec.pin_node if rec.pin_node >= 0 else self._trie._root(rec.adapter)
+        node = &self._trie._nodes[start]
+        if (
+            rec.pin_node >= 0 and node.num_children == 0 and node.chunk == chunk and node.tag < 0
+            and node.pin_count == 1 and node.start + node.length == d
+        ):
+            # The record's own leaf, continued by its next blocks (a rolling snapshot's path):
+            # lengthen it instead of adding a node per step.
+            self._pool._inc_ref_locked(chunk.blocks + d, full - d, &f.batch)
+            if f.batch.failed_at >= 0:
+                f.code = E_REFUSED
+                return -1
+            self._trie._extend(start, <int32_t>(full - d))
+            taken[0] = full - d
+            self._counters.blocks_cached += full - d
+            rec.pin_blocks = <int32_t>full
+            return start
+        matched = self._trie._walk(start, chunk.tokens + d * bs, full - d, &walk)
+        v = self._trie._settle(&walk)
+        pos = d + matched
+        if pos < full:
+            self._pool._inc_ref_locked(chunk.blocks + pos, full - pos, &f.batch)
+            if f.batch.failed_at >= 0:
+                f.code = E_REFUSED
+                return -1
+            end = self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>(full - pos))
+            taken[0] = full - pos
+            self._counters.blocks_cached += full - pos
+        else:
+            end = v
+            self._trie._touch(v)
+        self._trie._pin(end)
+        if rec.pin_node >= 0:
+            self._trie._unpin(rec.pin_node)
+        rec.pin_node = end
+        rec.pin_blocks = <int32_t>full
+        return end
+
+    cdef int32_t _node_at(self, SeqRec *rec, Py_ssize_t blocks, Failure *f) noexcept nogil:
+        """The node ending exactly ``blocks`` blocks into the record's pinned path (cut there if
+        needed); -1 for 0 blocks."""
+        cdef WalkEnd walk
+        cdef int32_t root
+        if blocks <= 0:
+            return -1
+        self._materialize(rec)
+        if self._trie._reserve(1):
+            f.code = E_NO_MEMORY
+            return -1
+        root = self._trie._find_root(rec.adapter)
+        if root < 0 or self._trie._walk(root, rec.chunk.tokens, blocks, &walk) != blocks:
+            f.code = E_INVARIANT
+            f.value = rec.seq_id
+            return -1
+        return self._trie._settle(&walk)
+
+    cdef Py_ssize_t _finish_locked(self, SeqRec *rec, bint cache, Failure *f) noexcept nogil:
+        """Cache the record's full blocks (its chunk taken over by the new leaf, or copied when
+        most of it would be waste), unpin, release its block references and close it; returns
+        how many blocks became free."""
+        cdef Py_ssize_t bs = self._block_size, d = rec.pin_blocks, full = 0, pos = 0, matched, length
+        cdef Py_ssize_t freed
+        cdef int32_t start, v
+        cdef WalkEnd walk
+        cdef Chunk *chunk = rec.chunk
+        cdef Chunk *copy
+        if cache and self._enabled and not rec.failed:
+            full = min(<Py_ssize_t>rec.num_tokens // bs, <Py_ssize_t>rec.num_blocks)
+            pos = full
+            if full > d:
+                if self._trie._reserve(3):
+                    f.code = E_NO_MEMORY
+                    return -1
+                start = rec.pin_node if rec.pin_node >= 0 else self._trie._root(rec.adapter)
+                matched = self._trie._walk(start, chunk.tokens + d * bs, full - d, &walk)
+                v = self._trie._settle(&walk)
+                pos = d + matched
+                length = full - pos
+                if length <= 0:
+                    self._trie._touch(v)
+                elif 2 * length * bs >= chunk.token_capacity:
+                    self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>length)
+                else:
+                    copy = chunk_new(&self._trie._chunks, length, length * bs)
+                    if copy == NULL:
+                        f.code = E_NO_MEMORY
+                        return -1
+                    memcpy(copy.tokens, chunk.tokens + pos * bs, length * bs * sizeof(int32_t))
+                    memcpy(copy.blocks, chunk.blocks + pos, length * sizeof(int32_t))
+                    if chunk.num_hashed >= full:
+                        copy.hashes = <uint64_t *>malloc(length * sizeof(uint64_t))
+                        if copy.hashes != NULL:
+                            memcpy(copy.hashes, chunk.hashes + pos, length * sizeof(uint64_t))
+                            copy.num_hashed = <int32_t>length
+                    self._trie._add_leaf(v, copy, 0, <int32_t>length)
+                    chunk_decref(&self._trie._chunks, copy)
+                if length > 0:
+                    self._counters.blocks_cached += length
+        if rec.pin_node >= 0:
+            self._trie._unpin(rec.pin_node)
+        # The blocks [pos, full) now belong to the cache: the record's references changed owner.
+        freed = self._pool._dec_ref_locked(chunk.blocks, pos, &f.batch)
+        if f.batch.failed_at < 0:
+            freed += self._pool._dec_ref_locked(chunk.blocks + full, rec.num_blocks - full, &f.batch)
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
+        self._counters.blocks_freed += freed
+        self._close_rec(rec)
+        return freed
+
+    # -- errors (GIL held, lock released) ----------------------------------------------------------------
+
+    cdef int _raise(self, Failure *f, str call, object tokens=None) except -1:
+        cdef int code = f.code
+        if code == OK:
+            return 0
+        if code == E_CLOSED:
+            raise TornDown(f"{call}: the KV cache core was closed (torn down)")
+        if code == E_HANDLE:
+            raise SequenceStateError(f"{call}: {f.value} is not a live sequence of this cache (freed, or another model's)")
+        if code == E_STATE:
+            raise SequenceStateError(f"{call}: sequence {f.value} is {_STATUS_NAMES[f.limit]}, not active")
+        if code == E_OUT_OF_BLOCKS:
+            raise OutOfBlocks(
+                f"{call}: need {f.value} blocks, {f.limit} free of {self._pool._num_blocks} after evicting "
+                "every evictable cached block"
+            )
+        if code == E_NO_MEMORY:
+            raise MemoryError(f"{call}: out of host memory for the cache's tables")
+        if code == E_REFUSED:
+            self._pool._raise_refused(&f.batch, "inc_ref")
+        if code == E_NEGATIVE_TOKEN:
+            if tokens is not None:
+                raise _first_negative(<const int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tokens), cnp.PyArray_DIM(<cnp.ndarray>tokens, 0))
+            raise InvalidId(f"{call}: token ids must lie in [0, 2147483647]")
+        if code == E_OTHER_TOKENS:
+            raise SequenceStateError(f"{call}: sequence {f.value} already holds {f.limit} other tokens")
+        if code == E_GROWN:
+            raise SequenceStateError(
+                f"{call}: sequence {f.value} already grew to {f.limit} blocks; attach a prefix before allocating the rest"
+            )
+        if code == E_TOO_LONG:
+            raise InvalidId(f"{call}: {f.value} is over the per-sequence limit of {f.limit}")
+        if code == E_NOT_CACHED:
+            raise SequenceStateError(f"{call}: {f.value} blocks asked for, but the sequence has {f.limit} full blocks")
+        raise InvariantViolation(f"{call}: the KV cache core found an inconsistency (code {code}, value {f.value})")
+
+    # -- the calls ------------------------------------------------------------------------------------
+
+    def open(self, adapter=0, adapter_slot=-1, token_capacity=0, seq_id=None):
+        """A new request record under ``adapter`` (its prefix-cache key), holding adapter slot
+        ``adapter_slot`` (-1: none; the caller's reference, handed back by ``finish``), with room
+        for ``token_capacity`` tokens, named ``seq_id`` in messages (default: a counter of its
+        own). Returns its handle."""
+        cdef Failure f
+        cdef int64_t key = _adapter_key(adapter)
+        cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", -1, INT32_MAX)
+        cdef Py_ssize_t tokens = _as_count(token_capacity, "token_capacity", 0, self._max_blocks_per_seq * self._block_size)
+        cdef int64_t handle
+        cdef int64_t name = -1 if seq_id is None else _as_count(seq_id, "seq_id", 0, INT64_MAX_PY)
+        _ok(&f)
+        if self._lock_with_gil(0):
+            handle = self._open_locked(key, slot, max(tokens, self._block_size), &f)
+            if handle >= 0 and name >= 0:
+                self._recs[handle & INDEX_MASK].seq_id = name
+            self._unlock()
+        else:
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+                handle = self._open_locked(key, slot, max(tokens, self._block_size), &f)
+                if handle >= 0 and name >= 0:
+                    self._recs[handle & INDEX_MASK].seq_id = name
+                self._unlock()
+        self._raise(&f, "open")
+        return handle
+
+    def clear(self, handle):
+        """Take a record back to how ``open`` left it (keeping its adapter): its pin, block
+        references and tokens go. For undoing a step that failed after the core's part."""
+        cdef int64_t h = handle
+        cdef Failure f
+        cdef SeqRec *rec
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            rec = self._rec(h, &f)
+            if rec != NULL:
+                if rec.pin_node >= 0:
+                    self._trie._unpin(rec.pin_node)
+                self._counters.blocks_freed += self._pool._dec_ref_locked(rec.chunk.blocks, rec.num_blocks, &f.batch)
+                if f.batch.failed_at >= 0:
+                    f.code = E_INVARIANT
+                rec.pin_node = -1
+                rec.pin_blocks = 0
+                rec.num_blocks = 0
+                rec.num_tokens = 0
+                rec.prompt_len = 0
+                rec.cached_tokens = 0
+                rec.lazy_tokens = 0
+                rec.ssm_tokens = -1
+            self._unlock()
+        self._raise(&f, "clear")
+
+    def adapter_slots(self):
+        """The adapter slot of every live record that holds one (int32), for recounts."""
+        cdef Py_ssize_t i, count = 0
+        cdef cnp.ndarray out
+        cdef int32_t *dest
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            for i in range(self._recs_high_water):
+                if self._recs[i].status != FREE and self._recs[i].adapter_slot >= 0:
+                    count += 1
+            out = _empty_int32(count)
+            dest = <int32_t *>cnp.PyArray_DATA(out)
+            count = 0
+            for i in range(self._recs_high_water):
+                if self._recs[i].status != FREE and self._recs[i].adapter_slot >= 0:
+                    dest[count] = self._recs[i].adapter_slot
+                    count += 1
+        finally:
+            self._unlock()
+        return out
+
+    def attach(self, handle, tokens, grow_to=-1, max_prefix=-1):
+        """Record ``tokens`` as the request's prompt, find its longest cached prefix (whole
+        blocks, never the prompt's last token, at most ``max_prefix`` blocks), pin it and put its
+        blocks at the head of the table, then grow the table to ``grow_to`` blocks (evicting when
+        short). Returns the blocks reused.
+
+        Calling it again with the same tokens (a retried lookup) takes no second set of
+        references. When the growth cannot be met, ``OutOfBlocks`` is raised with the prefix
+        attached (as ``attach`` then ``grow`` would end). Bad tokens change nothing.
+        """
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, reuse
+        cdef int64_t h = handle
+        cdef Py_ssize_t limit = self._max_blocks_per_seq
+        cdef Py_ssize_t wanted = _as_count(grow_to, "grow_to", -1, limit)
+        cdef Py_ssize_t prefix = _as_count(max_prefix, "max_prefix", -1, INT32_MAX)
+        cdef Failure f
+        tokens = _token_vector(tokens, &data, &n)
+        if n > limit * self._block_size:
+            raise InvalidId(f"attach: {n} tokens are over the per-sequence limit of {limit * self._block_size}")
+        _ok(&f)
+        if self._lock_with_gil(n):
+            reuse = self._attach_checked(h, data, n, prefix, wanted, &f)
+            self._unlock()
+        else:
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+                reuse = self._attach_checked(h, data, n, prefix, wanted, &f)
+                self._unlock()
+        if f.code != OK:
+            self._raise(&f, "attach", tokens)
+        return reuse
+
+    cdef Py_ssize_t _attach_checked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
+                                    Py_ssize_t wanted, Failure *f) noexcept nogil:
+        cdef SeqRec *rec = self._active(handle, f)
+        if rec == NULL:
+            return -1
+        return self._attach_locked(rec, data, n, prefix, wanted, f)
+
+    def admit(self, tokens, grow_to, max_prefix=-1, adapter=0):
+        """``open`` + ``attach`` in one call (the trie-level replay's admission): a new record
+        holding ``tokens``, its cached prefix and ``grow_to`` blocks in all; returns its handle.
+        All or nothing: when the blocks cannot be had, nothing is left open."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0
+        cdef int64_t key = _adapter_key(adapter)
+        cdef Py_ssize_t limit = self._max_blocks_per_seq
+        cdef Py_ssize_t wanted = _as_count(grow_to, "grow_to", 0, limit)
+        cdef Py_ssize_t prefix = _as_count(max_prefix, "max_prefix", -1, INT32_MAX)
+        cdef int64_t handle
+        cdef Failure f
+        tokens = _token_vector(tokens, &data, &n)
+        if n > limit * self._block_size:
+            raise InvalidId(f"admit: {n} tokens are over the per-sequence limit of {limit * self._block_size}")
+        _ok(&f)
+        if self._lock_with_gil(n):
+            handle = self._admit_locked(key, data, n, prefix, wanted, &f)
+            self._unlock()
+        else:
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+                handle = self._admit_locked(key, data, n, prefix, wanted, &f)
+                self._unlock()
+        if f.code != OK:
+            self._raise(&f, "admit", tokens)
+        return handle
+
+    cdef int64_t _admit_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
+                               Py_ssize_t wanted, Failure *f) noexcept nogil:
+        cdef int64_t handle = self._open_locked(key, -1, n, f)
+        cdef SeqRec *rec
+        cdef Failure ignored
+        if handle < 0:
+            return -1
+        rec = &self._recs[handle & INDEX_MASK]
+        self._attach_locked(rec, data, n, prefix, wanted, f)
+        if f.code != OK:
+            _ok(&ignored)
+            self._finish_locked(rec, False, &ignored)
+            return -1
+        return handle
+
+    def append(self, handle, tokens):
+        """Record tokens whose KV the engine computed (prompt first, then generated ones)."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0
+        cdef int64_t h = handle
+        cdef Failure f
+        tokens = _token_vector(tokens, &data, &n)
+        _ok(&f)
+        if self._lock_with_gil(n):
+            self._append_locked(h, data, n, &f)
+            self._unlock()
+        else:
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+                self._append_locked(h, data, n, &f)
+                self._unlock()
+        if f.code != OK:
+            self._raise(&f, "append_tokens", tokens)
+
+    cdef void _append_locked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Failure *f) noexcept nogil:
+        cdef SeqRec *rec = self._rec(handle, f)
+        cdef Py_ssize_t total
+        if rec == NULL:
+            return
+        total = rec.num_tokens + n
+        if total > self._max_blocks_per_seq * self._block_size:
+            f.code = E_TOO_LONG
+            f.value = total
+            f.limit = self._max_blocks_per_seq * self._block_size
+            return
+        if self._reserve_rec(rec, 0, total):
+            f.code = E_NO_MEMORY
+            return
+        if lc_copy_tokens_checked(rec.chunk.tokens + rec.num_tokens, data, n):
+            f.code = E_NEGATIVE_TOKEN
+            return
+        rec.num_tokens = <int32_t>total
+
+    def grow(self, handle, num_blocks):
+        """Extend the table to ``num_blocks`` blocks, all or nothing, evicting cached blocks when
+        the free list is short; returns how many were added."""
+        cdef int64_t h = handle
+        cdef Py_ssize_t wanted = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
+        cdef Py_ssize_t added = 0
+        cdef Failure f
+        _ok(&f)
+        if self._lock_with_gil(wanted):
+            added = self._grow_checked(h, wanted, &f)
+            self._unlock()
+        else:
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+                added = self._grow_checked(h, wanted, &f)
+                self._unlock()
+        if f.code != OK:
+            self._raise(&f, "grow")
+        return added
+
+    cdef Py_ssize_t _grow_checked(self, int64_t handle, Py_ssize_t wanted, Failure *f) noexcept nogil:
+        cdef SeqRec *rec = self._active(handle, f)
+        cdef Py_ssize_t before
+        if rec == NULL:
+            return 0
+        before = rec.num_blocks
+        if self._grow_locked(rec, wanted, f):
+            return 0
+        return max(<Py_ssize_t>0, rec.num_blocks - before)
+
+    def allocate(self, handle, num_blocks):
+        """Give a record without blocks exactly ``num_blocks`` free blocks, never evicting (a
+        restore must not drop cache it cannot give back); ``OutOfBlocks`` when too few are free."""
+        cdef int64_t h = handle
+        cdef Py_ssize_t wanted = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
+        cdef Failure f
+        cdef SeqRec *rec
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            rec = self._active(h, &f)
+            if rec != NULL:
+                if rec.num_blocks:
+                    f.code = E_STATE
+                    f.value = rec.seq_id
+                    f.limit = rec.status
+                elif self._reserve_rec(rec, wanted, 0):
+                    f.code = E_NO_MEMORY
+                elif not self._pool._allocate_locked(rec.chunk.blocks, wanted):
+                    f.code = E_OUT_OF_BLOCKS
+                    f.value = wanted
+                    f.limit = self._pool._num_free
+                else:
+                    rec.num_blocks = <int32_t>wanted
+                    self._counters.blocks_allocated += wanted
+            self._unlock()
+        self._raise(&f, "allocate")
+
+    def cache(self, handle, num_blocks):
+        """Insert the record's first ``num_blocks`` full blocks into the prefix cache (nodes that
+        exist keep their blocks; new ones take a cache reference of their own) and pin the path,
+        so it is not evicted while the request lives. Returns the blocks newly cached."""
+        cdef int64_t h = handle
+        cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
+        cdef Py_ssize_t taken = 0
+        cdef Failure f
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            self._cache_checked(h, full, &taken, &f)
+            self._unlock()
+        self._raise(&f, "cache_sequence")
+        return taken
+
+    cdef int32_t _cache_checked(self, int64_t handle, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil:
+        cdef SeqRec *rec = self._rec(handle, f)
+        if rec == NULL:
+            return -1
+        if full > rec.num_blocks or full * self._block_size > rec.num_tokens:
+            f.code = E_NOT_CACHED
+            f.value = full
+            f.limit = min(<Py_ssize_t>rec.num_tokens // self._block_size, <Py_ssize_t>rec.num_blocks)
+            return -1
+        if not self._enabled or rec.failed or full <= rec.pin_blocks:
+            taken[0] = 0
+            return -1
+        return self._cache_locked(rec, full, taken, f)
+
+    def snapshot_point(self, handle, num_blocks, bint rolling=False):
+        """Cache the record's first ``num_blocks`` blocks (as ``cache``) and give the node ending
+        there an SSM snapshot id. Returns ``(snapshot_id, fresh)``: ``fresh`` when the id is new
+        (the caller copies the SSM state into it, or calls ``drop_snapshot`` if it cannot);
+        ``(-1, False)`` when snapshots are off. ``rolling`` first drops the record's previous
+        rolling snapshot (if no one took it over since), then remembers this one."""
+        cdef int64_t h = handle
+        cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 1, self._max_blocks_per_seq)
+        cdef int32_t sid = -1
+        cdef bint fresh = False
+        cdef Failure f
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            sid = self._snapshot_locked(h, full, rolling, &fresh, &f)
+            self._unlock()
+        self._raise(&f, "save_snapshot")
+        return sid, fresh
+
+    cdef int32_t _snapshot_locked(self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f) noexcept nogil:
+        cdef SeqRec *rec = self._rec(handle, f)
+        cdef Py_ssize_t taken
+        cdef int32_t end, sid, previous
+        cdef RNode *node
+        if rec == NULL:
+            return -1
+        if full > rec.num_blocks or full * self._block_size > rec.num_tokens:
+            f.code = E_NOT_CACHED
+            f.value = full
+            f.limit = min(<Py_ssize_t>rec.num_tokens // self._block_size, <Py_ssize_t>rec.num_blocks)
+            return -1
+        if not self._enabled or rec.failed or self._num_snapshots == 0:
+            return -1
+        previous = rec.rolling
+        if previous >= 0 and (
+            self._snap_generation[previous] != rec.rolling_generation or self._snap_node[previous] < 0
+        ):
+            previous = -1  # the pool reused it since: no longer this record's to drop
+            rec.rolling = -1
+        if rolling and previous >= 0:
+            node = &self._trie._nodes[self._snap_node[previous]]
+            if node.depth + node.length != full:
+                node.tag = -1
+                self._snap_release(previous)
+                rec.rolling = -1
+                previous = -1
+        end = self._cache_locked(rec, full, &taken, f)
+        if end < 0:
+            return -1
+        node = &self._trie._nodes[end]
+        if node.tag >= 0:
+            sid = node.tag
+            self._snap_touch(sid)
+            if not (rolling and previous == sid):
+                rec.rolling = -1
+            return sid
+        sid = self._snap_take()
+        if sid < 0:
+            return -1
+        self._trie._nodes[end].tag = sid
+        self._snap_node[sid] = end
+        self._counters.snapshots_saved += 1
+        fresh[0] = True
+        rec.rolling = sid if rolling else -1
+        rec.rolling_generation = self._snap_generation[sid]
+        return sid
+
+    def drop_snapshot(self, snapshot_id):
+        """Free a snapshot id whose SSM state could not be copied (its node keeps its KV)."""
+        cdef int32_t sid = <int32_t>_as_count(snapshot_id, "snapshot_id", 0, max(self._num_snapshots - 1, 0))
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            if sid < self._num_snapshots and self._snap_node[sid] >= 0:
+                self._trie._nodes[self._snap_node[sid]].tag = -1
+                self._snap_release(sid)
+            self._unlock()
+
+    def prefix_snapshot(self, handle):
+        """The snapshot id at the end of the prefix the record reuses (-1: none), whose SSM state
+        prefill starts from."""
+        cdef int64_t h = handle
+        cdef int32_t sid = -1
+        cdef Failure f
+        cdef SeqRec *rec
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            rec = self._rec(h, &f)
+            if rec != NULL and rec.pin_node >= 0 and rec.cached_tokens > 0:
+                sid = self._trie._nodes[rec.pin_node].tag
+            self._unlock()
+        self._raise(&f, "prefix_snapshot")
+        return sid
+
+    def finish(self, handle, bint cache=True):
+        """What a finishing request does, in one call: cache its full blocks (unless ``cache`` is
+        False, the cache is off or the request failed), unpin its prefix, drop its reference on
+        every block and close the record. Returns the adapter slot it held (-1: none), for the
+        caller to release; a second call raises ``SequenceStateError``."""
+        cdef int64_t h = handle
+        cdef Failure f
+        cdef int32_t slot = -1
+        cdef SeqRec *rec
+        _ok(&f)
+        if self._lock_with_gil(0):
+            rec = self._rec(h, &f)
+            if rec != NULL:
+                slot = rec.adapter_slot
+                self._finish_locked(rec, cache, &f)
+            self._unlock()
+        else:
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+                rec = self._rec(h, &f)
+                if rec != NULL:
+                    slot = rec.adapter_slot
+                    self._finish_locked(rec, cache, &f)
+                self._unlock()
+        if f.code != OK:
+            self._raise(&f, "finish")
+        return slot
+
+    def is_live(self, handle):
+        """Whether ``handle`` is a record of this core not yet finished."""
+        cdef Failure f
+        cdef bint live
+        cdef int64_t h = handle
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            live = self._rec(h, &f) != NULL
+            self._unlock()
+        return live
+
+    def evict(self, num_blocks):
+        """Evict least recently used cached blocks until ``num_blocks`` became free or nothing is
+        evictable; returns how many became free (0: nothing evictable)."""
+        cdef Py_ssize_t n = _as_count(num_blocks, "num_blocks", 0, INT32_MAX)
+        cdef Py_ssize_t freed = 0
+        cdef Failure f
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            if self._closed:
+                f.code = E_CLOSED
+            else:
+                freed = self._evict_locked(n, &f)
+            self._unlock()
+        self._raise(&f, "evict")
+        return freed
+
+    def reclaim_for(self, tokens, adapter, blocks_needed):
+        """Make room for a prefill of ``tokens``: pin the prefix it will reuse, evict until the
+        free blocks cover ``blocks_needed`` less that prefix or nothing is evictable, unpin.
+        Returns ``(target, free)``."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, target = 0, free_after = 0
+        cdef int64_t key = _adapter_key(adapter)
+        cdef Py_ssize_t needed = _as_count(blocks_needed, "blocks_needed", 0, INT32_MAX)
+        cdef Failure f
+        cdef bint negative = False
+        tokens = _token_vector(tokens, &data, &n)
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            if self._closed:
+                f.code = E_CLOSED
+            else:
+                target = self._reclaim_locked(key, data, n, needed, &f)
+            free_after = self._pool._num_free
+            self._unlock()
+        if f.code != OK:
+            self._raise(&f, "reclaim_prefix_blocks_for", tokens)
+        return target, free_after
+
+    cdef Py_ssize_t _reclaim_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t needed,
+                                    Failure *f) noexcept nogil:
+        cdef Py_ssize_t matched = 0, reuse = 0, target, i
+        cdef int32_t end = -1
+        for i in range(n):
+            if data[i] < 0:
+                f.code = E_NEGATIVE_TOKEN
+                return 0
+        if self._enabled and n > 1:
+            end = self._match(key, data, (n - 1) // self._block_size, &matched, &reuse, f)
+            if f.code != OK:
+                return 0
+        target = max(<Py_ssize_t>0, needed - reuse)
+        if end >= 0:
+            self._trie._pin(end)
+        if self._pool._num_free < target:
+            self._evict_locked(target - self._pool._num_free, f)
+        if end >= 0:
+            self._trie._unpin(end)
+        return target
+
+    # -- reading a record -------------------------------------------------------------------------
+
+    cdef SeqRec *_read(self, int64_t handle, str call) except NULL:
+        """The record for a read with the GIL held (the lock is taken and released around the
+        copy by the caller's ``_copy_out``); raises for a stale handle."""
+        cdef Failure f
+        cdef SeqRec *rec
+        _ok(&f)
+        rec = self._rec(handle, &f)
+        if rec == NULL:
+            self._raise(&f, call)
+        return rec
+
+    def tokens(self, handle):
+        """A copy of the record's token ids."""
+        cdef int64_t h = handle
+        cdef cnp.ndarray out
+        cdef SeqRec *rec
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            rec = self._read(h, "tokens")
+            self._materialize(rec)
+            out = _empty_int32(rec.num_tokens)
+            memcpy(cnp.PyArray_DATA(out), rec.chunk.tokens, rec.num_tokens * sizeof(int32_t))
+        finally:
+            self._unlock()
+        return out
+
+    def block_table(self, handle):
+        """A copy of the record's block table (int32, for kernels)."""
+        cdef int64_t h = handle
+        cdef cnp.ndarray out
+        cdef SeqRec *rec
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            rec = self._read(h, "block_table")
+            out = _empty_int32(rec.num_blocks)
+            memcpy(cnp.PyArray_DATA(out), rec.chunk.blocks, rec.num_blocks * sizeof(int32_t))
+        finally:
+            self._unlock()
+        return out
+
+    def block_hashes(self, handle):
+        """The content hashes of the record's full blocks (uint64; see docs/content-hashes.md),
+        computed once per block and kept with the record."""
+        cdef int64_t h = handle
+        cdef cnp.ndarray out
+        cdef SeqRec *rec
+        cdef Chunk *chunk
+        cdef Py_ssize_t full, done
+        cdef uint64_t parent
+        cdef cnp.npy_intp dim
+        cdef bint failed = False
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            rec = self._read(h, "block_hashes")
+            self._materialize(rec)
+            chunk = rec.chunk
+            full = rec.num_tokens // self._block_size
+            if full > chunk.block_capacity and self._reserve_rec(rec, full, 0):
+                raise MemoryError("block_hashes: out of host memory")
+            chunk = rec.chunk
+            if chunk.hashes == NULL and full > 0:
+                chunk.hashes = <uint64_t *>malloc(chunk.block_capacity * sizeof(uint64_t))
+                if chunk.hashes == NULL:
+                    raise MemoryError("block_hashes: out of host memory")
+            done = chunk.num_hashed
+            if full > done:
+                parent = lc_root_hash(rec.adapter) if done == 0 else chunk.hashes[done - 1]
+                with nogil:
+                    lc_content_hashes(parent, chunk.tokens + done * self._block_size, full - done,
+                                      self._block_size, self._trie._keys, chunk.hashes + done)
+                chunk.num_hashed = <int32_t>full
+            dim = full
+            out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT64, 0)
+            if full:
+                memcpy(cnp.PyArray_DATA(out), chunk.hashes, full * sizeof(uint64_t))
+        finally:
+            self._unlock()
+        return out
+
+    def info(self, handle):
+        """``(seq_id, status, num_tokens, prompt_len, num_blocks, cached_tokens, ssm_tokens,
+        failed, adapter_slot)`` of a record (status: 1 active, 2 retired)."""
+        cdef int64_t h = handle
+        cdef SeqRec *rec
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            rec = self._read(h, "info")
+            return (rec.seq_id, rec.status, rec.num_tokens, rec.prompt_len, rec.num_blocks, rec.cached_tokens,
+                    rec.ssm_tokens, bool(rec.failed), rec.adapter_slot)
+        finally:
+            self._unlock()
+
+    cdef int32_t _field(self, int64_t handle, int which) except? -2:
+        cdef Failure f
+        cdef SeqRec *rec
+        cdef int32_t value = -1
+        _ok(&f)
+        if not lc_mutex_trylock(&self._pool._lock):
+            with nogil:
+                lc_mutex_lock(&self._pool._lock)
+        rec = self._rec(handle, &f)
+        if rec != NULL:
+            if which == 0:
+                value = rec.num_tokens
+            elif which == 1:
+                value = rec.num_blocks
+            elif which == 2:
+                value = rec.prompt_len
+            elif which == 3:
+                value = rec.cached_tokens
+            elif which == 4:
+                value = rec.ssm_tokens
+            elif which == 5:
+                value = rec.failed
+            elif which == 6:
+                value = rec.status
+            elif which == 7:
+                value = rec.adapter_slot
+        self._unlock()
+        if rec == NULL:
+            if which == 6 and f.code == E_HANDLE:
+                return FREE
+            self._raise(&f, "sequence")
+        return value
+
+    def num_tokens(self, handle):
+        return self._field(handle, 0)
+
+    def num_blocks(self, handle):
+        return self._field(handle, 1)
+
+    def prompt_len(self, handle):
+        return self._field(handle, 2)
+
+    def cached_tokens(self, handle):
+        return self._field(handle, 3)
+
+    def ssm_tokens(self, handle):
+        """Tokens the SSM state consumed, -1 when as many as the record's tokens."""
+        return self._field(handle, 4)
+
+    def failed(self, handle):
+        return bool(self._field(handle, 5))
+
+    def status(self, handle):
+        """0 freed (or not of this core), 1 active, 2 retired."""
+        return self._field(handle, 6)
+
+    def adapter_slot(self, handle):
+        return self._field(handle, 7)
+
+    cdef int _set(self, int64_t handle, int which, int64_t value, str call) except -1:
+        cdef Failure f
+        cdef SeqRec *rec
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            rec = self._read(handle, call)
+            if which == 0:
+                if not 0 <= value <= rec.num_tokens:
+                    raise InvalidId(f"{call}: {value} is outside [0, {rec.num_tokens}] (the sequence's tokens)")
+                rec.prompt_len = <int32_t>value
+            elif which == 1:
+                if not -1 <= value <= rec.num_tokens:
+                    raise InvalidId(f"{call}: {value} is outside [0, {rec.num_tokens}] (the sequence's tokens)")
+                rec.ssm_tokens = <int32_t>value
+            elif which == 2:
+                rec.failed = 1
+            elif which == 3:
+                if rec.status != ACTIVE:
+                    raise SequenceStateError(f"{call}: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active")
+                rec.status = RETIRED
+            elif which == 4:
+                rec.adapter_slot = <int32_t>value
+            elif which == 5:
+                rec.adapter = value
+        finally:
+            self._unlock()
+        return 0
+
+    def set_prompt_len(self, handle, value):
+        self._set(handle, 0, _as_count(value, "prompt_len", 0, INT32_MAX), "prompt_len")
+
+    def set_ssm_tokens(self, handle, value):
+        """Set the tokens the SSM state consumed (None: as many as the record's tokens)."""
+        self._set(handle, 1, -1 if value is None else _as_count(value, "ssm_tokens", 0, INT32_MAX), "ssm_tokens")
+
+    def mark_failed(self, handle):
+        self._set(handle, 2, 0, "mark_failed")
+
+    def retire(self, handle):
+        self._set(handle, 3, 0, "retire_sequence")
+
+    def bind_adapter(self, handle, adapter_slot, adapter):
+        """Record the adapter slot reference the request holds and its prefix-cache key (only
+        before it has blocks)."""
+        cdef int64_t h = handle
+        cdef int64_t key = _adapter_key(adapter)
+        cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", 0, INT32_MAX)
+        cdef SeqRec *rec
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            rec = self._read(h, "bind_adapter")
+            if rec.status != ACTIVE:
+                raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active")
+            if rec.adapter_slot >= 0:
+                raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} already holds adapter slot {rec.adapter_slot}")
+            if rec.num_blocks or rec.num_tokens:
+                raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} already has KV blocks or tokens")
+            rec.adapter_slot = slot
+            rec.adapter = key
+        finally:
+            self._unlock()
+
+    # -- the whole cache ----------------------------------------------------------------------------
+
+    def counters(self):
+        """The core's counters since it was made, as a dict."""
+        cdef Counters c = self._counters
+        return {
+            "sequences_allocated": c.sequences_opened,
+            "sequences_freed": c.sequences_closed,
+            "blocks_allocated": c.blocks_allocated,
+            "blocks_freed": c.blocks_freed,
+            "blocks_cached": c.blocks_cached,
+            "blocks_evicted": c.blocks_evicted,
+            "prefix_lookups": c.prefix_lookups,
+            "prefix_hits": c.prefix_hits,
+            "prefix_misses": c.prefix_misses,
+            "prefix_hit_tokens": c.prefix_hit_tokens,
+            "prefix_lookup_tokens": c.prefix_lookup_tokens,
+            "snapshots_saved": c.snapshots_saved,
+            "snapshot_hits": c.snapshot_hits,
+            "snapshot_hits_cut_short": c.snapshot_hits_cut_short,
+            "snapshots_evicted": c.snapshots_evicted,
+        }
+
+    def live_totals(self):
+        """``(live records, blocks they hold)``."""
+        cdef Py_ssize_t i, blocks = 0
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            for i in range(self._recs_high_water):
+                if self._recs[i].status != FREE:
+                    blocks += self._recs[i].num_blocks
+            self._unlock()
+        return self._num_live, blocks
+
+    def close(self):
+        """Drop every record and cached block without touching the pool (whose memory goes with
+        the model); every later call but ``close`` raises ``TornDown``. Returns ``(live records,
+        blocks they held, cached blocks)``."""
+        cdef Py_ssize_t i, blocks = 0, live, cached
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            live = self._num_live
+            cached = self._trie._num_blocks
+            if not self._closed:
+                for i in range(self._recs_high_water):
+                    if self._recs[i].status != FREE:
+                        blocks += self._recs[i].num_blocks
+                        self._close_rec(&self._recs[i])
+                self._trie._clear()
+                self._trie._num_evicted_tags = 0
+                self._closed = True
+        finally:
+            self._unlock()
+        return live, blocks, cached
+
+    def memory(self):
+        """Bytes of host memory the cache's metadata holds: ``trie`` (node slots, buckets),
+        ``chunks`` (chunk headers and block-id arrays of cached runs), ``tokens`` (token arrays of
+        cached runs), ``hashes``, ``records`` (the record table), as a dict."""
+        cdef Py_ssize_t i
+        seen = set()
+        cdef Py_ssize_t chunk_bytes = 0, token_bytes = 0, hash_bytes = 0
+        cdef Chunk *chunk
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            for i in range(self._trie._high_water):
+                if self._trie._nodes[i].parent >= 0 and self._trie._nodes[i].chunk != NULL:
+                    chunk = self._trie._nodes[i].chunk
+                    if <size_t>chunk in seen:
+                        continue
+                    seen.add(<size_t>chunk)
+                    chunk_bytes += sizeof(Chunk) + chunk.block_capacity * sizeof(int32_t)
+                    token_bytes += chunk.token_capacity * sizeof(int32_t)
+                    if chunk.hashes != NULL:
+                        hash_bytes += chunk.block_capacity * sizeof(uint64_t)
+            return {
+                "trie": self._trie.nbytes,
+                "chunks": chunk_bytes,
+                "tokens": token_bytes,
+                "hashes": hash_bytes,
+                "records": self._recs_capacity * sizeof(SeqRec),
+                "cached_blocks": self._trie._num_blocks,
+            }
+        finally:
+            self._unlock()
+
+    def reset(self):
+        """Drop every cached block if none is in use by a request (pinned); returns whether it
+        did. Snapshot ids of dropped nodes are freed."""
+        cdef Failure f
+        cdef bint done = False
+        _ok(&f)
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+            if self._closed:
+                f.code = E_CLOSED
+            elif self._trie._lru_blocks == self._trie._num_blocks:
+                self._evict_locked(self._trie._num_blocks + self._pool._num_blocks, &f)
+                done = self._trie._num_blocks == 0
+            self._unlock()
+        self._raise(&f, "reset")
+        return done
+
+    def check_invariants(self):
+        """Recount everything from scratch under the lock and raise ``InvariantViolation`` on any
+        mismatch: the pool's and the trie's own checks, every block's refcount against the records'
+        tables plus the cache's nodes, every node's pins against the records, every chunk's
+        references, and the snapshot ids against the nodes' tags."""
+        with nogil:
+            lc_mutex_lock(&self._pool._lock)
+        try:
+            problem = self._pool._problem()
+            if problem is None:
+                problem = self._trie._problem()
+                if problem is not None:
+                    problem = f"RadixTrie: {problem}"
+            else:
+                problem = f"BlockPool: {problem}"
+            if problem is None:
+                problem = self._recount()
+        finally:
+            self._unlock()
+        if problem is not None:
+            raise InvariantViolation(problem)
+
+    cdef str _recount(self):
+        cdef Py_ssize_t i, j, nb = self._pool._num_blocks, live = 0
+        cdef SeqRec *rec
+        cdef RNode *node
+        cdef RadixTrie trie = self._trie
+        cdef int32_t sid
+        expected = np.zeros(nb + 1, dtype=np.int64)
+        cdef int64_t[::1] refs = expected
+        pins = {}
+        chunk_refs = {}
+        for i in range(self._recs_high_water):
+            rec = &self._recs[i]
+            if rec.status == FREE:
+                continue
+            live += 1
+            if rec.chunk == NULL or rec.num_blocks > rec.chunk.block_capacity or rec.num_tokens > rec.chunk.token_capacity:
+                return f"sequence {rec.seq_id} holds {rec.num_blocks} blocks and {rec.num_tokens} tokens beyond its chunk"
+            if rec.lazy_tokens > rec.pin_blocks * self._block_size or rec.lazy_tokens % self._block_size:
+                return f"sequence {rec.seq_id} leaves {rec.lazy_tokens} tokens to its pinned path of {rec.pin_blocks} blocks"
+            if rec.prompt_len > rec.num_tokens or rec.ssm_tokens > rec.num_tokens:
+                return f"sequence {rec.seq_id} has prompt_len {rec.prompt_len} / ssm_tokens {rec.ssm_tokens} over its {rec.num_tokens} tokens"
+            chunk_refs[<size_t>rec.chunk] = chunk_refs.get(<size_t>rec.chunk, 0) + 1
+            for j in range(rec.num_blocks):
+                if not 0 <= rec.chunk.blocks[j] < nb:
+                    return f"sequence {rec.seq_id} holds block id {rec.chunk.blocks[j]} out of range [0, {nb})"
+                refs[rec.chunk.blocks[j]] += 1
+            if rec.pin_node >= 0:
+                if rec.pin_node >= trie._high_water or trie._nodes[rec.pin_node].parent < 0:
+                    return f"sequence {rec.seq_id} pins node {rec.pin_node}, which is not a cached node"
+                node = &trie._nodes[rec.pin_node]
+                if node.depth + node.length != rec.pin_blocks:
+                    return f"sequence {rec.seq_id} pins node {rec.pin_node} ending at block {node.depth + node.length}, not {rec.pin_blocks}"
+                pins[rec.pin_node] = pins.get(rec.pin_node, 0) + 1
+            elif rec.pin_blocks != 0:
+                return f"sequence {rec.seq_id} pins {rec.pin_blocks} blocks without a node"
+        if live != self._num_live:
+            return f"{live} live sequences, the counter says {self._num_live}"
+        tags = 0
+        for i in range(trie._high_water):
+            node = &trie._nodes[i]
+            if node.parent < 0:
+                continue
+            chunk_refs[<size_t>node.chunk] = chunk_refs.get(<size_t>node.chunk, 0) + 1
+            for j in range(node.start, node.start + node.length):
+                if not 0 <= node.chunk.blocks[j] < nb:
+                    return f"node {i} holds block id {node.chunk.blocks[j]} out of range [0, {nb})"
+                refs[node.chunk.blocks[j]] += 1
+            if node.pin_count != pins.get(i, 0):
+                return f"node {i} is pinned {node.pin_count} times, but sequences hold {pins.get(i, 0)} pins on it"
+            if node.tag >= 0:
+                tags += 1
+                if node.tag >= self._num_snapshots or self._snap_node[node.tag] != i:
+                    return f"node {i} is tagged with snapshot {node.tag}, which is not kept at it"
+        for address, count in chunk_refs.items():
+            if (<Chunk *><size_t>address).refs != count:
+                return f"a chunk has {(<Chunk *><size_t>address).refs} references but {count} holders"
+        for i in range(nb):
+            if refs[i] != self._pool._refcounts[i]:
+                return f"block {i}: refcount {self._pool._refcounts[i]} but sequences and cache hold {refs[i]}"
+        used = 0
+        sid = self._snap_head
+        while sid >= 0:
+            used += 1
+            if used > self._num_snapshots:
+                return "snapshot LRU list has a cycle"
+            if self._snap_node[sid] < 0 or trie._nodes[self._snap_node[sid]].tag != sid:
+                return f"snapshot {sid} is listed as used but no node is tagged with it"
+            sid = self._snap_next[sid]
+        if used != tags or used != self._snaps_used:
+            return f"{used} snapshots listed, {tags} nodes tagged, the counter says {self._snaps_used}"
+        return None
+
+
+cdef inline bint memcmp_tokens(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if a[i] != b[i]:
+            return True
+    return False

@@ -1,0 +1,127 @@
+# The KV cache core, module lifecycle._kvcache: the one owner of every request's KV state (block
+# table, tokens, pinned prefix, content hashes), of the prefix trie and of the SSM snapshot ids, over
+# a BlockPool whose lock guards all of it.
+
+cimport cython
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+from lifecycle._blockpool cimport BatchResult, BlockPool
+from lifecycle._radix cimport Chunk, RadixTrie
+
+
+cdef struct SeqRec:
+    Chunk *chunk               # tokens and block table (NULL when the slot is unused)
+    int64_t adapter            # adapter key: the trie root its prefix lives under
+    int64_t seq_id
+    int32_t adapter_slot       # the caller's adapter slot index this request holds, -1 = none
+    int32_t num_tokens
+    int32_t prompt_len
+    int32_t num_blocks
+    int32_t cached_tokens      # prompt tokens whose KV came from the cache
+    int32_t lazy_tokens        # leading tokens not written to the chunk: those of its pinned path
+    int32_t pin_node           # end of the cached path it holds pinned, -1 = none
+    int32_t pin_blocks         # blocks from the root to the end of pin_node
+    int32_t ssm_tokens         # tokens the SSM state has consumed, -1 = as many as num_tokens
+    int32_t rolling            # its rolling snapshot id, -1 = none
+    uint32_t rolling_generation
+    uint32_t generation        # bumped at every reuse of the slot: stale handles are refused
+    int32_t next_free
+    uint8_t status
+    uint8_t failed
+
+
+# Why a locked step failed (raised once the lock is released).
+cdef struct Failure:
+    int code
+    int64_t value
+    int64_t limit
+    BatchResult batch
+
+
+cdef struct Counters:
+    int64_t sequences_opened
+    int64_t sequences_closed
+    int64_t blocks_allocated
+    int64_t blocks_freed
+    int64_t blocks_cached
+    int64_t blocks_evicted
+    int64_t prefix_lookups
+    int64_t prefix_hits
+    int64_t prefix_misses
+    int64_t prefix_hit_tokens
+    int64_t prefix_lookup_tokens
+    int64_t snapshots_saved
+    int64_t snapshot_hits
+    int64_t snapshot_hits_cut_short
+    int64_t snapshots_evicted
+
+
+@cython.final
+cdef class KVCacheCore:
+    cdef BlockPool _pool
+    cdef RadixTrie _trie
+    cdef SeqRec *_recs
+    cdef Py_ssize_t _recs_capacity
+    cdef Py_ssize_t _recs_high_water
+    cdef int32_t _recs_free
+    cdef Py_ssize_t _num_live
+    cdef int64_t _next_seq_id
+    cdef Py_ssize_t _block_size
+    cdef Py_ssize_t _max_blocks_per_seq
+    cdef bint _enabled
+    cdef bint _snapshot_cut
+    cdef bint _closed
+    cdef int32_t *_scratch
+    cdef Py_ssize_t _scratch_capacity
+    # SSM snapshot ids: the node each one is kept at (-1 = free), its generation, an LRU list.
+    cdef int32_t _num_snapshots
+    cdef int32_t *_snap_node
+    cdef uint32_t *_snap_generation
+    cdef int32_t *_snap_prev
+    cdef int32_t *_snap_next
+    cdef int32_t _snap_head
+    cdef int32_t _snap_tail
+    cdef int32_t _snap_free
+    cdef int32_t _snaps_used
+    cdef Counters _counters
+
+    cdef bint _lock_with_gil(self, Py_ssize_t work)
+    cdef void _unlock(self) noexcept nogil
+    cdef SeqRec *_rec(self, int64_t handle, Failure *f) noexcept nogil
+    cdef SeqRec *_active(self, int64_t handle, Failure *f) noexcept nogil
+    cdef int64_t _open_locked(self, int64_t adapter, int32_t adapter_slot, Py_ssize_t tokens, Failure *f) noexcept nogil
+    cdef int _reserve_rec(self, SeqRec *rec, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil
+    cdef void _close_rec(self, SeqRec *rec) noexcept nogil
+    cdef void _materialize(self, SeqRec *rec) noexcept nogil
+    cdef void _snap_unlink(self, int32_t sid) noexcept nogil
+    cdef void _snap_append(self, int32_t sid) noexcept nogil
+    cdef void _snap_touch(self, int32_t sid) noexcept nogil
+    cdef void _snap_release(self, int32_t sid) noexcept nogil
+    cdef void _drain_tags(self) noexcept nogil
+    cdef int32_t _snap_take(self) noexcept nogil
+    cdef int _reserve_scratch(self, Py_ssize_t n) noexcept nogil
+    cdef Py_ssize_t _evict_locked(self, Py_ssize_t n, Failure *f) noexcept nogil
+    cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
+    cdef int32_t _match(self, int64_t adapter, const int32_t *tokens, Py_ssize_t limit, Py_ssize_t *matched,
+                        Py_ssize_t *reuse, Failure *f) noexcept nogil
+    cdef void _count_lookup(self, Py_ssize_t prompt_tokens, Py_ssize_t matched, Py_ssize_t reuse) noexcept nogil
+    cdef Py_ssize_t _attach_locked(self, SeqRec *rec, const int32_t *tokens, Py_ssize_t n, Py_ssize_t max_prefix,
+                                   Py_ssize_t grow_to, Failure *f) noexcept nogil
+    cdef int32_t _cache_locked(self, SeqRec *rec, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
+    cdef int32_t _node_at(self, SeqRec *rec, Py_ssize_t blocks, Failure *f) noexcept nogil
+    cdef Py_ssize_t _finish_locked(self, SeqRec *rec, bint cache, Failure *f) noexcept nogil
+    cdef int _raise(self, Failure *f, str call, object tokens=*) except -1
+    cdef Py_ssize_t _attach_checked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
+                                    Py_ssize_t wanted, Failure *f) noexcept nogil
+    cdef int64_t _admit_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
+                               Py_ssize_t wanted, Failure *f) noexcept nogil
+    cdef void _append_locked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Failure *f) noexcept nogil
+    cdef Py_ssize_t _grow_checked(self, int64_t handle, Py_ssize_t wanted, Failure *f) noexcept nogil
+    cdef int32_t _cache_checked(self, int64_t handle, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
+    cdef int32_t _snapshot_locked(self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f) noexcept nogil
+    cdef Py_ssize_t _reclaim_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t needed,
+                                    Failure *f) noexcept nogil
+    cdef SeqRec *_read(self, int64_t handle, str call) except NULL
+    cdef int32_t _field(self, int64_t handle, int which) except? -2
+    cdef int _set(self, int64_t handle, int which, int64_t value, str call) except -1
+    cdef str _recount(self)

@@ -1,0 +1,116 @@
+# The path-compressed prefix trie, module lifecycle._radix. Other Cython modules (the KV cache core)
+# cimport it as ``from lifecycle._radix cimport RadixTrie``; everything here is guarded by the lock
+# the trie is given (the owner's), and every cdef method is called with that lock held.
+
+cimport cython
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+from lifecycle._blockpool cimport lc_mutex_t
+
+
+# Token ids, block ids and (optionally) content hashes of one run of whole blocks, shared by the
+# sequence record that filled it and by every trie node that holds part of it. Its arrays never
+# move while anyone but the filling record holds it (refs > 1), so a node's view stays valid.
+cdef struct Chunk:
+    int32_t refs
+    int32_t block_capacity
+    int32_t token_capacity
+    int32_t num_hashed         # leading blocks whose content hash is in ``hashes``
+    int32_t size_class         # its capacities are those of this size class, -1: other sizes
+    int32_t *tokens
+    int32_t *blocks
+    uint64_t *hashes           # NULL until a content hash is asked for
+    Chunk *next_free           # in a ChunkCache's free list
+
+
+cdef enum:
+    CHUNK_CLASSES = 80         # 4 size classes per doubling, from 64 tokens up to ~2**24
+
+
+# Released chunks kept for reuse, by size class: a request's chunk is as large as its prompt, and
+# memory returned to the system would come back as fresh pages to be zeroed on the next request.
+cdef struct ChunkCache:
+    Chunk *free[80]
+    int32_t count[80]
+    Py_ssize_t bytes
+    Py_ssize_t block_size
+
+
+# One node: a run of ``length`` whole blocks starting at block ``start`` of its chunk. A root
+# (one per adapter key) has length 0 and no chunk. 64 bytes.
+cdef struct RNode:
+    Chunk *chunk
+    uint64_t key               # child lookup key: (parent, first block); a root's: its adapter key
+    int32_t start
+    int32_t length
+    int32_t depth              # blocks before the run (0 for a root's children)
+    int32_t parent             # -1 for a root, -2 for an unused slot
+    int32_t num_children
+    int32_t pin_count          # pins whose end is this node's end
+    int32_t lock_count         # pin_count + children with lock_count > 0 (0: on the LRU list)
+    int32_t lru_prev
+    int32_t lru_next
+    int32_t hash_prev
+    int32_t hash_next          # next node of the bucket (next unused slot when unused)
+    int32_t tag                # a snapshot id kept at the run's end, -1 = none
+
+
+# Where a walk down the trie ended.
+cdef struct WalkEnd:
+    int32_t node               # last node entered (its root if none)
+    int32_t partial            # blocks of ``node`` matched when it was matched only in part, else 0
+    int32_t tagged_node        # deepest fully matched node with a tag, -1 if none
+    int32_t tagged_blocks      # blocks from the root to the end of tagged_node
+
+
+cdef enum:
+    ROOT_PARENT = -1
+    FREE_PARENT = -2
+
+
+cdef Chunk *chunk_new(ChunkCache *cache, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil
+cdef void chunk_decref(ChunkCache *cache, Chunk *chunk) noexcept nogil
+cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil
+
+
+@cython.final
+cdef class RadixTrie:
+    cdef RNode *_nodes
+    cdef int32_t *_buckets
+    cdef uint32_t *_keys            # block_size + 1 NH keys of the lookup hash
+    cdef int32_t *_evicted_tags     # tags of nodes trimmed or dropped since the owner last drained them
+    cdef Py_ssize_t _num_evicted_tags
+    cdef Py_ssize_t _evicted_tags_capacity
+    cdef Py_ssize_t _block_size
+    cdef Py_ssize_t _capacity       # node slots (a power of two)
+    cdef Py_ssize_t _high_water
+    cdef Py_ssize_t _bucket_mask
+    cdef int32_t _free_head
+    cdef Py_ssize_t _num_free_slots
+    cdef Py_ssize_t _num_nodes      # live non-root nodes
+    cdef Py_ssize_t _num_roots
+    cdef Py_ssize_t _num_blocks     # blocks held by all nodes
+    cdef int32_t _lru_head
+    cdef int32_t _lru_tail
+    cdef Py_ssize_t _lru_blocks     # blocks of the nodes on the LRU list (evictable)
+    cdef lc_mutex_t *_lock          # the owner's lock
+    cdef lc_mutex_t _own_lock       # used when no owner gave one
+    cdef ChunkCache _chunks
+
+    cdef int _reserve(self, Py_ssize_t nodes) noexcept nogil
+    cdef int32_t _find_root(self, int64_t adapter) noexcept nogil
+    cdef int32_t _root(self, int64_t adapter) noexcept nogil
+    cdef Py_ssize_t _walk(self, int32_t start, const int32_t *tokens, Py_ssize_t num_blocks, WalkEnd *end) noexcept nogil
+    cdef int32_t _split(self, int32_t v, int32_t blocks) noexcept nogil
+    cdef int32_t _settle(self, WalkEnd *end) noexcept nogil
+    cdef int32_t _add_leaf(self, int32_t parent, Chunk *chunk, int32_t start, int32_t length) noexcept nogil
+    cdef void _extend(self, int32_t v, int32_t blocks) noexcept nogil
+    cdef void _pin(self, int32_t v) noexcept nogil
+    cdef void _unpin(self, int32_t v) noexcept nogil
+    cdef void _touch(self, int32_t v) noexcept nogil
+    cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil
+    cdef void _path_tokens(self, int32_t v, int32_t *dest, Py_ssize_t blocks) noexcept nogil
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest) noexcept nogil
+    cdef void _clear(self) noexcept nogil
+    cdef str _problem(self)
+    cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos)

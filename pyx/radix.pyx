@@ -1,0 +1,851 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
+"""The path-compressed prefix trie of the KV cache (module lifecycle._radix).
+
+A node holds a run of whole blocks: their token ids and block ids, as a range of a ``Chunk``
+shared with the sequence that computed them (so caching a finished sequence copies nothing). A
+run ends where requests diverge, where a sequence pins its prefix, or at an SSM snapshot. Children
+are found by their first block through one hash table keyed by (parent, first block) and accepted
+only after that block's tokens compared equal; the rest of a run is compared token for token. So a
+walk costs one lookup per branch, and a hash never decides a match.
+
+Eviction follows least recent use per block, as a trie of single blocks would: every node that is
+neither pinned nor above a pinned node is on one LRU list that lists every node after all of its
+descendants, so the head is always an unpinned leaf; eviction trims leaf runs from their tail,
+many blocks per step.
+
+The trie owns no block references: the KV cache core (``lifecycle._kvcache``) keeps the pool's
+refcounts and calls these methods with its lock held. Python sees introspection only.
+"""
+
+cimport cython
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+
+from lifecycle._blockpool cimport lc_mutex_init, lc_mutex_lock, lc_mutex_t, lc_mutex_unlock
+from lifecycle._hash cimport LC_GOLDEN, lc_block_equal, lc_equal_blocks, lc_fill_keys, lc_fmix64, lc_nh_block
+
+from lifecycle.errors import ConfigError, InvariantViolation
+
+cdef enum:
+    MIN_CAPACITY = 64
+    MAX_BLOCK_SIZE = 1 << 16
+
+
+# -- chunks -------------------------------------------------------------------------------------
+
+cdef enum:
+    CACHED_PER_CLASS = 16
+    CACHED_BYTES = 64 << 20
+
+
+cdef inline Py_ssize_t _class_of(Py_ssize_t tokens) noexcept nogil:
+    """The smallest size class holding ``tokens`` tokens: class k holds (4 + k % 4) << (k // 4)
+    units of 16 tokens."""
+    cdef Py_ssize_t units = (tokens + 15) // 16, e = 0, mantissa
+    if units <= 4:
+        return 0
+    while (units - 1) >> (e + 3):
+        e += 1
+    mantissa = (units + (1 << e) - 1) >> e
+    if mantissa >= 8:
+        e += 1
+        mantissa = 4
+    return 4 * e + mantissa - 4
+
+
+cdef inline Py_ssize_t _class_tokens(Py_ssize_t size_class) noexcept nogil:
+    return ((4 + size_class % 4) << (size_class // 4)) * 16
+
+
+cdef Chunk *chunk_new(ChunkCache *cache, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
+    """A chunk with room for at least ``blocks`` block ids and ``tokens`` token ids and one
+    reference; a cached one of its size class when there is one."""
+    cdef Py_ssize_t size_class = _class_of(tokens), class_blocks
+    cdef Chunk *chunk
+    if size_class < CHUNK_CLASSES:
+        class_blocks = _class_tokens(size_class) // cache.block_size + 2
+        if blocks <= class_blocks:
+            chunk = cache.free[size_class]
+            if chunk != NULL:
+                cache.free[size_class] = chunk.next_free
+                cache.count[size_class] -= 1
+                cache.bytes -= chunk.token_capacity * sizeof(int32_t) + chunk.block_capacity * sizeof(int32_t)
+                chunk.refs = 1
+                chunk.num_hashed = 0
+                chunk.next_free = NULL
+                return chunk
+            tokens = _class_tokens(size_class)
+            blocks = class_blocks
+        else:
+            size_class = -1
+    else:
+        size_class = -1
+    chunk = <Chunk *>malloc(sizeof(Chunk))
+    if chunk == NULL:
+        return NULL
+    chunk.refs = 1
+    chunk.block_capacity = <int32_t>blocks
+    chunk.token_capacity = <int32_t>tokens
+    chunk.num_hashed = 0
+    chunk.size_class = <int32_t>size_class
+    chunk.hashes = NULL
+    chunk.next_free = NULL
+    chunk.tokens = <int32_t *>malloc((tokens if tokens > 0 else 1) * sizeof(int32_t))
+    chunk.blocks = <int32_t *>malloc((blocks if blocks > 0 else 1) * sizeof(int32_t))
+    if chunk.tokens == NULL or chunk.blocks == NULL:
+        free(chunk.tokens)
+        free(chunk.blocks)
+        free(chunk)
+        return NULL
+    return chunk
+
+
+cdef void chunk_decref(ChunkCache *cache, Chunk *chunk) noexcept nogil:
+    cdef Py_ssize_t size_class = chunk.size_class, nbytes
+    chunk.refs -= 1
+    if chunk.refs != 0:
+        return
+    free(chunk.hashes)
+    chunk.hashes = NULL
+    nbytes = chunk.token_capacity * sizeof(int32_t) + chunk.block_capacity * sizeof(int32_t)
+    if size_class >= 0 and cache.count[size_class] < CACHED_PER_CLASS and cache.bytes + nbytes <= CACHED_BYTES:
+        chunk.next_free = cache.free[size_class]
+        cache.free[size_class] = chunk
+        cache.count[size_class] += 1
+        cache.bytes += nbytes
+        return
+    free(chunk.tokens)
+    free(chunk.blocks)
+    free(chunk)
+
+
+cdef void _chunk_cache_clear(ChunkCache *cache) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef Chunk *chunk
+    for i in range(CHUNK_CLASSES):
+        while cache.free[i] != NULL:
+            chunk = cache.free[i]
+            cache.free[i] = chunk.next_free
+            free(chunk.tokens)
+            free(chunk.blocks)
+            free(chunk)
+        cache.count[i] = 0
+    cache.bytes = 0
+
+
+cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
+    """Room for ``blocks`` block ids and ``tokens`` token ids, growing geometrically (to a size
+    class where one fits); 1 when out of memory. Only for a chunk nobody but its record holds
+    (refs == 1): its arrays may move."""
+    cdef Py_ssize_t capacity, size_class
+    cdef int32_t *grown
+    cdef uint64_t *hashes
+    if tokens > chunk.token_capacity:
+        capacity = max(tokens, 2 * <Py_ssize_t>chunk.token_capacity)
+        size_class = _class_of(capacity)
+        if size_class < CHUNK_CLASSES:
+            capacity = _class_tokens(size_class)
+        if capacity > INT32_MAX:
+            return 1
+        grown = <int32_t *>realloc(chunk.tokens, capacity * sizeof(int32_t))
+        if grown == NULL:
+            return 1
+        chunk.tokens = grown
+        chunk.token_capacity = <int32_t>capacity
+        blocks = max(blocks, capacity // cache.block_size + 2)
+    elif blocks > chunk.block_capacity:
+        blocks = max(blocks, 2 * <Py_ssize_t>chunk.block_capacity)
+    if blocks > chunk.block_capacity:
+        if blocks > INT32_MAX:
+            return 1
+        grown = <int32_t *>realloc(chunk.blocks, blocks * sizeof(int32_t))
+        if grown == NULL:
+            return 1
+        chunk.blocks = grown
+        if chunk.hashes != NULL:
+            hashes = <uint64_t *>realloc(chunk.hashes, blocks * sizeof(uint64_t))
+            if hashes == NULL:
+                return 1
+            chunk.hashes = hashes
+        chunk.block_capacity = <int32_t>blocks
+    size_class = _class_of(chunk.token_capacity)
+    if (
+        size_class < CHUNK_CLASSES
+        and _class_tokens(size_class) == chunk.token_capacity
+        and chunk.block_capacity == chunk.token_capacity // cache.block_size + 2
+    ):
+        chunk.size_class = <int32_t>size_class
+    else:
+        chunk.size_class = -1
+    return 0
+
+
+# -- node helpers (lock held) --------------------------------------------------------------------
+
+cdef inline const int32_t *_run_tokens(RadixTrie t, RNode *node) noexcept nogil:
+    return node.chunk.tokens + <Py_ssize_t>node.start * t._block_size
+
+
+cdef inline uint64_t _child_key(RadixTrie t, int32_t parent, const int32_t *tokens) noexcept nogil:
+    return lc_fmix64(lc_nh_block(tokens, t._block_size, t._keys) + <uint64_t>parent * LC_GOLDEN)
+
+
+cdef inline Py_ssize_t _bucket(RadixTrie t, int32_t v) noexcept nogil:
+    cdef RNode *node = &t._nodes[v]
+    if node.parent == ROOT_PARENT:
+        return <Py_ssize_t>(lc_fmix64(node.key) & <uint64_t>t._bucket_mask)
+    return <Py_ssize_t>(node.key & <uint64_t>t._bucket_mask)
+
+
+cdef inline void _chain_link(RadixTrie t, int32_t v) noexcept nogil:
+    cdef Py_ssize_t b = _bucket(t, v)
+    cdef int32_t head = t._buckets[b]
+    t._nodes[v].hash_next = head
+    t._nodes[v].hash_prev = -1
+    if head >= 0:
+        t._nodes[head].hash_prev = v
+    t._buckets[b] = v
+
+
+cdef inline void _chain_unlink(RadixTrie t, int32_t v) noexcept nogil:
+    cdef int32_t prev = t._nodes[v].hash_prev
+    cdef int32_t after = t._nodes[v].hash_next
+    if prev >= 0:
+        t._nodes[prev].hash_next = after
+    else:
+        t._buckets[_bucket(t, v)] = after
+    if after >= 0:
+        t._nodes[after].hash_prev = prev
+
+
+cdef inline int32_t _take_slot(RadixTrie t) noexcept nogil:
+    # Capacity was reserved beforehand. Unused slots are chained through hash_next.
+    cdef int32_t v = t._free_head
+    if v >= 0:
+        t._free_head = t._nodes[v].hash_next
+        t._num_free_slots -= 1
+        return v
+    v = <int32_t>t._high_water
+    t._high_water += 1
+    return v
+
+
+cdef inline void _return_slot(RadixTrie t, int32_t v) noexcept nogil:
+    cdef RNode *node = &t._nodes[v]
+    node.parent = FREE_PARENT
+    node.chunk = NULL
+    node.length = 0
+    node.tag = -1
+    node.hash_prev = -1
+    node.hash_next = t._free_head
+    t._free_head = v
+    t._num_free_slots += 1
+
+
+cdef inline void _lru_append(RadixTrie t, int32_t v) noexcept nogil:
+    cdef RNode *node = &t._nodes[v]
+    node.lru_prev = t._lru_tail
+    node.lru_next = -1
+    if t._lru_tail >= 0:
+        t._nodes[t._lru_tail].lru_next = v
+    else:
+        t._lru_head = v
+    t._lru_tail = v
+    t._lru_blocks += node.length
+
+
+cdef inline void _lru_remove(RadixTrie t, int32_t v) noexcept nogil:
+    cdef RNode *node = &t._nodes[v]
+    if node.lru_prev >= 0:
+        t._nodes[node.lru_prev].lru_next = node.lru_next
+    else:
+        t._lru_head = node.lru_next
+    if node.lru_next >= 0:
+        t._nodes[node.lru_next].lru_prev = node.lru_prev
+    else:
+        t._lru_tail = node.lru_prev
+    node.lru_prev = -1
+    node.lru_next = -1
+    t._lru_blocks -= node.length
+
+
+cdef inline void _lru_insert_after(RadixTrie t, int32_t anchor, int32_t v) noexcept nogil:
+    cdef RNode *node = &t._nodes[v]
+    cdef int32_t after = t._nodes[anchor].lru_next
+    node.lru_prev = anchor
+    node.lru_next = after
+    t._nodes[anchor].lru_next = v
+    if after >= 0:
+        t._nodes[after].lru_prev = v
+    else:
+        t._lru_tail = v
+    t._lru_blocks += node.length
+
+
+cdef inline int32_t _find_child(RadixTrie t, int32_t parent, const int32_t *tokens) noexcept nogil:
+    cdef uint64_t key = _child_key(t, parent, tokens)
+    cdef int32_t v = t._buckets[key & <uint64_t>t._bucket_mask]
+    cdef RNode *node
+    while v >= 0:
+        node = &t._nodes[v]
+        # The exact compare of the first block decides; the key only narrows the search.
+        if node.key == key and node.parent == parent and lc_block_equal(_run_tokens(t, node), tokens, t._block_size):
+            return v
+        v = node.hash_next
+    return -1
+
+
+cdef inline void _remove_leaf(RadixTrie t, int32_t v) noexcept nogil:
+    # v is off the LRU list and has no children: drop it, and its root if that was the last child.
+    cdef RNode *node = &t._nodes[v]
+    cdef int32_t parent = node.parent
+    if node.tag >= 0:
+        t._evicted_tags[t._num_evicted_tags] = node.tag
+        t._num_evicted_tags += 1
+    t._num_blocks -= node.length
+    _chain_unlink(t, v)
+    chunk_decref(&t._chunks, node.chunk)
+    _return_slot(t, v)
+    t._num_nodes -= 1
+    t._nodes[parent].num_children -= 1
+    if t._nodes[parent].parent == ROOT_PARENT and t._nodes[parent].num_children == 0:
+        _chain_unlink(t, parent)
+        _return_slot(t, parent)
+        t._num_roots -= 1
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class RadixTrie:
+    """Cached whole-block token runs under one root per adapter key; LRU eviction of leaf tails.
+
+    Made and driven by the KV cache core; from Python it can only be inspected and checked.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        lc_mutex_init(&self._own_lock)
+        self._lock = &self._own_lock
+        self._block_size = 1
+        self._lru_head = -1
+        self._lru_tail = -1
+        self._free_head = -1
+
+    def __init__(self, block_size, *, capacity=0):
+        if self._keys != NULL:
+            raise ConfigError("this RadixTrie is already initialized; make a new one")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity <= INT32_MAX // 4:
+            raise ConfigError(f"capacity must be an int in [0, {INT32_MAX // 4}], got {capacity!r}")
+        self._keys = <uint32_t *>malloc((block_size + 1) * sizeof(uint32_t))
+        if self._keys == NULL:
+            raise MemoryError(f"RadixTrie: cannot allocate hash keys for block size {block_size}")
+        lc_fill_keys(self._keys, block_size + 1)
+        self._block_size = block_size
+        self._chunks.block_size = block_size
+        if self._reserve(max(<Py_ssize_t>capacity, <Py_ssize_t>MIN_CAPACITY)):
+            raise MemoryError(f"RadixTrie: cannot allocate tables for {capacity} nodes")
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(self._high_water):
+            if self._nodes[i].parent >= 0:
+                chunk_decref(&self._chunks, self._nodes[i].chunk)
+        _chunk_cache_clear(&self._chunks)
+        free(self._nodes)
+        free(self._buckets)
+        free(self._keys)
+        free(self._evicted_tags)
+
+    def __repr__(self):
+        return (
+            f"RadixTrie(block_size={self._block_size}, blocks={self._num_blocks}, nodes={self._num_nodes}, "
+            f"evictable={self._lru_blocks}, adapters={self._num_roots})"
+        )
+
+    # -- introspection --
+
+    @property
+    def block_size(self):
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def num_cached_blocks(self):
+        """Blocks held by all nodes."""
+        return self._num_blocks
+
+    @property
+    def num_evictable_blocks(self):
+        """Blocks that eviction may drop: in nodes neither pinned nor above a pinned node."""
+        return self._lru_blocks
+
+    @property
+    def num_nodes(self):
+        """Nodes (runs of blocks), roots excluded."""
+        return self._num_nodes
+
+    @property
+    def num_adapters(self):
+        """Adapter roots with at least one cached block."""
+        return self._num_roots
+
+    @property
+    def nbytes(self):
+        """Bytes of the trie's own tables (node slots, hash buckets, evicted-tag buffer); the
+        chunks holding token and block ids are counted by the core."""
+        return (
+            self._capacity * (sizeof(RNode) + sizeof(int32_t))
+            + self._evicted_tags_capacity * sizeof(int32_t)
+        )
+
+    @staticmethod
+    def node_bytes():
+        """Bytes of one node slot and its hash bucket."""
+        return sizeof(RNode) + sizeof(int32_t)
+
+    # -- growth --
+
+    cdef int _reserve(self, Py_ssize_t extra) noexcept nogil:
+        """Room for ``extra`` more live nodes plus a root; 1 when out of memory (nothing changed
+        that matters: a grown table is only bigger)."""
+        cdef Py_ssize_t live = self._num_nodes + self._num_roots
+        cdef Py_ssize_t capacity = self._capacity
+        cdef Py_ssize_t i
+        cdef RNode *nodes
+        cdef int32_t *buckets
+        cdef int32_t *tags
+        if live + extra + 1 <= capacity:
+            return 0
+        if capacity == 0:
+            capacity = MIN_CAPACITY
+        while capacity < live + extra + 1:
+            capacity *= 2
+        if capacity > INT32_MAX // 2:
+            return 1
+        nodes = <RNode *>realloc(self._nodes, capacity * sizeof(RNode))
+        if nodes == NULL:
+            return 1
+        self._nodes = nodes
+        # Every node may lose its tag in one eviction before the owner drains the buffer.
+        tags = <int32_t *>realloc(self._evicted_tags, capacity * sizeof(int32_t))
+        if tags == NULL:
+            return 1
+        self._evicted_tags = tags
+        self._evicted_tags_capacity = capacity
+        buckets = <int32_t *>malloc(capacity * sizeof(int32_t))
+        if buckets == NULL:
+            return 1
+        free(self._buckets)
+        self._buckets = buckets
+        self._capacity = capacity
+        self._bucket_mask = capacity - 1
+        memset(buckets, 0xFF, capacity * sizeof(int32_t))
+        for i in range(self._high_water):
+            if self._nodes[i].parent != FREE_PARENT:
+                _chain_link(self, <int32_t>i)
+        return 0
+
+    # -- lookups --
+
+    cdef int32_t _find_root(self, int64_t adapter) noexcept nogil:
+        cdef uint64_t key = <uint64_t>adapter
+        cdef int32_t v = self._buckets[lc_fmix64(key) & <uint64_t>self._bucket_mask]
+        while v >= 0:
+            if self._nodes[v].parent == ROOT_PARENT and self._nodes[v].key == key:
+                return v
+            v = self._nodes[v].hash_next
+        return -1
+
+    cdef int32_t _root(self, int64_t adapter) noexcept nogil:
+        """The adapter's root, made if missing (one node of reserved room)."""
+        cdef int32_t v = self._find_root(adapter)
+        cdef RNode *node
+        if v >= 0:
+            return v
+        v = _take_slot(self)
+        node = &self._nodes[v]
+        node.chunk = NULL
+        node.key = <uint64_t>adapter
+        node.start = 0
+        node.length = 0
+        node.depth = 0
+        node.parent = ROOT_PARENT
+        node.num_children = 0
+        node.pin_count = 0
+        node.lock_count = 0
+        node.lru_prev = -1
+        node.lru_next = -1
+        node.tag = -1
+        _chain_link(self, v)
+        self._num_roots += 1
+        return v
+
+    cdef Py_ssize_t _walk(self, int32_t start, const int32_t *tokens, Py_ssize_t num_blocks, WalkEnd *end) noexcept nogil:
+        """Match the ``num_blocks`` blocks of ``tokens`` downwards from the end of node ``start``
+        (a root, or a node the caller holds); returns how many matched. Changes nothing."""
+        cdef Py_ssize_t bs = self._block_size
+        cdef Py_ssize_t matched = 0, n, k
+        cdef int32_t v = start, c
+        cdef RNode *node
+        end.node = start
+        end.partial = 0
+        end.tagged_node = -1
+        end.tagged_blocks = 0
+        while matched < num_blocks:
+            c = _find_child(self, v, tokens + matched * bs)
+            if c < 0:
+                break
+            node = &self._nodes[c]
+            n = min(<Py_ssize_t>node.length, num_blocks - matched)
+            k = 1
+            if n > 1:
+                k += lc_equal_blocks(_run_tokens(self, node) + bs, tokens + (matched + 1) * bs, n - 1, bs)
+            matched += k
+            end.node = c
+            if k < node.length:
+                end.partial = <int32_t>k
+                break
+            if node.tag >= 0:
+                end.tagged_node = c
+                end.tagged_blocks = node.depth + node.length
+            v = c
+        return matched
+
+    # -- changes --
+
+    cdef int32_t _split(self, int32_t v, int32_t blocks) noexcept nogil:
+        """Cut node ``v`` after its first ``blocks`` blocks (0 < blocks < length): a new node takes
+        the head and becomes ``v``'s parent; ``v`` keeps its end, pins and tag. One node of room
+        must be reserved. Returns the head."""
+        cdef int32_t h = _take_slot(self)
+        cdef RNode *head = &self._nodes[h]
+        cdef RNode *tail = &self._nodes[v]
+        head.chunk = tail.chunk
+        tail.chunk.refs += 1
+        head.start = tail.start
+        head.length = blocks
+        head.depth = tail.depth
+        head.parent = tail.parent
+        head.num_children = 1
+        head.pin_count = 0
+        head.lock_count = 1 if tail.lock_count > 0 else 0
+        head.tag = -1
+        head.key = tail.key
+        head.lru_prev = -1
+        head.lru_next = -1
+        _chain_unlink(self, v)
+        tail.start += blocks
+        tail.length -= blocks
+        tail.depth += blocks
+        tail.parent = h
+        tail.key = _child_key(self, h, _run_tokens(self, tail))
+        _chain_link(self, h)
+        _chain_link(self, v)
+        if tail.lock_count == 0:
+            # Same last use as the tail, and after it as every ancestor is.
+            self._lru_blocks -= blocks
+            _lru_insert_after(self, v, h)
+        self._num_nodes += 1
+        return h
+
+    cdef int32_t _settle(self, WalkEnd *end) noexcept nogil:
+        """The node ending where a walk ended: the walk's last node, cut at the partial match
+        (one node of room must be reserved)."""
+        if end.partial:
+            return self._split(end.node, end.partial)
+        return end.node
+
+    cdef int32_t _add_leaf(self, int32_t parent, Chunk *chunk, int32_t start, int32_t length) noexcept nogil:
+        """A new leaf under ``parent`` holding blocks [start, start + length) of ``chunk`` (which
+        gains a reference); it and its path become the most recently used. One node of room must
+        be reserved."""
+        cdef int32_t v = _take_slot(self)
+        cdef RNode *node = &self._nodes[v]
+        cdef RNode *up = &self._nodes[parent]
+        node.chunk = chunk
+        chunk.refs += 1
+        node.start = start
+        node.length = length
+        node.depth = up.depth + up.length
+        node.parent = parent
+        node.num_children = 0
+        node.pin_count = 0
+        node.lock_count = 0
+        node.tag = -1
+        node.key = _child_key(self, parent, chunk.tokens + <Py_ssize_t>start * self._block_size)
+        _chain_link(self, v)
+        up.num_children += 1
+        self._num_nodes += 1
+        self._num_blocks += length
+        _lru_append(self, v)
+        self._touch(parent)
+        return v
+
+    cdef void _extend(self, int32_t v, int32_t blocks) noexcept nogil:
+        """Lengthen the run of ``v`` by ``blocks`` blocks already in its chunk. Only for a pinned,
+        untagged leaf whose chunk holds the blocks right after its run."""
+        self._nodes[v].length += blocks
+        self._num_blocks += blocks
+
+    cdef void _pin(self, int32_t v) noexcept nogil:
+        """One pin on ``v``: it and its ancestors leave the LRU list until unpinned."""
+        cdef RNode *node
+        self._nodes[v].pin_count += 1
+        while True:
+            node = &self._nodes[v]
+            node.lock_count += 1
+            if node.lock_count != 1:
+                return
+            _lru_remove(self, v)
+            v = node.parent
+            if self._nodes[v].parent == ROOT_PARENT:
+                return
+
+    cdef void _unpin(self, int32_t v) noexcept nogil:
+        """Undo one ``_pin``: nodes losing their last reason join the MRU end, deepest first."""
+        cdef RNode *node
+        self._nodes[v].pin_count -= 1
+        while True:
+            node = &self._nodes[v]
+            node.lock_count -= 1
+            if node.lock_count != 0:
+                return
+            _lru_append(self, v)
+            v = node.parent
+            if self._nodes[v].parent == ROOT_PARENT:
+                return
+
+    cdef void _touch(self, int32_t v) noexcept nogil:
+        """Make the path ending at ``v`` the most recently used (deepest first). Protected nodes
+        form a prefix of any path, so the first one ends the walk."""
+        while self._nodes[v].parent >= 0 and self._nodes[v].lock_count == 0:
+            _lru_remove(self, v)
+            _lru_append(self, v)
+            v = self._nodes[v].parent
+
+    cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil:
+        """Write the block ids of the path ending at ``v`` to ``dest`` (root side first); returns
+        how many."""
+        cdef RNode *node = &self._nodes[v]
+        cdef Py_ssize_t total = node.depth + node.length
+        while node.parent >= 0:
+            memcpy(dest + node.depth, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
+            node = &self._nodes[node.parent]
+        return total
+
+    cdef void _path_tokens(self, int32_t v, int32_t *dest, Py_ssize_t blocks) noexcept nogil:
+        """Write the token ids of the first ``blocks`` blocks of the path ending at ``v`` to
+        ``dest``."""
+        cdef RNode *node = &self._nodes[v]
+        cdef Py_ssize_t bs = self._block_size, end
+        while node.parent >= 0:
+            if node.depth < blocks:
+                end = min(<Py_ssize_t>node.depth + node.length, blocks)
+                memcpy(dest + node.depth * bs, _run_tokens(self, node), (end - node.depth) * bs * sizeof(int32_t))
+            node = &self._nodes[node.parent]
+
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest) noexcept nogil:
+        """Drop up to ``n`` blocks, least recently used first, from the tails of leaf runs; write
+        their ids to ``dest`` and return how many (-1: the LRU head was not a leaf, an invariant
+        broke). Tags at trimmed ends go to the evicted tags."""
+        cdef Py_ssize_t count = 0, take
+        cdef int32_t v
+        cdef RNode *node
+        while count < n and self._lru_head >= 0:
+            v = self._lru_head
+            node = &self._nodes[v]
+            if node.num_children != 0:
+                return -1
+            take = min(<Py_ssize_t>node.length, n - count)
+            memcpy(dest + count, node.chunk.blocks + node.start + node.length - take, take * sizeof(int32_t))
+            count += take
+            if node.tag >= 0:
+                self._evicted_tags[self._num_evicted_tags] = node.tag
+                self._num_evicted_tags += 1
+                node.tag = -1
+            if take == node.length:
+                _lru_remove(self, v)
+                _remove_leaf(self, v)
+            else:
+                node.length -= <int32_t>take
+                self._lru_blocks -= take
+                self._num_blocks -= take
+        return count
+
+    cdef void _clear(self) noexcept nogil:
+        """Drop every node (pinned ones too); their tags go to the evicted tags."""
+        cdef Py_ssize_t i
+        for i in range(self._high_water):
+            if self._nodes[i].parent >= 0:
+                if self._nodes[i].tag >= 0:
+                    self._evicted_tags[self._num_evicted_tags] = self._nodes[i].tag
+                    self._num_evicted_tags += 1
+                chunk_decref(&self._chunks, self._nodes[i].chunk)
+        memset(self._buckets, 0xFF, self._capacity * sizeof(int32_t))
+        self._high_water = 0
+        self._num_free_slots = 0
+        self._free_head = -1
+        self._num_nodes = 0
+        self._num_roots = 0
+        self._num_blocks = 0
+        self._lru_head = -1
+        self._lru_tail = -1
+        self._lru_blocks = 0
+
+    # -- checking --
+
+    def check_invariants(self):
+        """Recount the trie from scratch; raise ``InvariantViolation`` on any mismatch.
+
+        Checked: free slots and live nodes partition the used slots; every node's parent is live,
+        its depth continues its parent's run, its run lies inside its chunk, it is found under its
+        parent by its first block, and its lock count is its pins plus its protected children;
+        roots are found by their adapter key and have children; the counters match a recount;
+        the LRU list is doubly linked, holds exactly the unprotected nodes, lists every node after
+        its children, and its block count matches.
+        """
+        with nogil:
+            lc_mutex_lock(self._lock)
+        try:
+            problem = self._problem()
+        finally:
+            lc_mutex_unlock(self._lock)
+        if problem:
+            raise InvariantViolation(f"RadixTrie: {problem}")
+
+    cdef str _problem(self):
+        """(Lock held) the first inconsistency found, or None."""
+        cdef Py_ssize_t hw = self._high_water
+        cdef Py_ssize_t *scratch = <Py_ssize_t *>malloc((3 * hw + 1) * sizeof(Py_ssize_t))
+        cdef Py_ssize_t i
+        if scratch == NULL:
+            raise MemoryError("check_invariants: cannot allocate its scratch tables")
+        try:
+            memset(scratch, 0, 2 * hw * sizeof(Py_ssize_t))
+            for i in range(2 * hw, 3 * hw):
+                scratch[i] = -1
+            return self._recount(scratch, scratch + hw, scratch + 2 * hw)
+        finally:
+            free(scratch)
+
+    cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos):
+        cdef Py_ssize_t hw = self._high_water, bs = self._block_size
+        cdef Py_ssize_t i, steps, live = 0, nodes = 0, roots = 0, blocks = 0, lru_blocks = 0
+        cdef int32_t v, p, prev
+        cdef RNode *node
+        cdef RNode *up
+        if hw > self._capacity or self._num_free_slots > hw:
+            return f"{hw} used slots and {self._num_free_slots} free ones for capacity {self._capacity}"
+        v = self._free_head
+        steps = 0
+        while v >= 0:
+            if v >= hw or self._nodes[v].parent != FREE_PARENT or steps > hw:
+                return f"free list reaches slot {v}, which is not an unused slot"
+            steps += 1
+            v = self._nodes[v].hash_next
+        if steps != self._num_free_slots:
+            return f"free list holds {steps} slots, its counter says {self._num_free_slots}"
+        for i in range(hw):
+            node = &self._nodes[i]
+            if node.parent == FREE_PARENT:
+                continue
+            live += 1
+            if node.parent == ROOT_PARENT:
+                roots += 1
+                if node.length != 0 or node.chunk != NULL:
+                    return f"root {i} holds a run of {node.length} blocks"
+                if self._find_root(<int64_t>node.key) != i:
+                    return f"root {i} is not found by its adapter key {<int64_t>node.key}"
+                continue
+            nodes += 1
+            p = node.parent
+            if p >= hw or self._nodes[p].parent == FREE_PARENT:
+                return f"node {i} has parent {p}, which is not a live node"
+            up = &self._nodes[p]
+            children[p] += 1
+            blocks += node.length
+            if node.length < 1 or node.chunk == NULL:
+                return f"node {i} holds {node.length} blocks"
+            if node.start < 0 or node.start + node.length > node.chunk.block_capacity:
+                return f"node {i} runs over blocks [{node.start}, {node.start + node.length}) of a chunk of {node.chunk.block_capacity}"
+            if (<Py_ssize_t>node.start + node.length) * bs > node.chunk.token_capacity:
+                return f"node {i} runs past its chunk's {node.chunk.token_capacity} tokens"
+            if node.chunk.refs < 1:
+                return f"node {i} holds a chunk with {node.chunk.refs} references"
+            if node.depth != up.depth + up.length:
+                return f"node {i} starts at block {node.depth} but its parent {p} ends at {up.depth + up.length}"
+            if node.key != _child_key(self, p, _run_tokens(self, node)):
+                return f"node {i} has a key that does not match its parent and first block"
+            if _find_child(self, p, _run_tokens(self, node)) != i:
+                return f"node {i} is not found under its parent {p} by its first block"
+            if node.pin_count < 0 or node.lock_count < node.pin_count:
+                return f"node {i} has pin count {node.pin_count} and lock count {node.lock_count}"
+            if node.lock_count > 0 and up.parent != ROOT_PARENT:
+                protected_children[p] += 1
+        if live + self._num_free_slots != hw:
+            return f"{live} live nodes and {self._num_free_slots} free slots do not add up to {hw} used slots"
+        if nodes != self._num_nodes or roots != self._num_roots or blocks != self._num_blocks:
+            return (
+                f"recount finds {nodes} nodes, {roots} roots and {blocks} blocks; counters say "
+                f"{self._num_nodes}, {self._num_roots} and {self._num_blocks}"
+            )
+        steps = 0
+        for i in range(self._bucket_mask + 1):
+            v = self._buckets[i]
+            prev = -1
+            while v >= 0:
+                steps += 1
+                if steps > live:
+                    return "hash chains hold more entries than live nodes (a cycle)"
+                if self._nodes[v].hash_prev != prev:
+                    return f"node {v} in bucket {i} points back to {self._nodes[v].hash_prev}, not {prev}"
+                prev = v
+                v = self._nodes[v].hash_next
+        if steps != live:
+            return f"hash chains hold {steps} entries for {live} live nodes"
+        for i in range(hw):
+            node = &self._nodes[i]
+            if node.parent == FREE_PARENT:
+                continue
+            if node.num_children != children[i]:
+                return f"node {i} counts {node.num_children} children, recount finds {children[i]}"
+            if node.parent == ROOT_PARENT:
+                if node.num_children == 0:
+                    return f"root {i} has no children but was kept"
+                continue
+            if node.lock_count != node.pin_count + protected_children[i]:
+                return (
+                    f"node {i} has lock count {node.lock_count}, expected pins {node.pin_count} "
+                    f"+ protected children {protected_children[i]}"
+                )
+        v = self._lru_head
+        prev = -1
+        steps = 0
+        while v >= 0:
+            if v >= hw or self._nodes[v].parent < 0 or lru_pos[v] >= 0:
+                return f"LRU list reaches slot {v}, which is not a node (or twice)"
+            if self._nodes[v].lru_prev != prev:
+                return f"LRU node {v} points back to {self._nodes[v].lru_prev}, not {prev}"
+            if self._nodes[v].lock_count != 0:
+                return f"LRU node {v} is protected (lock count {self._nodes[v].lock_count})"
+            lru_pos[v] = steps
+            lru_blocks += self._nodes[v].length
+            steps += 1
+            prev = v
+            v = self._nodes[v].lru_next
+        if prev != self._lru_tail:
+            return f"LRU tail is {self._lru_tail} but the list ends at {prev}"
+        if lru_blocks != self._lru_blocks:
+            return f"LRU list holds {lru_blocks} blocks, its counter says {self._lru_blocks}"
+        for i in range(hw):
+            node = &self._nodes[i]
+            if node.parent < 0:
+                continue
+            if node.lock_count == 0 and lru_pos[i] < 0:
+                return f"unprotected node {i} is missing from the LRU list"
+            p = node.parent
+            if self._nodes[p].parent >= 0 and lru_pos[p] >= 0 and lru_pos[p] < lru_pos[i]:
+                return f"node {p} precedes its child {i} in the LRU list"
+        return None
