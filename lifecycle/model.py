@@ -131,7 +131,8 @@ class HybridModel(LifecycleDefaults):
             enable_prefix_cache=config.enable_prefix_cache,
             snapshot_cut=self._ssm is not None,
             num_snapshots=self._snapshots.capacity if self._snapshots is not None else 0,
-            max_blocks_per_seq=max(config.max_blocks_per_seq_resolved, 1),
+            # Without attention layers a sequence holds no blocks: only its tokens are bounded.
+            max_blocks_per_seq=config.max_blocks_per_seq_resolved if self._kv is not None else (2**31 - 1) // self._block_size - 1,
         )
         self._slots = SlotPool(config.max_seqs)
         self._adapters = AdapterTable(config.num_adapter_slots)
@@ -477,12 +478,12 @@ class HybridModel(LifecycleDefaults):
 
     def num_free_blocks(self) -> int:
         """Blocks with refcount 0 (blocks only the prefix cache holds are not free until evicted)."""
-        if self._torn_down:
+        if self._torn_down or self._drop_queue:
             self._enter()
         return self._pool.num_free
 
     def num_total_blocks(self) -> int:
-        if self._torn_down:
+        if self._torn_down or self._drop_queue:
             self._enter()
         return self._pool.num_total
 
@@ -538,21 +539,24 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             if seq.is_detached:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
-            short: OutOfBlocks | None = None
             try:
                 reused = self._core.attach(handle, prompt, wanted)
-            except OutOfBlocks as exc:  # the prefix is attached: its state is restored all the same
-                short, reused = exc, self._core.cached_tokens(handle) // self._block_size
-            snapshot_id = self._core.prefix_snapshot(handle) if reused else -1
-            if snapshot_id >= 0 and self._snapshots is not None:
-                try:
-                    self._snapshots.restore_into(snapshot_id, seq.slot_idx)
-                except BaseException:
-                    self._core.clear(handle)  # nothing attached: as before the call
-                    raise
-            if short is not None:
-                raise short
+            except OutOfBlocks:  # the prefix is attached: its state is restored all the same
+                self._restore_prefix_state(seq, handle)
+                raise
+            self._restore_prefix_state(seq, handle)
             return reused * self._block_size
+
+    def _restore_prefix_state(self, seq: SequenceState, handle: int) -> None:
+        """Copy the SSM snapshot at the end of the attached prefix into the sequence's slot; if
+        the copy fails, the attach is undone."""
+        snapshot_id = self._core.prefix_snapshot(handle)
+        if snapshot_id >= 0 and self._snapshots is not None:
+            try:
+                self._snapshots.restore_into(snapshot_id, seq.slot_idx)
+            except BaseException:
+                self._core.clear(handle)  # nothing attached: as before the call
+                raise
 
     def grow(self, seq: SequenceState, num_tokens: int) -> int:
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
@@ -615,6 +619,8 @@ class HybridModel(LifecycleDefaults):
         handle = self._handle(seq)
         with self._lock:
             self._enter()
+            if not seq._open or self._core.status(handle) != 1:
+                raise SequenceStateError(f"bind_adapter: sequence {seq.seq_id} is {seq.status.value}, not active")
             uid = self._adapters.acquire(adapter_slot)
             try:
                 self._core.bind_adapter(handle, adapter_slot, uid)
@@ -645,6 +651,11 @@ class HybridModel(LifecycleDefaults):
     def core(self) -> KVCacheCore:
         """The KV cache core: every request's state, the prefix trie, the block pool."""
         return self._core
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool (refcounts; the core keeps every reference in it)."""
+        return self._pool
 
     @property
     def slots(self) -> SlotPool:
@@ -680,7 +691,3 @@ class HybridModel(LifecycleDefaults):
                 adapter_refs[slot] += 1
             if adapter_refs != self._adapters.refcounts():
                 raise InvariantViolation(f"adapter refcounts {self._adapters.refcounts()} but sequences hold {adapter_refs}")
-            for slot in range(self._config.max_seqs):
-                owner = self._slots.owner_of(slot)
-                if self._slots.guard_of(slot) is not None and not self._core.is_live(owner):
-                    raise InvariantViolation(f"slot {slot} is guarded for {owner}, which is not a live sequence")

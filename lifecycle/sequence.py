@@ -37,6 +37,8 @@ class SeqStatus(enum.Enum):
     FREED = "freed"
 
 
+_NO_IDS: Final = np.empty(0, dtype=np.int32)
+
 # Indexed by the core's status code (0 freed, 1 active, 2 retired).
 _STATUS: Final = (SeqStatus.FREED, SeqStatus.ACTIVE, SeqStatus.RETIRED)
 
@@ -95,6 +97,8 @@ class SequenceState:
 
     # --- read side -------------------------------------------------------------------------------
 
+    # A freed sequence holds nothing: its readers answer as for an empty one.
+
     @property
     def seq_id(self) -> int:
         return self._seq_id
@@ -122,30 +126,30 @@ class SequenceState:
     @property
     def block_table(self) -> npt.NDArray[np.int32]:
         """The sequence's block ids in order (int32, a copy safe to hand to a kernel)."""
-        return self._core.block_table(self._handle)
+        return self._core.block_table(self._handle) if self._open else _NO_IDS.copy()
 
     @property
     def num_blocks(self) -> int:
-        return self._core.num_blocks(self._handle)
+        return self._core.num_blocks(self._handle) if self._open else 0
 
     @property
     def tokens(self) -> npt.NDArray[np.int32]:
-        """Prompt and generated tokens so far (a copy)."""
-        return self._core.tokens(self._handle)
+        """Prompt and generated tokens so far (a copy; empty once freed)."""
+        return self._core.tokens(self._handle) if self._open else _NO_IDS.copy()
 
     @property
     def num_tokens(self) -> int:
-        return self._core.num_tokens(self._handle)
+        return self._core.num_tokens(self._handle) if self._open else 0
 
     def block_hashes(self) -> npt.NDArray[np.uint64]:
         """Content hashes of the sequence's full blocks (docs/content-hashes.md): the same on every
         process and machine for the same tokens and adapter, computed once per block."""
-        return self._core.block_hashes(self._handle)
+        return self._core.block_hashes(self._handle) if self._open else np.empty(0, dtype=np.uint64)
 
     @property
     def prompt_len(self) -> int:
         """Tokens of the prompt (the rest of ``tokens`` was generated)."""
-        return self._core.prompt_len(self._handle)
+        return self._core.prompt_len(self._handle) if self._open else 0
 
     @prompt_len.setter
     def prompt_len(self, value: int) -> None:
@@ -154,13 +158,13 @@ class SequenceState:
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens whose KV came from the prefix cache."""
-        return self._core.cached_tokens(self._handle)
+        return self._core.cached_tokens(self._handle) if self._open else 0
 
     @property
     def ssm_tokens(self) -> int | None:
         """How many tokens the SSM state in the slot has consumed (set by the engine; None means
         ``num_tokens``). A snapshot is only taken where this falls on a block boundary."""
-        value = self._core.ssm_tokens(self._handle)
+        value = self._core.ssm_tokens(self._handle) if self._open else -1
         return None if value < 0 else value
 
     @ssm_tokens.setter

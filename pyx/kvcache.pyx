@@ -799,7 +799,7 @@ cdef class KVCacheCore:
         cdef Failure f
         cdef int64_t key = _adapter_key(adapter)
         cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", -1, INT32_MAX)
-        cdef Py_ssize_t tokens = _as_count(token_capacity, "token_capacity", 0, self._max_blocks_per_seq * self._block_size)
+        cdef Py_ssize_t tokens = _as_count(token_capacity, "token_capacity", 0, (self._max_blocks_per_seq + 1) * self._block_size)
         cdef int64_t handle
         cdef int64_t name = -1 if seq_id is None else _as_count(seq_id, "seq_id", 0, INT64_MAX_PY)
         _ok(&f)
@@ -885,8 +885,8 @@ cdef class KVCacheCore:
         cdef Py_ssize_t prefix = _as_count(max_prefix, "max_prefix", -1, INT32_MAX)
         cdef Failure f
         tokens = _token_vector(tokens, &data, &n)
-        if n > limit * self._block_size:
-            raise InvalidId(f"attach: {n} tokens are over the per-sequence limit of {limit * self._block_size}")
+        if n > (limit + 1) * self._block_size:
+            raise InvalidId(f"attach: {n} tokens are over the per-sequence limit of {(limit + 1) * self._block_size}")
         _ok(&f)
         if self._lock_with_gil(n):
             reuse = self._attach_checked(h, data, n, prefix, wanted, &f)
@@ -920,8 +920,8 @@ cdef class KVCacheCore:
         cdef int64_t handle
         cdef Failure f
         tokens = _token_vector(tokens, &data, &n)
-        if n > limit * self._block_size:
-            raise InvalidId(f"admit: {n} tokens are over the per-sequence limit of {limit * self._block_size}")
+        if n > (limit + 1) * self._block_size:
+            raise InvalidId(f"admit: {n} tokens are over the per-sequence limit of {(limit + 1) * self._block_size}")
         _ok(&f)
         if self._lock_with_gil(n):
             handle = self._admit_locked(key, data, n, prefix, wanted, &f)
@@ -975,10 +975,10 @@ cdef class KVCacheCore:
         if rec == NULL:
             return
         total = rec.num_tokens + n
-        if total > self._max_blocks_per_seq * self._block_size:
+        if total > (self._max_blocks_per_seq + 1) * self._block_size:
             f.code = E_TOO_LONG
             f.value = total
-            f.limit = self._max_blocks_per_seq * self._block_size
+            f.limit = (self._max_blocks_per_seq + 1) * self._block_size
             return
         if self._reserve_rec(rec, 0, total):
             f.code = E_NO_MEMORY

@@ -177,15 +177,14 @@ def model_digest(model: HybridModel) -> Digest:
     references, cached blocks and snapshots. Reaps dropped sequences first (their release is a
     legitimate change that the next call would make anyway)."""
     model.num_live_sequences  # noqa: B018  (reaps the drop queue)
-    snapshots = model._snapshots
     return (
-        model._pool.refcounts().tobytes(),
-        model._slots.num_free,
-        model._slots.num_guarded,
-        model._slots.num_detached,
+        model.pool.refcounts().tobytes(),
+        model.slots.num_free,
+        model.slots.num_guarded,
+        model.slots.num_detached,
         tuple(model._adapters.refcounts()),
-        model._trie.num_cached_blocks,
-        snapshots.num_used if snapshots is not None else 0,
+        model.core.num_cached_blocks,
+        model.core.num_snapshots_used,
     )
 
 
@@ -315,7 +314,7 @@ class Driver:
             s = t.seq
             if s.status is not SeqStatus.ACTIVE:
                 continue
-            if guarded and s._guard is None:
+            if guarded and s.is_detached:
                 continue
             if unbound and (s.adapter_slot != NO_ADAPTER or s.num_blocks):
                 continue
@@ -355,8 +354,10 @@ class Driver:
             if s.slot_idx in slots:
                 raise self._fail(f"slot {s.slot_idx} is held by two live sequences")
             slots.add(s.slot_idx)
-            if s._guard is None or s._guard.slot != s.slot_idx:
-                raise self._fail(f"sequence {s.seq_id} reports slot {s.slot_idx} but its guard holds {s._guard}")
+            if self.model.slots.owner_of(s.slot_idx) != s._handle:
+                raise self._fail(
+                    f"sequence {s.seq_id} reports slot {s.slot_idx}, whose guard records owner {self.model.slots.owner_of(s.slot_idx)}"
+                )
             if ssm is not None and s.ssm_addrs != tuple(
                 (ssm.h_addr(i, s.slot_idx), ssm.conv_addr(i, s.slot_idx)) for i in range(ssm.num_layers)
             ):
@@ -486,7 +487,7 @@ class Driver:
         if not np.array_equal(seq.tokens, tokens) or seq.prompt_len != tokens.shape[0]:
             raise self._fail("attach_prefix did not record the prompt")
         if grow_to is None and self.choose.integer(0, 3) == 0:  # a retried lookup takes no second set of references
-            refs = self.model._pool.refcounts()
+            refs = self.model.pool.refcounts()
             try:
                 again = self.model.attach_prefix(seq, tokens)
             except CudaError as exc:
@@ -494,7 +495,7 @@ class Driver:
                 seq.mark_failed()
                 self._free(track)
                 return
-            if not np.array_equal(refs, self.model._pool.refcounts()) or again != reused:
+            if not np.array_equal(refs, self.model.pool.refcounts()) or again != reused:
                 raise self._fail("a retried attach_prefix took references twice")
         self._grow_to(track, seq.num_tokens)
 
@@ -540,13 +541,13 @@ class Driver:
         track = self._pick([t for t in self.seqs if t.seq.num_tokens])
         if track is None:
             return self.op_attach_prefix()
-        cached = self.model._trie.num_cached_blocks
+        cached = self.model.core.num_cached_blocks
         try:
             self.model.cache_sequence(track.seq)
         except CudaError as exc:  # the snapshot copy failed; the KV insert stands
             self._device_fault(exc)
             return
-        if self.model._trie.num_cached_blocks < cached:
+        if self.model.core.num_cached_blocks < cached:
             raise self._fail("cache_sequence dropped cached blocks")
 
     def op_save_snapshot(self) -> None:
@@ -588,15 +589,15 @@ class Driver:
             if model_digest(self.model) != before or seq_digest(seq) != seq_before:
                 raise self._fail(f"compact_sequence({old} -> {target}) failed on the device but changed state") from exc
             return False
-        if seq.slot_idx != target or self.model._slots.is_free(target):
+        if seq.slot_idx != target or self.model.slots.is_free(target):
             raise self._fail(f"compact_sequence({old} -> {target}) left the sequence at {seq.slot_idx}")
-        if old != target and not self.model._slots.is_free(old):
+        if old != target and not self.model.slots.is_free(old):
             raise self._fail(f"compact_sequence({old} -> {target}) did not release slot {old}")
         return True
 
     def op_compact_free(self) -> None:
         track = self._pick(self._active(guarded=True))
-        free = [s for s in range(self.config.max_seqs) if self.model._slots.is_free(s)]
+        free = [s for s in range(self.config.max_seqs) if self.model.slots.is_free(s)]
         if track is None or not free:
             return self.op_alloc()
         self._compact(track, free[self.choose.integer(0, len(free) - 1)])
@@ -604,7 +605,7 @@ class Driver:
     def op_compact_retired(self) -> None:
         """Scenario 1: a survivor moves into a retired sequence's slot, which detaches it."""
         survivor = self._pick(self._active(guarded=True))
-        retired = self._pick([t for t in self.seqs if t.seq.status is SeqStatus.RETIRED and t.seq._guard is not None])
+        retired = self._pick([t for t in self.seqs if t.seq.status is SeqStatus.RETIRED and not t.seq.is_detached])
         if survivor is None or retired is None:
             return self.op_retire()
         target = retired.seq.slot_idx
@@ -612,7 +613,7 @@ class Driver:
             raise self._fail(f"compacting into retired sequence {retired.seq.seq_id}'s slot did not detach it")
 
     def op_compact_detached(self) -> None:
-        detached = [s for s in range(self.config.max_seqs) if self.model._slots.is_detached(s)]
+        detached = [s for s in range(self.config.max_seqs) if self.model.slots.is_detached(s)]
         track = self._pick(self._active(guarded=True))
         if not detached or track is None:
             return self.op_detach()
@@ -622,11 +623,11 @@ class Driver:
         """Detach a retired sequence (its slot is meant for a survivor); at most half the slots
         are left detached, as an engine compacts a survivor in soon after."""
         track = self._pick([t for t in self.seqs if t.seq.status is SeqStatus.RETIRED and not t.seq.is_detached])
-        if track is None or self.model._slots.num_detached >= self.config.max_seqs // 2:
+        if track is None or self.model.slots.num_detached >= self.config.max_seqs // 2:
             return self.op_retire()
         slot = track.seq.slot_idx
         self.model.detach_slot_for_reuse(track.seq)
-        if not track.seq.is_detached or not self.model._slots.is_detached(slot) or track.seq.ssm_addrs:
+        if not track.seq.is_detached or not self.model.slots.is_detached(slot) or track.seq.ssm_addrs:
             raise self._fail(f"detach_slot_for_reuse left slot {slot} {track.seq!r}")
         self.model.detach_slot_for_reuse(track.seq)  # a second call is a no-op
 
@@ -638,9 +639,9 @@ class Driver:
         self.model.free_sequence(seq)
         if not seq.is_freed or seq.num_blocks:
             raise self._fail(f"free_sequence left {seq!r}")
-        if not detached and not self.model._slots.is_free(slot):
+        if not detached and not self.model.slots.is_free(slot):
             raise self._fail(f"free_sequence did not release slot {slot}")
-        if detached and self.model._slots.num_detached == 0 and self.has_ssm:
+        if detached and self.model.slots.num_detached == 0 and self.has_ssm:
             pass  # the survivor owns it now; nothing to check here
         self.model.free_sequence(seq)  # a second call is a no-op
         self._remove(track)
@@ -668,7 +669,7 @@ class Driver:
         del track
         if self.choose.integer(0, 7) == 0:
             gc.collect()
-        if not detached and not self.model._slots.is_free(slot):
+        if not detached and not self.model.slots.is_free(slot):
             raise self._fail(f"a dropped sequence did not release slot {slot}")
 
     def op_reclaim(self) -> None:
@@ -798,9 +799,9 @@ class Driver:
         if track is None:
             return
         track.seq.mark_failed()
-        cached = self.model._trie.num_cached_blocks
+        cached = self.model.core.num_cached_blocks
         self.model.cache_sequence(track.seq)
-        if self.model._trie.num_cached_blocks != cached:
+        if self.model.core.num_cached_blocks != cached:
             raise self._fail("a failed sequence was cached")
 
     def op_bind_thread(self) -> None:
@@ -866,7 +867,7 @@ class Driver:
         gc.collect()
         self.check()
         for slot in range(self.config.max_seqs):
-            if model._slots.is_detached(slot):  # a survivor moves in, then leaves
+            if model.slots.is_detached(slot):  # a survivor moves in, then leaves
                 survivor = model.alloc_sequence()
                 model.compact_sequence(survivor, slot)
                 model.free_sequence(survivor)
@@ -874,10 +875,10 @@ class Driver:
             pass
         self.check()
         leaks += model.num_total_blocks() - model.num_free_blocks()
-        leaks += self.config.max_seqs - model._slots.num_free
+        leaks += self.config.max_seqs - model.slots.num_free
         leaks += sum(model._adapters.refcounts())
         leaks += model.num_live_sequences
-        leaks += model._trie.num_cached_blocks
+        leaks += model.core.num_cached_blocks
         model.teardown()
         report = model.teardown_report
         assert report is not None
@@ -1122,7 +1123,7 @@ def _bad_append(d: Driver) -> None:
         return _bad_budget(d)
     bad: object = ([-1], [2**31], np.ones((2, 2), dtype=np.int64), np.array([2**40]), [2**70])[d.choose.integer(0, 4)]
     d._refused(f"append_tokens({bad!r})", lambda: track.seq.append_tokens(bad),  # type: ignore[arg-type]
-               SequenceStateError, track.seq, kind="append: bad tokens")
+               InvalidId, track.seq, kind="append: bad tokens")
 
 
 _BAD_INPUTS: Final[tuple[Callable[[Driver], None], ...]] = (
@@ -1465,7 +1466,7 @@ def workload(life: Lifecycle, emulator: EmulatorControls | None = None) -> None:
     m.grow(b, 20)
     b.append_tokens(range(100, 106))
     at("compact_sequence (free slot)")
-    free_slot = next(s for s in range(life.config.max_seqs) if m._slots.is_free(s))
+    free_slot = next(s for s in range(life.config.max_seqs) if m.slots.is_free(s))
     m.compact_sequence(b, free_slot)
     at("compact_sequence (retired slot)")
     m.retire_sequence(a)
@@ -1515,8 +1516,8 @@ def release_everything(m: HybridModel, held: list[SequenceState]) -> None:
     problems = []
     if m.num_free_blocks() != m.num_total_blocks():
         problems.append(f"{m.num_total_blocks() - m.num_free_blocks()} blocks not back")
-    if m._slots.num_free != m.config.max_seqs:
-        problems.append(f"{m.config.max_seqs - m._slots.num_free} slots not back")
+    if m.slots.num_free != m.config.max_seqs:
+        problems.append(f"{m.config.max_seqs - m.slots.num_free} slots not back")
     if sum(m._adapters.refcounts()):
         problems.append(f"adapter references {m._adapters.refcounts()}")
     if m.num_live_sequences:

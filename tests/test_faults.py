@@ -126,14 +126,14 @@ def test_a_failing_compaction_copy_moves_nothing(device: Device, emu: Emulator, 
     m = HybridModel(CONFIG, device)
     a, b = _two_sequences(m)
     slot, addrs = a.slot_idx, a.ssm_addrs
-    target = next(s for s in range(CONFIG.max_seqs) if m._slots.is_free(s))
+    target = next(s for s in range(CONFIG.max_seqs) if m.slots.is_free(s))
     emu.fail_call(entry_point, CUDA_ERROR_ILLEGAL_ADDRESS, 1)
     with pytest.raises(CudaError, match=entry_point):
         m.compact_sequence(a, target)
     m.check_invariants()
-    assert (a.slot_idx, a.ssm_addrs) == (slot, addrs) and m._slots.is_free(target)
+    assert (a.slot_idx, a.ssm_addrs) == (slot, addrs) and m.slots.is_free(target)
     m.compact_sequence(a, target)  # the retry works
-    assert a.slot_idx == target and m._slots.is_free(slot)
+    assert a.slot_idx == target and m.slots.is_free(slot)
     for seq in (a, b):
         m.free_sequence(seq)
     release_everything(m, [])
@@ -145,7 +145,7 @@ def test_a_failing_slot_zeroing_gives_the_slot_back(device: Device, emu: Emulato
     emu.fail_call("cuMemsetD8Async", CUDA_ERROR_LAUNCH_FAILED, 1)
     with pytest.raises(CudaError, match="cuMemsetD8Async"):
         m.alloc_sequence()
-    assert m._slots.num_free == CONFIG.max_seqs and m.num_live_sequences == 0
+    assert m.slots.num_free == CONFIG.max_seqs and m.num_live_sequences == 0
     m.check_invariants()
     m.free_sequence(m.alloc_sequence())
     m.teardown()
@@ -158,12 +158,12 @@ def test_a_failing_swap_out_copy_frees_nothing_and_the_next_save_works(
 ) -> None:
     m = HybridModel(CONFIG, device)
     a, b = _two_sequences(m)
-    refs = m._pool.refcounts()
+    refs = m.pool.refcounts()
     emu.fail_call(entry_point, CUDA_ERROR_LAUNCH_FAILED, 1)
     with pytest.raises(CudaError, match=entry_point):
         m.save_sequence_state(a, io.BytesIO())
     m.check_invariants()
-    assert np.array_equal(refs, m._pool.refcounts()) and not a.is_freed
+    assert np.array_equal(refs, m.pool.refcounts()) and not a.is_freed
     out = io.BytesIO()
     m.save_sequence_state(a, out)
     m.restore_sequence_state(b, a.num_blocks, io.BytesIO(out.getvalue()))
@@ -181,12 +181,12 @@ def test_a_failing_swap_in_copy_leaves_the_target_fresh(device: Device, emu: Emu
     a, b = _two_sequences(m)
     out = io.BytesIO()
     m.save_sequence_state(a, out)
-    refs = m._pool.refcounts()
+    refs = m.pool.refcounts()
     emu.fail_call(entry_point, CUDA_ERROR_LAUNCH_FAILED, 1)
     with pytest.raises(CudaError, match=entry_point):
         m.restore_sequence_state(b, a.num_blocks, io.BytesIO(out.getvalue()))
     m.check_invariants()
-    assert b.num_blocks == 0 and b.num_tokens == 0 and np.array_equal(refs, m._pool.refcounts())
+    assert b.num_blocks == 0 and b.num_tokens == 0 and np.array_equal(refs, m.pool.refcounts())
     m.restore_sequence_state(b, a.num_blocks, io.BytesIO(out.getvalue()))
     assert np.array_equal(b.tokens, a.tokens)
     for seq in (a, b):
@@ -203,12 +203,12 @@ def test_a_failing_snapshot_restore_during_attach_is_a_failed_prefill(device: De
     m.save_snapshot(a, 8)
     b = m.alloc_sequence()
     emu.fail_call("cuMemcpyBatchAsync", CUDA_ERROR_LAUNCH_FAILED, 1)
-    refs = m._pool.refcounts()
+    refs = m.pool.refcounts()
     with pytest.raises(CudaError):
         m.attach_prefix(b, PROMPT)
     m.check_invariants()
     # the snapshot is restored before any reference is taken: nothing to undo
-    assert b.num_blocks == 0 and b.num_tokens == 0 and np.array_equal(refs, m._pool.refcounts())
+    assert b.num_blocks == 0 and b.num_tokens == 0 and np.array_equal(refs, m.pool.refcounts())
     assert m.attach_prefix(b, PROMPT) == 8  # the retried prefill reuses the prefix
     m.free_sequence(b)
     m.free_sequence(a)

@@ -250,12 +250,12 @@ def test_a_bad_record_evicts_nothing_from_the_prefix_cache() -> None:
         while m.num_free_blocks() > 1:  # hogs take all but one free block
             hogs.append(m.alloc_sequence())
             m.grow(hogs[-1], 4 * min(16, m.num_free_blocks() - 1))
-        cached = m._trie.num_cached_blocks
+        cached = m.core.num_cached_blocks
         target = m.alloc_sequence()
         with pytest.raises(SwapFormatError):
             m.restore_sequence_state(target, 3, io.BytesIO(b"not a swap record"))
         m.check_invariants()
-        assert m._trie.num_cached_blocks == cached
+        assert m.core.num_cached_blocks == cached
     finally:
         m.teardown()
         dev.close()

@@ -25,8 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from lifecycle.device.host import HostDevice
 from lifecycle.errors import InvalidId, InvariantViolation, SequenceStateError
 from lifecycle.model import HybridModel
+from lifecycle.sequence import SequenceState
 from devices import make_device
-from reliability_driver import _BAD_INPUTS, CONFIGS, Counts, Driver, RandomChooser, run_random
+from reliability_driver import _BAD_INPUTS, CONFIGS, Counts, Driver, DriverFailure, RandomChooser, run_random
 
 LONG = os.environ.get("LIFECYCLE_LONG") == "1"
 #: Operations of the random-driver test: a few seconds in CI, 1,000,000 in the long mode.
@@ -198,30 +199,41 @@ def test_every_configuration_gets_a_clean_episode() -> None:
 
 
 def test_the_driver_catches_a_reference_the_model_forgets() -> None:
-    """The driver's checks can fail: a model whose free_sequence keeps the prefix pins leaves
-    pins no sequence holds, which the recount after the first such free reports."""
+    """The driver's checks can fail: a model whose free_sequence releases the slot but forgets
+    the sequence's record keeps its pins and blocks, which the driver's leak checks report."""
     dev = HostDevice()
     driver = Driver(CONFIGS["attention"], dev, RandomChooser(3))
-    driver.model._release_pins = lambda holdings: None  # type: ignore[method-assign]
-    with pytest.raises(InvariantViolation, match="pinned"):
+
+    def forgetful_release(seq: SequenceState, handle: int, *, cache: bool) -> None:
+        guard, seq._guard = seq._guard, None
+        seq._open = False
+        if guard is not None:
+            guard.release()
+
+    driver.model._release = forgetful_release  # type: ignore[method-assign]
+    try:
         driver.run(1000)
+        leaks = driver.finish()
+    except DriverFailure:
+        leaks = -1
+    assert leaks != 0
     dev.close()
 
 
-def test_check_invariants_finds_a_pin_no_sequence_holds() -> None:
+def test_check_invariants_finds_a_reference_no_sequence_holds() -> None:
     m = HybridModel(CONFIGS["attention"], HostDevice())
     seq = m.alloc_sequence()
     m.attach_prefix(seq, list(range(1, 10)))
     m.grow(seq, 9)
     m.cache_sequence(seq)
     m.free_sequence(seq)
-    _, nodes = m._trie.match(np.arange(1, 10, dtype=np.int32), 0, 2)
-    m._trie.pin(nodes)  # a leaked pin: no sequence holds it
+    cached = next(b for b in range(m.num_total_blocks()) if m.pool.refcount(b) == 1)
+    m.pool.inc_ref([cached])  # a leaked reference: neither a sequence nor the cache holds it
     try:
-        with pytest.raises(InvariantViolation):
+        with pytest.raises(InvariantViolation, match=f"block {cached}: refcount 2"):
             m.check_invariants()
     finally:
-        m._trie.unpin(nodes)
+        m.pool.dec_ref([cached])
         m.teardown()
 
 
@@ -239,7 +251,7 @@ def test_counts_merge_adds_every_field() -> None:
 def test_an_oversized_python_token_is_refused_by_append_tokens() -> None:
     m = HybridModel(CONFIGS["attention"], HostDevice())
     seq = m.alloc_sequence()
-    with pytest.raises(SequenceStateError):
+    with pytest.raises(InvalidId, match="1180591620717411303424"):
         seq.append_tokens([2**70])
     m.free_sequence(seq)
     m.teardown()

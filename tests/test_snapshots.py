@@ -120,8 +120,8 @@ def out_of_stream(dev: Device, addr: int, nbytes: int) -> npt.NDArray[np.uint8]:
 
 
 def snapshots_used(m: HybridModel) -> int:
-    assert m._snapshots is not None
-    return m._snapshots.num_used
+    assert m.core.num_snapshots > 0
+    return m.core.num_snapshots_used
 
 
 def admit(m: HybridModel, tokens: npt.NDArray[np.int32]) -> tuple[SequenceState, int]:
@@ -176,7 +176,7 @@ def assert_clean(m: HybridModel) -> None:
     m.reclaim_prefix_blocks(m.num_total_blocks())
     m.check_invariants()
     assert m.num_free_blocks() == m.num_total_blocks()
-    if m._snapshots is not None:
+    if m.core.num_snapshots > 0:
         assert snapshots_used(m) == 0  # no node left, so no snapshot left
 
 
@@ -348,7 +348,7 @@ def test_a_snapshot_dropped_by_the_pool_lru_leaves_its_nodes_kv_cached(build: Bu
 
 def test_an_attention_model_reuses_the_whole_match_without_snapshots(build: Build) -> None:
     m = build(attention=True)
-    assert m._snapshots is None
+    assert m.core.num_snapshots == 0
     cache_path(m, path(1, 2, 3, extra=1))  # no block boundary at the end: irrelevant without SSM
     assert lookup(m, path(1, 2, 3, extra=1))[0] == 12
     stats = m.stats()
@@ -359,7 +359,7 @@ def test_an_attention_model_reuses_the_whole_match_without_snapshots(build: Buil
 def test_a_hybrid_model_without_a_snapshot_pool_reuses_nothing(build: Build) -> None:
     m = build(num_snapshots=0)
     cache_path(m, path(1, 2))
-    assert m._snapshots is None
+    assert m.core.num_snapshots == 0
     before = m.stats()
     assert lookup(m, path(1, 2, extra=1))[0] == 0
     assert delta(before, m.stats(), "snapshot_hits_cut_short") == {"snapshot_hits_cut_short": 1}

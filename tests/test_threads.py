@@ -79,7 +79,7 @@ def guarded(tally: Tally, body: Callable[[], None]) -> Callable[[], None]:
 
 
 def free_slot(m: HybridModel) -> int | None:
-    free = [s for s in range(CONFIG.max_seqs) if m._slots.is_free(s)]
+    free = [s for s in range(CONFIG.max_seqs) if m.slots.is_free(s)]
     return random.choice(free) if free else None
 
 
@@ -192,7 +192,7 @@ def hammer(*, drop_sequences: bool, concurrent_checks: bool) -> Tally:
         pass
     assert m.num_live_sequences == 0
     assert m.num_free_blocks() == m.num_total_blocks()
-    assert m._slots.num_free == CONFIG.max_seqs
+    assert m.slots.num_free == CONFIG.max_seqs
     assert tally.ops >= WORKERS * ROUNDS
     m.teardown()
     assert m.teardown_report is not None and m.teardown_report.leaked == 0
@@ -241,8 +241,8 @@ def test_sequences_dropped_on_other_threads_are_reaped_once() -> None:
         t.join()
     assert tally.errors == []
     m.check_invariants()
-    assert m.num_live_sequences == 0 and m._slots.num_free == CONFIG.max_seqs
-    assert m.num_free_blocks() + m._trie.num_cached_blocks == m.num_total_blocks()
+    assert m.num_live_sequences == 0 and m.slots.num_free == CONFIG.max_seqs
+    assert m.num_free_blocks() + m.core.num_cached_blocks == m.num_total_blocks()
     m.teardown()
     assert m.teardown_report is not None and m.teardown_report.leaked == 0
     dev.close()
