@@ -31,6 +31,8 @@ from lifecycle.device.host import HostDevice
 TEST_DEVICE_ENV = "LIFECYCLE_TEST_DEVICE"
 #: Set to 1 by the emulated run: a cuda device must then come from the emulated driver.
 EXPECT_EMULATOR_ENV = "LIFECYCLE_EXPECT_EMULATOR"
+#: Set by the emulated run to the driver version it emulates: a cuda device must report it.
+EXPECT_DRIVER_VERSION_ENV = "LIFECYCLE_EXPECT_DRIVER_VERSION"
 DeviceKindUnderTest = Literal["host", "host-deferred", "cuda"]
 
 # CUresult codes the tests inject
@@ -76,7 +78,12 @@ def make_device(kind: DeviceKindUnderTest | None = None) -> Device:
     _keep_primary_context()
     from lifecycle.device.cuda import CudaDevice
 
-    return CudaDevice(0)
+    dev = CudaDevice(0)
+    expected = os.environ.get(EXPECT_DRIVER_VERSION_ENV)
+    if expected and dev.driver_version != int(expected):
+        dev.close()
+        pytest.fail(f"{EXPECT_DRIVER_VERSION_ENV}={expected} but the driver reports {dev.driver_version}")
+    return dev
 
 
 @pytest.fixture
@@ -131,7 +138,10 @@ class Emulator:
         lib.emu_fail_from_call.argtypes = [ctypes.c_ulonglong, ctypes.c_int]
         lib.emu_fail_call.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         lib.emu_set_device_count.argtypes = [ctypes.c_int]
-        for name in ("emu_live_allocations", "emu_live_bytes", "emu_pending_ops"):
+        lib.emu_fail_at_sync.argtypes = [ctypes.c_int]
+        lib.emu_engine_write.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
+        lib.emu_hold_call.argtypes = [ctypes.c_char_p]
+        for name in ("emu_live_allocations", "emu_live_bytes", "emu_pending_ops", "emu_calls_during_hold"):
             getattr(lib, name).restype = ctypes.c_longlong
         lib.emu_call_count.restype = ctypes.c_ulonglong
 
@@ -154,6 +164,35 @@ class Emulator:
     def set_device_count(self, n: int) -> None:
         """Pretend ``n`` GPUs are present (0: cuInit fails with CUDA_ERROR_NO_DEVICE)."""
         self._lib.emu_set_device_count(n)
+
+    def fail_at_sync(self, code: int) -> None:
+        """An asynchronous fault: the next call that waits for the device fails with ``code``, and
+        so does every call after it."""
+        self._lib.emu_fail_at_sync(code)
+
+    def engine_write(self, stream: int, dst: int, data: npt.NDArray[np.uint8]) -> None:
+        """Stand-in for an engine kernel on ``stream``: ``data`` (copied now) lands at device
+        address ``dst`` when that stream's work runs."""
+        raw = np.ascontiguousarray(data, dtype=np.uint8)
+        rc = self._lib.emu_engine_write(stream, dst, raw.ctypes.data, raw.nbytes)
+        assert rc == 0, f"emu_engine_write(stream={stream:#x}, dst={dst:#x}, {raw.nbytes}) failed with {rc}"
+
+    def hold_call(self, name: str) -> None:
+        """The next call of entry point ``name`` waits inside the driver until :meth:`release_hold`."""
+        self._lib.emu_hold_call(name.encode())
+
+    def release_hold(self) -> None:
+        self._lib.emu_release_hold()
+
+    @property
+    def holding(self) -> bool:
+        """True while a held call waits."""
+        return bool(self._lib.emu_holding())
+
+    @property
+    def calls_during_hold(self) -> int:
+        """Driver calls made by other threads while the held call waited."""
+        return int(self._lib.emu_calls_during_hold())
 
     @property
     def live_allocations(self) -> int:
@@ -197,3 +236,36 @@ def emu(device: Device) -> Iterator[Emulator]:
     emulator.reset()
     yield emulator
     emulator.reset()
+
+
+class EngineStream:
+    """A stream of the engine's own (created through the driver, like ``torch.cuda.Stream()``),
+    on which :meth:`write` queues stand-ins for kernels still writing the pools. ``cuda_stream``
+    is its raw handle, as torch names it."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        from cuda.bindings import driver
+
+        self._emulator = emulator
+        err, stream = driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        assert not err, f"cuStreamCreate failed: {err}"
+        self._stream = stream
+        self.cuda_stream = int(stream)
+
+    def write(self, dst: int, data: npt.NDArray[np.uint8]) -> None:
+        """A kernel writing ``data`` at ``dst``, still in flight when this returns."""
+        self._emulator.engine_write(self.cuda_stream, dst, data)
+
+    def close(self) -> None:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuStreamDestroy(self._stream)
+        assert not err, f"cuStreamDestroy failed: {err}"
+
+
+@pytest.fixture
+def engine(emu: Emulator) -> Iterator[EngineStream]:
+    """An engine stream over the emulated driver (skipped elsewhere), destroyed after the test."""
+    stream = EngineStream(emu)
+    yield stream
+    stream.close()
