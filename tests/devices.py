@@ -18,8 +18,10 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-from collections.abc import Iterator
-from typing import Literal
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +36,7 @@ EXPECT_EMULATOR_ENV = "LIFECYCLE_EXPECT_EMULATOR"
 #: Set by the emulated run to the driver version it emulates: a cuda device must report it.
 EXPECT_DRIVER_VERSION_ENV = "LIFECYCLE_EXPECT_DRIVER_VERSION"
 DeviceKindUnderTest = Literal["host", "host-deferred", "cuda"]
+T = TypeVar("T")
 
 # CUresult codes the tests inject
 CUDA_ERROR_INVALID_VALUE = 1
@@ -127,6 +130,50 @@ def write_device(dev: Device, ptr: int, data: npt.NDArray[np.generic]) -> None:
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
     dev.copy_htod(ptr, raw.ctypes.data, raw.nbytes)
     dev.synchronize()
+
+
+def in_new_thread(work: Callable[[], T]) -> T:
+    """Run ``work`` on a fresh thread (no CUDA context current) and return what it returned,
+    re-raising what it raised."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as exc:  # surfaced on the calling thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]
+
+
+def in_forked_child(check: Callable[[], str]) -> str:
+    """Run ``check`` in a child forked from this process and return the text it returned (or
+    ``raised <type>: <message>``). The child never returns into pytest."""
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() while other threads exist
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read_fd)
+            try:
+                out = check()
+            except BaseException as exc:
+                out = f"raised {type(exc).__name__}: {exc}"
+            os.write(write_fd, out.encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        out = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return out
 
 
 class Emulator:
