@@ -185,10 +185,12 @@ def test_a_forked_child_cannot_open_a_cuda_device_and_is_told_why(cuda: CudaDevi
 def test_open_device_auto_in_a_forked_child_falls_back_to_the_host_with_a_warning(cuda: CudaDevice) -> None:
     def open_auto() -> str:
         records: list[logging.LogRecord] = []
-        handler = logging.Handler()
-        handler.emit = records.append  # type: ignore[method-assign]
-        logger = logging.getLogger("lifecycle.device")
-        logger.addHandler(handler)
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record)
+
+        logging.getLogger("lifecycle.device").addHandler(Keep())
         dev = open_device("auto")
         warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
         return f"{dev.kind}|{warned}"
