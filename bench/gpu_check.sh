@@ -13,8 +13,8 @@
 #   bench/gpu_check.sh --dry-run   anywhere without a GPU: the emulated driver (tests/emu_cuda, built
 #                                  with cc) stands in for the GPU; GPU_CHECK_DRY_RUN=1 does the same
 #
-# Needs python3 (or $PYTHON) with setuptools, cython, numpy, cuda-bindings, pytest, hypothesis, xxhash
-# and rich; a C compiler. Files (at most 8) go to $OUT, else to a new temp dir: gpu_check.log (every
+# Needs python3 (or $PYTHON) with pip, setuptools, cython, numpy, cuda-bindings, pytest, hypothesis and
+# xxhash (torch, where present, runs one more test); a C compiler. Files (at most 8) go to $OUT, else to a new temp dir: gpu_check.log (every
 # step's full output), gpu-tests.xml, device_bench_gpu.jsonl, swap_bench_gpu.jsonl, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -114,7 +114,8 @@ for name, value in rows:
     print(f"{name:>17}  {value}")
 short = {"python": "python", "cython": "cython", "numpy": "numpy", "cuda-bindings": "cuda-bindings", "CUDA driver": "driver"}
 print("versions: " + " ".join(f"{short[n]}={v.split()[0]}" for n, v in rows if n in short))
-missing = [name for name, value in rows[:11] if value.startswith("MISSING")]
+required = {"pip", "setuptools", "cython", "numpy", "cuda-bindings", "pytest", "hypothesis", "xxhash"}
+missing = [name for name, value in rows if name in required and value.startswith("MISSING")]
 if missing:
     print("missing: " + ", ".join(missing))
     sys.exit(1)

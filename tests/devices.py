@@ -18,7 +18,10 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import select
+import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Literal, TypeVar
@@ -152,9 +155,10 @@ def in_new_thread(work: Callable[[], T]) -> T:
     return results[0]
 
 
-def in_forked_child(check: Callable[[], str]) -> str:
+def in_forked_child(check: Callable[[], str], timeout_s: float = 120.0) -> str:
     """Run ``check`` in a child forked from this process and return the text it returned (or
-    ``raised <type>: <message>``). The child never returns into pytest."""
+    ``raised <type>: <message>``). The child never returns into pytest; one that does not answer
+    within ``timeout_s`` is killed and the test fails."""
     read_fd, write_fd = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork() while other threads exist
@@ -170,10 +174,21 @@ def in_forked_child(check: Callable[[], str]) -> str:
         finally:
             os._exit(0)
     os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        out = pipe.read().decode()
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the forked child gave no answer within {timeout_s} s")
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
     os.waitpid(pid, 0)
-    return out
+    return b"".join(chunks).decode()
 
 
 class Emulator:

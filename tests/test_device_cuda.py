@@ -153,9 +153,8 @@ def test_close_waits_for_a_call_in_flight_on_another_thread(cuda: CudaDevice, em
 
     copier = threading.Thread(target=copy)
     copier.start()
-    for _ in range(5000):  # the copy is inside the driver within milliseconds
-        if emu.holding:
-            break
+    deadline = time.monotonic() + 60  # the copy is inside the driver within milliseconds
+    while not emu.holding and time.monotonic() < deadline:
         time.sleep(0.001)
     assert emu.holding
     closer = threading.Thread(target=cuda.close)

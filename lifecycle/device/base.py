@@ -22,8 +22,8 @@ from lifecycle.errors import InvalidId
 
 DeviceKind = Literal["host", "cuda"]
 
-#: Raw CUstream handles are pointers: 0 is the legacy default stream, 1 and 2 the special handles
-#: CU_STREAM_LEGACY and CU_STREAM_PER_THREAD.
+#: A raw CUstream handle is a pointer (0: the legacy default stream; 1 and 2: the special handles
+#: CU_STREAM_LEGACY and CU_STREAM_PER_THREAD), so it fits in 64 bits.
 _MAX_HANDLE = 1 << 64
 
 #: One copy of a batch: (destination address, source address, byte count).
