@@ -10,7 +10,9 @@ A test takes the ``device`` fixture and runs unchanged on every device:
 
 Register the fixture in a module with ``from devices import device  # noqa: F401`` (or once for
 all modules in ``tests/conftest.py``). The ``emu`` fixture gives the emulator's fault-injection
-controls and skips the test on any other device.
+controls and skips the test on any other device; the ``engine`` fixture (emulator only) is a stream
+of the engine's own, on which stand-ins for its kernels write the pools while still in flight.
+``in_new_thread`` and ``in_forked_child`` run a check on a fresh thread or in a forked process.
 """
 
 from __future__ import annotations

@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from devices import EXPECT_DRIVER_VERSION_ENV, EXPECT_EMULATOR_ENV, TEST_DEVICE_ENV, loaded_emulator, read_device, write_device
+from devices import (
+    EXPECT_DRIVER_VERSION_ENV,
+    EXPECT_EMULATOR_ENV,
+    TEST_DEVICE_ENV,
+    loaded_emulator,
+    read_device,
+    write_device,
+)
 from lifecycle.errors import DriverNotFound
 from test_device_emulated import EMULATED_SUITES
 
