@@ -79,6 +79,11 @@ class DriverNotFound(DeviceError):
     """No CUDA driver could be loaded, or no GPU is present."""
 
 
+class ForkedAfterCudaInit(DriverNotFound):
+    """This process was forked after its parent initialised CUDA: CUDA cannot be used here (the
+    driver refuses every call of a forked child); start workers with the 'spawn' method."""
+
+
 class CudaError(DeviceError):
     """A CUDA driver call failed; carries the driver's error name, text and the failing call."""
 

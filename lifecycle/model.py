@@ -632,6 +632,17 @@ class HybridModel(LifecycleDefaults):
         """The sequence's block ids as an int32 array (a copy, safe to hand to a kernel)."""
         return self._core.block_table(self._handle(seq))  # type: ignore[no-any-return]
 
+    def wait_stream(self, stream: object) -> None:
+        """Order the library's later device work after everything the engine has issued so far on
+        ``stream`` (a raw ``CUstream`` int, or an object with ``__cuda_stream__`` or
+        ``cuda_stream`` such as ``torch.cuda.current_stream()``), without blocking. Call it before
+        ``save_sequence_state``, ``save_snapshot``, ``cache_sequence`` or ``compact_sequence`` when
+        kernels on that stream may still be writing the sequence's KV or SSM state: otherwise the
+        library's copies, on its own stream, can read the state from before those writes."""
+        with self._lock:
+            self._enter()
+            self._device.wait_stream(stream)
+
     def stats(self) -> Stats:
         """A snapshot of the counters: the core's (requests, blocks, prefix cache, snapshots)
         and the model's own (compactions, detaches, swaps)."""

@@ -193,9 +193,27 @@ class KVPool:
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Copy blocks ``src -> dst`` for each ``(src, dst)`` pair, in every layer, as one batched
-        device copy (asynchronous). Every id is checked before anything is issued."""
+        device copy (asynchronous). The copies of a batch run in no particular order, so a block
+        may be written by one pair only, and not also be read by another (chained pairs such as
+        ``(a, b), (b, c)`` take two calls); a ``(b, b)`` pair is a no-op. Every id and pair is
+        checked before anything is issued."""
         self._allocations.check_live("KVPool")
         checked = [(self._block(src), self._block(dst)) for src, dst in pairs]
+        writer: dict[int, int] = {}  # block -> the pair that writes it
+        for index, (src, dst) in enumerate(checked):
+            if src != dst:
+                if dst in writer:
+                    raise InvalidId(
+                        f"copy_blocks: block {dst} is the destination of pairs {writer[dst]} and {index}; "
+                        "one batch writes a block at most once"
+                    )
+                writer[dst] = index
+        for index, (src, dst) in enumerate(checked):
+            if src != dst and src in writer:
+                raise InvalidId(
+                    f"copy_blocks: block {src} is read by pair {index} and written by pair {writer[src]} of the "
+                    "same batch; copies in a batch run in no particular order, so chained pairs take two calls"
+                )
         copies: list[Copy] = [
             (ptr + dst * block_bytes, ptr + src * block_bytes, block_bytes)
             for ptr, block_bytes in zip(self._ptrs, self._block_bytes)

@@ -9,6 +9,7 @@ of paying a Python call per block.
 cimport cython
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uintptr_t
+from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy, memmove
 
 cnp.import_array()
@@ -171,3 +172,81 @@ def put_int32(dst, Py_ssize_t start, src):
     if n:
         memmove(<char *>cnp.PyArray_DATA(d) + start * 4, cnp.PyArray_DATA(s), n * 4)
     return True
+
+
+cdef struct _Span:
+    int64_t start
+    int64_t end
+    Py_ssize_t row
+    bint is_dst
+
+
+cdef int _by_start(const void *a, const void *b) noexcept nogil:
+    cdef int64_t x = (<const _Span *>a).start
+    cdef int64_t y = (<const _Span *>b).start
+    return -1 if x < y else (1 if x > y else 0)
+
+
+# Below this many rows the pairwise test is cheaper than sorting.
+DEF PAIRWISE_ROWS = 8
+
+
+cdef inline bint _meet(int64_t a, int64_t b, int64_t n, int64_t m) noexcept nogil:
+    return a < b + m and b < a + n
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def first_overlap(const int64_t[:, ::1] rows):
+    """``(i, j)`` for two copies of the batch whose order matters: copy ``i``'s destination
+    overlaps copy ``j``'s destination or source (``i == j``: a copy onto its own source); ``(-1,
+    -1)`` when the copies may run in any order. Sizes must be >= 0; zero-size rows never conflict."""
+    cdef Py_ssize_t n = rows.shape[0]
+    cdef Py_ssize_t i, j, k, count = 0
+    cdef Py_ssize_t hit_i = -1, hit_j = -1, any_row = -1, dst_row = -1
+    cdef int64_t any_end = 0, dst_end = 0
+    cdef _Span *spans
+    if rows.shape[1] != 3:
+        raise ValueError(f"rows must have 3 columns, not {rows.shape[1]}")
+    with nogil:
+        if n <= PAIRWISE_ROWS:
+            for i in range(n):
+                if rows[i, 2] <= 0:
+                    continue
+                for j in range(n):
+                    if rows[j, 2] <= 0:
+                        continue
+                    if _meet(rows[i, 0], rows[j, 1], rows[i, 2], rows[j, 2]) or (
+                        j != i and _meet(rows[i, 0], rows[j, 0], rows[i, 2], rows[j, 2])
+                    ):
+                        hit_i, hit_j = i, j
+                        break
+                if hit_i >= 0:
+                    break
+        else:
+            spans = <_Span *>malloc(2 * n * sizeof(_Span))
+            if spans == NULL:
+                with gil:
+                    raise MemoryError()
+            for i in range(n):
+                if rows[i, 2] <= 0:
+                    continue
+                spans[count] = _Span(rows[i, 0], rows[i, 0] + rows[i, 2], i, True)
+                spans[count + 1] = _Span(rows[i, 1], rows[i, 1] + rows[i, 2], i, False)
+                count += 2
+            qsort(spans, count, sizeof(_Span), _by_start)
+            # In start order, a range conflicts with an earlier one iff it starts before the
+            # furthest end seen so far: of any range for a destination, of destinations for a source.
+            for k in range(count):
+                if spans[k].is_dst and any_row >= 0 and spans[k].start < any_end:
+                    hit_i, hit_j = spans[k].row, any_row
+                    break
+                if not spans[k].is_dst and dst_row >= 0 and spans[k].start < dst_end:
+                    hit_i, hit_j = dst_row, spans[k].row
+                    break
+                if any_row < 0 or spans[k].end > any_end:
+                    any_end, any_row = spans[k].end, spans[k].row
+                if spans[k].is_dst and (dst_row < 0 or spans[k].end > dst_end):
+                    dst_end, dst_row = spans[k].end, spans[k].row
+            free(spans)
+    return hit_i, hit_j

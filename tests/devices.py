@@ -10,7 +10,9 @@ A test takes the ``device`` fixture and runs unchanged on every device:
 
 Register the fixture in a module with ``from devices import device  # noqa: F401`` (or once for
 all modules in ``tests/conftest.py``). The ``emu`` fixture gives the emulator's fault-injection
-controls and skips the test on any other device.
+controls and skips the test on any other device; the ``engine`` fixture (emulator only) is a stream
+of the engine's own, on which stand-ins for its kernels write the pools while still in flight.
+``in_new_thread`` and ``in_forked_child`` run a check on a fresh thread or in a forked process.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-from collections.abc import Iterator
-from typing import Literal
+import select
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -31,7 +38,10 @@ from lifecycle.device.host import HostDevice
 TEST_DEVICE_ENV = "LIFECYCLE_TEST_DEVICE"
 #: Set to 1 by the emulated run: a cuda device must then come from the emulated driver.
 EXPECT_EMULATOR_ENV = "LIFECYCLE_EXPECT_EMULATOR"
+#: Set by the emulated run to the driver version it emulates: a cuda device must report it.
+EXPECT_DRIVER_VERSION_ENV = "LIFECYCLE_EXPECT_DRIVER_VERSION"
 DeviceKindUnderTest = Literal["host", "host-deferred", "cuda"]
+T = TypeVar("T")
 
 # CUresult codes the tests inject
 CUDA_ERROR_INVALID_VALUE = 1
@@ -76,7 +86,12 @@ def make_device(kind: DeviceKindUnderTest | None = None) -> Device:
     _keep_primary_context()
     from lifecycle.device.cuda import CudaDevice
 
-    return CudaDevice(0)
+    dev = CudaDevice(0)
+    expected = os.environ.get(EXPECT_DRIVER_VERSION_ENV)
+    if expected and dev.driver_version != int(expected):
+        dev.close()
+        pytest.fail(f"{EXPECT_DRIVER_VERSION_ENV}={expected} but the driver reports {dev.driver_version}")
+    return dev
 
 
 @pytest.fixture
@@ -122,6 +137,62 @@ def write_device(dev: Device, ptr: int, data: npt.NDArray[np.generic]) -> None:
     dev.synchronize()
 
 
+def in_new_thread(work: Callable[[], T]) -> T:
+    """Run ``work`` on a fresh thread (no CUDA context current) and return what it returned,
+    re-raising what it raised."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as exc:  # surfaced on the calling thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]
+
+
+def in_forked_child(check: Callable[[], str], timeout_s: float = 120.0) -> str:
+    """Run ``check`` in a child forked from this process and return the text it returned (or
+    ``raised <type>: <message>``). The child never returns into pytest; one that does not answer
+    within ``timeout_s`` is killed and the test fails."""
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() while other threads exist
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read_fd)
+            try:
+                out = check()
+            except BaseException as exc:
+                out = f"raised {type(exc).__name__}: {exc}"
+            os.write(write_fd, out.encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while True:
+            ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the forked child gave no answer within {timeout_s} s")
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
+
+
 class Emulator:
     """Controls of the emulated driver loaded in this process (see ``tests/emu_cuda/emu_cuda.c``)."""
 
@@ -131,7 +202,10 @@ class Emulator:
         lib.emu_fail_from_call.argtypes = [ctypes.c_ulonglong, ctypes.c_int]
         lib.emu_fail_call.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         lib.emu_set_device_count.argtypes = [ctypes.c_int]
-        for name in ("emu_live_allocations", "emu_live_bytes", "emu_pending_ops"):
+        lib.emu_fail_at_sync.argtypes = [ctypes.c_int]
+        lib.emu_engine_write.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
+        lib.emu_hold_call.argtypes = [ctypes.c_char_p]
+        for name in ("emu_live_allocations", "emu_live_bytes", "emu_pending_ops", "emu_calls_during_hold"):
             getattr(lib, name).restype = ctypes.c_longlong
         lib.emu_call_count.restype = ctypes.c_ulonglong
 
@@ -154,6 +228,35 @@ class Emulator:
     def set_device_count(self, n: int) -> None:
         """Pretend ``n`` GPUs are present (0: cuInit fails with CUDA_ERROR_NO_DEVICE)."""
         self._lib.emu_set_device_count(n)
+
+    def fail_at_sync(self, code: int) -> None:
+        """An asynchronous fault: the next call that waits for the device fails with ``code``, and
+        so does every call after it."""
+        self._lib.emu_fail_at_sync(code)
+
+    def engine_write(self, stream: int, dst: int, data: npt.NDArray[np.uint8]) -> None:
+        """Stand-in for an engine kernel on ``stream``: ``data`` (copied now) lands at device
+        address ``dst`` when that stream's work runs."""
+        raw = np.ascontiguousarray(data, dtype=np.uint8)
+        rc = self._lib.emu_engine_write(stream, dst, raw.ctypes.data, raw.nbytes)
+        assert rc == 0, f"emu_engine_write(stream={stream:#x}, dst={dst:#x}, {raw.nbytes}) failed with {rc}"
+
+    def hold_call(self, name: str) -> None:
+        """The next call of entry point ``name`` waits inside the driver until :meth:`release_hold`."""
+        self._lib.emu_hold_call(name.encode())
+
+    def release_hold(self) -> None:
+        self._lib.emu_release_hold()
+
+    @property
+    def holding(self) -> bool:
+        """True while a held call waits."""
+        return bool(self._lib.emu_holding())
+
+    @property
+    def calls_during_hold(self) -> int:
+        """Driver calls made by other threads while the held call waited."""
+        return int(self._lib.emu_calls_during_hold())
 
     @property
     def live_allocations(self) -> int:
@@ -197,3 +300,36 @@ def emu(device: Device) -> Iterator[Emulator]:
     emulator.reset()
     yield emulator
     emulator.reset()
+
+
+class EngineStream:
+    """A stream of the engine's own (created through the driver, like ``torch.cuda.Stream()``),
+    on which :meth:`write` queues stand-ins for kernels still writing the pools. ``cuda_stream``
+    is its raw handle, as torch names it."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        from cuda.bindings import driver
+
+        self._emulator = emulator
+        err, stream = driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        assert not err, f"cuStreamCreate failed: {err}"
+        self._stream = stream
+        self.cuda_stream = int(stream)
+
+    def write(self, dst: int, data: npt.NDArray[np.uint8]) -> None:
+        """A kernel writing ``data`` at ``dst``, still in flight when this returns."""
+        self._emulator.engine_write(self.cuda_stream, dst, data)
+
+    def close(self) -> None:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuStreamDestroy(self._stream)
+        assert not err, f"cuStreamDestroy failed: {err}"
+
+
+@pytest.fixture
+def engine(emu: Emulator) -> Iterator[EngineStream]:
+    """An engine stream over the emulated driver (skipped elsewhere), destroyed after the test."""
+    stream = EngineStream(emu)
+    yield stream
+    stream.close()

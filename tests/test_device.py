@@ -252,6 +252,46 @@ def test_copy_batch_checks_every_range_before_issuing_any(device: Device) -> Non
     device.free(dst)
 
 
+# Offsets (in KiB) into one 16 KiB allocation for two 1 KiB copies whose order would matter.
+OVERLAPPING_BATCHES = {
+    "two copies write one range": [(0, 4), (0, 8)],
+    "a copy reads what another writes": [(0, 4), (8, 0)],
+    "ranges overlap part way": [(0, 4), (8, 0.5)],
+    "a copy onto its own source": [(0, 0.5)],
+}
+
+
+@pytest.mark.parametrize("offsets", OVERLAPPING_BATCHES.values(), ids=OVERLAPPING_BATCHES.keys())
+def test_copy_batch_refuses_copies_whose_order_would_matter(device: Device, offsets: list[tuple[float, float]]) -> None:
+    data = random_bytes(16 * KiB, seed=15)
+    ptr = filled(device, data)
+    rows = [(ptr + int(dst * KiB), ptr + int(src * KiB), KiB) for dst, src in offsets]
+    with pytest.raises(InvalidId, match="overlap"):
+        device.copy_batch(rows)
+    device.synchronize()
+    assert np.array_equal(read_device(device, ptr, 16 * KiB), data)  # nothing was issued
+    device.free(ptr)
+
+
+def test_copy_batch_names_the_two_overlapping_copies(device: Device) -> None:
+    ptr = device.alloc(64 * KiB)
+    rows = [(ptr + i * KiB, ptr + (32 + i) * KiB, KiB) for i in range(12)] + [(ptr + 5 * KiB + 8, ptr + 60 * KiB, 64)]
+    with pytest.raises(InvalidId, match="copies 5 and 12 overlap"):
+        device.copy_batch(rows)
+    device.free(ptr)
+
+
+def test_copies_reading_one_source_twice_are_a_valid_batch(device: Device) -> None:
+    data = random_bytes(KiB, seed=16)
+    src = filled(device, data)
+    dst = device.alloc(2 * KiB)
+    device.copy_batch([(dst, src, KiB), (dst + KiB, src, KiB)])
+    device.synchronize()
+    assert np.array_equal(read_device(device, dst, 2 * KiB), np.concatenate([data, data]))
+    device.free(src)
+    device.free(dst)
+
+
 def test_copies_outside_live_allocations_are_refused(device: Device) -> None:
     a = device.alloc(1024)
     b = device.alloc(1024)
@@ -407,12 +447,97 @@ def test_host_device_array_writes_reach_device_memory() -> None:
     dev.close()
 
 
+@pytest.mark.parametrize("shape", [(0,), (4, 0, 8)])
+def test_a_zero_size_view_touches_no_memory(device: Device, shape: tuple[int, ...]) -> None:
+    ptr = device.alloc(256)
+    view = device.device_array(ptr + 256, shape, np.float32)  # at the end: no byte of it is read
+    iface = _array_interface(view)
+    assert iface["shape"] == shape
+    device.free(ptr)
+
+
+def test_a_zero_size_cuda_view_reports_a_null_pointer(device: Device) -> None:
+    if device.kind != "cuda":
+        pytest.skip("__cuda_array_interface__ exists on CUDA only")
+    ptr = device.alloc(256)
+    iface = _array_interface(device.device_array(ptr, (0, 16), np.float16))
+    assert iface["data"] == (0, False)
+    device.free(ptr)
+
+
+def test_device_array_refuses_a_negative_dimension(device: Device) -> None:
+    ptr = device.alloc(256)
+    with pytest.raises(InvalidId, match=r"negative dimension in shape \(2, -1\)"):
+        device.device_array(ptr, (2, -1), np.uint8)
+    device.free(ptr)
+
+
 def test_device_array_outside_a_live_allocation_is_refused(device: Device) -> None:
     ptr = device.alloc(1024)
     with pytest.raises(InvalidId):
         device.device_array(ptr, (257,), np.float32)
     with pytest.raises(InvalidId):
         device.device_array(ptr + 4096, (1,), np.uint8)
+    device.free(ptr)
+
+
+# -- other streams --------------------------------------------------------------------------------
+
+
+class _TorchLikeStream:
+    """What torch.cuda.Stream shows: the raw handle as ``cuda_stream``."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+class _ProtocolStream:
+    """What the CUDA stream protocol (cuda.core) shows: ``__cuda_stream__() -> (version, handle)``."""
+
+    def __init__(self, handle: int) -> None:
+        self._handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+
+# 0 is the legacy default stream, 1 CU_STREAM_LEGACY, 2 CU_STREAM_PER_THREAD: valid on every driver
+STREAMS: dict[str, object] = {
+    "raw handle 0": 0,
+    "CU_STREAM_LEGACY": 1,
+    "CU_STREAM_PER_THREAD": 2,
+    "cuda_stream attribute": _TorchLikeStream(0),
+    "__cuda_stream__ protocol": _ProtocolStream(0),
+}
+
+
+@pytest.mark.parametrize("stream", STREAMS.values(), ids=STREAMS.keys())
+def test_wait_stream_accepts_a_handle_or_a_stream_object(device: Device, stream: object) -> None:
+    data = random_bytes(KiB, seed=17)
+    src = filled(device, data)
+    device.wait_stream(stream)
+    staging = device.alloc_pinned(KiB)
+    device.copy_dtoh(staging, src, KiB)  # work after the wait still runs and lands
+    device.synchronize()
+    assert np.array_equal(device.host_array(staging, KiB), data)
+    device.free_pinned(staging)
+    device.free(src)
+
+
+@pytest.mark.parametrize("stream", ["0", -1, 1 << 64, True, 1.5, None, _TorchLikeStream(-5)],
+                         ids=["str", "negative", "too large", "bool", "float", "None", "negative attribute"])
+def test_wait_stream_refuses_what_is_not_a_stream(device: Device, stream: object) -> None:
+    with pytest.raises(InvalidId, match="wait_stream"):
+        device.wait_stream(stream)
+
+
+def test_wait_stream_on_the_devices_own_stream_changes_nothing(device: Device) -> None:
+    if device.kind != "cuda":
+        pytest.skip("only a CUDA device has a stream")
+    data = random_bytes(KiB, seed=18)
+    ptr = filled(device, data)
+    device.wait_stream(getattr(device, "stream_handle"))
+    assert np.array_equal(read_device(device, ptr, KiB), data)
     device.free(ptr)
 
 
@@ -463,6 +588,8 @@ def test_calls_after_close_raise_torn_down(device: Device) -> None:
         lambda: device.synchronize(),
         lambda: device.mem_info(),
         lambda: device.bind_to_thread(),
+        lambda: device.wait_stream(0),
+        lambda: device.device_array(ptr, (1,), np.uint8),
     ]
     for call in calls:
         with pytest.raises(TornDown, match="closed"):
@@ -525,12 +652,13 @@ def test_sticky_error_fails_every_later_call_cleanly(device: Device, emu: Emulat
     a = device.alloc(1024)
     b = device.alloc(1024)
     emu.fail_from_call(1, CUDA_ERROR_ILLEGAL_ADDRESS)
+    # memory management starts by asking which context is current, and fails there
     steps: list[tuple[Callable[[], object], str]] = [
         (lambda: device.copy_dtod(a, b, 1024), "cuMemcpyDtoDAsync"),
         (lambda: device.synchronize(), "cuStreamSynchronize"),
-        (lambda: device.alloc(64), "cuMemAlloc"),
-        (lambda: device.free(a), "cuMemFree"),
-        (lambda: device.mem_info(), "cuMemGetInfo"),
+        (lambda: device.alloc(64), "cuCtxGetCurrent"),
+        (lambda: device.free(a), "cuCtxGetCurrent"),
+        (lambda: device.mem_info(), "cuCtxGetCurrent"),
     ]
     for call, name in steps:
         with pytest.raises(CudaError) as info:
@@ -606,6 +734,10 @@ def _faultable_calls(dev: Device, ptr: int, pinned: int) -> dict[str, Callable[[
         ("cuStreamSynchronize", lambda: dev.synchronize()),
         ("cuMemGetInfo", lambda: dev.mem_info()),
         ("cuCtxSetCurrent", lambda: dev.bind_to_thread()),
+        ("cuCtxGetCurrent", lambda: dev.alloc(64)),
+        ("cuEventCreate", lambda: dev.wait_stream(0)),
+        ("cuEventRecord", lambda: dev.wait_stream(0)),
+        ("cuStreamWaitEvent", lambda: dev.wait_stream(0)),
     ])
 
 
@@ -659,14 +791,16 @@ def test_emulated_copies_wait_for_synchronize(device: Device, emu: Emulator) -> 
     device.free(dst)
 
 
-def test_an_unbound_thread_gets_invalid_context(device: Device, emu: Emulator) -> None:
+def test_stream_work_from_an_unbound_thread_gets_invalid_context(device: Device, emu: Emulator) -> None:
+    ptr = device.alloc(64)
     errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _record(errors, lambda: device.alloc(64)))
+    thread = threading.Thread(target=lambda: _record(errors, lambda: device.memset(ptr, 0, 64)))
     thread.start()
     thread.join()
     assert len(errors) == 1 and isinstance(errors[0], CudaError)
     assert errors[0].name == "CUDA_ERROR_INVALID_CONTEXT"
-    assert live_allocations(device) == 0
+    assert emu.pending_ops == 0
+    device.free(ptr)
 
 
 def _record(errors: list[BaseException], call: Callable[[], object]) -> None:

@@ -2,31 +2,55 @@
 
 ``bench/gpu_check.sh`` runs this module on a GPU machine. The suites run in a child pytest with
 ``LIFECYCLE_TEST_DEVICE=cuda`` (the same files and list as the emulated run); the bandwidth run
-prints the ratios of ``bench/device_bench.py``.
+prints the ratios of ``bench/device_bench.py``. ``bench/gpu_check.sh --dry-run`` sets
+``LIFECYCLE_GPU_STANDIN=emulator`` so that the emulated driver stands in for the GPU here.
+
+The environment can bound the child runs (``LIFECYCLE_GPU_SUITE_TIMEOUT``,
+``LIFECYCLE_GPU_BENCH_TIMEOUT``, seconds) and add pytest options to the suites' child run
+(``LIFECYCLE_GPU_PYTEST_ARGS``), as gpu_check.sh does to fit the device tool's time limit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from devices import EXPECT_EMULATOR_ENV, TEST_DEVICE_ENV, loaded_emulator, read_device, write_device
+from devices import (
+    EXPECT_DRIVER_VERSION_ENV,
+    EXPECT_EMULATOR_ENV,
+    TEST_DEVICE_ENV,
+    loaded_emulator,
+    read_device,
+    write_device,
+)
 from lifecycle.errors import DriverNotFound
 from test_device_emulated import EMULATED_SUITES
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
+STANDIN_ENV = "LIFECYCLE_GPU_STANDIN"
+SUITE_TIMEOUT_S = int(os.environ.get("LIFECYCLE_GPU_SUITE_TIMEOUT", "300"))
+BENCH_TIMEOUT_S = int(os.environ.get("LIFECYCLE_GPU_BENCH_TIMEOUT", "300"))
+EXTRA_PYTEST_ARGS = shlex.split(os.environ.get("LIFECYCLE_GPU_PYTEST_ARGS", ""))
+
+
+def emulator_stands_in() -> bool:
+    """True in the dry run of bench/gpu_check.sh: the emulated driver plays the GPU."""
+    return os.environ.get(STANDIN_ENV) == "emulator"
 
 
 def gpu_present() -> bool:
-    """True when a real CUDA driver loads in this process and sees a GPU."""
-    if loaded_emulator() is not None:
+    """True when a real CUDA driver loads in this process and sees a GPU (or the emulated one,
+    where it stands in)."""
+    if loaded_emulator() is not None and not emulator_stands_in():
         return False
     try:
         from lifecycle.device.cuda import CudaDevice
@@ -34,7 +58,7 @@ def gpu_present() -> bool:
         CudaDevice(0).close()
     except DriverNotFound:
         return False
-    return loaded_emulator() is None
+    return emulator_stands_in() or loaded_emulator() is None
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_present(), reason="needs an NVIDIA GPU and driver")]
@@ -44,8 +68,10 @@ def test_device_suites_pass_on_the_gpu() -> None:
     env = dict(os.environ)
     env[TEST_DEVICE_ENV] = "cuda"
     env.pop(EXPECT_EMULATOR_ENV, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-rfEs", *EMULATED_SUITES]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    env.pop(EXPECT_DRIVER_VERSION_ENV, None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-rfEs",
+           *EXTRA_PYTEST_ARGS, *EMULATED_SUITES]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False)
     output = proc.stdout + proc.stderr
     print(f"device suites on the GPU: {output.strip().splitlines()[-1] if output.strip() else '(no output)'}")
     assert proc.returncode == 0, output[-8000:]
@@ -76,9 +102,42 @@ def test_a_256_mib_scattered_batch_is_bit_exact_on_the_gpu() -> None:
         dev.close()
 
 
+def test_copies_after_wait_stream_see_what_a_torch_kernel_wrote() -> None:
+    if loaded_emulator() is not None:
+        pytest.skip("needs a real GPU to run a torch kernel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own import-time warnings are not ours to fail on
+        torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    from lifecycle.device.cuda import CudaDevice
+
+    dev = CudaDevice(0)
+    try:
+        nbytes = 64 * MiB
+        ptr = dev.alloc(nbytes)
+        dev.memset(ptr, 0, nbytes)
+        dev.synchronize()
+        target = torch.as_tensor(dev.device_array(ptr, (nbytes,), np.uint8), device="cuda")
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            sleep = getattr(torch.cuda, "_sleep", None)
+            if sleep is not None:
+                sleep(200_000_000)  # keeps the engine's stream busy while the wait is issued
+            target.fill_(7)
+        dev.wait_stream(engine)
+        out = read_device(dev, ptr, nbytes)
+        engine.synchronize()
+        del target
+        assert (out == 7).all()
+        dev.free(ptr)
+    finally:
+        dev.close()
+
+
 def test_bandwidth_ratios_on_the_gpu() -> None:
     cmd = [sys.executable, str(REPO / "bench" / "device_bench.py"), "--device", "cuda", "--json"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["bytes"] for r in results] == [64 * 1024 * 4**i for i in range(7)]

@@ -238,6 +238,37 @@ def test_copy_blocks_checks_every_id_before_copying() -> None:
     kv.release()
 
 
+@pytest.mark.parametrize(
+    "pairs, message",
+    [
+        ([(0, 3), (1, 3)], "block 3 is the destination of pairs 0 and 1"),
+        ([(0, 1), (1, 2)], "block 1 is read by pair 1 and written by pair 0"),
+        ([(1, 2), (0, 1)], "block 1 is read by pair 0 and written by pair 1"),
+        ([(0, 1), (1, 0)], "block 0 is read by pair 0 and written by pair 1"),
+    ],
+    ids=["two pairs write one block", "chained pairs", "chained pairs listed backwards", "a swap"],
+)
+def test_copy_blocks_refuses_pairs_whose_order_would_matter(pairs: list[tuple[int, int]], message: str) -> None:
+    dev = RecordingDevice()
+    kv = KVPool(dev, CONFIG)
+    with pytest.raises(InvalidId, match=message):
+        kv.copy_blocks(pairs)
+    assert dev.batches == []
+    kv.release()
+
+
+def test_copy_blocks_may_copy_one_block_to_several(device: Device) -> None:
+    kv = KVPool(device, CONFIG)
+    size = kv.layer_block_bytes(0)
+    data = random_bytes(np.random.default_rng(4), size)
+    write_device(device, kv.block_addr(0, 2), data)
+    kv.copy_blocks([(2, 4), (2, 5)])
+    device.synchronize()
+    for block in (4, 5):
+        assert np.array_equal(read_device(device, kv.block_addr(0, block), size), data)
+    kv.release()
+
+
 # === KVPool: validation =================================================================================
 
 

@@ -9,18 +9,20 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from lifecycle.device.base import Copy, Device, DeviceKind
+from lifecycle.device.base import Copy, Device, DeviceKind, stream_handle
 from lifecycle.device.host import HostDevice
-from lifecycle.errors import ConfigError, DriverNotFound
+from lifecycle.errors import ConfigError, DriverNotFound, ForkedAfterCudaInit
 
-__all__ = ["Copy", "Device", "DeviceKind", "HostDevice", "open_device"]
+__all__ = ["Copy", "Device", "DeviceKind", "HostDevice", "open_device", "stream_handle"]
 
 _log = logging.getLogger("lifecycle.device")
 
 
 def open_device(kind: Literal["auto", "host", "cuda"] = "auto", ordinal: int = 0) -> Device:
-    """Open a device. ``"cuda"`` raises :class:`DriverNotFound` without a driver or GPU;
-    ``"auto"`` falls back to :class:`HostDevice` then, and logs its choice at INFO level."""
+    """Open a device. ``"cuda"`` raises :class:`DriverNotFound` without a driver or GPU (or in a
+    process forked after CUDA was initialised); ``"auto"`` falls back to :class:`HostDevice` then,
+    and logs its choice (at INFO level, at WARNING for a forked process, which has a GPU it cannot
+    use)."""
     if kind == "host":
         return HostDevice()
     if kind == "cuda":
@@ -33,7 +35,8 @@ def open_device(kind: Literal["auto", "host", "cuda"] = "auto", ordinal: int = 0
 
             device: Device = CudaDevice(ordinal)
         except DriverNotFound as exc:
-            _log.info("open_device('auto'): using the host device (%s)", exc)
+            level = logging.WARNING if isinstance(exc, ForkedAfterCudaInit) else logging.INFO
+            _log.log(level, "open_device('auto'): using the host device (%s)", exc)
             return HostDevice()
         _log.info("open_device('auto'): using %s", device.name)
         return device

@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 from bisect import bisect_right, insort
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from lifecycle._hostcopy import first_bad_row
+from lifecycle._hostcopy import first_bad_row, first_overlap
 from lifecycle.errors import InvalidId, TornDown
 
 #: A batch of copies as an (n, 3) int64 array of rows (dst, src, nbytes).
@@ -39,6 +40,18 @@ def check_nbytes(call: str, nbytes: int) -> None:
     """Refuse a negative byte count (zero is a legal no-op for copies and memset)."""
     if nbytes < 0:
         raise InvalidId(f"{call}: nbytes={nbytes} must be >= 0")
+
+
+def view_size(call: str, shape: Sequence[int], dtype: npt.DTypeLike) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+    """``(shape, dtype, nbytes)`` of an array view, refusing a negative dimension."""
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise InvalidId(f"{call}: negative dimension in shape {dims}")
+    dt = np.dtype(dtype)
+    count = 1
+    for d in dims:
+        count *= d
+    return dims, dt, count * dt.itemsize
 
 
 def check_alloc_size(call: str, nbytes: int) -> None:
@@ -172,8 +185,29 @@ def check_batch(call: str, copies: CopyArray, *tables: AllocationTable) -> None:
             )
 
 
+def check_order_free(call: str, copies: CopyArray) -> None:
+    """Raise InvalidId if the batch's result would depend on the order of its copies: a
+    destination overlapping another copy's destination or any source. Copies of one batch run in
+    no particular order (``cuMemcpyBatchAsync`` leaves it undefined), so such a batch is refused
+    on every device instead of working on one and corrupting memory on another."""
+    first, second = first_overlap(copies)
+    if first < 0:
+        return
+    if first == second:
+        raise InvalidId(
+            f"{call} (copy {first}): dst [{int(copies[first, 0]):#x}, +{int(copies[first, 2])}) overlaps its own "
+            f"src [{int(copies[first, 1]):#x}, +{int(copies[first, 2])})"
+        )
+    raise InvalidId(
+        f"{call}: copies {min(first, second)} and {max(first, second)} overlap (copy {first}'s dst "
+        f"[{int(copies[first, 0]):#x}, +{int(copies[first, 2])}) meets copy {second}'s range); copies in one "
+        "batch run in no particular order"
+    )
+
+
 class BatchChecker:
-    """Checks whole copy batches against the union of some tables in one compiled loop.
+    """Checks whole copy batches against the union of some tables in one compiled loop, and for
+    overlapping copies (:func:`check_order_free`).
 
     The sorted (start, end) arrays of the union, led by a sentinel that no address can fall in,
     are rebuilt only when a table changed. A batch that fails the fast check is re-checked row by
@@ -199,7 +233,8 @@ class BatchChecker:
         return self._starts, self._ends
 
     def check(self, call: str, copies: Sequence[tuple[int, int, int]] | CopyArray) -> CopyArray:
-        """The batch as an (n, 3) int64 array, once every range is known to be live."""
+        """The batch as an (n, 3) int64 array, once every range is known to be live and no two
+        copies overlap."""
         if (
             isinstance(copies, np.ndarray)
             and copies.dtype == np.int64
@@ -216,16 +251,20 @@ class BatchChecker:
         if first_bad_row(rows, starts, ends) >= 0:
             as_copy_array(call, rows)  # names a negative size
             check_batch(call, rows, *self._tables)
+        check_order_free(call, rows)
         return rows
 
 
 class TrackedDevice:
     """What both devices keep the same way: a table of device and one of pinned allocations
-    (``live_allocations`` lets tests prove nothing leaked), and refusal of every call after close."""
+    (``live_allocations`` lets tests prove nothing leaked), refusal of every call after close, and
+    one lock that each call holds, so that ``close`` never runs while another thread is inside a
+    call (freeing memory a copy is reading, or destroying the stream it is issued on)."""
 
     _device: AllocationTable
     _pinned: AllocationTable
     _closed: bool
+    _lock: threading.Lock
 
     @property
     def name(self) -> str:

@@ -1,8 +1,10 @@
 """The CUDA device over ``cuda.bindings.driver``: the primary context, one stream, raw allocations.
 
-Every driver call goes through :func:`check`, which turns a failure into
-:class:`~lifecycle.errors.CudaError` with the driver's own error name and text. A missing driver or
-GPU raises :class:`~lifecycle.errors.DriverNotFound` with one sentence. Addresses are checked
+Every driver call goes through :func:`call`, which turns a failure into
+:class:`~lifecycle.errors.CudaError` with the driver's own error name and text (a result code the
+bindings do not know included). A missing driver or GPU raises
+:class:`~lifecycle.errors.DriverNotFound` with one sentence, and so does a process forked after its
+parent initialised CUDA (:class:`~lifecycle.errors.ForkedAfterCudaInit`). Addresses are checked
 against the device's live allocations before the driver sees them (the same
 :class:`~lifecycle.errors.InvalidId` as on the host device), so a bad range cannot turn into an
 asynchronous illegal-address fault that poisons the context.
@@ -12,9 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import re
 import threading
-from collections.abc import Sequence
-from types import ModuleType
+import weakref
+from collections.abc import Callable, Sequence
+from types import ModuleType, TracebackType
 from typing import Any, NoReturn
 
 import numpy as np
@@ -27,25 +32,56 @@ from lifecycle.device.allocations import (
     TrackedDevice,
     check_alloc_size,
     check_nbytes,
+    view_size,
 )
-from lifecycle.device.base import Copy, DeviceKind
+from lifecycle.device.base import Copy, DeviceKind, stream_handle
 from lifecycle.device.host import _host_view
-from lifecycle.errors import CudaError, DriverNotFound, InvalidId
+from lifecycle.errors import CudaError, DriverNotFound, ForkedAfterCudaInit, InvalidId, TornDown
 
 _log = logging.getLogger("lifecycle.device")
 
 _driver: ModuleType | None = None
 _load_failure: DriverNotFound | None = None  # a driver that failed to load is not retried
 _driver_lock = threading.Lock()
+#: pid of the parent that initialised CUDA, in a process forked after that (None elsewhere)
+_forked_from: int | None = None
+_devices: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
 
 #: First driver version with ``cuMemcpyBatchAsync`` (CUDA 12.8).
 BATCH_MIN_DRIVER_VERSION = 12080
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_SUPPORTED = 801
+_UNKNOWN_RESULT = re.compile(r"^(-?\d+) is not a valid CUresult")
+
+
+def _fork_message(call: str, parent: int) -> str:
+    return (
+        f"{call}: this process (pid {os.getpid()}) was forked after its parent (pid {parent}) initialised "
+        "CUDA, and a forked child cannot use CUDA; start worker processes with the 'spawn' method, or "
+        "initialise CUDA only after forking"
+    )
+
+
+def _after_fork_in_child() -> None:
+    """The driver refuses every call of a process forked after CUDA was initialised: say so
+    clearly instead, and never touch the parent's memory (devices inherited from the parent count
+    as closed here)."""
+    global _forked_from
+    if _driver is None:
+        return
+    _forked_from = os.getppid()
+    for device in list(_devices):
+        device._disown(_forked_from)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _load_driver() -> ModuleType:
     """Import ``cuda.bindings.driver`` and run ``cuInit`` once, or raise DriverNotFound."""
     global _driver, _load_failure
+    if _forked_from is not None:
+        raise ForkedAfterCudaInit(_fork_message("CudaDevice", _forked_from))
     if _driver is not None:
         return _driver
     with _driver_lock:
@@ -72,21 +108,31 @@ def _load_driver() -> ModuleType:
         return module
 
 
-def _error(driver: ModuleType, call: str, err: Any) -> CudaError:
-    """Build the CudaError for a failed call from the driver's own name and text for ``err``."""
+def _describe(driver: ModuleType, err: Any) -> tuple[int, str, str]:
+    """(code, name, text) of a result, from the driver's own cuGetErrorName/cuGetErrorString;
+    ``err`` is a ``CUresult`` or a plain int, possibly one the bindings have no member for."""
     code = int(err)
-    name = getattr(err, "name", f"CUDA_ERROR_{code}")
+    try:
+        result = err if isinstance(err, driver.CUresult) else driver.CUresult(code)
+    except ValueError:
+        return code, f"CUDA_ERROR_{code}", "a result code this version of cuda-bindings does not know"
+    name = getattr(result, "name", f"CUDA_ERROR_{code}")
     text = "unknown error code"
     try:
-        rc, raw_name = driver.cuGetErrorName(err)
+        rc, raw_name = driver.cuGetErrorName(result)
         if not rc and raw_name:
             name = raw_name.decode()
-        rc, raw_text = driver.cuGetErrorString(err)
+        rc, raw_text = driver.cuGetErrorString(result)
         if not rc and raw_text:
             text = raw_text.decode()
     except Exception:  # a broken error lookup must not hide the original failure
         pass
-    return CudaError(call, code, name, text)
+    return code, name, text
+
+
+def _error(driver: ModuleType, call: str, err: Any) -> CudaError:
+    """The CudaError for a failed call (every failure the device reports is built here)."""
+    return CudaError(call, *_describe(driver, err))
 
 
 def _fail(call: str, args: tuple[Any, ...], err: Any) -> NoReturn:
@@ -95,14 +141,19 @@ def _fail(call: str, args: tuple[Any, ...], err: Any) -> NoReturn:
     raise _error(_driver, f"{call}({shown})", err)
 
 
-def check(result: tuple[Any, ...], call: str, *args: Any) -> Any:
-    """The one driver status check: raise CudaError unless ``result[0]`` is CUDA_SUCCESS.
-
-    Returns the call's single output (or the tuple of outputs, or None when there are none);
-    ``call`` and ``args`` only serve the error message.
-    """
+def call(function: Callable[..., tuple[Any, ...]], name: str, *args: Any) -> Any:
+    """The one way the device calls the driver: ``function(*args)``, raising CudaError unless it
+    returned CUDA_SUCCESS. Returns the call's single output (or the tuple of outputs, or None when
+    there are none); ``name`` and ``args`` also serve the error message."""
+    try:
+        result = function(*args)
+    except ValueError as exc:  # the bindings could not map the driver's result code to a CUresult
+        unknown = _UNKNOWN_RESULT.match(str(exc))
+        if unknown is None:
+            raise
+        _fail(name, args, int(unknown.group(1)))
     if result[0]:
-        _fail(call, args, result[0])
+        _fail(name, args, result[0])
     n = len(result)
     if n == 1:
         return None
@@ -111,20 +162,29 @@ def check(result: tuple[Any, ...], call: str, *args: Any) -> Any:
     return result[1:]
 
 
+def _quietly(function: Callable[..., Any], *args: Any) -> None:
+    """A clean-up call whose failure must not replace the error being raised."""
+    try:
+        function(*args)
+    except Exception:  # noqa: S110 - the error already propagating is the one to report
+        pass
+
+
 class CudaArrayView:
     """A typed, C-contiguous window on device memory exposing ``__cuda_array_interface__`` v3.
 
     The interface names the device's stream, so consumers (torch, CuPy, Numba) order their work
-    after the copies issued on it.
+    after the copies issued on it. A view of zero elements reports a null data pointer, as the
+    interface asks for empty arrays.
     """
 
     __slots__ = ("ptr", "shape", "dtype", "nbytes", "_stream", "_owner")
 
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], stream: int, owner: object) -> None:
-        self.ptr = ptr
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.ptr = ptr if self.nbytes else 0
         self.shape = shape
         self.dtype = dtype
-        self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self._stream = stream
         self._owner = owner  # keeps the device (and its context) referenced while the view lives
 
@@ -144,12 +204,49 @@ class CudaArrayView:
         return f"CudaArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype})"
 
 
+class _InContext:
+    """``with _InContext(device):`` the device's context is current on the calling thread, and
+    whatever was current before is put back afterwards. Memory management (alloc, free, mem_info)
+    runs so, which lets any thread free the model's memory (a teardown from another thread) without
+    leaving its own context switched."""
+
+    __slots__ = ("_device", "_previous")
+
+    def __init__(self, device: CudaDevice) -> None:
+        self._device = device
+        self._previous: Any = None
+
+    def __enter__(self) -> None:
+        drv = self._device._drv
+        current = call(drv.cuCtxGetCurrent, "cuCtxGetCurrent")
+        if int(current) != self._device._ctx_handle:
+            call(drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._device._ctx)
+            self._previous = current
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        drv = self._device._drv
+        if exc_type is None:
+            call(drv.cuCtxSetCurrent, "cuCtxSetCurrent", previous)
+        else:
+            _quietly(drv.cuCtxSetCurrent, previous)
+
+
 class CudaDevice(TrackedDevice):
     """One GPU through the CUDA driver API: its primary context (retained once, released in
     :meth:`close`), one non-blocking stream that every copy and memset is issued on, and
     ``cuMemAlloc``/``cuMemHostAlloc`` allocations tracked by address.
 
-    The constructing thread is bound to the context; other threads call :meth:`bind_to_thread`.
+    Contexts: construction leaves the primary context current on a thread that had none (so the
+    constructing thread can use the device at once) and puts back any other context the caller had
+    current. Memory management (alloc, free, mem_info) works from any thread and leaves the
+    caller's context as it found it; copies, memsets, synchronize and wait_stream need a thread
+    bound with :meth:`bind_to_thread`. ``close`` also puts back the caller's context.
+
+    Every call holds the device's lock, so ``close`` waits for calls in flight on other threads.
     """
 
     def __init__(self, ordinal: int = 0) -> None:
@@ -157,28 +254,41 @@ class CudaDevice(TrackedDevice):
         self._drv = drv
         self._ordinal = ordinal
         self._closed = False
+        self._fork_parent: int | None = None
+        self._lock = threading.Lock()
         self._device = AllocationTable("device")
         self._pinned = AllocationTable("pinned")
         self._batch_checker = BatchChecker(self._device, self._pinned)
         self._ctx: Any = None
+        self._ctx_handle = 0
         self._stream: Any = None
-        count = check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        self._event: Any = None  # created on the first wait_stream
+        self._pending = False  # work issued on the stream since the last synchronize
+        count = call(drv.cuDeviceGetCount, "cuDeviceGetCount")
         if count == 0:
             raise DriverNotFound("a CUDA driver is installed but no GPU is present (cuDeviceGetCount: 0)")
         if not 0 <= ordinal < count:
             raise InvalidId(f"CudaDevice: ordinal={ordinal} is out of range ({count} GPU(s) present)")
-        self._dev = check(drv.cuDeviceGet(ordinal), "cuDeviceGet", ordinal)
-        raw_name = check(drv.cuDeviceGetName(256, self._dev), "cuDeviceGetName", ordinal)
+        self._dev = call(drv.cuDeviceGet, "cuDeviceGet", ordinal)
+        raw_name = call(drv.cuDeviceGetName, "cuDeviceGetName", 256, self._dev)
         model = raw_name.split(b"\0", 1)[0].decode(errors="replace")
         self._name = f"cuda:{ordinal} ({model})"
-        self._driver_version = int(check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
-        self._ctx = check(drv.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain", ordinal)
+        self._driver_version = int(call(drv.cuDriverGetVersion, "cuDriverGetVersion"))
+        previous = call(drv.cuCtxGetCurrent, "cuCtxGetCurrent")
+        self._ctx = call(drv.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", self._dev)
+        self._ctx_handle = int(self._ctx)
         try:
-            check(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            call(drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._ctx)
             flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-            self._stream = check(drv.cuStreamCreate(flags), "cuStreamCreate")
+            self._stream = call(drv.cuStreamCreate, "cuStreamCreate", flags)
+            if int(previous) not in (0, self._ctx_handle):
+                call(drv.cuCtxSetCurrent, "cuCtxSetCurrent", previous)
         except BaseException:
-            drv.cuDevicePrimaryCtxRelease(self._dev)
+            if self._stream is not None:
+                _quietly(drv.cuStreamDestroy, self._stream)
+            if int(previous) != self._ctx_handle:
+                _quietly(drv.cuCtxSetCurrent, previous)
+            _quietly(drv.cuDevicePrimaryCtxRelease, self._dev)
             self._ctx = None
             raise
         self._stream_handle = int(self._stream)
@@ -188,6 +298,7 @@ class CudaDevice(TrackedDevice):
         self._attrs_idx = np.zeros(1, dtype=np.uint64)  # the one attribute set applies from copy 0
         self._alloc_call = drv.cuMemAlloc
         self._dtod_call = drv.cuMemcpyDtoDAsync
+        _devices.add(self)
         _log.debug("opened %s, driver %d, batched copies: %s", self._name, self._driver_version, self.batch_copies)
 
     def _copy_attributes(self) -> Any:
@@ -229,101 +340,136 @@ class CudaDevice(TrackedDevice):
         """The raw ``CUstream`` of the device's stream (as ``__cuda_array_interface__`` gives it)."""
         return self._stream_handle
 
-
-
-
     def __repr__(self) -> str:
         return f"CudaDevice({self._name!r}, live={self.live_allocations}, closed={self._closed})"
 
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            if self._fork_parent is not None:
+                raise ForkedAfterCudaInit(_fork_message(call, self._fork_parent))
+            raise TornDown(f"{call}: device {self.name!r} is closed")
+
+    def _disown(self, parent: int) -> None:
+        """In a child forked from ``parent``: the device, its memory and its lock (which a parent
+        thread may have held at the fork) are the parent's; every call is refused."""
+        self._lock = threading.Lock()
+        self._fork_parent = parent
+        self._closed = True
 
     def bind_to_thread(self) -> None:
         """Make the primary context current on the calling thread (``cuCtxSetCurrent``)."""
-        self._check_open("bind_to_thread")
-        check(self._drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        with self._lock:
+            self._check_open("bind_to_thread")
+            call(self._drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._ctx)
 
     # -- memory ---------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         """``cuMemAlloc``: ``nbytes`` (>= 1) of uninitialised device memory; CudaError on failure."""
-        self._check_open("alloc")
-        check_alloc_size("alloc", nbytes)
-        ptr = int(check(self._alloc_call(nbytes), "cuMemAlloc", nbytes))
-        self._device.add(ptr, nbytes)
-        return ptr
+        with self._lock:
+            self._check_open("alloc")
+            check_alloc_size("alloc", nbytes)
+            with _InContext(self):
+                ptr = int(call(self._alloc_call, "cuMemAlloc", nbytes))
+                self._device.add(ptr, nbytes)
+            return ptr
 
     def free(self, ptr: int) -> None:
-        """``cuMemFree``; an unknown address raises InvalidId, a driver failure keeps it live."""
-        self._check_open("free")
-        self._device.size_of("free", ptr)
-        check(self._drv.cuMemFree(ptr), "cuMemFree", ptr)
-        self._device.remove("free", ptr)
+        """``cuMemFree``, after the copies still queued on the device's stream (which may use the
+        memory) are done; an unknown address raises InvalidId, a driver failure keeps it live."""
+        with self._lock:
+            self._check_open("free")
+            self._device.size_of("free", ptr)
+            with _InContext(self):
+                self._settle()
+                call(self._drv.cuMemFree, "cuMemFree", ptr)
+                self._device.remove("free", ptr)
 
     def alloc_pinned(self, nbytes: int) -> int:
         """``cuMemHostAlloc``: ``nbytes`` (>= 1) of page-locked host memory."""
-        self._check_open("alloc_pinned")
-        check_alloc_size("alloc_pinned", nbytes)
-        flags = self._drv.CU_MEMHOSTALLOC_PORTABLE
-        ptr = int(check(self._drv.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc", nbytes))
-        self._pinned.add(ptr, nbytes)
-        return ptr
+        with self._lock:
+            self._check_open("alloc_pinned")
+            check_alloc_size("alloc_pinned", nbytes)
+            flags = self._drv.CU_MEMHOSTALLOC_PORTABLE
+            with _InContext(self):
+                ptr = int(call(self._drv.cuMemHostAlloc, "cuMemHostAlloc", nbytes, flags))
+                self._pinned.add(ptr, nbytes)
+            return ptr
 
     def free_pinned(self, ptr: int) -> None:
-        """``cuMemFreeHost``; an unknown address raises InvalidId, a driver failure keeps it live."""
-        self._check_open("free_pinned")
-        self._pinned.size_of("free_pinned", ptr)
-        check(self._drv.cuMemFreeHost(ptr), "cuMemFreeHost", ptr)
-        self._pinned.remove("free_pinned", ptr)
+        """``cuMemFreeHost``, after the device's stream is done with it (as :meth:`free`)."""
+        with self._lock:
+            self._check_open("free_pinned")
+            self._pinned.size_of("free_pinned", ptr)
+            with _InContext(self):
+                self._settle()
+                call(self._drv.cuMemFreeHost, "cuMemFreeHost", ptr)
+                self._pinned.remove("free_pinned", ptr)
 
     def mem_info(self) -> tuple[int, int]:
         """``cuMemGetInfo``: (free bytes, total bytes) of the GPU."""
-        self._check_open("mem_info")
-        free, total = check(self._drv.cuMemGetInfo(), "cuMemGetInfo")
-        return int(free), int(total)
+        with self._lock:
+            self._check_open("mem_info")
+            with _InContext(self):
+                free, total = call(self._drv.cuMemGetInfo, "cuMemGetInfo")
+            return int(free), int(total)
+
+    def _settle(self) -> None:
+        """Wait for the device's stream if work was issued on it since the last synchronize."""
+        if self._pending:
+            call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
+            self._pending = False
 
     # -- copies ---------------------------------------------------------------------------------
     def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
         """``cuMemcpyDtoDAsync`` on the device's stream; both ranges must be live allocations."""
-        self._check_open("copy_dtod")
-        check_nbytes("copy_dtod", nbytes)
-        if nbytes:
-            self._device.locate("copy_dtod dst", dst, nbytes)
-            self._device.locate("copy_dtod src", src, nbytes)
-            check(self._dtod_call(dst, src, nbytes, self._stream), "cuMemcpyDtoDAsync", dst, src, nbytes)
+        with self._lock:
+            self._check_open("copy_dtod")
+            check_nbytes("copy_dtod", nbytes)
+            if nbytes:
+                self._device.locate("copy_dtod dst", dst, nbytes)
+                self._device.locate("copy_dtod src", src, nbytes)
+                call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._stream)
+                self._pending = True
 
     def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
         """``cuMemcpyHtoDAsync``: the source must stay valid and unchanged until synchronize."""
-        self._check_open("copy_htod")
-        check_nbytes("copy_htod", nbytes)
-        if nbytes:
-            self._device.locate("copy_htod dst", dst, nbytes)
-            result = self._drv.cuMemcpyHtoDAsync(dst, src_host, nbytes, self._stream)
-            check(result, "cuMemcpyHtoDAsync", dst, src_host, nbytes)
+        with self._lock:
+            self._check_open("copy_htod")
+            check_nbytes("copy_htod", nbytes)
+            if nbytes:
+                self._device.locate("copy_htod dst", dst, nbytes)
+                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._stream)
+                self._pending = True
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """``cuMemcpyDtoHAsync``: the destination holds the data only after synchronize."""
-        self._check_open("copy_dtoh")
-        check_nbytes("copy_dtoh", nbytes)
-        if nbytes:
-            self._device.locate("copy_dtoh src", src, nbytes)
-            result = self._drv.cuMemcpyDtoHAsync(dst_host, src, nbytes, self._stream)
-            check(result, "cuMemcpyDtoHAsync", dst_host, src, nbytes)
+        with self._lock:
+            self._check_open("copy_dtoh")
+            check_nbytes("copy_dtoh", nbytes)
+            if nbytes:
+                self._device.locate("copy_dtoh src", src, nbytes)
+                call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._stream)
+                self._pending = True
 
     def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
         """Copies between device and/or pinned memory (unified addresses), unordered among
         themselves: one ``cuMemcpyBatchAsync`` where the driver has it, else one
-        ``cuMemcpyAsync`` each. Every range is checked first; if the driver fails part way through
-        the fallback loop, the copies before it were issued."""
-        self._check_open("copy_batch")
-        rows = self._batch_checker.check("copy_batch", copies)
-        if rows.shape[0] and not rows[:, 2].all():
-            rows = rows[rows[:, 2] > 0]
-        count = rows.shape[0]
-        if count == 0:
-            return
-        if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
-            return
-        copy, stream = self._drv.cuMemcpyAsync, self._stream
-        for dst, src, nbytes in rows.tolist():
-            check(copy(dst, src, nbytes, stream), "cuMemcpyAsync", dst, src, nbytes)
+        ``cuMemcpyAsync`` each. Every range, and that no two copies overlap, is checked first; if
+        the driver fails part way through the fallback loop, the copies before it were issued."""
+        with self._lock:
+            self._check_open("copy_batch")
+            rows = self._batch_checker.check("copy_batch", copies)
+            if rows.shape[0] and not rows[:, 2].all():
+                rows = rows[rows[:, 2] > 0]
+            count = rows.shape[0]
+            if count == 0:
+                return
+            self._pending = True
+            if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
+                return
+            copy, stream = self._drv.cuMemcpyAsync, self._stream
+            for dst, src, nbytes in rows.tolist():
+                call(copy, "cuMemcpyAsync", dst, src, nbytes, stream)
 
     def _resolve_batch(self) -> Any:
         """The driver's cuMemcpyBatchAsync as a ctypes function taking raw arrays (None if this
@@ -335,7 +481,10 @@ class CudaDevice(TrackedDevice):
             return None
         version = 13000 if self._driver_version >= 13000 else BATCH_MIN_DRIVER_VERSION
         flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        err, pfn, _status = drv.cuGetProcAddress(b"cuMemcpyBatchAsync", version, flags)
+        try:
+            err, pfn, _status = drv.cuGetProcAddress(b"cuMemcpyBatchAsync", version, flags)
+        except ValueError:  # a result code the bindings do not know: treat as "not available"
+            return None
         if err or not pfn:
             return None
         p, n = ctypes.c_void_p, ctypes.c_size_t
@@ -347,7 +496,9 @@ class CudaDevice(TrackedDevice):
         return proto(pfn)
 
     def _issue_batch(self, rows: CopyArray) -> bool:
-        """One cuMemcpyBatchAsync of all rows; False (and batching turned off) if unsupported."""
+        """One cuMemcpyBatchAsync of all rows. False, with batching turned off for good (logged
+        once), when the driver refuses a batch the device has already checked: NOT_SUPPORTED, or
+        INVALID_VALUE (e.g. a driver that does not accept these attributes for this memory)."""
         count = rows.shape[0]
         columns = np.ascontiguousarray(rows.T)  # dsts, srcs, sizes: three contiguous int64 rows
         base = columns.ctypes.data
@@ -360,28 +511,53 @@ class CudaDevice(TrackedDevice):
         else:
             rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
                                 1, self._stream_handle)
-        if rc == CUDA_ERROR_NOT_SUPPORTED:
-            _log.info("%s: cuMemcpyBatchAsync not supported; copying one by one", self._name)
+        if rc in (CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE):
+            level = logging.INFO if rc == CUDA_ERROR_NOT_SUPPORTED else logging.WARNING
+            _, name, text = _describe(self._drv, rc)
+            _log.log(level, "%s: cuMemcpyBatchAsync refused a checked batch of %d copies (%s: %s); copying one by "
+                     "one from now on", self._name, count, name, text)
             self._batch_fn = None
             return False
         if rc:
-            raise _error(self._drv, f"cuMemcpyBatchAsync({count})", self._drv.CUresult(rc))
+            raise _error(self._drv, f"cuMemcpyBatchAsync({count})", rc)
         return True
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         """``cuMemsetD8Async`` of ``value`` (0..255) on the device's stream."""
-        self._check_open("memset")
-        check_nbytes("memset", nbytes)
-        if not 0 <= value <= 255:
-            raise InvalidId(f"memset: value={value} must be in 0..255")
-        if nbytes:
-            self._device.locate("memset", ptr, nbytes)
-            check(self._drv.cuMemsetD8Async(ptr, value, nbytes, self._stream), "cuMemsetD8Async", ptr, value, nbytes)
+        with self._lock:
+            self._check_open("memset")
+            check_nbytes("memset", nbytes)
+            if not 0 <= value <= 255:
+                raise InvalidId(f"memset: value={value} must be in 0..255")
+            if nbytes:
+                self._device.locate("memset", ptr, nbytes)
+                call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._stream)
+                self._pending = True
 
     def synchronize(self) -> None:
         """``cuStreamSynchronize`` of the device's stream: every copy and memset issued is done."""
-        self._check_open("synchronize")
-        check(self._drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        with self._lock:
+            self._check_open("synchronize")
+            call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
+            self._pending = False
+
+    def wait_stream(self, stream: object) -> None:
+        """Make the device's stream wait, on the GPU, for the work issued so far on ``stream``
+        (``cuEventRecord`` there, ``cuStreamWaitEvent`` here): copies issued after this call see
+        what an engine's kernels on that stream write. The caller does not block. ``stream`` must
+        belong to this device's context (the primary context, which torch and CuPy use)."""
+        handle = stream_handle(stream)
+        with self._lock:
+            self._check_open("wait_stream")
+            if handle == self._stream_handle:
+                return
+            drv = self._drv
+            if self._event is None:
+                flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                self._event = call(drv.cuEventCreate, "cuEventCreate", flags)
+            call(drv.cuEventRecord, "cuEventRecord", self._event, handle)
+            call(drv.cuStreamWaitEvent, "cuStreamWaitEvent", self._stream, self._event, 0)
+            self._pending = True
 
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -391,56 +567,63 @@ class CudaDevice(TrackedDevice):
 
     def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> CudaArrayView:
         """A ``__cuda_array_interface__`` view of ``shape``/``dtype`` at ``ptr``, inside one live
-        allocation (InvalidId otherwise)."""
-        self._check_open("device_array")
-        dt = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise InvalidId(f"device_array: negative dimension in shape {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        self._device.locate("device_array", ptr, max(nbytes, 1))
-        return CudaArrayView(ptr, shape, dt, self._stream_handle, self)
+        allocation (InvalidId otherwise). A view of zero elements touches no memory and reports a
+        null pointer."""
+        with self._lock:
+            self._check_open("device_array")
+            dims, dt, nbytes = view_size("device_array", shape, dtype)
+            if nbytes:
+                self._device.locate("device_array", ptr, nbytes)
+            return CudaArrayView(ptr, dims, dt, self._stream_handle, self)
 
     # -- teardown -------------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for the stream, free allocations still live (logged), destroy the stream and
-        release the primary context. Idempotent. If a driver call fails, what succeeded stays
+        release the primary context, then put back the context the calling thread had. Waits for
+        calls in flight on other threads. Idempotent. If a driver call fails, what succeeded stays
         done, the first error is raised and a later ``close()`` retries the rest."""
-        if self._closed:
-            return
-        drv = self._drv
-        first_error: CudaError | None = None
+        with self._lock:
+            if self._closed:
+                return
+            drv = self._drv
+            first_error: CudaError | None = None
 
-        def attempt(result: tuple[Any, ...], call: str, *args: Any) -> bool:
-            nonlocal first_error
-            try:
-                check(result, call, *args)
-                return True
-            except CudaError as exc:
-                first_error = first_error or exc
-                return False
+            def attempt(function: Callable[..., tuple[Any, ...]], name: str, *args: Any) -> tuple[bool, Any]:
+                nonlocal first_error
+                try:
+                    return True, call(function, name, *args)
+                except CudaError as exc:
+                    first_error = first_error or exc
+                    return False, None
 
-        if self._ctx is not None:
-            attempt(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        if self._stream is not None:
-            attempt(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-        leftovers = self.live_allocations
-        if leftovers:
-            _log.warning("%s: close() frees %d allocation(s) still live (%d bytes)", self._name, leftovers, self.live_bytes)
-        for ptr in self._device.addresses():
-            if attempt(drv.cuMemFree(ptr), "cuMemFree", ptr):
-                self._device.remove("close", ptr)
-        for ptr in self._pinned.addresses():
-            if attempt(drv.cuMemFreeHost(ptr), "cuMemFreeHost", ptr):
-                self._pinned.remove("close", ptr)
-        if self._stream is not None and attempt(drv.cuStreamDestroy(self._stream), "cuStreamDestroy"):
-            self._stream = None
-        if first_error is None and self._ctx is not None:
-            if attempt(drv.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease", self._ordinal):
-                self._ctx = None
-        if first_error is not None:
-            raise first_error
-        self._closed = True
+            got_previous, previous = attempt(drv.cuCtxGetCurrent, "cuCtxGetCurrent")
+            if self._ctx is not None:
+                attempt(drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._ctx)
+            if self._stream is not None:
+                attempt(drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
+            leftovers = self.live_allocations
+            if leftovers:
+                _log.warning("%s: close() frees %d allocation(s) still live (%d bytes)", self._name, leftovers,
+                             self.live_bytes)
+            for ptr in self._device.addresses():
+                if attempt(drv.cuMemFree, "cuMemFree", ptr)[0]:
+                    self._device.remove("close", ptr)
+            for ptr in self._pinned.addresses():
+                if attempt(drv.cuMemFreeHost, "cuMemFreeHost", ptr)[0]:
+                    self._pinned.remove("close", ptr)
+            if self._event is not None and attempt(drv.cuEventDestroy, "cuEventDestroy", self._event)[0]:
+                self._event = None
+            if self._stream is not None and attempt(drv.cuStreamDestroy, "cuStreamDestroy", self._stream)[0]:
+                self._stream = None
+            if first_error is None and self._ctx is not None:
+                if attempt(drv.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", self._dev)[0]:
+                    self._ctx = None
+            if got_previous and int(previous) != self._ctx_handle:
+                attempt(drv.cuCtxSetCurrent, "cuCtxSetCurrent", previous)
+            if first_error is not None:
+                raise first_error
+            self._closed = True
+            _devices.discard(self)
 
     def __enter__(self) -> CudaDevice:
         return self

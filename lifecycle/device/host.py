@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +25,9 @@ from lifecycle.device.allocations import (
     TrackedDevice,
     check_alloc_size,
     check_nbytes,
+    view_size,
 )
-from lifecycle.device.base import Copy, DeviceKind
+from lifecycle.device.base import Copy, DeviceKind, stream_handle
 from lifecycle.errors import DeviceError, InvalidId
 
 _ALIGN = 256
@@ -48,21 +50,16 @@ def _host_view(ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B"), dtype=np.uint8)
 
 
-def _shaped_view(buf: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
-    """View ``shape``/``dtype`` over ``buf[offset:]``, refusing a view that would not fit."""
-    dt = np.dtype(dtype)
-    count = 1
-    for dim in shape:
-        if dim < 0:
-            raise InvalidId(f"device_array: negative dimension in shape {shape}")
-        count *= dim
-    nbytes = count * dt.itemsize
+def _shaped_view(buf: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...], dtype: np.dtype[Any],
+                 nbytes: int) -> Any:
+    """View ``shape``/``dtype`` (``nbytes`` in all) over ``buf[offset:]``, refusing a view that would
+    not fit."""
     if offset + nbytes > buf.nbytes:
         raise InvalidId(
-            f"device_array: shape {shape} of {dt} needs {nbytes} bytes at offset {offset}, "
+            f"device_array: shape {shape} of {dtype} needs {nbytes} bytes at offset {offset}, "
             f"allocation has {buf.nbytes}"
         )
-    return buf[offset : offset + nbytes].view(dt).reshape(shape)
+    return buf[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 class HostDevice(TrackedDevice):
@@ -85,6 +82,7 @@ class HostDevice(TrackedDevice):
         # Aligned uint8 views that own the memory, by address; views handed out keep it alive.
         self._buffers: dict[int, npt.NDArray[np.uint8]] = {}
         self._closed = False
+        self._lock = threading.Lock()
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -109,7 +107,8 @@ class HostDevice(TrackedDevice):
 
     def bind_to_thread(self) -> None:
         """No-op on host (there is no context), but refused after close like on CUDA."""
-        self._check_open("bind_to_thread")
+        with self._lock:
+            self._check_open("bind_to_thread")
 
     # -- memory ---------------------------------------------------------------------------------
     def _new_buffer(self, call: str, nbytes: int) -> tuple[int, npt.NDArray[np.uint8]]:
@@ -124,44 +123,49 @@ class HostDevice(TrackedDevice):
 
     def alloc(self, nbytes: int) -> int:
         """Allocate ``nbytes`` (>= 1) bytes, 256-byte aligned, uninitialised; returns the address."""
-        self._check_open("alloc")
-        check_alloc_size("alloc", nbytes)
-        used = self._device.nbytes
-        if used + nbytes > self._capacity:
-            raise DeviceError(
-                f"alloc: nbytes={nbytes} exceeds the free device memory "
-                f"({self._capacity - used} of capacity {self._capacity} bytes free)"
-            )
-        ptr, buf = self._new_buffer("alloc", nbytes)
-        self._buffers[ptr] = buf
-        self._device.add(ptr, nbytes)
-        return ptr
+        with self._lock:
+            self._check_open("alloc")
+            check_alloc_size("alloc", nbytes)
+            used = self._device.nbytes
+            if used + nbytes > self._capacity:
+                raise DeviceError(
+                    f"alloc: nbytes={nbytes} exceeds the free device memory "
+                    f"({self._capacity - used} of capacity {self._capacity} bytes free)"
+                )
+            ptr, buf = self._new_buffer("alloc", nbytes)
+            self._buffers[ptr] = buf
+            self._device.add(ptr, nbytes)
+            return ptr
 
     def free(self, ptr: int) -> None:
         """Free an ``alloc`` address; an unknown or already freed address raises InvalidId."""
-        self._check_open("free")
-        self._device.remove("free", ptr)
-        del self._buffers[ptr]
+        with self._lock:
+            self._check_open("free")
+            self._device.remove("free", ptr)
+            del self._buffers[ptr]
 
     def alloc_pinned(self, nbytes: int) -> int:
         """Allocate ``nbytes`` (>= 1) of host staging memory (plain memory here)."""
-        self._check_open("alloc_pinned")
-        check_alloc_size("alloc_pinned", nbytes)
-        ptr, buf = self._new_buffer("alloc_pinned", nbytes)
-        self._buffers[ptr] = buf
-        self._pinned.add(ptr, nbytes)
-        return ptr
+        with self._lock:
+            self._check_open("alloc_pinned")
+            check_alloc_size("alloc_pinned", nbytes)
+            ptr, buf = self._new_buffer("alloc_pinned", nbytes)
+            self._buffers[ptr] = buf
+            self._pinned.add(ptr, nbytes)
+            return ptr
 
     def free_pinned(self, ptr: int) -> None:
         """Free an ``alloc_pinned`` address; an unknown or already freed address raises InvalidId."""
-        self._check_open("free_pinned")
-        self._pinned.remove("free_pinned", ptr)
-        del self._buffers[ptr]
+        with self._lock:
+            self._check_open("free_pinned")
+            self._pinned.remove("free_pinned", ptr)
+            del self._buffers[ptr]
 
     def mem_info(self) -> tuple[int, int]:
         """(capacity minus live ``alloc`` bytes, capacity)."""
-        self._check_open("mem_info")
-        return self._capacity - self._device.nbytes, self._capacity
+        with self._lock:
+            self._check_open("mem_info")
+            return self._capacity - self._device.nbytes, self._capacity
 
     # -- copies ---------------------------------------------------------------------------------
     def _is_pinned(self, ptr: int, nbytes: int) -> bool:
@@ -179,97 +183,117 @@ class HostDevice(TrackedDevice):
 
     def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
         """Copy device to device; both ranges must lie in live allocations (InvalidId otherwise)."""
-        self._check_open("copy_dtod")
-        check_nbytes("copy_dtod", nbytes)
-        if nbytes:
-            self._device.locate("copy_dtod dst", dst, nbytes)
-            self._device.locate("copy_dtod src", src, nbytes)
-            self._move(dst, src, nbytes)
+        with self._lock:
+            self._check_open("copy_dtod")
+            check_nbytes("copy_dtod", nbytes)
+            if nbytes:
+                self._device.locate("copy_dtod dst", dst, nbytes)
+                self._device.locate("copy_dtod src", src, nbytes)
+                self._move(dst, src, nbytes)
 
     def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
         """Copy host to device; the device range must lie in a live allocation."""
-        self._check_open("copy_htod")
-        check_nbytes("copy_htod", nbytes)
-        if nbytes:
-            self._device.locate("copy_htod dst", dst, nbytes)
-            if self._deferred and not self._is_pinned(src_host, nbytes):
-                # pageable source: staged at the call like the CUDA driver does, so it may be reused
-                staged = np.frombuffer(ctypes.string_at(src_host, nbytes), dtype=np.uint8)
-                self._pending.append((0, dst, staged.ctypes.data, nbytes, staged))
-            else:
-                self._move(dst, src_host, nbytes)
+        with self._lock:
+            self._check_open("copy_htod")
+            check_nbytes("copy_htod", nbytes)
+            if nbytes:
+                self._device.locate("copy_htod dst", dst, nbytes)
+                if self._deferred and not self._is_pinned(src_host, nbytes):
+                    # pageable source: staged at the call like the CUDA driver does, so it may be reused
+                    staged = np.frombuffer(ctypes.string_at(src_host, nbytes), dtype=np.uint8)
+                    self._pending.append((0, dst, staged.ctypes.data, nbytes, staged))
+                else:
+                    self._move(dst, src_host, nbytes)
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """Copy device to host; the device range must lie in a live allocation."""
-        self._check_open("copy_dtoh")
-        check_nbytes("copy_dtoh", nbytes)
-        if nbytes:
-            self._device.locate("copy_dtoh src", src, nbytes)
-            self._move(dst_host, src, nbytes)
+        with self._lock:
+            self._check_open("copy_dtoh")
+            check_nbytes("copy_dtoh", nbytes)
+            if nbytes:
+                self._device.locate("copy_dtoh src", src, nbytes)
+                self._move(dst_host, src, nbytes)
 
     def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
         """Copies between device memory and/or pinned memory; every range is checked before any
         copy is issued."""
-        self._check_open("copy_batch")
-        rows = self._batch_checker.check("copy_batch", copies)
-        if self._deferred:
-            self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
-        else:
-            memmove_rows(rows)
+        with self._lock:
+            self._check_open("copy_batch")
+            rows = self._batch_checker.check("copy_batch", copies)
+            if self._deferred:
+                self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
+            else:
+                memmove_rows(rows)
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         """Set device bytes to ``value`` (0..255)."""
-        self._check_open("memset")
-        check_nbytes("memset", nbytes)
-        if not 0 <= value <= 255:
-            raise InvalidId(f"memset: value={value} must be in 0..255")
-        if nbytes:
-            self._device.locate("memset", ptr, nbytes)
-            if self._deferred:
-                self._pending.append((1, ptr, value, nbytes, None))
-            else:
-                _memset(ptr, value, nbytes)
+        with self._lock:
+            self._check_open("memset")
+            check_nbytes("memset", nbytes)
+            if not 0 <= value <= 255:
+                raise InvalidId(f"memset: value={value} must be in 0..255")
+            if nbytes:
+                self._device.locate("memset", ptr, nbytes)
+                if self._deferred:
+                    self._pending.append((1, ptr, value, nbytes, None))
+                else:
+                    _memset(ptr, value, nbytes)
 
     def synchronize(self) -> None:
         """Run queued copies in issue order (deferred mode); immediate mode has nothing to wait for."""
-        self._check_open("synchronize")
-        if self._pending:
-            pending, self._pending = self._pending, []
-            for op, dst, src, nbytes, _ in pending:
-                if op == 0:
-                    _memmove(dst, src, nbytes)
-                else:
-                    _memset(dst, src, nbytes)
+        with self._lock:
+            self._check_open("synchronize")
+            if self._pending:
+                pending, self._pending = self._pending, []
+                for op, dst, src, nbytes, _ in pending:
+                    if op == 0:
+                        _memmove(dst, src, nbytes)
+                    else:
+                        _memset(dst, src, nbytes)
+
+    def wait_stream(self, stream: object) -> None:
+        """Nothing to wait for: host memory has no streams (an engine's writes are in place when
+        they return). ``stream`` is still checked, as on CUDA."""
+        stream_handle(stream)
+        with self._lock:
+            self._check_open("wait_stream")
 
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """uint8 view of host memory; a view into this device's own memory keeps it alive."""
-        check_nbytes("host_array", nbytes)
-        for table in (self._pinned, self._device):
-            try:
-                start, offset = table.locate("host_array", ptr, nbytes)
-            except InvalidId:
-                continue
-            buf: npt.NDArray[np.uint8] = self._buffers[start][offset : offset + nbytes]
-            return buf
-        return _host_view(ptr, nbytes)
+        with self._lock:
+            check_nbytes("host_array", nbytes)
+            for table in (self._pinned, self._device):
+                try:
+                    start, offset = table.locate("host_array", ptr, nbytes)
+                except InvalidId:
+                    continue
+                buf: npt.NDArray[np.uint8] = self._buffers[start][offset : offset + nbytes]
+                return buf
+            return _host_view(ptr, nbytes)
 
     def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
-        """numpy view of device memory at ``ptr`` (must lie in one live allocation); keeps it alive."""
-        self._check_open("device_array")
-        start, offset = self._device.locate("device_array", ptr, 1)
-        return _shaped_view(self._buffers[start], offset, tuple(shape), dtype)
+        """numpy view of device memory at ``ptr`` (must lie in one live allocation); keeps it alive.
+        A view of zero elements touches no memory: it is an empty array tied to none."""
+        with self._lock:
+            self._check_open("device_array")
+            dims, dt, nbytes = view_size("device_array", shape, dtype)
+            if nbytes == 0:
+                return np.empty(dims, dt)
+            start, offset = self._device.locate("device_array", ptr, 1)
+            return _shaped_view(self._buffers[start], offset, dims, dt, nbytes)
 
     def close(self) -> None:
         """Drop the queue and forget allocations still live (their memory goes with the last view)."""
-        if self._closed:
-            return
-        self._pending.clear()
-        for table in (self._device, self._pinned):
-            for ptr in table.addresses():
-                table.remove("close", ptr)
-        self._buffers.clear()
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._pending.clear()
+            for table in (self._device, self._pinned):
+                for ptr in table.addresses():
+                    table.remove("close", ptr)
+            self._buffers.clear()
+            self._closed = True
 
     def __enter__(self) -> HostDevice:
         return self
