@@ -196,6 +196,15 @@ class HybridModel(LifecycleDefaults):
             )
         return wanted
 
+    def _checked_blocks(self, seq: SequenceState, handle: int, num_tokens: object, what: str) -> int:
+        """``_wanted_blocks``, but a sequence that is not active is refused for that first."""
+        try:
+            return self._wanted_blocks(num_tokens, what)
+        except InvalidId:
+            if not seq._open or self._core.status(handle) != 1:
+                raise SequenceStateError(f"{what}: sequence {seq.seq_id} is {seq.status.value}, not active") from None
+            raise
+
     def _snapshot(self, seq: SequenceState, handle: int, blocks: int, *, rolling: bool = False) -> bool:
         """Cache the first ``blocks`` blocks with an SSM snapshot at their end (copied from the
         sequence's slot when new); False when snapshots are off."""
@@ -530,7 +539,7 @@ class HybridModel(LifecycleDefaults):
         ``OutOfBlocks``, the prefix stays attached. A ``grow_to`` that ``grow`` would refuse is
         refused first, before anything is attached or recorded."""
         handle = self._handle(seq)
-        wanted = -1 if grow_to is None else self._wanted_blocks(grow_to, "attach_prefix")
+        wanted = -1 if grow_to is None else self._checked_blocks(seq, handle, grow_to, "attach_prefix")
         if self._ssm is None:
             if self._drop_queue:
                 self._reap_dropped()
@@ -562,7 +571,7 @@ class HybridModel(LifecycleDefaults):
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
         prefix blocks when the free list runs short. Returns the number of blocks added."""
         handle = self._handle(seq)
-        wanted = self._wanted_blocks(num_tokens, "grow")
+        wanted = self._checked_blocks(seq, handle, num_tokens, "grow")
         if self._drop_queue:
             self._reap_dropped()
         return self._core.grow(handle, wanted)  # type: ignore[no-any-return]
