@@ -36,6 +36,7 @@ from lifecycle.errors import (
     SwapError,
     SwapFormatError,
     SwapModelMismatch,
+    SwapStreamError,
     TornDown,
     Unsupported,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "SwapFormatError",
     "SwapHandle",
     "SwapModelMismatch",
+    "SwapStreamError",
     "SwapTier",
     "TeardownReport",
     "TornDown",
