@@ -33,6 +33,7 @@ EMULATED_SUITES: list[str] = [
     "tests/test_faults.py",
     "tests/test_fuzz_restore.py",
     "tests/test_threads.py",
+    "tests/test_bad_input.py",
 ]
 
 TIMEOUT_S = 600
