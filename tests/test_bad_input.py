@@ -59,6 +59,7 @@ from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.swap import HEADER_BYTES, MAX_RECORD_TOKENS, parse_header
 from lifecycle.swap_tier import SwapHandle, SwapTier
 from devices import device  # noqa: F401  (shared fixture)
+from reliability_driver import BrokenReader, BrokenWriter, forged_header
 from swap_helpers import BS, fill_sequence, swap_config
 
 #: Marks a test of a defect the core rewrite fixes (issue #13 carries that work).
@@ -378,45 +379,6 @@ bad_counts = st.one_of(
     st.floats(allow_nan=True).map(lambda n: lambda asked: n),
     st.sampled_from(["1", b"1", True, [1]]).map(lambda n: lambda asked: n),
 )
-#: A stream that keeps answering after this many calls is looping: fail instead of hanging.
-CALL_BUDGET = 10_000
-
-
-class BrokenReader:
-    """Reads a record correctly, except that call ``bad_call`` of ``readinto`` answers
-    ``answer(asked)``; refuses to be called forever."""
-
-    def __init__(self, data: bytes, bad_call: int, answer: Callable[[int], object]) -> None:
-        self._inner = io.BytesIO(data)
-        self._bad_call = bad_call
-        self._answer = answer
-        self.calls = 0
-
-    def readinto(self, buffer: memoryview) -> object:
-        self.calls += 1
-        assert self.calls < CALL_BUDGET, "restore keeps calling a broken reader"
-        if self.calls == self._bad_call:
-            return self._answer(buffer.nbytes)
-        return self._inner.readinto(buffer)
-
-
-class BrokenWriter:
-    """Takes every byte, except that call ``bad_call`` of ``write`` answers ``answer(offered)``."""
-
-    def __init__(self, bad_call: int, answer: Callable[[int], object]) -> None:
-        self._inner = io.BytesIO()
-        self._bad_call = bad_call
-        self._answer = answer
-        self.calls = 0
-
-    def write(self, data: memoryview) -> object:
-        self.calls += 1
-        assert self.calls < CALL_BUDGET, "save keeps calling a broken writer"
-        if self.calls == self._bad_call:
-            return self._answer(memoryview(data).nbytes)
-        return self._inner.write(data)
-
-
 @SHARED_MODEL
 @given(answer=bad_counts, bad_call=st.integers(1, 8))
 def test_a_reader_answering_nonsense_is_refused_and_the_restore_undone(
@@ -791,19 +753,6 @@ class Endless:
             n = buffer.nbytes
         self.delivered += n
         return n
-
-
-def forged_header(record: bytes, num_tokens: int) -> bytes:
-    """The record's header announcing ``num_tokens`` tokens, every size made consistent with it
-    and the header checksum recomputed: only the model's limits can refuse it."""
-    header = parse_header(record[:HEADER_BYTES])
-    growth = 4 * (num_tokens - header.num_tokens)
-    return dataclasses.replace(
-        header,
-        num_tokens=num_tokens,
-        meta_bytes=header.meta_bytes + growth,
-        record_bytes=header.record_bytes + growth,
-    ).pack()
 
 
 @SHARED_MODEL
