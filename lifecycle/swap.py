@@ -23,12 +23,21 @@ caller frees them on failure), but the SSM sections (one slot's worth, whatever 
 length) and the token ids are buffered on the host and only written into the sequence's slot and
 token list once every checksum verified.
 
+What a record may hold is bounded by the model: at most its per-sequence block limit, and as many
+tokens as those blocks cover; ``prompt_len`` and ``ssm_tokens`` within the tokens; token ids in
+int32's non-negative range. ``save`` refuses a sequence outside these bounds before writing a byte
+(``SequenceStateError``; :func:`check_saveable` is the same rule for a caller that must decide
+before anything else, such as a swap tier about to free the sequence), and ``restore`` refuses a
+header announcing more before reading past it, so a forged size costs no memory.
+
 Errors: a malformed or truncated record raises :class:`SwapFormatError`, a record of another model
 (or block count, or adapter) :class:`SwapModelMismatch`, a corrupted section
-:class:`SwapChecksumError`. An exception raised by the reader or writer itself is re-raised as
-:class:`SwapError` chained from the original (``__cause__``) and naming the section and offset; a
-``LifecycleError`` or a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``)
-propagates unchanged.
+:class:`SwapChecksumError`. A reader or writer that breaks the stream contract (a count that is
+negative, past what was asked, or not an int; None from a non-blocking stream) raises
+:class:`SwapStreamError` at its first such answer. An exception raised by the reader or writer
+itself is re-raised as :class:`SwapError` chained from the original (``__cause__``) and naming the
+section and offset; a ``LifecycleError`` or a ``BaseException`` that is not an ``Exception``
+(``KeyboardInterrupt``) propagates unchanged.
 """
 
 from __future__ import annotations
