@@ -41,8 +41,8 @@ from lifecycle._prefix_trie import PrefixTrie
 from lifecycle.cli import main
 from lifecycle.device.base import Device
 from lifecycle.errors import (
+    ConfigError,
     InvalidId,
-    InvariantViolation,
     LifecycleError,
     OutOfBlocks,
     PoolExhausted,
@@ -848,6 +848,13 @@ def test_sizes_that_only_together_exceed_the_memory_are_refused_naming_the_large
 def test_turns_past_their_meaningful_range_are_refused(capsys: pytest.CaptureFixture[str], turns: str) -> None:
     assert main(["simulate", "--turns", turns]) == 2
     assert f"argument --turns: {turns} is more than the 126 turns" in capsys.readouterr().err
+
+
+def test_trace_for_model_refuses_more_turns_than_max_turns() -> None:
+    config = preset("small-hybrid", num_blocks=2048, num_snapshots=256)
+    limit = lifecycle.simulate.max_turns(config)
+    with pytest.raises(ConfigError, match=f"turns={limit + 1} is more than the {limit} turns"):
+        lifecycle.simulate.trace_for_model(config, seed=0, num_requests=1, turns=limit + 1)
 
 
 def test_the_most_meaningful_turns_are_served(capsys: pytest.CaptureFixture[str]) -> None:
