@@ -381,11 +381,14 @@ class SwapTier:
                     f"tier (#{self._tier_id})"
                 )
             record = self._records.get(handle.handle_id)
-            if record is None or record.handle is not handle:
-                state = "a copy or a forgery of" if record is not None else "not live in"
+            if record is None:
                 raise SwapError(
-                    f"{what}: handle {handle.handle_id} is {state} this tier's handles "
-                    "(already swapped in or discarded? only the handle object swap_out returned is accepted)"
+                    f"{what}: handle {handle.handle_id} is not live in this tier (already swapped in or discarded?)"
+                )
+            if record.handle is not handle:
+                raise SwapError(
+                    f"{what}: handle {handle.handle_id} is a copy or a forgery of a live handle of this tier; only "
+                    "the handle object swap_out returned is accepted"
                 )
             del self._records[handle.handle_id]
             return record
