@@ -11,6 +11,8 @@ sizes that disagree) raises ``InvalidId`` naming what was expected and what came
 
 cimport cython
 cimport numpy as cnp
+
+import numpy as np
 from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy, memmove
 
@@ -95,41 +97,33 @@ cdef object _refused(str message):
     return InvalidId(message)
 
 
-cdef const int64_t[:, ::1] _rows_arg(object rows, str what):
-    """``rows`` as a C-contiguous (n, 3) int64 view, or ``InvalidId``."""
-    cdef const int64_t[:, ::1] view
-    expected = f"{what}: rows must be a C-contiguous (n, 3) int64 array"
-    if rows is None:
-        raise _refused(f"{expected}, got None")
-    try:
-        view = rows
-    except (TypeError, ValueError, BufferError) as error:
-        raise _refused(f"{expected}, got {_describe(rows)}") from error
-    if view.shape[1] != 3:
-        raise _refused(f"{expected}, got {view.shape[1]} columns")
-    return view
-
-
-cdef const int64_t[::1] _bounds_arg(object bounds, str what):
-    """``bounds`` as a contiguous 1-D int64 view, or ``InvalidId``."""
-    cdef const int64_t[::1] view
-    expected = f"{what} must be a contiguous 1-D int64 array"
-    if bounds is None:
-        raise _refused(f"{expected}, got None")
-    try:
-        view = bounds
-    except (TypeError, ValueError, BufferError) as error:
-        raise _refused(f"{expected}, got {_describe(bounds)}") from error
-    return view
+cdef object _bad_rows(str what, object rows, object starts=(), object ends=()):
+    """The ``InvalidId`` for arguments of ``first_bad_row`` / ``memmove_rows`` that are not what
+    they must be (built only for a refusal: a batch is on the copy path)."""
+    for name, value, kind in (("rows", rows, "C-contiguous (n, 3)"), ("starts", starts, "contiguous 1-D"),
+                              ("ends", ends, "contiguous 1-D")):
+        if value is None or getattr(value, "dtype", None) != np.int64:
+            return _refused(f"{what}: {name} must be a {kind} int64 array, got {_describe(value)}")
+    return _refused(f"{what}: rows must be a C-contiguous (n, 3) int64 array, got {_describe(rows)}")
 
 
 def first_bad_row(rows, starts, ends):
     """Index of the first row with a negative size, or whose dst or src range is not inside one
     ``[starts[k], ends[k])`` (``starts`` sorted ascending); -1 when every row is fine. Zero-size
     rows always pass."""
-    cdef const int64_t[:, ::1] row_view = _rows_arg(rows, "first_bad_row")
-    cdef const int64_t[::1] start_view = _bounds_arg(starts, "first_bad_row: starts")
-    cdef const int64_t[::1] end_view = _bounds_arg(ends, "first_bad_row: ends")
+    cdef const int64_t[:, ::1] row_view
+    cdef const int64_t[::1] start_view
+    cdef const int64_t[::1] end_view
+    if rows is None or starts is None or ends is None:
+        raise _bad_rows("first_bad_row", rows, starts, ends)
+    try:
+        row_view = rows
+        start_view = starts
+        end_view = ends
+    except (TypeError, ValueError, BufferError) as error:
+        raise _bad_rows("first_bad_row", rows, starts, ends) from error
+    if row_view.shape[1] != 3:
+        raise _refused(f"first_bad_row: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns")
     if start_view.shape[0] != end_view.shape[0]:
         raise _refused(
             f"first_bad_row: {start_view.shape[0]} starts but {end_view.shape[0]} ends; they must pair up"
@@ -160,7 +154,16 @@ cdef Py_ssize_t _first_bad_row(const int64_t[:, ::1] rows, const int64_t[::1] st
 
 def memmove_rows(rows):
     """``memmove(dst, src, nbytes)`` for every row, in order. The caller has checked the ranges."""
-    _memmove_rows(_rows_arg(rows, "memmove_rows"))
+    cdef const int64_t[:, ::1] row_view
+    if rows is None:
+        raise _bad_rows("memmove_rows", rows)
+    try:
+        row_view = rows
+    except (TypeError, ValueError, BufferError) as error:
+        raise _bad_rows("memmove_rows", rows) from error
+    if row_view.shape[1] != 3:
+        raise _refused(f"memmove_rows: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns")
+    _memmove_rows(row_view)
 
 
 @cython.boundscheck(False)
