@@ -97,13 +97,13 @@ cdef object _refused(str message):
     return InvalidId(message)
 
 
-cdef object _bad_rows(str what, object rows, object starts=(), object ends=()):
-    """The ``InvalidId`` for arguments of ``first_bad_row`` / ``memmove_rows`` that are not what
-    they must be (built only for a refusal: a batch is on the copy path)."""
-    for name, value, kind in (("rows", rows, "C-contiguous (n, 3)"), ("starts", starts, "contiguous 1-D"),
-                              ("ends", ends, "contiguous 1-D")):
-        if value is None or getattr(value, "dtype", None) != np.int64:
-            return _refused(f"{what}: {name} must be a {kind} int64 array, got {_describe(value)}")
+cdef object _bad_rows(str what, object rows, tuple bounds=()):
+    """The ``InvalidId`` for arguments of ``first_bad_row`` (``bounds``: its starts and ends) or
+    ``memmove_rows`` that are not what they must be (built only for a refusal: a batch is on the
+    copy path)."""
+    for name, value in zip(("starts", "ends"), bounds):
+        if value is None or getattr(value, "dtype", None) != np.int64 or getattr(value, "ndim", None) != 1:
+            return _refused(f"{what}: {name} must be a contiguous 1-D int64 array, got {_describe(value)}")
     return _refused(f"{what}: rows must be a C-contiguous (n, 3) int64 array, got {_describe(rows)}")
 
 
@@ -115,13 +115,13 @@ def first_bad_row(rows, starts, ends):
     cdef const int64_t[::1] start_view
     cdef const int64_t[::1] end_view
     if rows is None or starts is None or ends is None:
-        raise _bad_rows("first_bad_row", rows, starts, ends)
+        raise _bad_rows("first_bad_row", rows, (starts, ends))
     try:
         row_view = rows
         start_view = starts
         end_view = ends
     except (TypeError, ValueError, BufferError) as error:
-        raise _bad_rows("first_bad_row", rows, starts, ends) from error
+        raise _bad_rows("first_bad_row", rows, (starts, ends)) from error
     if row_view.shape[1] != 3:
         raise _refused(f"first_bad_row: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns")
     if start_view.shape[0] != end_view.shape[0]:

@@ -607,6 +607,12 @@ def test_copy_rows_of_the_wrong_kind_are_refused(rows: Any) -> None:
         first_bad_row(rows, bounds, bounds)
 
 
+@pytest.mark.parametrize("starts", [np.zeros(1, np.float64), np.zeros((1, 1), np.int64), None], ids=["dtype", "2-D", "none"])
+def test_copy_bounds_of_the_wrong_kind_are_refused(starts: Any) -> None:
+    with pytest.raises(InvalidId, match="starts must be a contiguous 1-D int64 array"):
+        first_bad_row(np.zeros((1, 3), np.int64), starts, np.zeros(1, np.int64))
+
+
 def test_copy_bounds_that_do_not_pair_up_are_refused() -> None:
     with pytest.raises(InvalidId, match="2 starts but 1 ends"):
         first_bad_row(np.zeros((1, 3), np.int64), np.zeros(2, np.int64), np.zeros(1, np.int64))
