@@ -5,7 +5,8 @@ the emulated CUDA driver (run in a child process, which loads the emulator as it
     python bench/reliability.py --ops 1000000 --json
 
 prints the counts docs/reliability.md reports: operations, invariant checks, bad inputs tried and
-refused, refusals under pressure, swap round trips, faults injected and survived (by kind, with the
+refused (by kind: ``driver.bad_by_kind``, with issue #14's unrestorable swap-outs, forged handles,
+broken streams, forged record sizes and pool counts past 64 bits), refusals under pressure, swap round trips, faults injected and survived (by kind, with the
 number of driver call sites enumerated), fuzzed records rejected, leaks found. Exit status 1 if a
 leak was found or a check failed (the failing check's exception propagates).
 """
@@ -160,7 +161,8 @@ def print_table(report: dict[str, Any]) -> None:
     d = report["driver"]
     print(f"random driver: {d['operations']:,} operations over {d['episodes']} episodes "
           f"({', '.join(d['configs'])}) in {d['seconds']} s ({d['ops_per_second']:,} ops/s)")
-    print(f"  invariant checks {d['invariant_checks']:,}; bad inputs refused {d['bad_inputs']:,}; "
+    print(f"  invariant checks {d['invariant_checks']:,}; bad inputs refused {d['bad_inputs']:,} "
+          f"({len(d['bad_by_kind'])} kinds); "
           f"refusals under pressure {d['refusals_under_pressure']:,}; swap round trips {d['round_trips']:,}; "
           f"corrupted records refused {d['bad_records']:,}; leak checks {d['leak_checks']}; leaks {d['leaks']}")
     f = report["fuzz"]

@@ -38,6 +38,7 @@ from lifecycle.errors import (
     SwapError,
     SwapFormatError,
     SwapModelMismatch,
+    SwapStreamError,
     TornDown,
     Unsupported,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "SwapFormatError",
     "SwapHandle",
     "SwapModelMismatch",
+    "SwapStreamError",
     "SwapTier",
     "TeardownReport",
     "TornDown",

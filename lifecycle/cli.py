@@ -3,6 +3,12 @@
 ``lifecycle simulate`` replays a synthetic multi-turn serving trace through the whole lifecycle API
 (see :mod:`lifecycle.simulate`) and prints a summary: a progress bar on stderr while it runs, then a
 table (or, with ``--json``, one JSON object) on stdout.
+
+Every option is checked before anything is allocated: sizes (pools, swap memory, the trace) against
+the memory this machine (or GPU) has, each refusal naming the option that asked for too much. Exit
+status 2 for a refused option, 1 for a failed run, 130 for Ctrl-C (no traceback). With ``--json``
+every error is also one JSON object on stdout: ``{"error": {"type", "message", "option",
+"exit_status"}}``.
 """
 
 from __future__ import annotations
@@ -15,14 +21,16 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from lifecycle.config import ModelConfig
 from lifecycle.errors import ConfigError, DeviceError, LifecycleError
 from lifecycle.presets import preset, preset_names
 
 if TYPE_CHECKING:
+    from lifecycle.device.base import Device
     from lifecycle.simulate import SimulationResult
 
 __all__ = ["main"]
@@ -40,6 +48,29 @@ _PLOT_SUFFIXES: Final = (".png", ".svg", ".pdf")
 _PLOT_HINT: Final = "--plot needs matplotlib: pip install 'kv-lifecycle[plot]' (or: pip install matplotlib)"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+#: Host memory the model's bookkeeping takes per KV block beside the block's tokens in the prefix
+#: trie (refcount and free-list entries, the trie node and its hash bucket), and per SSM slot.
+_HOST_BYTES_PER_BLOCK: Final = 80
+_HOST_BYTES_PER_SLOT_LAYER: Final = 160
+#: A trace this large gets a line on stderr before it is generated (it takes a while).
+_ANNOUNCE_TRACE_BYTES: Final = 256 << 20
+_OPTION = re.compile(r"^argument ([^\s:/]+)")
+EXIT_INTERRUPTED: Final = 130
+
+
+class _UsageError(Exception):
+    """A refused option: raised by :class:`_Parser` instead of exiting, so ``main`` can report it
+    (and, with ``--json``, print it as JSON)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
 
 
 def _count(minimum: int) -> Any:
@@ -71,7 +102,7 @@ def _byte_size(text: str) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lifecycle", description="Memory lifecycle for LLM serving.")
+    parser = _Parser(prog="lifecycle", description="Memory lifecycle for LLM serving.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sim = commands.add_parser(
         "simulate",
@@ -157,11 +188,108 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelC
         parser.error(f"--model {args.model}: {exc}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Need:
+    """Memory one part of a run takes, and the option that sizes it."""
+
+    option: str
+    what: str
+    nbytes: int
+    on_device: bool  # device memory (the host's own on the host device)
+
+
+def _kv_option(args: argparse.Namespace) -> str:
+    """The option that sized the KV pool."""
+    return "--blocks" if args.blocks is not None else "--kv-budget" if args.kv_budget is not None else "--model"
+
+
+def _memory_needs(args: argparse.Namespace, config: ModelConfig, trace_bytes: int) -> list[_Need]:
+    base = preset(args.model)
+    kv_option = _kv_option(args)
+    slots_option = "--max-live" if args.max_live is not None and args.max_live > base.max_seqs else "--model"
+    snapshots_option = "--snapshots" if args.snapshots is not None else "--model"
+    blocks, slots = config.num_blocks_resolved, config.num_ssm_slots
+    needs = [
+        _Need(kv_option, f"a KV pool of {blocks:,} blocks of {_human_bytes(config.kv_block_bytes())}",
+              config.kv_pool_bytes(), True),
+        _Need(kv_option, f"the bookkeeping of {blocks:,} blocks",
+              blocks * (_HOST_BYTES_PER_BLOCK + 4 * config.block_size), False),
+        _Need(slots_option, f"{slots:,} SSM slots of {_human_bytes(config.ssm_slot_bytes())}", config.ssm_pool_bytes(), True),
+        _Need(slots_option, f"the bookkeeping of {config.max_seqs:,} sequence slots",
+              config.max_seqs * _HOST_BYTES_PER_SLOT_LAYER * (1 + len(config.ssm_layers)), False),
+        _Need(snapshots_option, f"{config.num_snapshots:,} SSM snapshots of {_human_bytes(config.ssm_slot_bytes())}",
+              config.num_snapshots * config.ssm_slot_bytes(), True),
+        _Need("--requests", f"a trace of {args.requests:,} requests of up to {args.turns} turns", trace_bytes, False),
+    ]
+    if not args.no_swap:
+        needs.append(_Need("--swap-host-mb", f"{args.swap_host_mb:,} MiB of swap space", args.swap_host_mb << 20, False))
+    return needs
+
+
+def _available_host_bytes() -> int:
+    """Host memory that can be had now: MemAvailable on Linux, else the physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    from lifecycle.device.host import physical_memory_bytes
+
+    return physical_memory_bytes()
+
+
+def _check_memory(parser: argparse.ArgumentParser, needs: list[_Need], host_free: int, device_free: int | None) -> None:
+    """Refuse, naming the option, a run whose memory does not fit what is available: one part
+    alone, or all of them together (the largest part's option is named). Nothing is allocated yet."""
+    pools = [("host", host_free, [n for n in needs if device_free is None or not n.on_device])]
+    if device_free is not None:
+        pools.append(("device", device_free, [n for n in needs if n.on_device]))
+    for memory, free, parts in pools:
+        for need in parts:
+            if need.nbytes > free:
+                parser.error(
+                    f"argument {need.option}: {need.what} would take {_human_bytes(need.nbytes)} of {memory} memory; "
+                    f"{_human_bytes(free)} is available"
+                )
+        total = sum(need.nbytes for need in parts)
+        if total > free:
+            largest = max(parts, key=lambda need: need.nbytes)
+            breakdown = ", ".join(f"{need.what}: {_human_bytes(need.nbytes)}" for need in parts if need.nbytes)
+            parser.error(
+                f"argument {largest.option}: the run would take {_human_bytes(total)} of {memory} memory in all "
+                f"({breakdown}); {_human_bytes(free)} is available"
+            )
+
+
+def _check_turns(parser: argparse.ArgumentParser, args: argparse.Namespace, config: ModelConfig) -> None:
+    from lifecycle.simulate import MAX_TURN_SHRINK, max_turns
+
+    limit = max_turns(config)
+    if 0 < limit < args.turns:  # 0: no chat fits at all, which the trace reports itself
+        parser.error(
+            f"argument --turns: {args.turns} is more than the {limit} turns a chat can have on "
+            f"{config.num_blocks_resolved:,} blocks (its messages would be shortened more than {MAX_TURN_SHRINK} "
+            "times below a one-turn chat's); use fewer turns or more --blocks"
+        )
+
+
+def _open_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Device:
+    from lifecycle.device import open_device
+
+    try:
+        return open_device(args.device)
+    except DeviceError as exc:
+        parser.error(f"argument --device: {args.device} is not available here: {exc}")
+
+
 def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lifecycle.model import HybridModel
-    from lifecycle.simulate import SimulationOptions, simulate, trace_for_model
+    from lifecycle.simulate import SimulationOptions, simulate, trace_for_model, trace_nbytes
 
     config = _config(parser, args)
+    _check_turns(parser, args, config)
     options = SimulationOptions(
         max_live=args.max_live if args.max_live is not None else config.max_seqs,
         check_every=args.check_every,
@@ -170,24 +298,27 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         swap_host_bytes=args.swap_host_mb << 20,
         spill_dir=args.spill_dir,
     )
+    trace_bytes = trace_nbytes(config, num_requests=args.requests, turns=args.turns)
+    needs = _memory_needs(args, config, trace_bytes)
+    device = _open_device(parser, args)
     try:
-        trace = trace_for_model(config, seed=args.seed, num_requests=args.requests, turns=args.turns)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    try:
-        model = HybridModel(config, args.device)
-    except DeviceError as exc:
-        parser.error(f"argument --device: {args.device} is not available here: {exc}")
-
-    show_progress = not (args.json or args.quiet)
-    try:
+        device_free = None if device.kind == "host" else device.mem_info()[0]
+        _check_memory(parser, needs, _available_host_bytes(), device_free)
+        show_progress = not (args.json or args.quiet)
+        if show_progress and trace_bytes >= _ANNOUNCE_TRACE_BYTES:
+            print(f"lifecycle simulate: generating a trace of {args.requests:,} requests "
+                  f"(about {_human_bytes(trace_bytes)})...", file=sys.stderr, flush=True)
+        try:
+            trace = trace_for_model(config, seed=args.seed, num_requests=args.requests, turns=args.turns)
+        except ConfigError as exc:
+            parser.error(f"argument {_kv_option(args)}: {exc}")
+        model = HybridModel(config, device)
         if show_progress:
             result = _with_progress(lambda done: simulate(model, trace, options, on_request_done=done), len(trace))
         else:
             result = simulate(model, trace, options)
-    except LifecycleError as exc:
-        print(f"lifecycle simulate: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    finally:
+        device.close()
 
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
@@ -281,15 +412,51 @@ def _human_bytes(nbytes: int) -> str:
     return f"{nbytes / 1024**exponent:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exponent]}"
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether ``--json`` (or an abbreviation argparse would take for it) is among the options:
+    an error found while parsing them is then printed as JSON too."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if len(arg) >= 3 and "--json".startswith(arg):
+            return True
+    return False
+
+
+def _report(json_mode: bool, kind: str, message: str, status: int, option: str | None = None) -> int:
+    """Print an error for a person (stderr) and, in JSON mode, as one JSON object (stdout)."""
+    if json_mode:
+        error = {"type": kind, "message": message, "option": option, "exit_status": status}
+        print(json.dumps({"error": error}, sort_keys=True), flush=True)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (2 for a bad option, 1 for a failed run)."""
+    """Run the command line; returns the exit status (2 for a bad option, 1 for a failed run, 130
+    when interrupted)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    json_mode = _wants_json(arguments)
+    prog = "lifecycle"
     parser = _build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(arguments)
+        json_mode = bool(getattr(args, "json", json_mode))
+        prog = f"lifecycle {args.command}"
         command_parser: argparse.ArgumentParser = args.command_parser
         _validate(command_parser, args)
         if args.command == "simulate":
             return _simulate(command_parser, args)
-    except SystemExit as exc:  # argparse's exits (--help, bad options) become the return value
+    except _UsageError as exc:
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
+        match = _OPTION.match(exc.message)
+        return _report(json_mode, "usage", exc.message, 2, match.group(1) if match else None)
+    except LifecycleError as exc:
+        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return _report(json_mode, type(exc).__name__, str(exc), 1)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return _report(json_mode, "interrupted", "interrupted (Ctrl-C)", EXIT_INTERRUPTED)
+    except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 1
     return 2

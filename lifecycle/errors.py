@@ -112,3 +112,9 @@ class SwapModelMismatch(SwapError):
 
 class SwapChecksumError(SwapError):
     """A section of a swap record does not match its checksum."""
+
+
+class SwapStreamError(SwapError):
+    """The reader or writer broke the stream contract: a count that is negative, not an int, or
+    more than was asked; None (a non-blocking stream with nothing ready); a ``reserve`` or
+    ``claim`` of the wrong size. Raised at the first such answer, never looped on."""

@@ -41,13 +41,23 @@ __all__ = [
     "SimulationResult",
     "Summary",
     "TimeSeries",
+    "max_turns",
     "multi_turn_trace",
     "simulate",
     "trace_for_model",
+    "trace_nbytes",
 ]
 
 #: Adapter names the default trace serves (besides requests without an adapter).
 DEFAULT_ADAPTERS: Final[tuple[str, ...]] = ("chat-lora", "code-lora", "support-lora")
+#: ``trace_for_model`` shortens messages so that a whole chat fits the model. Shortened more than
+#: this many times below what a one-turn chat needs, more turns would only make another trace.
+MAX_TURN_SHRINK: Final = 8
+#: Memory of one ``Request`` besides its token ids: the object, two array headers, a list slot.
+_REQUEST_OVERHEAD_BYTES: Final = 512
+_SYSTEM_TOKENS: Final = (256, 1024)
+_USER_TOKENS: Final = (16, 128)
+_RESPONSE_TOKENS: Final = (32, 384)
 
 
 # ---------------------------------------------------------------------------------------- trace
@@ -189,35 +199,119 @@ def multi_turn_trace(
     return trace
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatShape:
+    """Message lengths ``trace_for_model`` uses for chats of some number of turns on a model."""
+
+    budget: int  # tokens one chat may reach: a quarter of the pool, within the per-sequence limit
+    scale: float
+    system: tuple[int, int]
+    user: tuple[int, int]
+    response: tuple[int, int]
+
+    @staticmethod
+    def of(
+        config: ModelConfig,
+        turns: int,
+        system_prompt_tokens: tuple[int, int],
+        user_tokens: tuple[int, int],
+        response_tokens: tuple[int, int],
+    ) -> _ChatShape:
+        budget = min(config.num_blocks_resolved // 4, config.max_blocks_per_seq_resolved) * config.block_size
+        longest = system_prompt_tokens[1] + turns * (user_tokens[1] + response_tokens[1])
+        scale = min(1.0, budget / longest) if longest else 1.0
+
+        def scaled(bounds: tuple[int, int], minimum: int) -> tuple[int, int]:
+            return (max(int(bounds[0] * scale), minimum), max(int(bounds[1] * scale), minimum))
+
+        return _ChatShape(budget, scale, scaled(system_prompt_tokens, 0), scaled(user_tokens, 1), scaled(response_tokens, 1))
+
+    def fits(self, turns: int) -> bool:
+        return self.system[1] + turns * (self.user[1] + self.response[1]) <= self.budget
+
+
+def max_turns(
+    config: ModelConfig,
+    *,
+    system_prompt_tokens: tuple[int, int] = _SYSTEM_TOKENS,
+    user_tokens: tuple[int, int] = _USER_TOKENS,
+    response_tokens: tuple[int, int] = _RESPONSE_TOKENS,
+) -> int:
+    """The most turns per chat :func:`trace_for_model` accepts for ``config``: chats that fit, with
+    messages shortened at most ``MAX_TURN_SHRINK`` times more than a one-turn chat's (0: not even
+    one turn fits)."""
+    lengths = (system_prompt_tokens, user_tokens, response_tokens)
+    floor = _ChatShape.of(config, 1, *lengths).scale / MAX_TURN_SHRINK
+
+    def accepted(turns: int) -> bool:
+        shape = _ChatShape.of(config, turns, *lengths)
+        return shape.fits(turns) and shape.scale >= floor
+
+    low, high = 0, max(config.num_blocks_resolved * config.block_size, 1)  # every turn takes >= 2 tokens
+    while low < high:
+        middle = (low + high + 1) // 2
+        if accepted(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def trace_nbytes(
+    config: ModelConfig,
+    *,
+    num_requests: int,
+    turns: int,
+    system_prompt_tokens: tuple[int, int] = _SYSTEM_TOKENS,
+    user_tokens: tuple[int, int] = _USER_TOKENS,
+    response_tokens: tuple[int, int] = _RESPONSE_TOKENS,
+) -> int:
+    """About how much memory a :func:`trace_for_model` trace takes (its mean, to size a run
+    before generating it): every request holds its whole prompt and its response."""
+    shape = _ChatShape.of(config, turns, system_prompt_tokens, user_tokens, response_tokens)
+
+    def mean(bounds: tuple[int, int]) -> float:
+        return (bounds[0] + bounds[1]) / 2
+
+    # Chats have 1..turns turns, so a request is on average (turns - 1) / 3 turns deep.
+    message = mean(shape.user) + mean(shape.response)
+    tokens = mean(shape.system) + (turns - 1) / 3 * message + message
+    return int(num_requests * (4 * tokens + _REQUEST_OVERHEAD_BYTES))
+
+
 def trace_for_model(
     config: ModelConfig,
     *,
     seed: int,
     num_requests: int,
     turns: int,
-    system_prompt_tokens: tuple[int, int] = (256, 1024),
-    user_tokens: tuple[int, int] = (16, 128),
-    response_tokens: tuple[int, int] = (32, 384),
+    system_prompt_tokens: tuple[int, int] = _SYSTEM_TOKENS,
+    user_tokens: tuple[int, int] = _USER_TOKENS,
+    response_tokens: tuple[int, int] = _RESPONSE_TOKENS,
     **trace_options: Any,
 ) -> list[Request]:
     """:func:`multi_turn_trace` of ``num_requests`` requests from chats of ``1..turns`` turns, with
     every length scaled down (never up) so that a whole chat fits a quarter of ``config``'s KV pool
     and its per-sequence limit, and no more adapters than ``config`` has adapter slots. Raises
-    ``ConfigError`` when even the shortest chat cannot fit."""
+    ``ConfigError`` when even the shortest chat cannot fit, or for more turns than
+    :func:`max_turns` (where only ever shorter messages would make room)."""
     _check_count("num_requests", num_requests, 0)
     _check_count("turns", turns, 1)
-    budget = min(config.num_blocks_resolved // 4, config.max_blocks_per_seq_resolved) * config.block_size
-    longest = system_prompt_tokens[1] + turns * (user_tokens[1] + response_tokens[1])
-    scale = min(1.0, budget / longest) if longest else 1.0
-
-    def scaled(bounds: tuple[int, int], minimum: int) -> tuple[int, int]:
-        return (max(int(bounds[0] * scale), minimum), max(int(bounds[1] * scale), minimum))
-
-    system, user, response = scaled(system_prompt_tokens, 0), scaled(user_tokens, 1), scaled(response_tokens, 1)
-    if system[1] + turns * (user[1] + response[1]) > budget:
+    shape = _ChatShape.of(config, turns, system_prompt_tokens, user_tokens, response_tokens)
+    system, user, response = shape.system, shape.user, shape.response
+    if not shape.fits(turns):
         raise ConfigError(
             f"a KV pool of {config.num_blocks_resolved} blocks of {config.block_size} tokens is too small for "
             f"chats of {turns} turns (each chat must fit a quarter of the pool); use more blocks or fewer turns"
+        )
+    limit = max_turns(
+        config, system_prompt_tokens=system_prompt_tokens, user_tokens=user_tokens, response_tokens=response_tokens
+    )
+    if turns > limit:
+        raise ConfigError(
+            f"turns={turns} is more than the {limit} turns a chat may have on {config.num_blocks_resolved} blocks of "
+            f"{config.block_size} tokens: its messages would be shortened more than {MAX_TURN_SHRINK} times below "
+            "a one-turn chat's; use more blocks or fewer turns"
         )
     # One adapter per slot at most, so every adapter of the trace stays loaded.
     adapters = tuple(trace_options.pop("adapters", DEFAULT_ADAPTERS))[: config.num_adapter_slots]

@@ -23,16 +23,26 @@ caller frees them on failure), but the SSM sections (one slot's worth, whatever 
 length) and the token ids are buffered on the host and only written into the sequence's slot and
 token list once every checksum verified.
 
+What a record may hold is bounded by the model: at most its per-sequence block limit, and as many
+tokens as those blocks cover; ``prompt_len`` and ``ssm_tokens`` within the tokens; token ids in
+int32's non-negative range. ``save`` refuses a sequence outside these bounds before writing a byte
+(``SequenceStateError``; :func:`check_saveable` is the same rule for a caller that must decide
+before anything else, such as a swap tier about to free the sequence), and ``restore`` refuses a
+header announcing more before reading past it, so a forged size costs no memory.
+
 Errors: a malformed or truncated record raises :class:`SwapFormatError`, a record of another model
 (or block count, or adapter) :class:`SwapModelMismatch`, a corrupted section
-:class:`SwapChecksumError`. An exception raised by the reader or writer itself is re-raised as
-:class:`SwapError` chained from the original (``__cause__``) and naming the section and offset; a
-``LifecycleError`` or a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``)
-propagates unchanged.
+:class:`SwapChecksumError`. A reader or writer that breaks the stream contract (a count that is
+negative, past what was asked, or not an int; None from a non-blocking stream) raises
+:class:`SwapStreamError` at its first such answer. An exception raised by the reader or writer
+itself is re-raised as :class:`SwapError` chained from the original (``__cause__``) and naming the
+section and offset; a ``LifecycleError`` or a ``BaseException`` that is not an ``Exception``
+(``KeyboardInterrupt``) propagates unchanged.
 """
 
 from __future__ import annotations
 
+import io
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +60,7 @@ from lifecycle.errors import (
     SwapError,
     SwapFormatError,
     SwapModelMismatch,
+    SwapStreamError,
 )
 from lifecycle.sequence import NO_ADAPTER
 
@@ -60,6 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
+    "MAX_RECORD_TOKENS",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
     "HEADER_BYTES",
@@ -67,6 +79,7 @@ __all__ = [
     "StagingBuffer",
     "SwapContext",
     "SwapHeader",
+    "check_saveable",
     "parse_header",
     "read_header",
     "record_nbytes",
@@ -80,6 +93,8 @@ FORMAT_MINOR: Final = 0
 HEADER_BYTES: Final = 128
 DEFAULT_STAGING_BYTES: Final = 4 << 20
 MAX_ADAPTER_NAME_BYTES: Final = 4096
+#: Token ids are int32 in a record and in a sequence's buffer: no record holds more tokens than this.
+MAX_RECORD_TOKENS: Final = 0x7FFFFFFF
 
 FLAG_FAILED: Final = 1  # the sequence was marked failed: its KV must never be cached
 
@@ -112,6 +127,8 @@ class ConfigLike(Protocol):
     def attention_layers(self) -> Sequence[object]: ...
     @property
     def ssm_layers(self) -> Sequence[_SSMLayerSpec]: ...
+    @property
+    def max_blocks_per_seq_resolved(self) -> int: ...
     def kv_block_bytes(self) -> int: ...
     def fingerprint(self) -> int: ...
 
@@ -196,6 +213,53 @@ class SwapContext:
 
 
 @dataclass(frozen=True, slots=True)
+class _Limits:
+    """What one record of a model may hold: the per-sequence block limit, and as many tokens as
+    those blocks cover (a model without attention layers: the format's limit). ``save`` refuses a
+    sequence outside them before writing a byte, and ``restore`` refuses a header announcing more
+    before reading past it, by the same rule (:meth:`problem`)."""
+
+    max_blocks: int
+    max_tokens: int
+    block_size: int
+
+    @staticmethod
+    def of(config: ConfigLike) -> _Limits:
+        max_blocks = config.max_blocks_per_seq_resolved
+        covered = max_blocks * config.block_size if config.kv_block_bytes() else MAX_RECORD_TOKENS
+        return _Limits(max_blocks, min(covered, MAX_RECORD_TOKENS), config.block_size)
+
+    def problem(self, num_blocks: int, num_tokens: int, prompt_len: object, ssm_tokens: object) -> str | None:
+        """The first count outside what a record may hold, naming its value and the limit; None
+        when every count is fine. ``ssm_tokens`` None means "as many as the tokens"."""
+        if num_blocks > self.max_blocks:
+            return f"num_blocks={num_blocks} exceeds the per-sequence limit of {self.max_blocks} blocks"
+        if num_tokens > self.max_tokens:
+            what = (
+                f"{self.max_blocks} blocks of {self.block_size} tokens"
+                if self.max_tokens < MAX_RECORD_TOKENS
+                else "the format's int32 token count"
+            )
+            return f"num_tokens={num_tokens} exceeds the per-sequence limit of {self.max_tokens} tokens ({what})"
+        for name, value in (("prompt_len", prompt_len), ("ssm_tokens", ssm_tokens)):
+            if value is None and name == "ssm_tokens":
+                continue
+            count = _exact_int(value)
+            if count is None or not 0 <= count <= num_tokens:
+                return f"{name}={value!r} must be an int in [0, num_tokens={num_tokens}]"
+        return None
+
+
+def _exact_int(value: object) -> int | None:
+    """``value`` as an int when it is one (a numpy integer too; never a bool), else None."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class _Layout:
     """Per-section sizes of the model, derived once per context."""
 
@@ -204,6 +268,7 @@ class _Layout:
     kv_layer_bytes: tuple[int, ...]  # bytes of one block of each attention layer
     ssm_range_bytes: tuple[int, ...]  # bytes of each per-slot SSM range
     num_ssm_layers: int
+    limits: _Limits
 
     @staticmethod
     def of(ctx: SwapContext) -> _Layout:
@@ -215,7 +280,14 @@ class _Layout:
         kv_bytes = tuple(kv.layer_block_bytes(i) for i in range(num_attention)) if kv is not None else ()
         ssm = ctx.ssm
         ssm_bytes = tuple(n for _, n in ssm.slot_ranges(0)) if ssm is not None else ()
-        return _Layout(config.fingerprint() & 0xFFFFFFFFFFFFFFFF, config.block_size, kv_bytes, ssm_bytes, len(config.ssm_layers))
+        return _Layout(
+            config.fingerprint() & 0xFFFFFFFFFFFFFFFF,
+            config.block_size,
+            kv_bytes,
+            ssm_bytes,
+            len(config.ssm_layers),
+            _Limits.of(config),
+        )
 
     @property
     def kv_block_bytes(self) -> int:
@@ -346,11 +418,7 @@ class _Out:
         done = 0
         try:
             while done < total:
-                n = self.writer.write(view[done:] if done else view)
-                if n == 0:
-                    raise SwapError(f"writer {self.writer!r} accepted 0 of {total - done} bytes")
-                # None: a hand-written writer that, like file.write in Python 2, returns nothing.
-                done += total - done if n is None else n
+                done += self._accepted(self.writer.write(view[done:] if done else view), total - done)
         except LifecycleError:
             raise
         except Exception as exc:
@@ -358,6 +426,23 @@ class _Out:
                 f"writing section {self.section!r} at byte {self.offset + done} failed: {exc!r}"
             ) from exc
         self.offset += total
+
+    def _accepted(self, n: object, offered: int) -> int:
+        """How many of the ``offered`` bytes one ``write`` took: 1..offered, or SwapStreamError."""
+        if n is None:
+            if isinstance(self.writer, io.RawIOBase):
+                raise SwapStreamError(
+                    f"writer {self.writer!r} returned None for {offered} bytes: a non-blocking stream that "
+                    "cannot take them now (swap needs a blocking writer)"
+                )
+            return offered  # a hand-written writer that, like file.write in Python 2, returns nothing
+        count = _stream_count(n)
+        if count is None or not 0 < count <= offered:
+            raise SwapStreamError(
+                f"writer {self.writer!r} returned {n!r} for {offered} bytes offered; a write returns how "
+                f"many it took, 1..{offered}"
+            )
+        return count
 
     def write_bulk(self, view: memoryview) -> None:
         """``write`` for a large piece of payload (a flat byte view)."""
@@ -368,7 +453,7 @@ class _Out:
         try:
             dest = self.reserve(total)
             if not isinstance(dest, memoryview) or dest.nbytes != total:
-                raise SwapError(f"writer.reserve({total}) returned {dest!r}, not a memoryview of {total} bytes")
+                raise SwapStreamError(f"writer.reserve({total}) returned {dest!r}, not a memoryview of {total} bytes")
             stream_copy(dest.cast("B"), view)
         except LifecycleError:
             raise
@@ -413,7 +498,9 @@ class _In:
         try:
             source = self._claim(total)
             if not isinstance(source, memoryview) or source.nbytes > total:
-                raise SwapError(f"reader.claim({total}) returned {source!r}, not a memoryview of at most {total} bytes")
+                raise SwapStreamError(
+                    f"reader.claim({total}) returned {source!r}, not a memoryview of at most {total} bytes"
+                )
             source = source.cast("B")
             got = source.nbytes
             if got:
@@ -434,10 +521,10 @@ class _In:
         try:
             while got < total:
                 if self._readinto is not None:
-                    n = self._readinto(view[got:] if got else view)
+                    n = self._delivered(self._readinto(view[got:] if got else view), total - got, "readinto")
                 else:
                     chunk = self.reader.read(total - got)
-                    n = len(chunk)
+                    n = self._delivered(None if chunk is None else len(chunk), total - got, "read")
                     view[got : got + n] = chunk
                 if not n:
                     break
@@ -449,6 +536,22 @@ class _In:
         if got < total:
             raise self._truncated(got, total)
         self.offset += total
+
+    def _delivered(self, n: object, asked: int, call: str) -> int:
+        """How many bytes one ``readinto`` / ``read`` delivered: 0 (end of stream) .. asked, or
+        SwapStreamError (a count that is not an int, negative, or more than asked; None)."""
+        if n is None:
+            raise SwapStreamError(
+                f"reader {self.reader!r}: {call} returned None for {asked} bytes: a non-blocking stream with no "
+                f"data ready (swap needs a blocking reader); section {self.section!r}"
+            )
+        count = _stream_count(n)
+        if count is None or not 0 <= count <= asked:
+            raise SwapStreamError(
+                f"reader {self.reader!r}: {call} of {asked} bytes returned {n!r}; it must deliver 0..{asked} "
+                f"(section {self.section!r})"
+            )
+        return count
 
     def read(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """Read exactly ``nbytes``. Memory grows with the bytes that actually arrive (chunks of at
@@ -466,6 +569,17 @@ class _In:
             parts.append(part)
             left -= part.shape[0]
         return np.concatenate(parts)
+
+
+def _stream_count(n: object) -> int | None:
+    """A byte count a stream returned, as an int (None: not an int, or a bool)."""
+    if isinstance(n, bool):
+        return None
+    if isinstance(n, int):
+        return n
+    if isinstance(n, np.integer):
+        return int(n)
+    return None
 
 
 def _check_section(name: str, stored: int, computed: int, offset: int) -> None:
@@ -636,11 +750,32 @@ def _slot_of(ctx: SwapContext, seq: SequenceState, what: str) -> int:
     return seq.slot_idx
 
 
+def check_saveable(config: ConfigLike, seq: SequenceState) -> None:
+    """Refuse, with ``SequenceStateError`` naming the field, its value and the limit, a sequence
+    whose record ``restore`` would refuse: more blocks or tokens than the model's per-sequence
+    limits, ``prompt_len`` or ``ssm_tokens`` not an int in ``[0, num_tokens]``, a negative token
+    id. ``save`` applies it before writing a byte; a swap tier applies it before anything else,
+    so a sequence is never freed for a record that could not come back."""
+    _check_saveable(_Limits.of(config), seq, "save")
+
+
+def _check_saveable(limits: _Limits, seq: SequenceState, what: str) -> None:
+    tokens = seq.tokens
+    problem = limits.problem(seq.num_blocks, int(tokens.shape[0]), seq.prompt_len, seq.ssm_tokens)
+    if problem is None and tokens.shape[0] and int(tokens.min()) < 0:
+        problem = f"it holds a negative token id {int(tokens.min())}; token ids must lie in [0, {MAX_RECORD_TOKENS}]"
+    if problem is not None:
+        raise SequenceStateError(f"{what}: sequence {seq.seq_id}: {problem}; its record could not be restored")
+
+
 def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
     """Write the record of ``seq`` to ``writer``; returns the bytes written. Changes nothing in the
-    pools or the sequence; extra memory is the staging buffer (none on the host device)."""
+    pools or the sequence; extra memory is the staging buffer (none on the host device). A
+    sequence whose record could not be restored (:func:`check_saveable`) is refused before a
+    byte is written."""
     layout = ctx.layout()
     slot = _slot_of(ctx, seq, "save")
+    _check_saveable(layout.limits, seq, "save")
     name, generation = _adapter_of(ctx, seq)
     block_ids = seq.block_table
     tokens = seq.tokens.astype(_TOKEN, copy=False)
@@ -653,7 +788,7 @@ def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
         block_size=layout.block_size,
         num_blocks=num_blocks,
         num_tokens=num_tokens,
-        prompt_len=seq.prompt_len,
+        prompt_len=int(seq.prompt_len),
         num_attention_layers=len(layout.kv_layer_bytes),
         num_ssm_layers=layout.num_ssm_layers,
         kv_block_bytes=layout.kv_block_bytes,
@@ -661,7 +796,7 @@ def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
         adapter_name_bytes=len(name),
         adapter_generation=generation,
         meta_bytes=layout.meta_bytes(len(name), num_tokens),
-        ssm_tokens=-1 if seq.ssm_tokens is None else seq.ssm_tokens,
+        ssm_tokens=-1 if seq.ssm_tokens is None else int(seq.ssm_tokens),
         flags=FLAG_FAILED if seq.failed else 0,
         num_ssm_ranges=len(layout.ssm_range_bytes),
     )
@@ -750,10 +885,12 @@ def _check_header(header: SwapHeader, layout: _Layout, num_blocks: int) -> None:
             "record layout (block_size, attention layers, kv bytes per block, ssm ranges, ssm bytes) = "
             f"{found}, this model's = {expected}"
         )
-    if header.prompt_len > header.num_tokens:
-        raise SwapFormatError(f"prompt_len={header.prompt_len} exceeds num_tokens={header.num_tokens}")
-    if header.num_tokens > 0x7FFFFFFF or header.ssm_tokens > header.num_tokens or header.ssm_tokens < -1:
-        raise SwapFormatError(f"num_tokens={header.num_tokens}, ssm_tokens={header.ssm_tokens} out of range")
+    # Before anything past the header is read: the meta section is sized by these counts.
+    problem = layout.limits.problem(
+        header.num_blocks, header.num_tokens, header.prompt_len, None if header.ssm_tokens == -1 else header.ssm_tokens
+    )
+    if problem is not None:
+        raise SwapFormatError(f"record header: {problem}")
     if header.adapter_name_bytes > MAX_ADAPTER_NAME_BYTES:
         raise SwapFormatError(f"adapter name of {header.adapter_name_bytes} bytes exceeds {MAX_ADAPTER_NAME_BYTES}")
     meta = layout.meta_bytes(header.adapter_name_bytes, header.num_tokens)

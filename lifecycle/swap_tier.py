@@ -7,13 +7,22 @@ a new sequence (bound to the same adapter), restores the record into it and rele
 
 Failure rules (SPEC §8 scenario 15):
 
-- ``swap_out`` refused for lack of room (no host room and no spill directory) raises
-  :class:`~lifecycle.errors.PoolExhausted` before anything happens: the sequence stays live, so the
-  scheduler can cache and free it (recompute later) or pick another victim.
+- ``swap_out`` refused for lack of room (no host room and no spill directory, or host memory that
+  cannot be had) raises :class:`~lifecycle.errors.PoolExhausted` before anything happens: the
+  sequence stays live, so the scheduler can cache and free it (recompute later) or pick another
+  victim. So does a sequence whose record could not be restored (a ``prompt_len`` or
+  ``ssm_tokens`` out of range, a negative token id, more tokens than the model's per-sequence
+  limit: :func:`~lifecycle.swap.check_saveable`), with ``SequenceStateError``.
 - Any other failure of ``swap_out`` (the save itself, the spill file) releases the partial record
   and still frees the sequence: no block is lost.
-- ``swap_in`` consumes the handle whatever happens: on failure the new sequence is freed and the
-  record (host memory or spill file) is released too, and the error is raised.
+- ``swap_in`` first makes room: it evicts cached prefix blocks until the record's blocks are free
+  (the restore itself never evicts). Refused for lack of room (blocks, or an SSM slot), it raises
+  ``PoolExhausted`` with the handle still live, to be swapped in later. Any other failure
+  consumes the handle: the new sequence is freed, the record (host memory or spill file) is
+  released too, and the error is raised.
+
+A handle is bound to the tier that issued it and is only accepted as that very object: a copy,
+a handle of another tier or one built by hand is refused with ``SwapError``.
 """
 
 from __future__ import annotations
@@ -28,9 +37,9 @@ from typing import TYPE_CHECKING, BinaryIO, Final, Literal, cast, final
 import numpy as np
 import numpy.typing as npt
 
-from lifecycle.errors import InvalidId, PoolExhausted, SwapError, SwapModelMismatch, TornDown
+from lifecycle.errors import InvalidId, OutOfBlocks, PoolExhausted, SwapError, SwapModelMismatch, TornDown
 from lifecycle.sequence import NO_ADAPTER
-from lifecycle.swap import record_nbytes
+from lifecycle.swap import check_saveable, record_nbytes
 
 if TYPE_CHECKING:
     from lifecycle.model import HybridModel
@@ -40,13 +49,18 @@ __all__ = ["DEFAULT_HOST_BYTES", "SwapHandle", "SwapTier"]
 
 DEFAULT_HOST_BYTES: Final = 1 << 30
 _ALIGN: Final = 64
+# Process-wide, so that no two tiers (nor two handles) ever share an id.
+_tier_ids = itertools.count(1)
+_handle_ids = itertools.count(1)
 
 
 @final
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class SwapHandle:
-    """A swapped-out sequence. Consumed by exactly one ``swap_in`` or ``discard``."""
+    """A swapped-out sequence. Consumed by exactly one ``swap_in`` or ``discard`` of the tier that
+    issued it (``tier_id``), which accepts only this very object (equality is identity)."""
 
+    tier_id: int
     handle_id: int
     nbytes: int
     num_blocks: int
@@ -68,8 +82,18 @@ class _HostPool:
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []  # (offset, size) by offset
 
     def reserve(self, nbytes: int) -> int | None:
-        """Offset of a free extent of ``nbytes`` (rounded up to the alignment), or None."""
+        """Offset of a free extent of ``nbytes`` (rounded up to the alignment), or None. The
+        buffer is allocated by the first reserve that finds room; ``PoolExhausted`` when the
+        host cannot give it."""
         size = -(-nbytes // _ALIGN) * _ALIGN
+        if self._buffer is None and size <= self.capacity:
+            try:
+                self._buffer = np.empty(self.capacity, dtype=np.uint8)
+            except MemoryError:
+                raise PoolExhausted(
+                    f"swap_out: the swap tier's host buffer of host_bytes={self.capacity} cannot be allocated "
+                    "(not enough host memory); give the tier fewer host_bytes"
+                ) from None
         for index, (offset, free) in enumerate(self._free):
             if free >= size:
                 if free == size:
@@ -93,8 +117,7 @@ class _HostPool:
         self.used -= size
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        if self._buffer is None:
-            self._buffer = np.empty(self.capacity, dtype=np.uint8)
+        assert self._buffer is not None  # allocated by the reserve that handed out the extent
         return self._buffer.data[offset : offset + nbytes]
 
     def largest_free(self) -> int:
@@ -168,7 +191,7 @@ class SwapTier:
     def __init__(
         self, model: HybridModel, host_bytes: int = DEFAULT_HOST_BYTES, spill_dir: str | Path | None = None
     ) -> None:
-        if not isinstance(host_bytes, int) or host_bytes < 0:
+        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0:
             raise InvalidId(f"SwapTier: host_bytes={host_bytes!r} must be an int >= 0")
         self._model = model
         self._host = _HostPool(host_bytes)
@@ -177,7 +200,7 @@ class SwapTier:
             raise InvalidId(f"SwapTier: spill_dir={str(self._spill_dir)!r} is not a directory")
         self._lock = threading.Lock()
         self._records: dict[int, _Record] = {}
-        self._ids = itertools.count(1)
+        self._tier_id = next(_tier_ids)
         self._closed = False
 
     # ------------------------------------------------------------------ state
@@ -209,10 +232,12 @@ class SwapTier:
 
     def swap_out(self, seq: SequenceState) -> SwapHandle:
         """Save ``seq`` to host memory (or a spill file) and free it; returns the handle to swap it
-        back in with. Raises ``PoolExhausted`` with the sequence untouched when no room is left;
-        on any other failure the partial record is dropped and the sequence is freed all the same."""
+        back in with. Raises ``PoolExhausted`` with the sequence untouched when no room is left,
+        and ``SequenceStateError`` likewise for a sequence whose record could not be restored; on
+        any other failure the partial record is dropped and the sequence is freed all the same."""
         model = self._model
         model.block_table(seq)  # refuses a foreign sequence before anything happens
+        check_saveable(model.config, seq)
         adapter: tuple[str, int] | None = None
         if seq.adapter_slot != NO_ADAPTER:
             info = model.adapter_info(seq.adapter_slot)
@@ -245,7 +270,7 @@ class SwapTier:
         with self._lock:
             if self._closed:
                 raise TornDown("swap_out: the swap tier was closed")
-            handle_id = next(self._ids)
+            handle_id = next(_handle_ids)
             offset = self._host.reserve(nbytes)
             path: Path | None = None
             if offset is None:
@@ -257,6 +282,7 @@ class SwapTier:
                     )
                 path = self._spill_dir / f"lifecycle-swap-{os.getpid()}-{id(self)}-{handle_id}.rec"
             handle = SwapHandle(
+                tier_id=self._tier_id,
                 handle_id=handle_id,
                 nbytes=nbytes,
                 num_blocks=seq.num_blocks,
@@ -274,11 +300,14 @@ class SwapTier:
 
     def swap_in(self, handle: SwapHandle) -> SequenceState:
         """A new sequence holding the swapped-out state (tokens, KV, SSM state, adapter binding).
-        The record is released whether this succeeds or fails; on failure the new sequence is
+        Evicts cached prefix blocks first until the record's blocks are free. Refused for lack of
+        room (``PoolExhausted``: blocks or an SSM slot), the handle stays live; otherwise the
+        record is released whether this succeeds or fails, and on failure the new sequence is
         freed and the error raised."""
         record = self._take(handle, "swap_in")
         model = self._model
         try:
+            self._make_room(handle)
             adapter_slot = self._adapter_slot(handle)
             seq = model.alloc_sequence_for(handle.budget_tokens)
             try:
@@ -302,9 +331,27 @@ class SwapTier:
                 except BaseException as free_error:
                     error.add_note(f"freeing the new sequence after the failed swap-in also failed: {free_error!r}")
                 raise
-            return seq
-        finally:
+        except PoolExhausted:
+            self._put_back(record)  # nothing was lost for want of room: the handle stays live
+            raise
+        except BaseException:
             self._release(record)
+            raise
+        self._release(record)
+        return seq
+
+    def _make_room(self, handle: SwapHandle) -> None:
+        """Evict cached prefix blocks until the record's blocks are free, or ``OutOfBlocks``."""
+        model = self._model
+        needed = handle.num_blocks
+        free = model.num_free_blocks()
+        while free < needed:
+            if model.reclaim_prefix_blocks(needed - free) == 0:
+                raise OutOfBlocks(
+                    f"swap_in: the record needs {needed} blocks, {free} of {model.num_total_blocks()} are free "
+                    "after evicting every evictable cached block (the handle stays live)"
+                )
+            free = model.num_free_blocks()
 
     def _adapter_slot(self, handle: SwapHandle) -> int:
         """The slot where the handle's adapter generation is loaded now."""
@@ -328,13 +375,37 @@ class SwapTier:
     # ------------------------------------------------------------------ records
 
     def _take(self, handle: SwapHandle, what: str) -> _Record:
+        """The live record of ``handle``, taken out of the table: only the very handle object
+        this tier issued is accepted."""
         with self._lock:
-            record = self._records.pop(handle.handle_id, None) if isinstance(handle, SwapHandle) else None
-            if record is None or record.handle != handle:
-                if record is not None:
-                    self._records[handle.handle_id] = record
-                raise SwapError(f"{what}: handle {handle!r} is not live in this tier (already swapped in or discarded?)")
+            if not isinstance(handle, SwapHandle):
+                raise SwapError(f"{what}: expected a SwapHandle, got {type(handle).__name__}")
+            if handle.tier_id != self._tier_id:
+                raise SwapError(
+                    f"{what}: handle {handle.handle_id} was issued by swap tier #{handle.tier_id}, not by this "
+                    f"tier (#{self._tier_id})"
+                )
+            record = self._records.get(handle.handle_id)
+            if record is None:
+                raise SwapError(
+                    f"{what}: handle {handle.handle_id} is not live in this tier (already swapped in or discarded?)"
+                )
+            if record.handle is not handle:
+                raise SwapError(
+                    f"{what}: handle {handle.handle_id} is a copy or a forgery of a live handle of this tier; only "
+                    "the handle object swap_out returned is accepted"
+                )
+            del self._records[handle.handle_id]
             return record
+
+    def _put_back(self, record: _Record) -> None:
+        """Make a taken record live again (a swap-in refused for lack of room), unless the tier
+        was closed meanwhile."""
+        with self._lock:
+            if not self._closed:
+                self._records[record.handle.handle_id] = record
+                return
+        self._release(record)
 
     def _drop(self, record: _Record) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ cimport numpy as cnp
 from libc.stdint cimport INT32_MAX, int32_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
+from cpython.pyport cimport PY_SSIZE_T_MAX, PY_SSIZE_T_MIN
 from cpython.ref cimport Py_INCREF
 
 import operator
@@ -37,6 +38,7 @@ cdef extern from "numpy/arrayobject.h":
 
 cnp.import_array()
 
+from lifecycle._args cimport ssize_arg
 from lifecycle._int32 cimport int32_vector as _ids_fast
 
 # The dtype of every id array this module creates, looked up once: allocate() is on the hot path.
@@ -110,12 +112,18 @@ cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):
     kind = array.dtype.kind
     if kind == "O":
         # Ints too large for any numpy integer type end up here; name the first bad one.
+        checked = []
         for value in array:
-            if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                block_id = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+            except TypeError:
+                block_id = None
+            if block_id is None:
                 raise InvalidId(f"block ids must be ints, got {value!r}")
-            if not 0 <= value < num_blocks:
-                raise BlockIdOutOfRange(f"block id {value} out of range [0, {num_blocks})")
-        return array.astype(np.int32)
+            if not 0 <= block_id < num_blocks:
+                raise BlockIdOutOfRange(f"block id {block_id} out of range [0, {num_blocks})")
+            checked.append(block_id)
+        return np.array(checked, dtype=np.int32)
     if kind not in "iu":
         raise InvalidId(f"block ids must be ints, got an array of dtype {array.dtype}")
     # Range-check before narrowing to int32 so that e.g. 2**40 is reported, not wrapped.
@@ -182,22 +190,26 @@ cdef class BlockPool:
         """Number of blocks with refcount 0 (on the free stack)."""
         return self._num_free
 
-    def allocate(self, Py_ssize_t n):
+    def allocate(self, n):
         """Return ``n`` fresh block ids (int32 array), each now with refcount 1.
 
-        All or nothing: with fewer than ``n`` free blocks it raises ``OutOfBlocks`` and takes none.
+        All or nothing: with fewer than ``n`` free blocks it raises ``OutOfBlocks`` and takes none
+        (a count over the pool's size is refused before any memory is set aside for the ids).
         """
-        cdef cnp.npy_intp dim = n
-        if n <= 0:
-            if n == 0:
+        cdef Py_ssize_t count = ssize_arg(n, "allocate: n", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
+        cdef cnp.npy_intp dim = count
+        if count <= 0:
+            if count == 0:
                 return _new_ids(dim)
-            raise InvalidId(f"cannot allocate {n} blocks: the count must be >= 0")
+            raise InvalidId(f"cannot allocate {count} blocks: the count must be >= 0")
+        if count > self._num_blocks:
+            _raise_out_of_blocks(self, count)
         out = _new_ids(dim)
         cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
-        _take(self, dest, n)
+        _take(self, dest, count)
         return out
 
-    def allocate_into(self, out, Py_ssize_t start, Py_ssize_t n):
+    def allocate_into(self, out, start, n):
         """Write ``n`` fresh block ids (refcount 1) into ``out[start:start + n]``.
 
         ``out`` must be a writeable, C-contiguous 1-D int32 array long enough; nothing else is
@@ -205,6 +217,8 @@ cdef class BlockPool:
         """
         cdef cnp.ndarray table
         cdef Py_ssize_t length
+        cdef Py_ssize_t first = ssize_arg(start, "allocate_into: start", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
+        cdef Py_ssize_t count = ssize_arg(n, "allocate_into: n", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
         if not (
             cnp.PyArray_Check(out)
             and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_INT32
@@ -217,16 +231,16 @@ cdef class BlockPool:
             )
         table = <cnp.ndarray>out
         length = cnp.PyArray_DIM(table, 0)
-        if n < 0:
-            raise InvalidId(f"cannot allocate {n} blocks: the count must be >= 0")
-        if start < 0 or start > length or n > length - start:
+        if count < 0:
+            raise InvalidId(f"cannot allocate {count} blocks: the count must be >= 0")
+        if first < 0 or first > length or count > length - first:
             raise InvalidId(
-                f"allocate_into: cannot write {n} ids at start {start} into an array of length {length}"
+                f"allocate_into: cannot write {count} ids at start {first} into an array of length {length}"
             )
-        if n == 0:
+        if count == 0:
             return
-        cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(table) + start
-        _take(self, dest, n)
+        cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(table) + first
+        _take(self, dest, count)
 
     def inc_ref(self, ids):
         """Add one reference to every id in ``ids`` (a repeated id gains one per occurrence).
@@ -265,36 +279,39 @@ cdef class BlockPool:
             _ids_fast(ids, &data, &n)
         return _release(self, data, n, "dec_ref")
 
-    def dec_ref_range(self, ids, Py_ssize_t start, Py_ssize_t n):
+    def dec_ref_range(self, ids, start, n):
         """``dec_ref(ids[start:start + n])`` without making the slice: release part of a block
         table in place (a finished sequence's row of a preallocated table, or the tail a
         rolled-back step no longer needs). Returns how many blocks became free; refused before
         anything changes exactly like ``dec_ref``, and for a range outside ``ids``."""
         cdef const int32_t *data = NULL
         cdef Py_ssize_t length = 0
+        cdef Py_ssize_t first = ssize_arg(start, "dec_ref_range: start", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
+        cdef Py_ssize_t count = ssize_arg(n, "dec_ref_range: n", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
         cdef bint fast = _ids_fast(ids, &data, &length)
         if not fast:
             ids = _id_vector(ids)  # any other sequence: an array first, so its length and slice agree
             length = ids.shape[0]
-        if n < 0 or start < 0 or start > length or n > length - start:
+        if count < 0 or first < 0 or first > length or count > length - first:
             raise InvalidId(
-                f"dec_ref_range: cannot release {n} ids at start {start} of an array of length {length}"
+                f"dec_ref_range: cannot release {count} ids at start {first} of an array of length {length}"
             )
         if fast:
-            data += start
+            data += first
         else:
             # Only the range is converted (and checked): the rest of the table is not ours to judge.
-            ids = _coerce_ids(ids[start : start + n], self._num_blocks)
+            ids = _coerce_ids(ids[first : first + count], self._num_blocks)
             _ids_fast(ids, &data, &length)
-            if length != n:  # cannot happen for an array; never read past what was converted
-                raise InvalidId(f"dec_ref_range: {n} ids expected, {length} converted")
-        return _release(self, data, n, "dec_ref_range")
+            if length != count:  # cannot happen for an array; never read past what was converted
+                raise InvalidId(f"dec_ref_range: {count} ids expected, {length} converted")
+        return _release(self, data, count, "dec_ref_range")
 
-    def refcount(self, Py_ssize_t block_id):
+    def refcount(self, block_id):
         """The current refcount of ``block_id`` (0 = free)."""
-        if block_id < 0 or block_id >= self._num_blocks:
-            raise BlockIdOutOfRange(f"block id {block_id} out of range [0, {self._num_blocks})")
-        return self._refcounts[block_id]
+        cdef Py_ssize_t index = ssize_arg(block_id, "refcount: block id", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
+        if index < 0 or index >= self._num_blocks:
+            raise BlockIdOutOfRange(f"block id {index} out of range [0, {self._num_blocks})")
+        return self._refcounts[index]
 
     def refcounts(self):
         """A copy of every block's refcount, indexed by block id."""

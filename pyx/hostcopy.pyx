@@ -4,13 +4,20 @@
 A batch is a C-contiguous int64 array of (dst, src, nbytes) rows. Both loops run without the GIL
 and cost tens of nanoseconds per row, so a batch of block-sized copies runs at memcpy speed instead
 of paying a Python call per block.
+
+An argument of the wrong kind (not a buffer, another dtype or shape, read-only where it is written,
+sizes that disagree) raises ``InvalidId`` naming what was expected and what came.
 """
 
 cimport cython
 cimport numpy as cnp
+
+import numpy as np
 from libc.stdint cimport int64_t, uintptr_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy, memmove
+
+from lifecycle._args cimport ssize_fits
 
 cnp.import_array()
 
@@ -78,18 +85,60 @@ cdef inline bint _inside(int64_t ptr, int64_t nbytes, const int64_t[::1] starts,
     return lo > 0 and ptr >= starts[lo - 1] and ptr + nbytes <= ends[lo - 1]
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def first_bad_row(const int64_t[:, ::1] rows, const int64_t[::1] starts, const int64_t[::1] ends):
+cdef object _describe(object value):
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__
+    return f"{type(value).__name__} of dtype {dtype} and shape {shape}"
+
+
+cdef object _refused(str message):
+    from lifecycle.errors import InvalidId
+    return InvalidId(message)
+
+
+cdef object _bad_rows(str what, object rows, tuple bounds=()):
+    """The ``InvalidId`` for arguments of ``first_bad_row`` (``bounds``: its starts and ends) or
+    ``memmove_rows`` that are not what they must be (built only for a refusal: a batch is on the
+    copy path)."""
+    for name, value in zip(("starts", "ends"), bounds):
+        if value is None or getattr(value, "dtype", None) != np.int64 or getattr(value, "ndim", None) != 1:
+            return _refused(f"{what}: {name} must be a contiguous 1-D int64 array, got {_describe(value)}")
+    return _refused(f"{what}: rows must be a C-contiguous (n, 3) int64 array, got {_describe(rows)}")
+
+
+def first_bad_row(rows, starts, ends):
     """Index of the first row with a negative size, or whose dst or src range is not inside one
     ``[starts[k], ends[k])`` (``starts`` sorted ascending); -1 when every row is fine. Zero-size
     rows always pass."""
+    cdef const int64_t[:, ::1] row_view
+    cdef const int64_t[::1] start_view
+    cdef const int64_t[::1] end_view
+    if rows is None or starts is None or ends is None:
+        raise _bad_rows("first_bad_row", rows, (starts, ends))
+    try:
+        row_view = rows
+        start_view = starts
+        end_view = ends
+    except (TypeError, ValueError, BufferError) as error:
+        raise _bad_rows("first_bad_row", rows, (starts, ends)) from error
+    if row_view.shape[1] != 3:
+        raise _refused(f"first_bad_row: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns")
+    if start_view.shape[0] != end_view.shape[0]:
+        raise _refused(
+            f"first_bad_row: {start_view.shape[0]} starts but {end_view.shape[0]} ends; they must pair up"
+        )
+    return _first_bad_row(row_view, start_view, end_view)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef Py_ssize_t _first_bad_row(const int64_t[:, ::1] rows, const int64_t[::1] starts, const int64_t[::1] ends):
     cdef Py_ssize_t i
     cdef Py_ssize_t n = rows.shape[0]
     cdef Py_ssize_t bad = -1
     cdef int64_t nbytes
-    if rows.shape[1] != 3:
-        raise ValueError(f"rows must have 3 columns, not {rows.shape[1]}")
     with nogil:
         for i in range(n):
             nbytes = rows[i, 2]
@@ -104,16 +153,27 @@ def first_bad_row(const int64_t[:, ::1] rows, const int64_t[::1] starts, const i
     return bad
 
 
+def memmove_rows(rows):
+    """``memmove(dst, src, nbytes)`` for every row, in order. The caller has checked the ranges."""
+    cdef const int64_t[:, ::1] row_view
+    if rows is None:
+        raise _bad_rows("memmove_rows", rows)
+    try:
+        row_view = rows
+    except (TypeError, ValueError, BufferError) as error:
+        raise _bad_rows("memmove_rows", rows) from error
+    if row_view.shape[1] != 3:
+        raise _refused(f"memmove_rows: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns")
+    _memmove_rows(row_view)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def memmove_rows(const int64_t[:, ::1] rows):
-    """``memmove(dst, src, nbytes)`` for every row, in order. The caller has checked the ranges."""
+cdef void _memmove_rows(const int64_t[:, ::1] rows) noexcept:
     cdef Py_ssize_t i
     cdef Py_ssize_t n = rows.shape[0]
     cdef int64_t total = 0, dst, src, nbytes
     cdef bint stream
-    if rows.shape[1] != 3:
-        raise ValueError(f"rows must have 3 columns, not {rows.shape[1]}")
     with nogil:
         for i in range(n):
             if rows[i, 2] > 0:
@@ -131,32 +191,44 @@ def memmove_rows(const int64_t[:, ::1] rows):
             lc_stream_fence()
 
 
-def stream_copy(unsigned char[::1] dst not None, const unsigned char[::1] src not None):
+def stream_copy(dst, src):
     """Copy ``src`` into ``dst`` (equal lengths, not overlapping) with streaming stores, the GIL
     released: the destination's lines are not read into the cache first, and ``src`` stays in
     the cache for whoever reads it next (the swap checksum)."""
-    cdef Py_ssize_t n = src.shape[0]
-    if dst.shape[0] != n:
-        raise ValueError(f"stream_copy: destination holds {dst.shape[0]} bytes, source {n}")
+    cdef unsigned char[::1] dst_view
+    cdef const unsigned char[::1] src_view
+    if dst is None or src is None:
+        raise _refused(f"stream_copy: dst and src must be contiguous byte buffers, got {_describe(dst)} and {_describe(src)}")
+    try:
+        dst_view = dst
+    except (TypeError, ValueError, BufferError) as error:
+        raise _refused(f"stream_copy: dst must be a writable contiguous byte buffer, got {_describe(dst)}") from error
+    try:
+        src_view = src
+    except (TypeError, ValueError, BufferError) as error:
+        raise _refused(f"stream_copy: src must be a contiguous byte buffer, got {_describe(src)}") from error
+    cdef Py_ssize_t n = src_view.shape[0]
+    if dst_view.shape[0] != n:
+        raise _refused(f"stream_copy: destination holds {dst_view.shape[0]} bytes, source {n}; they must be equal")
     if n == 0:
         return
-    cdef uintptr_t d = <uintptr_t>&dst[0]
-    cdef uintptr_t s = <uintptr_t>&src[0]
+    cdef uintptr_t d = <uintptr_t>&dst_view[0]
+    cdef uintptr_t s = <uintptr_t>&src_view[0]
     if d < s + <uintptr_t>n and s < d + <uintptr_t>n:
-        raise ValueError("stream_copy: source and destination overlap")
+        raise _refused(f"stream_copy: source and destination ({n} bytes each) overlap")
     with nogil:
         lc_stream_copy(<char *>d, <const char *>s, <size_t>n)
         lc_stream_fence()
 
 
-def put_int32(dst, Py_ssize_t start, src):
+def put_int32(dst, start, src):
     """``dst[start:start + len(src)] = src`` for two 1-D C-contiguous int32 arrays (``dst``
     writeable and long enough), as one memcpy: a token buffer's append without numpy's slice
-    machinery. Returns False, copying nothing, for any other kind of argument (the caller falls
-    back to a numpy assignment) or a range outside ``dst``."""
+    machinery. Returns False, copying nothing, for any other kind of argument (``start`` not an
+    int, too; the caller falls back to a numpy assignment) or a range outside ``dst``."""
     cdef cnp.ndarray d, s
-    cdef Py_ssize_t n
-    if not (cnp.PyArray_Check(dst) and cnp.PyArray_Check(src)):
+    cdef Py_ssize_t n, first
+    if not (cnp.PyArray_Check(dst) and cnp.PyArray_Check(src) and ssize_fits(start, &first)):
         return False
     d = <cnp.ndarray>dst
     s = <cnp.ndarray>src
@@ -167,10 +239,10 @@ def put_int32(dst, Py_ssize_t start, src):
     ):
         return False
     n = cnp.PyArray_DIM(s, 0)
-    if start < 0 or start > cnp.PyArray_DIM(d, 0) - n:
+    if first < 0 or first > cnp.PyArray_DIM(d, 0) - n:
         return False
     if n:
-        memmove(<char *>cnp.PyArray_DATA(d) + start * 4, cnp.PyArray_DATA(s), n * 4)
+        memmove(<char *>cnp.PyArray_DATA(d) + first * 4, cnp.PyArray_DATA(s), n * 4)
     return True
 
 

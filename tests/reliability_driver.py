@@ -18,6 +18,7 @@ shrinks a failure to a short program.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import random
@@ -40,26 +41,34 @@ from lifecycle.errors import (
     InvalidId,
     InvariantViolation,
     LifecycleError,
+    OutOfBlocks,
     OutOfSlots,
     PoolExhausted,
     SequenceStateError,
     SlotInUse,
     SlotOutOfRange,
     SwapError,
+    SwapFormatError,
     SwapModelMismatch,
+    SwapStreamError,
     TornDown,
 )
 from lifecycle.model import HybridModel
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SeqStatus, SequenceState
+from lifecycle.swap import HEADER_BYTES, parse_header
+from lifecycle.swap_tier import SwapHandle, SwapTier
 
 __all__ = [
     "CONFIGS",
     "OPERATIONS",
+    "BrokenReader",
+    "BrokenWriter",
     "Chooser",
     "Counts",
     "Driver",
     "DriverFailure",
     "RandomChooser",
+    "forged_header",
     "run_random",
 ]
 
@@ -296,6 +305,7 @@ class Driver:
         self.freed: deque[SequenceState] = deque(maxlen=4)
         self._foreign: HybridModel | None = None
         self._foreign_seq: SequenceState | None = None
+        self._tier: SwapTier | None = None
         self._last_op = ""
 
     # ------------------------------------------------------------------ helpers
@@ -846,6 +856,12 @@ class Driver:
         assert self._foreign_seq is not None
         return self._foreign_seq
 
+    def swap_tier(self) -> SwapTier:
+        """The driver's swap tier (bad inputs only: every swap-out it is given is refused)."""
+        if self._tier is None:
+            self._tier = SwapTier(self.model, host_bytes=1 << 20)
+        return self._tier
+
     def op_bad_input(self) -> None:
         kinds = _BAD_INPUTS
         kinds[self.choose.integer(0, len(kinds) - 1)](self)
@@ -858,6 +874,10 @@ class Driver:
         ``counts.leaks``. Calls after teardown must raise ``TornDown``."""
         model = self.model
         leaks = 0
+        if self._tier is not None:
+            leaks += self._tier.num_swapped_out  # every swap-out was a refusal: nothing may be held
+            self._tier.close()
+            self._tier = None
         for i, track in enumerate(list(self.seqs)):
             if i % 3 == 2:
                 self._remove(track)
@@ -1126,6 +1146,167 @@ def _bad_append(d: Driver) -> None:
                InvalidId, track.seq, kind="append: bad tokens")
 
 
+def _saveable(d: Driver) -> list[_Track]:
+    return [t for t in d._active() if not (d.has_ssm and t.seq.is_detached)]
+
+
+def _restore_pair(d: Driver) -> tuple[_Track | None, _Track | None]:
+    """(a fresh sequence to restore into, another whose record it can take: both without an
+    adapter, so the record's adapter matches)."""
+    fresh = d._pick([
+        t for t in d._active(guarded=True) if not t.seq.num_tokens and not t.seq.num_blocks and t.seq.adapter_slot == NO_ADAPTER
+    ])
+    source = d._pick([t for t in _saveable(d) if t is not fresh and t.seq.adapter_slot == NO_ADAPTER])
+    return fresh, source
+
+
+def _bad_swap_out(d: Driver) -> None:
+    """A sequence whose record could not be restored (``prompt_len`` out of range) is refused by
+    the swap tier, before anything: it stays live and nothing is reserved."""
+    track = d._pick([t for t in _saveable(d) if t.seq.num_tokens])
+    if track is None:
+        return _bad_pool_count(d)
+    seq, good = track.seq, track.seq.prompt_len
+    bad: object = (seq.num_tokens + 1, -1, 2**64, "3", 2.5)[d.choose.integer(0, 4)]
+    kind = "swap_out: unrestorable record"
+    try:
+        seq.prompt_len = bad  # type: ignore[assignment]
+    except LifecycleError:  # refused on assignment (the core rewrite's setters): no record can hold it
+        if seq.prompt_len != good:
+            raise d._fail(f"prompt_len={bad!r} was refused, but prompt_len changed") from None
+        d.counts.bad_inputs += 1
+        d.counts.bad_by_kind[kind] += 1
+        return
+    try:
+        d._refused(f"swap_out with prompt_len={bad!r}", lambda: d.swap_tier().swap_out(seq), SequenceStateError, seq,
+                   kind=kind)
+    finally:
+        seq.prompt_len = good
+
+
+def _bad_handle(d: Driver) -> None:
+    """Handles another tier issued, handles built by hand, things that are no handle."""
+    tier = d.swap_tier()
+    forged = SwapHandle(tier_id=0, handle_id=1, nbytes=HEADER_BYTES, num_blocks=0, num_tokens=0, budget_tokens=0,
+                        adapter=None, location="host", path=None)
+    handles: list[object] = [forged, dataclasses.replace(forged, tier_id=tier._tier_id), None, "handle-1"]
+    handle = handles[d.choose.integer(0, len(handles) - 1)]
+    call = tier.swap_in if d.choose.integer(0, 1) else tier.discard
+    d._refused(f"{call.__name__}({handle!r})", lambda: call(handle), SwapError,  # type: ignore[arg-type]
+               kind="swap: foreign or forged handle")
+
+
+class BrokenReader:
+    """Reads ``data`` correctly, except that call ``bad_call`` of ``readinto`` answers
+    ``answer(asked)``; refuses to be called forever (a loop on a broken answer fails, not hangs)."""
+
+    CALL_BUDGET: Final = 10_000
+
+    def __init__(self, data: bytes, bad_call: int, answer: Callable[[int], object]) -> None:
+        self._inner = io.BytesIO(data)
+        self._bad_call = bad_call
+        self._answer = answer
+        self.calls = 0
+
+    def readinto(self, buffer: memoryview) -> object:
+        self.calls += 1
+        assert self.calls < self.CALL_BUDGET, "restore keeps calling a broken reader"
+        if self.calls == self._bad_call:
+            return self._answer(buffer.nbytes)
+        return self._inner.readinto(buffer)
+
+
+class BrokenWriter:
+    """Takes every byte, except that call ``bad_call`` of ``write`` answers ``answer(offered)``."""
+
+    CALL_BUDGET: Final = 10_000
+
+    def __init__(self, bad_call: int, answer: Callable[[int], object]) -> None:
+        self._inner = io.BytesIO()
+        self._bad_call = bad_call
+        self._answer = answer
+        self.calls = 0
+
+    def write(self, data: memoryview) -> object:
+        self.calls += 1
+        assert self.calls < self.CALL_BUDGET, "save keeps calling a broken writer"
+        if self.calls == self._bad_call:
+            return self._answer(memoryview(data).nbytes)
+        return self._inner.write(data)
+
+
+#: Broken answers of a stream asked for ``n`` bytes.
+_BROKEN_ANSWERS: Final[tuple[Callable[[int], object], ...]] = (
+    lambda n: -1, lambda n: n + 1, lambda n: 2**64, lambda n: 1.5, lambda n: "1", lambda n: True,
+)
+
+
+def _bad_stream(d: Driver) -> None:
+    """Readers and writers answering nonsense (negative, more than asked, not an int): refused at
+    once with ``SwapStreamError``, the restore undone."""
+    fresh, source = _restore_pair(d)
+    if d.expect_faults or source is None:  # the device copies of a save could meet an injected fault
+        return _bad_pool_count(d)
+    answer = _BROKEN_ANSWERS[d.choose.integer(0, len(_BROKEN_ANSWERS) - 1)]
+    bad_call = d.choose.integer(1, 4)
+    if fresh is None or d.choose.integer(0, 1):
+        d._refused("save to a broken writer", lambda: d.model.save_sequence_state(
+            source.seq, cast(io.BytesIO, BrokenWriter(bad_call, answer))), SwapStreamError, source.seq,
+            kind="swap: broken stream")
+        return
+    out = io.BytesIO()
+    d.model.save_sequence_state(source.seq, out)
+    if d.model.num_free_blocks() < source.seq.num_blocks:
+        return  # today's restore evicts to make room before it reads past the header
+    reader = cast(io.BytesIO, BrokenReader(out.getvalue(), bad_call, answer))
+    d._refused("restore from a broken reader", lambda: d.model.restore_sequence_state(
+        fresh.seq, source.seq.num_blocks, reader), SwapStreamError, fresh.seq, kind="swap: broken stream")
+
+
+def forged_header(record: bytes, num_tokens: int) -> bytes:
+    """``record``'s header announcing ``num_tokens`` tokens, every size consistent with it and the
+    header checksum recomputed: only the model's limits can refuse it."""
+    header = parse_header(record[:HEADER_BYTES])
+    growth = 4 * (num_tokens - header.num_tokens)
+    return dataclasses.replace(
+        header, num_tokens=num_tokens, meta_bytes=header.meta_bytes + growth, record_bytes=header.record_bytes + growth
+    ).pack()
+
+
+def _bad_forged_size(d: Driver) -> None:
+    """A record announcing more tokens than the model's per-sequence limit is refused before a
+    byte past its header is read."""
+    fresh, source = _restore_pair(d)
+    if d.expect_faults or fresh is None or source is None or not d.has_kv:
+        return _bad_pool_count(d)
+    out = io.BytesIO()
+    d.model.save_sequence_state(source.seq, out)
+    limit = d.config.max_blocks_per_seq_resolved * BS
+    num_tokens = (limit + 1, 2**31 - 1, 2**32)[d.choose.integer(0, 2)]
+    reader = io.BytesIO(forged_header(out.getvalue(), num_tokens) + b"\0" * 64)
+    d._refused(f"restore a record announcing {num_tokens} tokens", lambda: d.model.restore_sequence_state(
+        fresh.seq, source.seq.num_blocks, reader), SwapFormatError, fresh.seq, kind="swap: forged size")
+    if reader.tell() != HEADER_BYTES:
+        raise d._fail(f"a forged size was refused after reading {reader.tell()} bytes, not just the header")
+
+
+def _bad_pool_count(d: Driver) -> None:
+    """Counts, starts and ids no C index holds, and batches holding None, at the block pool."""
+    pool = d.model.pool
+    table = np.zeros(4, np.int32)
+    calls: list[tuple[str, Callable[[], object], type[LifecycleError]]] = [
+        ("allocate(2**64)", lambda: pool.allocate(2**64), InvalidId),
+        ("allocate(1.5)", lambda: pool.allocate(1.5), InvalidId),  # type: ignore[arg-type]
+        ("allocate(more than the pool)", lambda: pool.allocate(pool.num_total + 1), OutOfBlocks),
+        ("allocate_into(start=2**63)", lambda: pool.allocate_into(table, 2**63, 1), InvalidId),
+        ("dec_ref_range(n=-2**70)", lambda: pool.dec_ref_range(table, 0, -(2**70)), InvalidId),
+        ("refcount(2**70)", lambda: pool.refcount(2**70), InvalidId),
+        ("dec_ref([0, None])", lambda: pool.dec_ref(np.array([0, None], dtype=object)), InvalidId),
+    ]
+    what, call, expected = calls[d.choose.integer(0, len(calls) - 1)]
+    d._refused(what, call, expected, kind="pool: count or id of the wrong kind")
+
+
 _BAD_INPUTS: Final[tuple[Callable[[Driver], None], ...]] = (
     _bad_foreign,
     _bad_freed,
@@ -1144,6 +1325,11 @@ _BAD_INPUTS: Final[tuple[Callable[[Driver], None], ...]] = (
     _bad_restore_state,
     _bad_retire,
     _bad_append,
+    _bad_swap_out,
+    _bad_handle,
+    _bad_stream,
+    _bad_forged_size,
+    _bad_pool_count,
 )
 
 

@@ -39,6 +39,7 @@ EMULATED_SUITES: list[str] = [
     "tests/test_faults.py",
     "tests/test_fuzz_restore.py",
     "tests/test_threads.py",
+    "tests/test_bad_input.py",
 ]
 
 #: Driver versions (cuDriverGetVersion) the suites run at.

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lifecycle._hostcopy import memmove_rows, put_int32, stream_copy
+from lifecycle.errors import InvalidId
 
 
 def test_a_large_batch_of_unaligned_rows_is_copied_exactly() -> None:
@@ -50,11 +51,11 @@ def test_stream_copy_is_exact_at_every_alignment(size: int, offset: int) -> None
 
 def test_stream_copy_refuses_unequal_sizes_and_overlap() -> None:
     buf = np.zeros(64, dtype=np.uint8)
-    with pytest.raises(ValueError, match="holds 8 bytes, source 9"):
+    with pytest.raises(InvalidId, match="holds 8 bytes, source 9"):
         stream_copy(buf.data[:8], buf.data[16:25])
-    with pytest.raises(ValueError, match="overlap"):
+    with pytest.raises(InvalidId, match="overlap"):
         stream_copy(buf.data[:16], buf.data[8:24])
-    with pytest.raises(BufferError):
+    with pytest.raises(InvalidId, match="dst must be a writable"):
         stream_copy(memoryview(bytes(8)), buf.data[:8])  # read-only destination
 
 

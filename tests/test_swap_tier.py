@@ -195,15 +195,50 @@ def test_a_failed_swap_in_frees_the_new_sequence_and_removes_the_spill_file(
 def test_a_failed_swap_in_releases_the_host_record(model: HybridModel, rng: np.random.Generator) -> None:
     tier = SwapTier(model, host_bytes=1 << 20)
     handle = tier.swap_out(filled(model, rng))
-    hog = model.alloc_sequence()
-    model.grow(hog, model.num_free_blocks() * BS)
+    tier._host.view(handle.nbytes - 3, 1)[0] ^= 0x40  # inside the last section's checksum
     free, live = model.num_free_blocks(), model.num_live_sequences
-    with pytest.raises(OutOfBlocks):
+    with pytest.raises(SwapChecksumError):
         tier.swap_in(handle)
     model.check_invariants()
     assert model.num_free_blocks() == free and model.num_live_sequences == live
     assert (tier.host_bytes_used, tier.num_swapped_out) == (0, 0)
+
+
+def test_a_swap_in_short_of_blocks_is_refused_and_the_handle_stays_live(
+    model: HybridModel, rng: np.random.Generator
+) -> None:
+    tier = SwapTier(model, host_bytes=1 << 20)
+    seq = filled(model, rng)
+    expected = image(model, seq)
+    handle = tier.swap_out(seq)
+    hog = model.alloc_sequence()
+    model.grow(hog, model.num_free_blocks() * BS)
+    free, live, used = model.num_free_blocks(), model.num_live_sequences, tier.host_bytes_used
+    with pytest.raises(OutOfBlocks, match=f"needs {handle.num_blocks} blocks, {free} of 48 are free"):
+        tier.swap_in(handle)
+    model.check_invariants()
+    assert model.num_free_blocks() == free and model.num_live_sequences == live
+    assert (tier.host_bytes_used, tier.num_swapped_out) == (used, 1)
     model.free_sequence(hog)
+    back = tier.swap_in(handle)
+    assert image(model, back) == expected
+    model.free_sequence(back)
+    model.check_invariants()
+
+
+def test_swap_in_evicts_cached_prefix_blocks_to_make_room(model: HybridModel, rng: np.random.Generator) -> None:
+    tier = SwapTier(model, host_bytes=1 << 20)
+    handle = tier.swap_out(filled(model, rng))
+    cached = model.alloc_sequence()
+    model.grow(cached, model.num_free_blocks() * BS)
+    cached.append_tokens(np.arange(1, model.num_total_blocks() * BS + 1))
+    model.cache_sequence(cached)
+    model.free_sequence(cached)  # every block is now held by the prefix cache alone
+    assert model.num_free_blocks() == 0
+    back = tier.swap_in(handle)
+    model.check_invariants()
+    assert back.num_blocks == handle.num_blocks and model.stats().blocks_evicted >= handle.num_blocks
+    model.free_sequence(back)
 
 
 def test_a_handle_is_consumed_once(model: HybridModel, rng: np.random.Generator) -> None:
