@@ -183,6 +183,8 @@ class HybridModel(LifecycleDefaults):
                     self._adapters.release_ref(slot)
 
     def _root_of(self, adapter_slot: int) -> int:
+        if isinstance(adapter_slot, bool) or not isinstance(adapter_slot, int):
+            raise InvalidId(f"adapter_slot={adapter_slot!r} must be an int (NO_ADAPTER = -1 for none)")
         return 0 if adapter_slot == NO_ADAPTER else self._adapters.uid_of_loaded(adapter_slot)
 
     def _wanted_blocks(self, num_tokens: object, what: str) -> int:
@@ -473,6 +475,11 @@ class HybridModel(LifecycleDefaults):
                 raise InvalidId(
                     f"restore_sequence_state: num_blocks={num_blocks!r} must be an int in "
                     f"[0, {self._max_blocks_per_seq}] (the per-sequence block limit)"
+                )
+            if num_blocks > self._pool.num_free:
+                raise OutOfBlocks(
+                    f"restore_sequence_state: the record needs {num_blocks} blocks, {self._pool.num_free} are free "
+                    "(a restore never evicts: reclaim_prefix_blocks first)"
                 )
             try:
                 read = swap_restore(
