@@ -28,7 +28,7 @@ BS = 16
 SYSTEM_BLOCKS = 64
 SUFFIX_BLOCKS = 16
 NUM_SUFFIXES = 512
-TRACE = HERE.parent.parent / "shared" / "bench" / "traces.npz"
+TRACE = HERE / "data" / "traces.npz"
 
 
 def requests() -> list[NDArray[np.int32]]:
@@ -118,7 +118,6 @@ def test_admit_then_cache_and_release(benchmark: BenchmarkFixture) -> None:
     assert pool.num_free + cache.num_cached_blocks == pool.num_total
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="reference traces not present")
 def test_w2_replay(benchmark: BenchmarkFixture) -> None:
     from w2 import REFERENCE_HIT_TOKENS, load_w2, replay_lifecycle
 
