@@ -169,7 +169,10 @@ def test_restore_sequence_state(benchmark: BenchmarkFixture, model: HybridModel)
 
 @pytest.mark.parametrize(
     "method",
-    ["kv_block_bytes", "num_free_blocks", "num_total_blocks", "high_speed_swap_dims", "poll_innerq", "bind_gpu_to_thread"],
+    [
+        "kv_block_bytes", "num_free_blocks", "num_total_blocks", "high_speed_swap_dims", "poll_innerq",
+        "bind_gpu_to_thread",
+    ],
 )
 def test_cheap_queries(benchmark: BenchmarkFixture, model: HybridModel, method: str) -> None:
     benchmark(getattr(model, method))

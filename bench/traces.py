@@ -90,7 +90,8 @@ def pack(original: Arrays) -> Arrays:
     if not np.array_equal(allocs[:, 1], np.arange(len(allocs))) or not np.all(frees[:, 0] == 0):
         raise ValueError("w1_ops: allocation rows must number their sequences 0, 1, 2, ... in order")
     alloc_k = allocs[:, 2]
-    if alloc_k.min(initial=1) < 1 or alloc_k.max(initial=1) > 255 or not np.array_equal(frees[:, 2], alloc_k[frees[:, 1]]):
+    in_range = alloc_k.min(initial=1) >= 1 and alloc_k.max(initial=1) <= 255
+    if not in_range or not np.array_equal(frees[:, 2], alloc_k[frees[:, 1]]):
         raise ValueError("w1_ops: a free row's k must be the block count its sequence allocated (1..255)")
 
     prompts = original["w2_prompt_tokens"]

@@ -107,7 +107,9 @@ def timed(replay: Callable[[W2Trace], tuple[float, int, int]], trace: W2Trace) -
         return replay(trace)
 
 
-def result(library: str, seconds: float, hit_tokens: int, prompt_tokens: int, blocks_evicted: int, requests: int) -> dict[str, Any]:
+def result(
+    library: str, seconds: float, hit_tokens: int, prompt_tokens: int, blocks_evicted: int, requests: int
+) -> dict[str, Any]:
     """The W2 JSON record every library reports."""
     return {
         "workload": "W2",

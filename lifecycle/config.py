@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, Union
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -127,13 +127,13 @@ class SSMLayer:
         _check_int("SSMLayer.conv_state_bytes", self.conv_state_bytes, 1)
         _check_dtype("SSMLayer.h_dtype", self.h_dtype)
         _check_dtype("SSMLayer.conv_dtype", self.conv_dtype)
-        for field, nbytes, dtype in (
+        for name, nbytes, dtype in (
             ("h_state_bytes", self.h_state_bytes, self.h_dtype),
             ("conv_state_bytes", self.conv_state_bytes, self.conv_dtype),
         ):
             if nbytes % DTYPE_SIZES[dtype]:
                 raise ConfigError(
-                    f"SSMLayer.{field}={nbytes} is not a whole number of {dtype} elements "
+                    f"SSMLayer.{name}={nbytes} is not a whole number of {dtype} elements "
                     f"({DTYPE_SIZES[dtype]} bytes each)"
                 )
 
@@ -143,7 +143,7 @@ class SSMLayer:
         return self.h_state_bytes + self.conv_state_bytes
 
 
-Layer = Union[AttentionLayer, SSMLayer]
+Layer: TypeAlias = AttentionLayer | SSMLayer
 
 
 @dataclass(frozen=True, slots=True)

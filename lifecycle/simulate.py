@@ -247,9 +247,9 @@ class SimulationOptions:
     ``max_live``: most sequences decoding at once. ``check_every``: run ``check_invariants`` every
     that many steps (0: only at the end). ``snapshot_interval_blocks``: on hybrid models, besides the
     snapshot at the end of each prompt's last whole block, take one every that many blocks of the
-    sequence (prefill chunk ends, then while decoding; 0: prompt ends only). ``watermark``: fraction of the pool admission keeps free for decode
-    growth. ``swap``: preempt by swap-out (False: always recompute). ``swap_host_bytes`` and
-    ``spill_dir`` size the swap tier.
+    sequence (prefill chunk ends, then while decoding; 0: prompt ends only). ``watermark``: fraction
+    of the pool admission keeps free for decode growth. ``swap``: preempt by swap-out (False: always
+    recompute). ``swap_host_bytes`` and ``spill_dir`` size the swap tier.
     """
 
     max_live: int = 32
@@ -378,7 +378,8 @@ class _Simulation:
         self.watermark_blocks = int(options.watermark * self.total_blocks)
         self.max_live = min(options.max_live, model.config.max_seqs)
         self._check_fits(trace)
-        self.adapter_slots = {name: model.load_adapter(name) for name in sorted({r.adapter for r in trace if r.adapter})}
+        adapters = sorted({r.adapter for r in trace if r.adapter})
+        self.adapter_slots = {name: model.load_adapter(name) for name in adapters}
         # A chat's next turn becomes ready when the turn before it has finished.
         self.successor: dict[int, Request] = {}
         last_turn: dict[int, Request] = {}

@@ -136,7 +136,10 @@ def test_prompt_tokens_are_the_chunks_tokens_cut_to_the_input_length() -> None:
 
 
 def test_generated_tokens_follow_the_request_number() -> None:
-    records = [{"input_length": 5, "output_length": 2, "hash_ids": [0]}, {"input_length": 5, "output_length": 4, "hash_ids": [0]}]
+    records = [
+        {"input_length": 5, "output_length": 2, "hash_ids": [0]},
+        {"input_length": 5, "output_length": 4, "hash_ids": [0]},
+    ]
     trace = w3.expand(records)
     assert trace.generated(1).tolist() == [splitmix64_reference(2**40 + 1 * 2**20 + j) % 32_000 for j in range(4)]
     assert len(trace.tokens[1]) == 9 and trace.prompt_lens == [5, 5] and trace.gen_lens == [2, 4]

@@ -173,7 +173,8 @@ def test_budget_gives_the_whole_blocks_it_can_pay_for() -> None:
 
 def test_budget_too_small_for_one_block_is_refused() -> None:
     block_bytes = config().kv_block_bytes()
-    with pytest.raises(ConfigError, match=rf"kv_budget_bytes={block_bytes - 1} is too small for one block of {block_bytes} bytes"):
+    message = rf"kv_budget_bytes={block_bytes - 1} is too small for one block of {block_bytes} bytes"
+    with pytest.raises(ConfigError, match=message):
         config(num_blocks=None, kv_budget_bytes=block_bytes - 1)
 
 

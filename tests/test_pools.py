@@ -258,7 +258,8 @@ def test_copy_blocks_checks_every_id_before_copying() -> None:
 @pytest.mark.parametrize("block_id", [-1, NUM_BLOCKS, 2**40])
 def test_block_addr_out_of_range_names_id_and_limit(device: Device, block_id: int) -> None:
     kv = KVPool(device, CONFIG)
-    with pytest.raises(BlockIdOutOfRange, match=rf"block id {block_id} is out of range: valid values are 0\.\.{NUM_BLOCKS - 1}"):
+    message = rf"block id {block_id} is out of range: valid values are 0\.\.{NUM_BLOCKS - 1}"
+    with pytest.raises(BlockIdOutOfRange, match=message):
         kv.block_addr(0, block_id)
     kv.release()
 
@@ -322,7 +323,9 @@ def test_kv_release_twice_frees_once() -> None:
     assert len(dev.frees) == len(dev.allocs)
 
 
-@pytest.mark.parametrize("call", ["layer_ptrs", "block_addr", "block_ranges", "kv_view", "copy_blocks", "layer_block_bytes"])
+@pytest.mark.parametrize(
+    "call", ["layer_ptrs", "block_addr", "block_ranges", "kv_view", "copy_blocks", "layer_block_bytes"]
+)
 def test_kv_calls_after_release_raise_torn_down(device: Device, call: str) -> None:
     kv = KVPool(device, CONFIG)
     kv.release()

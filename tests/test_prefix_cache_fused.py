@@ -131,7 +131,9 @@ def test_evict_counts_only_blocks_that_became_free() -> None:
 # -- admit: acquire_prefix + allocate in one call ------------------------------------------
 
 
-def _admit_separately(core: PrefixCacheCore, tokens: np.ndarray, blocks: int, max_prefix: int) -> tuple[np.ndarray, np.ndarray]:
+def _admit_separately(
+    core: PrefixCacheCore, tokens: np.ndarray, blocks: int, max_prefix: int
+) -> tuple[np.ndarray, np.ndarray]:
     table = np.empty(blocks, np.int32)
     pinned = core.acquire_prefix(tokens, table, 0, max_prefix)
     core.allocate(table, len(pinned), blocks - len(pinned))
