@@ -3,8 +3,7 @@
 One benchmark per method of the protocol and per companion, on a small hybrid model on the host
 device (the bookkeeping, not bandwidth, is what these track). A method that changes state is paired
 with the call that undoes it (alloc with free, compact there with compact back), so every round
-starts from the same state. Save runs with ``--benchmark-autosave`` and compares with
-``--benchmark-compare --benchmark-compare-fail=mean:25%``.
+starts from the same state. Track it with ``python bench/regress.py save`` / ``check`` (see there).
 """
 
 from __future__ import annotations

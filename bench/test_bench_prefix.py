@@ -1,7 +1,7 @@
 """pytest-benchmark suite for the prefix trie and cache (match, insert, evict, and the W2 replay).
 
-    python -m pytest bench/test_bench_prefix.py --benchmark-autosave
-    python -m pytest bench/test_bench_prefix.py --benchmark-compare --benchmark-compare-fail=mean:20%
+    python bench/regress.py save -- bench/test_bench_prefix.py    # a baseline under .benchmarks/
+    python bench/regress.py check -- bench/test_bench_prefix.py   # fail if a minimum is > 25% slower
 
 Shapes follow W2: blocks of 16 tokens, a shared 64-block system prompt under many unique suffixes.
 """
