@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 project = "lifecycle"
 author = "the lifecycle authors"
-copyright = "the lifecycle authors"  # noqa: A001  (Sphinx's name for it)
+copyright = "the lifecycle authors"
 
 extensions = [
     "myst_parser",
