@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from traces import load_traces, meta  # noqa: E402
 from w2 import REPEATS, W2Trace, load_w2, no_gc, result, timed  # noqa: E402
 
 W1Replay = Callable[[NDArray[np.int32], int], float]
@@ -73,9 +74,8 @@ def stub_torchvision(version: str = "0.28.0") -> None:
 
 def load_w1(trace_path: Path) -> tuple[NDArray[np.int32], int, int]:
     """The W1 ops ``(op, seq_id, k)``, the pool size, and the blocks allocated in all."""
-    with np.load(trace_path) as trace:
-        meta = json.loads(str(trace["meta"]))["w1"]
-        return trace["w1_ops"], int(meta["num_blocks"]), int(meta["blocks_allocated"])
+    w1 = meta(trace_path)["w1"]
+    return load_traces(trace_path)["w1_ops"], int(w1["num_blocks"]), int(w1["blocks_allocated"])
 
 
 def w1_record(library: str, seconds: float, blocks: int, note: str = "") -> dict[str, Any]:

@@ -109,7 +109,9 @@ def layer_ranges(model: HybridModel, seq: SequenceState) -> list[tuple[int, int]
     return [r for layer in range(kv.num_layers) for r in swap._kv_ranges(kv, layer, kv.layer_block_bytes(layer), runs)]
 
 
-def memcpy_runs(model: HybridModel, ranges: list[tuple[int, int]], record: npt.NDArray[np.uint8]) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+def memcpy_runs(
+    model: HybridModel, ranges: list[tuple[int, int]], record: npt.NDArray[np.uint8]
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
     """(save-direction copy, restore-direction copy, cleanup) of the sequence's bytes."""
     device = model.device
     if device.kind == "host":
@@ -154,7 +156,9 @@ def measure_size(model: HybridModel, num_tokens: int, rng: np.random.Generator, 
     copy_out, copy_back, cleanup = memcpy_runs(model, ranges, record)
     payload = sum(n for _, n in ranges)
     staging = swap.StagingBuffer(model.device)
-    staged_ctx = swap.SwapContext(model.config, model.device, model.kv_pool, model.ssm_pool, staging=staging, zero_copy_host=False)
+    staged_ctx = swap.SwapContext(
+        model.config, model.device, model.kv_pool, model.ssm_pool, staging=staging, zero_copy_host=False
+    )
 
     def save() -> None:
         model.save_sequence_state(seq, cast(BinaryIO, _ViewWriter(record.data)))
@@ -224,7 +228,9 @@ def peak_memory(model: HybridModel, num_tokens: int, rng: np.random.Generator) -
     record = prefaulted(swap.record_nbytes(model.config, seq.num_blocks, seq.num_tokens))
     staging = swap.StagingBuffer(model.device)
     staging.acquire()
-    staged_ctx = swap.SwapContext(model.config, model.device, model.kv_pool, model.ssm_pool, staging=staging, zero_copy_host=False)
+    staged_ctx = swap.SwapContext(
+        model.config, model.device, model.kv_pool, model.ssm_pool, staging=staging, zero_copy_host=False
+    )
     direct = model.device.kind == "host"
     results = []
 
@@ -299,7 +305,8 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         if r["bench"] == "peak_memory":
             lines.append(
-                f"peak extra memory, {r['op']} {r['path']} of {r['tokens']} tokens ({r['record_bytes'] / MiB:.0f} MiB): "
+                f"peak extra memory, {r['op']} {r['path']} of {r['tokens']} tokens "
+                f"({r['record_bytes'] / MiB:.0f} MiB): "
                 f"{r['extra_bytes'] / 1024:.0f} KiB (tracemalloc {r['tracemalloc_peak_bytes'] / 1024:.0f} KiB "
                 f"+ staging {r['staging_bytes'] / 1024:.0f} KiB)"
             )

@@ -1,10 +1,10 @@
 """pytest-benchmark suite of the block pool's hot calls, tracked over time.
 
-    python -m pytest bench/test_bench_blockpool.py --benchmark-autosave
-    python -m pytest bench/test_bench_blockpool.py --benchmark-compare --benchmark-compare-fail=mean:25%
+    python bench/regress.py save -- bench/test_bench_blockpool.py    # a baseline under .benchmarks/
+    python bench/regress.py check -- bench/test_bench_blockpool.py   # fail if a minimum is > 25% slower
 
-The first saves a run under .benchmarks/; the second compares against the latest saved run and
-fails if any mean got more than 25% slower. CI does not run these (its pytest runs tests/ only).
+See bench/regress.py for the calibration and why minimums are compared. CI runs one of these
+benchmarks through that workflow (tests/test_bench_regress.py), not the suite.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """pytest-benchmark suite of device copies (``python -m pytest bench/test_bench_device.py``).
 
 Each size is measured as a plain copy and as the block-wise batched copy of the same bytes, so the
-saved runs can be compared over time (``--benchmark-autosave`` / ``--benchmark-compare``). The CUDA
+runs can be tracked over time (``python bench/regress.py save`` / ``check``). The CUDA
 cases run only where a GPU is present; the ratio table itself comes from ``device_bench.py``.
 """
 

@@ -3,8 +3,7 @@
 One benchmark per method of the protocol and per companion, on a small hybrid model on the host
 device (the bookkeeping, not bandwidth, is what these track). A method that changes state is paired
 with the call that undoes it (alloc with free, compact there with compact back), so every round
-starts from the same state. Save runs with ``--benchmark-autosave`` and compares with
-``--benchmark-compare --benchmark-compare-fail=mean:25%``.
+starts from the same state. Track it with ``python bench/regress.py save`` / ``check`` (see there).
 """
 
 from __future__ import annotations
@@ -169,7 +168,10 @@ def test_restore_sequence_state(benchmark: BenchmarkFixture, model: HybridModel)
 
 @pytest.mark.parametrize(
     "method",
-    ["kv_block_bytes", "num_free_blocks", "num_total_blocks", "high_speed_swap_dims", "poll_innerq", "bind_gpu_to_thread"],
+    [
+        "kv_block_bytes", "num_free_blocks", "num_total_blocks", "high_speed_swap_dims", "poll_innerq",
+        "bind_gpu_to_thread",
+    ],
 )
 def test_cheap_queries(benchmark: BenchmarkFixture, model: HybridModel, method: str) -> None:
     benchmark(getattr(model, method))

@@ -1,7 +1,7 @@
 """pytest-benchmark suite for the prefix trie and cache (match, insert, evict, and the W2 replay).
 
-    python -m pytest bench/test_bench_prefix.py --benchmark-autosave
-    python -m pytest bench/test_bench_prefix.py --benchmark-compare --benchmark-compare-fail=mean:20%
+    python bench/regress.py save -- bench/test_bench_prefix.py    # a baseline under .benchmarks/
+    python bench/regress.py check -- bench/test_bench_prefix.py   # fail if a minimum is > 25% slower
 
 Shapes follow W2: blocks of 16 tokens, a shared 64-block system prompt under many unique suffixes.
 """
@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from numpy.typing import NDArray
 from pytest_benchmark.fixture import BenchmarkFixture
 
@@ -28,7 +27,7 @@ BS = 16
 SYSTEM_BLOCKS = 64
 SUFFIX_BLOCKS = 16
 NUM_SUFFIXES = 512
-TRACE = HERE.parent.parent / "shared" / "bench" / "traces.npz"
+TRACE = HERE / "data" / "traces.npz"
 
 
 def requests() -> list[NDArray[np.int32]]:
@@ -118,7 +117,6 @@ def test_admit_then_cache_and_release(benchmark: BenchmarkFixture) -> None:
     assert pool.num_free + cache.num_cached_blocks == pool.num_total
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="reference traces not present")
 def test_w2_replay(benchmark: BenchmarkFixture) -> None:
     from w2 import REFERENCE_HIT_TOKENS, load_w2, replay_lifecycle
 

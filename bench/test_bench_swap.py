@@ -1,8 +1,8 @@
 """pytest-benchmark suite of swap (``python -m pytest bench/test_bench_swap.py``).
 
 Save and restore of a 4k-token sequence of a 4-layer llama-like model on the host device, beside a
-numpy copy of the same bytes, so saved runs can be compared over time (``--benchmark-autosave`` /
-``--benchmark-compare``). The fraction table comes from ``swap_bench.py``.
+numpy copy of the same bytes, tracked over time with ``python bench/regress.py save`` / ``check``.
+The fraction table comes from ``swap_bench.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """W1 block churn (SPEC §7): lifecycle's BlockPool and a plain C free-list replay the same trace.
 
-The trace is ``w1_ops`` of ``shared/bench/traces.npz``: rows ``(op, seq_id, k)``, op 1 allocates k
+The trace is ``w1_ops`` of the reference traces (``bench/data/traces.npz``): rows ``(op, seq_id, k)``, op 1 allocates k
 blocks for the new sequence ``seq_id``, op 0 frees every block of ``seq_id``; it ends with the drain
 of the sequences still live. Without that file, ``generate_w1_ops`` builds a trace of the same shape
 from a seed. The figure is the replay's time divided by the blocks allocated (each is also freed),
@@ -40,6 +40,10 @@ if importlib.util.find_spec("lifecycle") is None:  # a source checkout built in 
     sys.path.insert(0, str(HERE.parent))
 
 from lifecycle._blockpool import BlockPool  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from traces import TRACES, load_traces, meta  # noqa: E402
+
 C_LIMIT_SOURCE = HERE / "c_limit.c"
 
 NUM_BLOCKS = 65_536
@@ -91,10 +95,9 @@ def load_w1(trace_path: Path) -> tuple[NDArray[np.int32], int, int | None]:
     if not trace_path.is_file():
         print(f"W1: {trace_path} not found; replaying generate_w1_ops(seed=0)", file=sys.stderr)
         return generate_w1_ops(), NUM_BLOCKS, None
-    with np.load(trace_path) as traces:
-        ops = np.ascontiguousarray(traces["w1_ops"], dtype=np.int32)
-        meta = json.loads(str(traces["meta"]))["w1"]
-    return ops, int(meta["num_blocks"]), int(meta["blocks_allocated"])
+    ops = np.ascontiguousarray(load_traces(trace_path)["w1_ops"], dtype=np.int32)
+    w1 = meta(trace_path)["w1"]
+    return ops, int(w1["num_blocks"]), int(w1["blocks_allocated"])
 
 
 def verify_lifecycle(rows: list[Row], num_blocks: int) -> int:
@@ -238,5 +241,5 @@ def run(trace_path: Path) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    for result in run(HERE.parent.parent / "shared" / "bench" / "traces.npz"):
+    for result in run(TRACES):
         print(json.dumps(result))

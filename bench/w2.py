@@ -1,6 +1,6 @@
 """W2, the prefix-cache serving replay (SPEC §7), at the trie + pool level.
 
-Replays ``w2_*`` of the reference traces exactly as ``shared/bench/README.md`` prescribes: requests
+Replays ``w2_*`` of the reference traces (``bench/data/traces.npz``) by the reference rules: requests
 in order, at most 64 live (FIFO); a finishing request caches every full block of prompt + generated
 tokens, then releases its references; admission reuses the longest cached prefix that leaves the
 prompt's last token uncached, pins it, and allocates the rest, evicting least recently used
@@ -30,6 +30,10 @@ from numpy.typing import NDArray
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
+
+from traces import TRACES, load_traces, meta  # noqa: E402
 
 REFERENCE_HIT_TOKENS = 1_965_056
 REFERENCE_PROMPT_TOKENS = 4_365_010
@@ -65,23 +69,23 @@ class W2Trace:
 
 def load_w2(trace_path: Path) -> W2Trace:
     """Read the W2 trace and convert it to int32 arrays (done before any clock starts)."""
-    with np.load(trace_path) as trace:
-        meta = json.loads(str(trace["meta"]))["w2"]
-        prompts = trace["w2_prompt_tokens"]
-        offsets = trace["w2_prompt_offsets"]
-        generated = trace["w2_gen_tokens"]
-        tokens = [
-            np.concatenate([prompts[offsets[i] : offsets[i + 1]], generated[i]]).astype(np.int32)
-            for i in range(len(offsets) - 1)
-        ]
-        prompt_lens = [int(offsets[i + 1] - offsets[i]) for i in range(len(offsets) - 1)]
+    trace = load_traces(trace_path)
+    w2 = meta(trace_path)["w2"]
+    prompts = trace["w2_prompt_tokens"]
+    offsets = trace["w2_prompt_offsets"]
+    generated = trace["w2_gen_tokens"]
+    tokens = [
+        np.concatenate([prompts[offsets[i] : offsets[i + 1]], generated[i]]).astype(np.int32)
+        for i in range(len(offsets) - 1)
+    ]
+    prompt_lens = [int(offsets[i + 1] - offsets[i]) for i in range(len(offsets) - 1)]
     return W2Trace(
         tokens=tokens,
         prompt_lens=prompt_lens,
-        block_size=int(meta["block_size"]),
-        num_blocks=int(meta["num_blocks"]),
-        max_live=int(meta["max_live"]),
-        gen_len=int(meta["gen_len"]),
+        block_size=int(w2["block_size"]),
+        num_blocks=int(w2["num_blocks"]),
+        max_live=int(w2["max_live"]),
+        gen_len=int(w2["gen_len"]),
     )
 
 
@@ -103,7 +107,9 @@ def timed(replay: Callable[[W2Trace], tuple[float, int, int]], trace: W2Trace) -
         return replay(trace)
 
 
-def result(library: str, seconds: float, hit_tokens: int, prompt_tokens: int, blocks_evicted: int, requests: int) -> dict[str, Any]:
+def result(
+    library: str, seconds: float, hit_tokens: int, prompt_tokens: int, blocks_evicted: int, requests: int
+) -> dict[str, Any]:
     """The W2 JSON record every library reports."""
     return {
         "workload": "W2",
@@ -175,5 +181,5 @@ def run(trace_path: Path, repeats: int = LIFECYCLE_REPEATS) -> list[dict[str, An
 
 
 if __name__ == "__main__":
-    for record in run(ROOT.parent / "shared" / "bench" / "traces.npz"):
+    for record in run(TRACES):
         print(json.dumps(record))

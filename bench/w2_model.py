@@ -33,7 +33,11 @@ def replay_model(trace: W2Trace, separate_calls: bool = False) -> tuple[float, i
     )
     model = HybridModel(config, "host")
     requests = [
-        (trace.tokens[i][: trace.prompt_lens[i]], trace.tokens[i][trace.prompt_lens[i] :], trace.prompt_lens[i] + trace.gen_len)
+        (
+            trace.tokens[i][: trace.prompt_lens[i]],
+            trace.tokens[i][trace.prompt_lens[i] :],
+            trace.prompt_lens[i] + trace.gen_len,
+        )
         for i in range(trace.num_requests)
     ]
     live: deque[SequenceState] = deque()

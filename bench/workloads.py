@@ -5,7 +5,8 @@
     python bench/workloads.py w2-model --json   # W2 through the HybridModel API
 
 Each prints one JSON line per library measured (``--json``) or a small table. The reference traces
-are read from ``../shared/bench/traces.npz`` when present; ``--trace PATH`` names another file.
+are the repository's ``bench/data/traces.npz`` (see bench/data/README.md); ``--trace PATH`` names
+another file, compact or in the original ``traces.npz`` format.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-DEFAULT_TRACE = HERE.parent.parent / "shared" / "bench" / "traces.npz"
+from traces import TRACES  # noqa: E402
 
+#: The traces every W1/W2 benchmark replays unless told otherwise (the repository's copy).
+DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
 
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="traces.npz to replay")
     args = parser.parse_args(argv)
     if not args.trace.is_file():
-        parser.error(f"--trace {args.trace}: no such file (the reference traces live in shared/bench/)")
+        parser.error(f"--trace {args.trace}: no such file (the reference traces are {DEFAULT_TRACE})")
     results = _runner(args.workload)(args.trace)
     for result in results:
         if args.json:

@@ -2,4 +2,5 @@
 
 from lifecycle.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # importing it (as the docs build does) runs nothing
+    raise SystemExit(main())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import re
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
+from lifecycle._packaging import plot_install_hint, shadowed_checkout_warning
 from lifecycle.config import ModelConfig
 from lifecycle.errors import ConfigError, DeviceError, LifecycleError
 from lifecycle.presets import preset, preset_names
@@ -45,7 +45,6 @@ SIMULATION_SIZING: Final[dict[str, dict[str, int]]] = {
     "small-hybrid": {"num_blocks": 2048, "num_snapshots": 256},
 }
 _PLOT_SUFFIXES: Final = (".png", ".svg", ".pdf")
-_PLOT_HINT: Final = "--plot needs matplotlib: pip install 'kv-lifecycle[plot]' (or: pip install matplotlib)"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 #: Host memory the model's bookkeeping takes per KV block beside the block's tokens in the prefix
@@ -166,7 +165,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         try:
             importlib.import_module("matplotlib")
         except ImportError:
-            parser.error(_PLOT_HINT)
+            parser.error(plot_install_hint())
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelConfig:
@@ -285,8 +284,11 @@ def _open_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> D
 
 
 def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from lifecycle.model import HybridModel
-    from lifecycle.simulate import SimulationOptions, simulate, trace_for_model, trace_nbytes
+    from lifecycle.simulate import SimulationOptions, simulate, simulation_model, trace_for_model, trace_nbytes
+
+    warning = shadowed_checkout_warning(Path.cwd())
+    if warning is not None:
+        print(warning, file=sys.stderr)
 
     config = _config(parser, args)
     _check_turns(parser, args, config)
@@ -312,11 +314,13 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             trace = trace_for_model(config, seed=args.seed, num_requests=args.requests, turns=args.turns)
         except ConfigError as exc:
             parser.error(f"argument {_kv_option(args)}: {exc}")
-        model = HybridModel(config, device)
+        model = simulation_model(config, device)  # its device times copies apart from bookkeeping
         if show_progress:
-            result = _with_progress(lambda done: simulate(model, trace, options, on_request_done=done), len(trace))
+            result = _with_progress(
+                lambda done: simulate(model, trace, options, seed=args.seed, on_request_done=done), len(trace)
+            )
         else:
-            result = simulate(model, trace, options)
+            result = simulate(model, trace, options, seed=args.seed)
     finally:
         device.close()
 
@@ -325,7 +329,9 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     else:
         _print_summary(result)
     if args.plot is not None:
-        _plot(result, args.plot)
+        from lifecycle.simulate import plot
+
+        plot(result, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0 if result.summary.leaked == 0 else 1
@@ -352,57 +358,15 @@ def _print_summary(result: SimulationResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from lifecycle.simulate import summary_rows
+
     s = result.summary
     table = Table(title=f"lifecycle simulate: {s.model} on {s.device}", show_header=True, header_style="bold")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    table.add_row("requests", f"{s.requests:,}")
-    table.add_row("prompt tokens", f"{s.prompt_tokens:,}")
-    table.add_row("generated tokens", f"{s.generated_tokens:,}")
-    table.add_row("prefix hit rate", f"{s.prefix_hit_rate:.1%} ({s.prefix_hit_tokens:,} tokens)")
-    table.add_row("SSM snapshots (saved / hits)", f"{s.snapshots_saved:,} / {s.snapshot_hits:,}")
-    table.add_row("evicted blocks", f"{s.evicted_blocks:,}")
-    table.add_row("preemptions (swap / recompute)", f"{s.preemptions:,} ({s.swaps_out:,} / {s.recomputes:,})")
-    failed = f", {s.swap_failures:,} failed" if s.swap_failures else ""
-    table.add_row("swaps (out / in)", f"{s.swaps_out:,} / {s.swaps_in:,}{failed}")
-    swap_rate = f"{s.swap_gb_per_s:.2f} GB/s" if s.swap_bytes else "-"
-    table.add_row("swap bytes", f"{_human_bytes(s.swap_bytes)} ({swap_rate})")
-    table.add_row("compactions", f"{s.compactions:,}")
-    table.add_row("invariant checks", f"{s.invariant_checks:,} (all passed)")
-    table.add_row("library time per request", f"{s.library_us_per_request:,.1f} µs")
-    table.add_row("wall time", f"{s.wall_seconds:.1f} s ({s.steps:,} steps)")
-    leaks = ", ".join(f"{k}={v}" for k, v in s.teardown.items() if v and k != "cached_blocks")
-    table.add_row("leaked at teardown", f"{s.leaked}" + (f" ({leaks})" if leaks else ""))
+    for measure, value in summary_rows(result):
+        table.add_row(measure, value)
     Console().print(table)
-
-
-def _plot(result: SimulationResult, path: Path) -> None:
-    """Pool occupancy and running sequences (top), prefix hit rate (bottom), per scheduler step."""
-    from matplotlib.figure import Figure
-
-    series = result.series
-    total = max(series.total_blocks, 1)
-    occupancy = [100.0 * used / total for used in series.used_blocks]
-    window = max(len(series.step) // 50, 1)
-    figure = Figure(figsize=(10, 6), layout="constrained")
-    pool_axes, hit_axes = figure.subplots(2, 1, sharex=True)
-    pool_axes.plot(series.step, occupancy, color="tab:blue", linewidth=0.8, label="blocks in use: sequences + prefix cache (%)")
-    pool_axes.set_ylabel("KV pool in use (%)")
-    pool_axes.set_ylim(0, 105)
-    running_axes = pool_axes.twinx()
-    running_axes.plot(series.step, series.running, color="tab:orange", linewidth=0.6, alpha=0.7, label="running")
-    running_axes.set_ylabel("sequences running")
-    pool_axes.legend(handles=pool_axes.get_lines() + running_axes.get_lines(), loc="lower left")
-    hit_axes.plot(series.step, [100.0 * r for r in series.hit_rate()], color="tab:green", label="cumulative")
-    hit_axes.plot(series.step, [100.0 * r for r in series.hit_rate(window)], color="tab:green", alpha=0.35,
-                  linewidth=0.7, label=f"last {window} steps")
-    hit_axes.set_ylabel("prefix hit rate (%)")
-    hit_axes.set_ylim(0, 100)
-    hit_axes.set_xlabel("scheduler step")
-    hit_axes.legend(loc="lower right")
-    summary = result.summary
-    figure.suptitle(f"lifecycle simulate: {summary.model}, {summary.requests:,} requests on {summary.device}")
-    figure.savefig(path)
 
 
 def _human_bytes(nbytes: int) -> str:

@@ -11,14 +11,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
 from lifecycle.errors import ConfigError
 
+#: The names of the dtypes a layer may store (``typing.get_args(DType)`` lists them).
+DType: TypeAlias = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
+
+#: numpy scalar types of the array views of stored data (see :func:`storage_dtype`).
+StorageScalar: TypeAlias = np.float16 | np.uint16 | np.float32 | np.uint8 | np.int8
+
 #: Bytes per element of every dtype a layer may store.
-DTYPE_SIZES: dict[str, int] = {
+DTYPE_SIZES: dict[DType, int] = {
     "float16": 2,
     "bfloat16": 2,
     "float32": 4,
@@ -30,14 +36,14 @@ DTYPE_SIZES: dict[str, int] = {
 
 # numpy has no bfloat16 / float8 types: their views use an unsigned integer of the same width, which
 # kernels reinterpret (e.g. ``torch.as_tensor(view).view(torch.bfloat16)``).
-_STORAGE_DTYPES: dict[str, str] = {
-    "float16": "float16",
-    "bfloat16": "uint16",
-    "float32": "float32",
-    "float8_e4m3fn": "uint8",
-    "float8_e5m2": "uint8",
-    "int8": "int8",
-    "uint8": "uint8",
+_STORAGE_DTYPES: dict[DType, type[StorageScalar]] = {
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float32": np.float32,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "int8": np.int8,
+    "uint8": np.uint8,
 }
 
 _INT32_MAX = 2**31 - 1
@@ -46,7 +52,7 @@ _INT32_MAX = 2**31 - 1
 _FINGERPRINT_VERSION = 1
 
 
-def storage_dtype(dtype: str) -> np.dtype[Any]:
+def storage_dtype(dtype: DType) -> np.dtype[StorageScalar]:
     """The numpy dtype that array views of ``dtype`` data use (same width; see module notes)."""
     _check_dtype("dtype", dtype)
     return np.dtype(_STORAGE_DTYPES[dtype])
@@ -78,7 +84,7 @@ class AttentionLayer:
 
     num_kv_heads: int
     head_dim: int
-    dtype: str = "float16"
+    dtype: DType = "float16"
     v_aliases_k: bool = False
 
     def __post_init__(self) -> None:
@@ -113,21 +119,21 @@ class SSMLayer:
 
     h_state_bytes: int
     conv_state_bytes: int
-    h_dtype: str = "float32"
-    conv_dtype: str = "float16"
+    h_dtype: DType = "float32"
+    conv_dtype: DType = "float16"
 
     def __post_init__(self) -> None:
         _check_int("SSMLayer.h_state_bytes", self.h_state_bytes, 1)
         _check_int("SSMLayer.conv_state_bytes", self.conv_state_bytes, 1)
         _check_dtype("SSMLayer.h_dtype", self.h_dtype)
         _check_dtype("SSMLayer.conv_dtype", self.conv_dtype)
-        for field, nbytes, dtype in (
+        for name, nbytes, dtype in (
             ("h_state_bytes", self.h_state_bytes, self.h_dtype),
             ("conv_state_bytes", self.conv_state_bytes, self.conv_dtype),
         ):
             if nbytes % DTYPE_SIZES[dtype]:
                 raise ConfigError(
-                    f"SSMLayer.{field}={nbytes} is not a whole number of {dtype} elements "
+                    f"SSMLayer.{name}={nbytes} is not a whole number of {dtype} elements "
                     f"({DTYPE_SIZES[dtype]} bytes each)"
                 )
 
@@ -137,7 +143,7 @@ class SSMLayer:
         return self.h_state_bytes + self.conv_state_bytes
 
 
-Layer = Union[AttentionLayer, SSMLayer]
+Layer: TypeAlias = AttentionLayer | SSMLayer
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import index as _as_index
-from typing import Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeAlias, cast
 
-from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer, storage_dtype
+from numpy.typing import NDArray
+
+from lifecycle.config import AttentionLayer, DType, ModelConfig, SSMLayer, StorageScalar, storage_dtype
 from lifecycle.device.base import Copy, Device
 from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown
+
+if TYPE_CHECKING:
+    from lifecycle.device.cuda import CudaArrayView
+
+#: An array view of pool memory: a numpy array of the layer's storage dtype on the host device, a
+#: ``__cuda_array_interface__`` object on CUDA (narrow with ``isinstance(view, numpy.ndarray)``).
+PoolView: TypeAlias = "NDArray[StorageScalar] | CudaArrayView"
 
 
 def _int_arg(what: str, value: object, limit: int, error: type[InvalidId]) -> int:
@@ -223,14 +232,15 @@ class KVPool:
         if copies:
             self._device.copy_batch(copies)
 
-    def kv_view(self, layer: int) -> Any:
+    def kv_view(self, layer: int) -> PoolView:
         """Zero-copy array of ``layer`` shaped :meth:`layer_shape`: numpy on host, an object with
         ``__cuda_array_interface__`` on CUDA. bfloat16 / float8 layers are viewed as unsigned integers
         of the same width."""
         index = self._layer(layer)
-        return self._device.device_array(
+        view = self._device.device_array(
             self._ptrs[index], self.layer_shape(index), storage_dtype(self._layers[index].dtype)
         )
+        return cast(PoolView, view)
 
     def release(self) -> None:
         """Free every layer's memory, newest allocation first; a second call does nothing."""
@@ -370,7 +380,7 @@ class SSMPool:
         spec = self._layers[index]
         return self._view(self._conv_ptrs[index], spec.conv_state_bytes, spec.conv_dtype)
 
-    def _view(self, ptr: int, slot_bytes: int, dtype: str) -> Any:
+    def _view(self, ptr: int, slot_bytes: int, dtype: DType) -> Any:
         storage = storage_dtype(dtype)
         return self._device.device_array(ptr, (self._num_slots, slot_bytes // storage.itemsize), storage)
 

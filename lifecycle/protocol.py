@@ -92,10 +92,10 @@ class LifecycleDefaults(ABC):
         """Evicts nothing: a model without a prefix cache has nothing to give back."""
         return 0
 
-    def teardown(self) -> None:
+    def teardown(self) -> None:  # noqa: B027  (a no-op default, deliberately not abstract)
         """Nothing to release."""
 
-    def poll_innerq(self) -> None:
+    def poll_innerq(self) -> None:  # noqa: B027  (a no-op default, deliberately not abstract)
         """No KV-quantization calibration driver is registered."""
 
     def high_speed_swap_dims(self) -> ModelDims | None:

@@ -12,6 +12,13 @@ models); preemption under memory pressure by swap-out to a :class:`~lifecycle.sw
 and swap-in later (recompute when the tier refuses); retirement with compaction; caching and
 freeing; invariant checks; teardown. It returns a :class:`SimulationResult` (summary and time
 series). No kernel runs: the token ids of every response are part of the trace.
+
+The library's time is reported in two parts. *Device copies* are the time spent in the device's
+copies, memsets and synchronizes (SSM snapshots saved and restored, compaction, the zeroing of a new
+sequence's SSM slot) plus the whole of every swap (its copies and checksums); they are measured when
+the model runs on a :class:`CopyTimingDevice`, as :func:`simulation_model` builds it. *Bookkeeping*
+is the rest: block tables, the prefix trie, refcounts, slots, snapshot and adapter tables. On hybrid
+models the snapshot copies usually dominate; :func:`summary_rows` and the JSON say which does.
 """
 
 from __future__ import annotations
@@ -19,31 +26,43 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from lifecycle.config import ModelConfig
+from lifecycle.device import open_device
+from lifecycle.device.base import Copy, Device, DeviceKind
 from lifecycle.errors import ConfigError, LifecycleError, OutOfBlocks, PoolExhausted
 from lifecycle.model import HybridModel, TeardownReport
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.stats import Stats
 from lifecycle.swap_tier import SwapHandle, SwapTier
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
+    "COPY_CAUSES",
     "DEFAULT_ADAPTERS",
+    "CopyTimingDevice",
     "Request",
     "SimulationOptions",
     "SimulationResult",
     "Summary",
     "TimeSeries",
+    "figure",
     "max_turns",
     "multi_turn_trace",
+    "plot",
     "simulate",
+    "simulation_model",
+    "summary_rows",
     "trace_for_model",
     "trace_nbytes",
 ]
@@ -331,6 +350,131 @@ def trace_for_model(
     )
 
 
+# ---------------------------------------------------------------------------------------- device timing
+
+#: What the scheduler was doing when the device copied (the keys of ``Summary.copy_ns_by_cause``):
+#: saving SSM snapshots, compacting a survivor into a retired slot, admitting (a new slot zeroed, a
+#: snapshot restored), decoding, finishing (caching, freeing), swapping out or in.
+COPY_CAUSES: Final[tuple[str, ...]] = ("snapshots", "compaction", "admission", "decode", "finish", "swap")
+
+
+class CopyTimingDevice:
+    """A :class:`~lifecycle.device.base.Device` that forwards every call to ``inner`` and adds the
+    wall time of each copy, memset and synchronize to ``copy_ns[cause]`` for the ``cause`` set at
+    the time (None: not counted). Everything else, implementation-specific attributes included,
+    is the inner device's."""
+
+    def __init__(self, inner: Device, *, close_with_simulation: bool = False) -> None:
+        self.inner = inner
+        self.cause: str | None = None
+        self.copy_ns: dict[str, int] = {}
+        #: :func:`simulate` closes this device after tearing the model down (the model does not).
+        self.close_with_simulation = close_with_simulation
+
+    def _add(self, started: int) -> None:
+        if self.cause is not None:
+            self.copy_ns[self.cause] = self.copy_ns.get(self.cause, 0) + time.perf_counter_ns() - started
+
+    @property
+    def kind(self) -> DeviceKind:
+        return self.inner.kind
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def bind_to_thread(self) -> None:
+        self.inner.bind_to_thread()
+
+    def alloc(self, nbytes: int) -> int:
+        return self.inner.alloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        self.inner.free(ptr)
+
+    def alloc_pinned(self, nbytes: int) -> int:
+        return self.inner.alloc_pinned(nbytes)
+
+    def free_pinned(self, ptr: int) -> None:
+        self.inner.free_pinned(ptr)
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.copy_dtod(dst, src, nbytes)
+        finally:
+            self._add(started)
+
+    def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.copy_htod(dst, src_host, nbytes)
+        finally:
+            self._add(started)
+
+    def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.copy_dtoh(dst_host, src, nbytes)
+        finally:
+            self._add(started)
+
+    def copy_batch(self, copies: Sequence[Copy] | npt.NDArray[np.int64]) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.copy_batch(copies)
+        finally:
+            self._add(started)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.memset(ptr, value, nbytes)
+        finally:
+            self._add(started)
+
+    def synchronize(self) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.synchronize()
+        finally:
+            self._add(started)
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.inner.mem_info()
+
+    def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        return self.inner.host_array(ptr, nbytes)
+
+    def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
+        return self.inner.device_array(ptr, shape, dtype)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"CopyTimingDevice({self.inner!r})"
+
+
+def simulation_model(config: ModelConfig, device: Device | str = "host") -> HybridModel:
+    """A model for :func:`simulate` on a :class:`CopyTimingDevice` over ``device`` (or over
+    ``open_device(device)`` for a kind, which :func:`simulate` then closes after its teardown), so
+    that the summary can tell device copies from bookkeeping."""
+    if not isinstance(device, str):
+        return HybridModel(config, CopyTimingDevice(device))
+    if device not in ("auto", "host", "cuda"):
+        raise ConfigError(f"device={device!r} must be 'auto', 'host' or 'cuda'")
+    timed = CopyTimingDevice(open_device(cast(Literal["auto", "host", "cuda"], device)), close_with_simulation=True)
+    try:
+        return HybridModel(config, timed)
+    except BaseException:
+        timed.close()
+        raise
+
+
 # ---------------------------------------------------------------------------------------- results
 
 
@@ -341,9 +485,9 @@ class SimulationOptions:
     ``max_live``: most sequences decoding at once. ``check_every``: run ``check_invariants`` every
     that many steps (0: only at the end). ``snapshot_interval_blocks``: on hybrid models, besides the
     snapshot at the end of each prompt's last whole block, take one every that many blocks of the
-    sequence (prefill chunk ends, then while decoding; 0: prompt ends only). ``watermark``: fraction of the pool admission keeps free for decode
-    growth. ``swap``: preempt by swap-out (False: always recompute). ``swap_host_bytes`` and
-    ``spill_dir`` size the swap tier.
+    sequence (prefill chunk ends, then while decoding; 0: prompt ends only). ``watermark``: fraction
+    of the pool admission keeps free for decode growth. ``swap``: preempt by swap-out (False: always
+    recompute). ``swap_host_bytes`` and ``spill_dir`` size the swap tier.
     """
 
     max_live: int = 32
@@ -366,10 +510,19 @@ class SimulationOptions:
 @dataclass(frozen=True, slots=True)
 class Summary:
     """What one simulation did. Hit rate = prompt tokens served from the prefix cache over prompt
-    tokens looked up (recomputed prefills included)."""
+    tokens looked up (recomputed prefills included).
+
+    Time: ``time_in_library_ns`` (the model's own counter: every mutating public call) is
+    ``copy_ns + bookkeeping_ns``. ``copy_ns`` is the device copies (``copy_ns_by_cause``: SSM
+    snapshots saved, compaction, admission, which zeroes a new slot and restores a snapshot, and swap,
+    counted whole with its checksums); it is None when the model's device is not a
+    :class:`CopyTimingDevice`, and so are ``bookkeeping_ns`` and ``dominant``. ``seed`` is the trace's
+    seed when the caller gave it; ``pools`` the sizes the run had."""
 
     model: str
     device: str
+    seed: int | None
+    pools: dict[str, int]
     requests: int
     prompt_tokens: int
     generated_tokens: int
@@ -392,6 +545,12 @@ class Summary:
     invariant_checks: int
     time_in_library_ns: int
     library_us_per_request: float
+    copy_ns: int | None
+    copy_ns_by_cause: dict[str, int]
+    bookkeeping_ns: int | None
+    copy_us_per_request: float | None
+    bookkeeping_us_per_request: float | None
+    dominant: str | None
     wall_seconds: float
     leaked: int
     teardown: dict[str, int]
@@ -399,14 +558,23 @@ class Summary:
 
 @dataclass(slots=True)
 class TimeSeries:
-    """One sample per scheduler step: blocks in use (held by sequences or the cache), sequences
-    running, and the cumulative prefix tokens looked up and hit."""
+    """One sample per scheduler step, at its end. The KV pool's blocks split three ways:
+    ``live_blocks`` held by running sequences (a cached prefix they share counts here),
+    ``cached_blocks`` held by the prefix cache alone (evictable), ``free_blocks``; ``used_blocks``
+    is live + cached. Then the sequences running, the cumulative prefix tokens looked up and hit,
+    and the step's preemptions (by swap-out or by recompute) and swap-ins."""
 
     step: list[int] = field(default_factory=list)
     used_blocks: list[int] = field(default_factory=list)
+    live_blocks: list[int] = field(default_factory=list)
+    cached_blocks: list[int] = field(default_factory=list)
+    free_blocks: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     lookup_tokens: list[int] = field(default_factory=list)
     hit_tokens: list[int] = field(default_factory=list)
+    swaps_out: list[int] = field(default_factory=list)
+    recomputes: list[int] = field(default_factory=list)
+    swaps_in: list[int] = field(default_factory=list)
     total_blocks: int = 0
 
     def hit_rate(self, window: int = 0) -> list[float]:
@@ -472,7 +640,8 @@ class _Simulation:
         self.watermark_blocks = int(options.watermark * self.total_blocks)
         self.max_live = min(options.max_live, model.config.max_seqs)
         self._check_fits(trace)
-        self.adapter_slots = {name: model.load_adapter(name) for name in sorted({r.adapter for r in trace if r.adapter})}
+        adapters = sorted({r.adapter for r in trace if r.adapter})
+        self.adapter_slots = {name: model.load_adapter(name) for name in adapters}
         # A chat's next turn becomes ready when the turn before it has finished.
         self.successor: dict[int, Request] = {}
         last_turn: dict[int, Request] = {}
@@ -489,7 +658,11 @@ class _Simulation:
         self.swapped: deque[_Swapped] = deque()
         self.restart: deque[tuple[Request, int]] = deque()  # preempted by recompute
         self.tier: SwapTier | None = None
+        self.timer = model.device if isinstance(model.device, CopyTimingDevice) else None
+        self.swap_library_ns = 0
         self.series = TimeSeries(total_blocks=self.total_blocks)
+        self.held = np.zeros(self.total_blocks, dtype=bool)  # scratch of _live_blocks
+        self.step_events = {"swaps_out": 0, "recomputes": 0, "swaps_in": 0}
         self.done = 0
         self.steps = 0
         self.prompt_tokens = 0
@@ -525,6 +698,31 @@ class _Simulation:
 
     # ---------------------------------------------------------------- run
 
+    @contextmanager
+    def _cause(self, cause: str) -> Iterator[None]:
+        """Device copies made inside the block count for ``cause``."""
+        timer = self.timer
+        if timer is None:
+            yield
+            return
+        previous, timer.cause = timer.cause, cause
+        try:
+            yield
+        finally:
+            timer.cause = previous
+
+    @contextmanager
+    def _swapping(self) -> Iterator[None]:
+        """A swap's library time counts whole as copies (its copies and checksums)."""
+        library_before = self.model.stats().time_in_library_ns
+        started = time.perf_counter()
+        try:
+            with self._cause("swap"):
+                yield
+        finally:
+            self.swap_seconds += time.perf_counter() - started
+            self.swap_library_ns += self.model.stats().time_in_library_ns - library_before
+
     def run(self) -> None:
         options = self.options
         if options.swap:
@@ -532,10 +730,12 @@ class _Simulation:
         try:
             while self.ready or self.restart or self.swapped or self.running:
                 self.steps += 1
-                self._admit()
+                with self._cause("admission"):
+                    self._admit()
                 if not self.running:
                     self._stuck()
-                self._decode_step()
+                with self._cause("decode"):
+                    self._decode_step()
                 self._sample()
                 if self.options.check_every and self.steps % self.options.check_every == 0:
                     self._check()
@@ -557,11 +757,30 @@ class _Simulation:
 
     def _sample(self) -> None:
         series = self.series
+        free = self.model.num_free_blocks()
+        live = self._live_blocks()
         series.step.append(self.steps)
-        series.used_blocks.append(self.total_blocks - self.model.num_free_blocks())
+        series.used_blocks.append(self.total_blocks - free)
+        series.live_blocks.append(live)
+        series.cached_blocks.append(self.total_blocks - free - live)
+        series.free_blocks.append(free)
         series.running.append(len(self.running))
         series.lookup_tokens.append(self.lookup_tokens)
         series.hit_tokens.append(self.hit_tokens)
+        events = self.step_events
+        series.swaps_out.append(events["swaps_out"])
+        series.recomputes.append(events["recomputes"])
+        series.swaps_in.append(events["swaps_in"])
+        for name in events:
+            events[name] = 0
+
+    def _live_blocks(self) -> int:
+        """Distinct blocks the running sequences hold (a shared cached prefix counts once)."""
+        held = self.held
+        held[:] = False
+        for live in self.running:
+            held[live.seq.block_table] = True
+        return int(np.count_nonzero(held))
 
     # ---------------------------------------------------------------- admission
 
@@ -631,10 +850,11 @@ class _Simulation:
         interval = self.options.snapshot_interval_blocks * self.block_size
         stops = list(range(reused - reused % interval + interval, last, interval)) if interval else []
         stops.append(last)
-        for stop in stops:
-            if stop > reused:
-                seq.ssm_tokens = stop
-                self.model.save_snapshot(seq, stop)
+        with self._cause("snapshots"):
+            for stop in stops:
+                if stop > reused:
+                    seq.ssm_tokens = stop
+                    self.model.save_snapshot(seq, stop)
         seq.ssm_tokens = prompt_len
 
     def _swap_in(self, swapped: _Swapped) -> bool:
@@ -648,15 +868,15 @@ class _Simulation:
             if model.reclaim_prefix_blocks(needed - model.num_free_blocks()) == 0:
                 return False
         assert self.tier is not None
-        started = time.perf_counter()
         try:
-            seq = self.tier.swap_in(handle)
+            with self._swapping():
+                seq = self.tier.swap_in(handle)
         except LifecycleError:
             self.restart.append((swapped.request, swapped.generated))
             self.recomputes += 1
+            self.step_events["recomputes"] += 1
             return True
-        finally:
-            self.swap_seconds += time.perf_counter() - started
+        self.step_events["swaps_in"] += 1
         if self.hybrid:
             seq.ssm_tokens = seq.num_tokens - 1
         self.running.append(_Live(swapped.request, seq, swapped.generated))
@@ -708,7 +928,8 @@ class _Simulation:
         # Every block boundary gets a rolling snapshot (the last one is where the chat's next turn
         # resumes); every interval a snapshot that stays.
         interval = self.options.snapshot_interval_blocks * self.block_size
-        self.model.save_snapshot(seq, consumed, rolling=not (interval and consumed % interval == 0))
+        with self._cause("snapshots"):
+            self.model.save_snapshot(seq, consumed, rolling=not (interval and consumed % interval == 0))
 
     def _preempt(self, live: _Live) -> None:
         """Take ``live`` off the batch: swap it out, or (tier missing or refusing) cache and free it
@@ -716,20 +937,21 @@ class _Simulation:
         self.running.remove(live)
         self.preemptions += 1
         if self.tier is not None:
-            started = time.perf_counter()
             try:
-                handle = self.tier.swap_out(live.seq)
+                with self._swapping():
+                    handle = self.tier.swap_out(live.seq)
             except LifecycleError:
                 pass  # a failed swap-out has released the sequence; recompute it
             else:
                 self.swapped.append(_Swapped(live.request, handle, live.generated))
+                self.step_events["swaps_out"] += 1
                 return
-            finally:
-                self.swap_seconds += time.perf_counter() - started
         if not live.seq.is_freed:
-            self.model.cache_sequence(live.seq)
-            self.model.free_sequence(live.seq)
+            with self._cause("finish"):
+                self.model.cache_sequence(live.seq)
+                self.model.free_sequence(live.seq)
         self.recomputes += 1
+        self.step_events["recomputes"] += 1
         self.restart.append((live.request, live.generated))
 
     # ---------------------------------------------------------------- finish
@@ -738,14 +960,16 @@ class _Simulation:
         """Retire, move the last running sequence into the freed slot, cache, free."""
         model = self.model
         seq = live.seq
-        model.retire_sequence(seq)
-        survivor = max(self.running, key=lambda other: other.seq.slot_idx, default=None)
-        if survivor is not None and survivor.seq.slot_idx > seq.slot_idx:
-            model.compact_sequence(survivor.seq, seq.slot_idx)
-            # Compaction detached the retired sequence already; the engine's detach step is idempotent.
-            model.detach_slot_for_reuse(seq)
-        model.cache_sequence(seq)
-        model.free_sequence(seq)
+        with self._cause("compaction"):
+            model.retire_sequence(seq)
+            survivor = max(self.running, key=lambda other: other.seq.slot_idx, default=None)
+            if survivor is not None and survivor.seq.slot_idx > seq.slot_idx:
+                model.compact_sequence(survivor.seq, seq.slot_idx)
+                # Compaction detached the retired sequence already; the engine's detach step is idempotent.
+                model.detach_slot_for_reuse(seq)
+        with self._cause("finish"):
+            model.cache_sequence(seq)
+            model.free_sequence(seq)
         self.done += 1
         if self.on_request_done is not None:
             self.on_request_done(self.done)
@@ -766,21 +990,49 @@ def _fault_in_kv_pool(model: HybridModel) -> None:
     model.device.synchronize()
 
 
+def _pools(model: HybridModel, options: SimulationOptions) -> dict[str, int]:
+    config = model.config
+    return {
+        "kv_blocks": model.num_total_blocks(),
+        "block_size": config.block_size,
+        "kv_block_bytes": config.kv_block_bytes(),
+        "ssm_slots": config.max_seqs,
+        "ssm_slot_bytes": config.ssm_slot_bytes(),
+        "snapshots": config.num_snapshots,
+        "adapter_slots": config.num_adapter_slots,
+        "max_live": min(options.max_live, config.max_seqs),
+        "swap_host_bytes": options.swap_host_bytes if options.swap else 0,
+    }
+
+
+def _split_time(library_ns: int, copy_ns: int | None) -> tuple[int | None, str | None]:
+    """(bookkeeping ns, which part dominates) given the copies' share of the library's time."""
+    if copy_ns is None:
+        return None, None
+    bookkeeping = max(library_ns - copy_ns, 0)
+    return bookkeeping, "device copies" if copy_ns > bookkeeping else "bookkeeping"
+
+
 def simulate(
     model: HybridModel,
     trace: Sequence[Request],
     options: SimulationOptions | None = None,
     *,
+    seed: int | None = None,
     on_request_done: Callable[[int], None] | None = None,
 ) -> SimulationResult:
     """Serve every request of ``trace`` on ``model``, then tear the model down (also on error).
 
-    ``on_request_done(n)`` is called after each finished request with the count so far. Raises
-    :class:`~lifecycle.errors.ConfigError` before anything runs when a request can never fit, and
-    whatever the library raises (``InvariantViolation`` included) otherwise.
+    ``seed`` (the trace's, if known) is recorded in the summary. ``on_request_done(n)`` is called
+    after each finished request with the count so far. Build the model with
+    :func:`simulation_model` for the split of the library's time into device copies and
+    bookkeeping. Raises :class:`~lifecycle.errors.ConfigError` before anything runs when a request
+    can never fit, and whatever the library raises (``InvariantViolation`` included) otherwise.
     """
     options = options or SimulationOptions()
     started = time.perf_counter()
+    pools = _pools(model, options)
+    timer = model.device if isinstance(model.device, CopyTimingDevice) else None
     try:
         sim = _Simulation(model, trace, options, on_request_done)
         _fault_in_kv_pool(model)
@@ -788,13 +1040,28 @@ def simulate(
         stats = model.stats()
     finally:
         model.teardown()
+        if timer is not None and timer.close_with_simulation:
+            timer.close()
     wall = time.perf_counter() - started
     report = model.teardown_report
     assert report is not None
     swap_bytes = stats.bytes_swapped_out + stats.bytes_swapped_in
+    by_cause: dict[str, int] = {}
+    copy_ns: int | None = None
+    if timer is not None:
+        by_cause = {cause: timer.copy_ns.get(cause, 0) for cause in COPY_CAUSES}
+        by_cause["swap"] = sim.swap_library_ns  # the whole swap, checksums included
+        copy_ns = sum(by_cause.values())
+    bookkeeping_ns, dominant = _split_time(stats.time_in_library_ns, copy_ns)
+
+    def per_request(ns: int | None) -> float | None:
+        return None if ns is None else ns / 1e3 / sim.done if sim.done else 0.0
+
     summary = Summary(
         model=model.config.name,
         device=model.device.name,
+        seed=seed,
+        pools=pools,
         requests=sim.done,
         prompt_tokens=sim.prompt_tokens,
         generated_tokens=sim.generated_tokens,
@@ -817,8 +1084,146 @@ def simulate(
         invariant_checks=sim.invariant_checks,
         time_in_library_ns=stats.time_in_library_ns,
         library_us_per_request=stats.time_in_library_ns / 1e3 / sim.done if sim.done else 0.0,
+        copy_ns=copy_ns,
+        copy_ns_by_cause=by_cause,
+        bookkeeping_ns=bookkeeping_ns,
+        copy_us_per_request=per_request(copy_ns),
+        bookkeeping_us_per_request=per_request(bookkeeping_ns),
+        dominant=dominant,
         wall_seconds=wall,
         leaked=report.leaked,
         teardown=asdict(report),
     )
     return SimulationResult(summary=summary, series=sim.series, stats=stats, teardown=report)
+
+
+# ---------------------------------------------------------------------------------------- output
+
+_CAUSE_LABELS: Final[dict[str, str]] = {
+    "snapshots": "SSM snapshots",
+    "compaction": "compaction",
+    "admission": "admission",
+    "decode": "decode",
+    "finish": "finish",
+    "swap": "swap",
+}
+
+
+def _human_bytes(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _time_rows(s: Summary) -> list[tuple[str, str]]:
+    library = s.library_us_per_request
+    if s.copy_us_per_request is None or s.bookkeeping_us_per_request is None:
+        return [("library time per request", f"{library:,.1f} µs (copies not told apart: see simulation_model)")]
+    share = s.copy_ns / s.time_in_library_ns if s.copy_ns and s.time_in_library_ns else 0.0
+    per_request = {cause: ns / 1e3 / s.requests for cause, ns in s.copy_ns_by_cause.items()} if s.requests else {}
+    causes = ", ".join(
+        f"{_CAUSE_LABELS[cause]} {us:,.1f}"
+        for cause, us in sorted(per_request.items(), key=lambda item: -item[1])
+        if us >= 0.05
+    )
+    top = max(per_request, key=lambda cause: per_request[cause], default=None)
+    dominant = f"device copies ({share:.0%}" + (f", mostly {_CAUSE_LABELS[top]})" if top else ")")
+    if s.dominant == "bookkeeping":
+        dominant = f"bookkeeping ({1 - share:.0%})"
+    return [
+        ("library time per request", f"{library:,.1f} µs = copies {s.copy_us_per_request:,.1f} + "
+                                     f"bookkeeping {s.bookkeeping_us_per_request:,.1f}"),
+        ("  device copies by cause (µs/request)", causes or "none"),
+        ("  dominated by", dominant),
+    ]
+
+
+def summary_rows(result: SimulationResult) -> list[tuple[str, str]]:
+    """The summary as (measure, value) rows, in the order ``lifecycle simulate`` prints them."""
+    s = result.summary
+    pools = s.pools
+    failed = f", {s.swap_failures:,} failed" if s.swap_failures else ""
+    swap_rate = f"{s.swap_gb_per_s:.2f} GB/s" if s.swap_bytes else "-"
+    leaks = ", ".join(f"{k}={v}" for k, v in s.teardown.items() if v and k != "cached_blocks")
+    pool_text = f"{pools['kv_blocks']:,} KV blocks of {pools['block_size']} tokens"
+    if pools["ssm_slot_bytes"]:
+        pool_text += f", {pools['ssm_slots']} SSM slots, {pools['snapshots']} snapshots"
+    return [
+        ("trace seed", "-" if s.seed is None else str(s.seed)),
+        ("pools", pool_text),
+        ("requests", f"{s.requests:,}"),
+        ("prompt tokens", f"{s.prompt_tokens:,}"),
+        ("generated tokens", f"{s.generated_tokens:,}"),
+        ("prefix hit rate", f"{s.prefix_hit_rate:.1%} ({s.prefix_hit_tokens:,} tokens)"),
+        ("SSM snapshots (saved / hits)", f"{s.snapshots_saved:,} / {s.snapshot_hits:,}"),
+        ("evicted blocks", f"{s.evicted_blocks:,}"),
+        ("preemptions (swap / recompute)", f"{s.preemptions:,} ({s.swaps_out:,} / {s.recomputes:,})"),
+        ("swaps (out / in)", f"{s.swaps_out:,} / {s.swaps_in:,}{failed}"),
+        ("swap bytes", f"{_human_bytes(s.swap_bytes)} ({swap_rate})"),
+        ("compactions", f"{s.compactions:,}"),
+        ("invariant checks", f"{s.invariant_checks:,} (all passed)"),
+        *_time_rows(s),
+        ("wall time", f"{s.wall_seconds:.1f} s ({s.steps:,} steps)"),
+        ("leaked at teardown", f"{s.leaked}" + (f" ({leaks})" if leaks else "")),
+    ]
+
+
+def plot(result: SimulationResult, path: Path) -> None:
+    """Draw :func:`figure` into ``path`` (.png, .svg or .pdf; needs matplotlib)."""
+    figure(result).savefig(path)
+
+
+def figure(result: SimulationResult) -> Figure:
+    """The run per scheduler step (needs matplotlib): the KV pool split into live / cached
+    (evictable) / free blocks with every preemption and swap-in marked, the sequences running, and
+    the prefix hit rate."""
+    from matplotlib.figure import Figure
+
+    series = result.series
+    total = max(series.total_blocks, 1)
+    steps = series.step
+
+    def percent(values: list[int]) -> list[float]:
+        return [100.0 * value / total for value in values]
+
+    drawing = Figure(figsize=(10, 8), layout="constrained")
+    pool_axes, running_axes, hit_axes = drawing.subplots(3, 1, sharex=True, height_ratios=(3, 1, 2))
+    pool_axes.stackplot(
+        steps,
+        percent(series.live_blocks),
+        percent(series.cached_blocks),
+        percent(series.free_blocks),
+        labels=("live: held by running sequences", "cached, evictable", "free"),
+        colors=("tab:blue", "tab:olive", "0.9"),
+    )
+    marks = (
+        ("swaps_out", "swapped out", "v", "tab:red", 104.0),
+        ("recomputes", "preempted to recompute", "x", "tab:purple", 104.0),
+        ("swaps_in", "swapped in", "^", "tab:green", 109.0),
+    )
+    for name, label, marker, color, height in marks:
+        counts: list[int] = getattr(series, name)
+        at = [step for step, count in zip(steps, counts) if count]
+        if at:
+            counted = f"{label} ({sum(counts)})"
+            pool_axes.scatter(at, [height] * len(at), marker=marker, color=color, s=14, label=counted)
+    pool_axes.set_ylabel("KV pool (% of blocks)")
+    pool_axes.set_ylim(0, 112)
+    pool_axes.legend(loc="lower left", fontsize="small", ncols=2, framealpha=0.9)
+    running_axes.plot(steps, series.running, color="tab:orange", linewidth=0.7)
+    running_axes.set_ylabel("running")
+    window = max(len(steps) // 50, 1)
+    hit_axes.plot(steps, [100.0 * r for r in series.hit_rate()], color="tab:green", label="cumulative")
+    hit_axes.plot(steps, [100.0 * r for r in series.hit_rate(window)], color="tab:green", alpha=0.35,
+                  linewidth=0.7, label=f"last {window} steps")
+    hit_axes.set_ylabel("prefix hit rate (%)")
+    hit_axes.set_ylim(0, 100)
+    hit_axes.set_xlabel("scheduler step")
+    hit_axes.legend(loc="lower right")
+    summary = result.summary
+    seed = "" if summary.seed is None else f", seed {summary.seed}"
+    drawing.suptitle(f"lifecycle simulate: {summary.model}, {summary.requests:,} requests on {summary.device}{seed}")
+    return drawing

@@ -75,7 +75,9 @@ __all__ = [
 BS: Final = 4
 ADAPTER_NAMES: Final = ("alpha", "beta", "gamma", "delta")
 #: Shared "system prompts": requests start with one of them, so prefixes are reused and evicted.
-SYSTEM_PROMPTS: Final = tuple(np.arange(1 + 100 * k, 1 + 100 * k + n, dtype=np.int32) for k, n in enumerate((9, 12, 5, 16)))
+SYSTEM_PROMPTS: Final = tuple(
+    np.arange(1 + 100 * k, 1 + 100 * k + n, dtype=np.int32) for k, n in enumerate((9, 12, 5, 16))
+)
 
 
 def _hybrid(**overrides: Any) -> ModelConfig:
@@ -103,7 +105,10 @@ def _hybrid(**overrides: Any) -> ModelConfig:
 CONFIGS: Final[dict[str, ModelConfig]] = {
     "hybrid": _hybrid(),
     "attention": _hybrid(
-        layers=(AttentionLayer(num_kv_heads=2, head_dim=4), AttentionLayer(num_kv_heads=2, head_dim=4, v_aliases_k=True)),
+        layers=(
+            AttentionLayer(num_kv_heads=2, head_dim=4),
+            AttentionLayer(num_kv_heads=2, head_dim=4, v_aliases_k=True),
+        ),
         num_snapshots=0,
         name="reliability-attention",
     ),
@@ -476,7 +481,11 @@ class Driver:
             return
         tokens = self._tokens(self.choose.integer(1, min(24, self.max_tokens)))
         # Half the time the growth comes in the same call (attach_prefix(..., grow_to=...)).
-        grow_to = min(tokens.shape[0] + self.choose.integer(0, 8), self.max_tokens) if self.has_kv and self.choose.integer(0, 1) else None
+        grow_to = (
+            min(tokens.shape[0] + self.choose.integer(0, 8), self.max_tokens)
+            if self.has_kv and self.choose.integer(0, 1)
+            else None
+        )
         try:
             reused = self.model.attach_prefix(seq, tokens, grow_to=grow_to)
         except CudaError as exc:  # restoring the snapshot failed: a failed prefill
@@ -485,7 +494,11 @@ class Driver:
             self._free(track)
             return
         except PoolExhausted:  # only the growth can run short: the prefix stays attached
-            if grow_to is None or seq.num_blocks * BS != seq.num_cached_tokens or not np.array_equal(seq.tokens, tokens):
+            if (
+                grow_to is None
+                or seq.num_blocks * BS != seq.num_cached_tokens
+                or not np.array_equal(seq.tokens, tokens)
+            ):
                 raise self._fail(f"attach_prefix(grow_to={grow_to}) ran short and left {seq!r}") from None
             self.counts.refusals_under_pressure += 1
             return
@@ -562,7 +575,9 @@ class Driver:
 
     def op_save_snapshot(self) -> None:
         candidates = [
-            t for t in self.seqs if t.seq.num_tokens >= BS and not t.seq.is_freed and not t.seq.is_detached and t.seq.num_blocks
+            t
+            for t in self.seqs
+            if t.seq.num_tokens >= BS and not t.seq.is_freed and not t.seq.is_detached and t.seq.num_blocks
         ]
         track = self._pick(candidates)
         if track is None or not self.snapshots:
@@ -687,12 +702,16 @@ class Driver:
         free = self.model.num_free_blocks()
         got = self.model.reclaim_prefix_blocks(n)
         if not 0 <= got <= n or self.model.num_free_blocks() != free + got:
-            raise self._fail(f"reclaim_prefix_blocks({n}) returned {got}, free {free} -> {self.model.num_free_blocks()}")
+            raise self._fail(
+                f"reclaim_prefix_blocks({n}) returned {got}, free {free} -> {self.model.num_free_blocks()}"
+            )
 
     def op_reclaim_for(self) -> None:
         tokens = self._tokens(self.choose.integer(0, 24)) if self.choose.integer(0, 5) else np.empty(0, np.int32)
         loaded = [self.model._adapters._by_name[n] for n in ADAPTER_NAMES if n in self.model._adapters._by_name]
-        adapter = NO_ADAPTER if not loaded or self.choose.integer(0, 1) else loaded[self.choose.integer(0, len(loaded) - 1)]
+        adapter = (
+            NO_ADAPTER if not loaded or self.choose.integer(0, 1) else loaded[self.choose.integer(0, len(loaded) - 1)]
+        )
         needed = self.choose.integer(0, self.config.num_blocks_resolved + 2)
         result = self.model.reclaim_prefix_blocks_for(tokens, adapter, needed)
         if result.free != self.model.num_free_blocks() or result.target > needed:
@@ -1032,7 +1051,9 @@ def _bad_adapter(d: Driver) -> None:
         return _bad_adapter_table(d)
     n = d.config.num_adapter_slots
     unloaded = [s for s in range(n) if not m.adapter_info(s).loaded]
-    choices: list[tuple[int, type[LifecycleError]]] = [(-5, SlotOutOfRange), (n, SlotOutOfRange), (2**40, SlotOutOfRange)]
+    choices: list[tuple[int, type[LifecycleError]]] = [
+        (-5, SlotOutOfRange), (n, SlotOutOfRange), (2**40, SlotOutOfRange)
+    ]
     choices += [(s, AdapterError) for s in unloaded]
     slot, expected = choices[d.choose.integer(0, len(choices) - 1)]
     d._refused(f"bind_adapter({slot})", lambda: m.bind_adapter(track.seq, slot), expected, track.seq,
@@ -1079,8 +1100,10 @@ def _bad_reclaim(d: Driver) -> None:
     calls: list[tuple[str, Callable[[], object], type[LifecycleError]]] = [
         ("reclaim_prefix_blocks(-1)", lambda: m.reclaim_prefix_blocks(-1), InvalidId),
         ("reclaim_prefix_blocks('3')", lambda: m.reclaim_prefix_blocks("3"), InvalidId),  # type: ignore[arg-type]
-        ("reclaim_prefix_blocks_for(needed=-1)", lambda: m.reclaim_prefix_blocks_for([1, 2], NO_ADAPTER, -1), InvalidId),
-        ("reclaim_prefix_blocks_for(bad tokens)", lambda: m.reclaim_prefix_blocks_for([1, -2], NO_ADAPTER, 1), InvalidId),
+        ("reclaim_prefix_blocks_for(needed=-1)",
+         lambda: m.reclaim_prefix_blocks_for([1, 2], NO_ADAPTER, -1), InvalidId),
+        ("reclaim_prefix_blocks_for(bad tokens)",
+         lambda: m.reclaim_prefix_blocks_for([1, -2], NO_ADAPTER, 1), InvalidId),
         (f"reclaim_prefix_blocks_for(adapter={n})", lambda: m.reclaim_prefix_blocks_for([1, 2], n, 1), SlotOutOfRange),
     ]
     unloaded = [s for s in range(n) if not m.adapter_info(s).loaded]

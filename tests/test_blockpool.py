@@ -220,7 +220,10 @@ def test_inc_ref_adds_one_reference_per_occurrence(pool: BlockPool) -> None:
 
 @pytest.mark.parametrize(
     "batch",
-    [[0, 2], (0, 2), np.array([0, 2], dtype=np.int64), np.array([0, 9, 2], dtype=np.int32)[::2], np.array([0, 2], dtype=np.uint16)],
+    [
+        [0, 2], (0, 2), np.array([0, 2], dtype=np.int64), np.array([0, 9, 2], dtype=np.int32)[::2],
+        np.array([0, 2], dtype=np.uint16),
+    ],
     ids=["list", "tuple", "int64", "strided-int32", "uint16"],
 )
 def test_inc_ref_accepts_any_sequence_of_ints(pool: BlockPool, batch: Any) -> None:
@@ -301,7 +304,8 @@ def test_dec_ref_range_releases_only_the_range(pool: BlockPool) -> None:
 @pytest.mark.parametrize("start, n", [(-1, 1), (0, -1), (7, 2), (9, 0)])
 def test_dec_ref_range_outside_the_array_is_refused(pool: BlockPool, start: int, n: int) -> None:
     table = pool.allocate(8)
-    with unchanged(pool), pytest.raises(InvalidId, match=f"cannot release {n} ids at start {start} of an array of length 8"):
+    message = f"cannot release {n} ids at start {start} of an array of length 8"
+    with unchanged(pool), pytest.raises(InvalidId, match=message):
         pool.dec_ref_range(table, start, n)
     with unchanged(pool), pytest.raises(InvalidId):
         pool.dec_ref_range(table.tolist(), start, n)
@@ -328,7 +332,8 @@ def test_double_free_is_refused(pool: BlockPool) -> None:
 def test_dec_ref_repeating_an_id_past_its_refcount_is_refused(pool: BlockPool) -> None:
     pool.allocate(3)
     pool.inc_ref(ids(2))
-    with unchanged(pool), pytest.raises(DoubleFree, match="block id 2 is released 3 times in one batch but its refcount is 2"):
+    message = "block id 2 is released 3 times in one batch but its refcount is 2"
+    with unchanged(pool), pytest.raises(DoubleFree, match=message):
         pool.dec_ref(ids(0, 2, 1, 2, 2))
 
 

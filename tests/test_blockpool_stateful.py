@@ -19,6 +19,7 @@ NUM_BLOCKS = 24
 ID_FORMS = st.sampled_from(["int32", "int64", "list", "tuple", "strided-int32"])
 RELEASES = st.sampled_from(["dec_ref", "dec_ref_range"])
 OUT_OF_RANGE = st.sampled_from([-(2**31), -1, NUM_BLOCKS, NUM_BLOCKS + 1, 2**31 - 1])
+RELEASE_CALLS = st.sampled_from(["inc_ref", "dec_ref", "dec_ref_range"])
 
 
 def as_form(values: list[int], form: str) -> Any:
@@ -70,7 +71,9 @@ class BlockPoolModel(RuleBasedStateMachine):
     def freed(self) -> list[int]:
         return [block for block, count in enumerate(self.refcounts) if count == 0]
 
-    def expect_refused(self, call: str, batch: list[int], form: str, offenders: dict[int, type[LifecycleError]]) -> None:
+    def expect_refused(
+        self, call: str, batch: list[int], form: str, offenders: dict[int, type[LifecycleError]]
+    ) -> None:
         """The call must raise one of the offenders' errors, name that offender, and change nothing."""
         before = self.pool.refcounts()
         try:
@@ -145,7 +148,8 @@ class BlockPoolModel(RuleBasedStateMachine):
     @rule(data=st.data(), form=ID_FORMS, call=RELEASES)
     def double_free(self, data: st.DataObject, form: str, call: str) -> None:
         free_block = data.draw(st.sampled_from(self.freed()))
-        prefix = data.draw(st.lists(st.sampled_from(self.held()), max_size=3, unique=True)) if any(self.refcounts) else []
+        held = st.lists(st.sampled_from(self.held()), max_size=3, unique=True)
+        prefix = data.draw(held) if any(self.refcounts) else []
         self.expect_refused(call, [*prefix, free_block], form, {free_block: DoubleFree})
 
     @precondition(lambda self: any(self.refcounts))
@@ -162,14 +166,14 @@ class BlockPoolModel(RuleBasedStateMachine):
         batch = data.draw(st.permutations([free_block, free_block, *self.held()[:3]]))
         self.expect_refused("inc_ref", list(batch), form, {free_block: InvalidId})
 
-    @rule(data=st.data(), form=ID_FORMS, call=st.sampled_from(["inc_ref", "dec_ref", "dec_ref_range"]), bad=OUT_OF_RANGE)
+    @rule(data=st.data(), form=ID_FORMS, call=RELEASE_CALLS, bad=OUT_OF_RANGE)
     def out_of_range(self, data: st.DataObject, form: str, call: str, bad: int) -> None:
         valid = self.held()[:3]
         batch = list(data.draw(st.permutations([*valid, bad])))
         self.expect_refused(call, batch, form, {bad: BlockIdOutOfRange})
 
     @precondition(lambda self: any(count == 0 for count in self.refcounts))
-    @rule(data=st.data(), form=ID_FORMS, call=st.sampled_from(["inc_ref", "dec_ref", "dec_ref_range"]), bad=OUT_OF_RANGE)
+    @rule(data=st.data(), form=ID_FORMS, call=RELEASE_CALLS, bad=OUT_OF_RANGE)
     def free_and_out_of_range_together(self, data: st.DataObject, form: str, call: str, bad: int) -> None:
         free_block = data.draw(st.sampled_from(self.freed()))
         batch = list(data.draw(st.permutations([free_block, bad, *self.held()[:2]])))

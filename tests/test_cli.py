@@ -54,6 +54,14 @@ def test_json_counts_are_consistent(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["library_us_per_request"] == pytest.approx(stats["time_in_library_ns"] / 1e3 / 40)
 
 
+def test_json_names_the_seed_the_pools_and_what_dominates_library_time(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys, "--seed", "3")
+    assert result["seed"] == 3
+    assert result["pools"]["kv_blocks"] == 512 and result["pools"]["snapshots"] > 0
+    assert result["copy_ns"] + result["bookkeeping_ns"] == result["stats"]["time_in_library_ns"]
+    assert result["dominant"] in ("device copies", "bookkeeping")
+
+
 def test_json_run_is_deterministic_for_a_seed(capsys: pytest.CaptureFixture[str]) -> None:
     first, second = run_json(capsys, "--seed", "3"), run_json(capsys, "--seed", "3")
     for key in ("prompt_tokens", "generated_tokens", "prefix_hit_tokens", "evicted_blocks", "swaps_out", "steps"):
@@ -69,7 +77,7 @@ def test_summary_table_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, "--quiet"]) == 0
     captured = capsys.readouterr()
     for label in ("requests", "prompt tokens", "prefix hit rate", "evicted blocks", "swaps (out / in)",
-                  "swap bytes", "compactions", "library time per request", "leaked at teardown"):
+                  "swap bytes", "compactions", "library time per request", "dominated by", "leaked at teardown"):
         assert label in captured.out
     leak_row = next(line for line in captured.out.splitlines() if "leaked at teardown" in line)
     assert leak_row.split()[-2] == "0"
@@ -159,7 +167,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(
     target = tmp_path / "run.png"
     assert main([*SMALL, "--plot", str(target)]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'kv-lifecycle[plot]'" in err
+    assert "[plot]'" in err and "pip install matplotlib" in err
     assert not target.exists()
 
 

@@ -8,12 +8,12 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
 
-from lifecycle.config import DTYPE_SIZES, AttentionLayer, ModelConfig, ModelDims, SSMLayer, storage_dtype
+from lifecycle.config import DTYPE_SIZES, AttentionLayer, DType, ModelConfig, ModelDims, SSMLayer, storage_dtype
 from lifecycle.errors import ConfigError
 from lifecycle.presets import preset, preset_names
 
@@ -43,8 +43,12 @@ def test_attention_layer_with_v_aliasing_k_stores_k_only() -> None:
     assert layer.block_bytes(16) == 16 * 576
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
-def test_every_supported_dtype_is_accepted(dtype: str) -> None:
+def test_the_dtype_literal_names_exactly_the_supported_dtypes() -> None:
+    assert sorted(get_args(DType)) == sorted(DTYPE_SIZES)
+
+
+@pytest.mark.parametrize("dtype", get_args(DType))
+def test_every_supported_dtype_is_accepted(dtype: DType) -> None:
     assert AttentionLayer(1, 8, dtype=dtype).itemsize == DTYPE_SIZES[dtype]
     assert storage_dtype(dtype).itemsize == DTYPE_SIZES[dtype]
 
@@ -84,7 +88,7 @@ def test_invalid_ssm_layer_names_the_field(kwargs: dict[str, Any], field: str) -
 
 def test_unknown_dtype_error_lists_the_supported_ones() -> None:
     with pytest.raises(ConfigError, match="bfloat16.*float8_e4m3fn"):
-        AttentionLayer(2, 8, dtype="fp8")
+        AttentionLayer(2, 8, dtype="fp8")  # type: ignore[arg-type]  # refused at run time too
 
 
 def test_layer_specs_are_frozen() -> None:
@@ -169,7 +173,8 @@ def test_budget_gives_the_whole_blocks_it_can_pay_for() -> None:
 
 def test_budget_too_small_for_one_block_is_refused() -> None:
     block_bytes = config().kv_block_bytes()
-    with pytest.raises(ConfigError, match=rf"kv_budget_bytes={block_bytes - 1} is too small for one block of {block_bytes} bytes"):
+    message = rf"kv_budget_bytes={block_bytes - 1} is too small for one block of {block_bytes} bytes"
+    with pytest.raises(ConfigError, match=message):
         config(num_blocks=None, kv_budget_bytes=block_bytes - 1)
 
 
@@ -384,4 +389,4 @@ def test_storage_dtype_of_types_numpy_lacks_keeps_the_width() -> None:
     assert storage_dtype("bfloat16") == np.dtype(np.uint16)
     assert storage_dtype("float8_e5m2") == np.dtype(np.uint8)
     with pytest.raises(ConfigError):
-        storage_dtype("float64")
+        storage_dtype("float64")  # type: ignore[arg-type]

@@ -26,7 +26,6 @@ from devices import (
     device,  # noqa: F401  (the fixture)
     emu,  # noqa: F401  (the fixture)
     live_allocations,
-    loaded_emulator,
     read_device,
     write_device,
 )

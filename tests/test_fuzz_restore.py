@@ -107,7 +107,9 @@ fuzz_settings = settings(max_examples=FUZZ_EXAMPLES, deadline=None,
                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-def fuzz_one(subject: Subject, mutations: list[tuple[int, int, int, int]], reader: type[io.BytesIO] = io.BytesIO) -> None:
+def fuzz_one(
+    subject: Subject, mutations: list[tuple[int, int, int, int]], reader: type[io.BytesIO] = io.BytesIO
+) -> None:
     mutated = mutate(subject.record, mutations, subject.donor)
     resealed = any(k in RESEALING for k, *_ in mutations)
     restore_mutated(subject.model, subject.record, subject.num_blocks, mutated, resealed=resealed,
@@ -116,13 +118,17 @@ def fuzz_one(subject: Subject, mutations: list[tuple[int, int, int, int]], reade
 
 @fuzz_settings
 @given(mutations=mutation_lists)
-def test_a_mutated_hybrid_record_is_rejected_cleanly(subjects: dict[str, Subject], mutations: list[tuple[int, int, int, int]]) -> None:
+def test_a_mutated_hybrid_record_is_rejected_cleanly(
+    subjects: dict[str, Subject], mutations: list[tuple[int, int, int, int]]
+) -> None:
     fuzz_one(subjects["hybrid+adapter"], mutations)
 
 
 @fuzz_settings
 @given(mutations=mutation_lists)
-def test_a_mutated_attention_record_is_rejected_cleanly(subjects: dict[str, Subject], mutations: list[tuple[int, int, int, int]]) -> None:
+def test_a_mutated_attention_record_is_rejected_cleanly(
+    subjects: dict[str, Subject], mutations: list[tuple[int, int, int, int]]
+) -> None:
     fuzz_one(subjects["attention"], mutations)
 
 
@@ -279,9 +285,8 @@ def test_a_record_over_the_per_sequence_block_limit_is_refused() -> None:
         over = 10  # blocks, the limit being 4
         kv = [bytes([i + 1]) * (over * n) for i, n in enumerate(np.frombuffer(
             record, dtype="<u8", count=header.num_attention_layers, offset=HEADER_BYTES).tolist())]
-        forged_header = dataclasses.replace(
-            header, num_blocks=over, record_bytes=header.record_bytes + (over - header.num_blocks) * header.kv_block_bytes
-        )
+        forged_bytes = header.record_bytes + (over - header.num_blocks) * header.kv_block_bytes
+        forged_header = dataclasses.replace(header, num_blocks=over, record_bytes=forged_bytes)
         meta_start, meta_end = section_spans(record)[0]
         meta = record[meta_start:meta_end]
         forged = forged_header.pack() + meta + xxhash.xxh3_64_intdigest(meta, 1).to_bytes(8, "little")

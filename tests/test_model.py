@@ -32,7 +32,7 @@ from lifecycle.errors import (
 )
 from lifecycle.model import HybridModel
 from lifecycle.protocol import LifecycleDefaults, ModelLifecycle, PrefixReclaim
-from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SeqStatus, SequenceState
+from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SequenceState
 from devices import device  # noqa: F401  (the shared device fixture)
 
 BS = 4
@@ -876,7 +876,9 @@ def _drive(m: HybridModel, fused: bool, seed: int) -> list[Any]:
         if len(live) == 4 or (live and rng.random() < 0.3):
             seq = live.pop(int(rng.integers(len(live))))
             m.finish_sequence(seq)
-        prompt = np.concatenate([np.arange(int(rng.integers(0, 3)) * 4, dtype=np.int32), rng.integers(0, 3, int(rng.integers(1, 14)))])
+        prompt = np.concatenate(
+            [np.arange(int(rng.integers(0, 3)) * 4, dtype=np.int32), rng.integers(0, 3, int(rng.integers(1, 14)))]
+        )
         total = len(prompt) + int(rng.integers(0, 20))
         seq = m.alloc_sequence()
         try:
@@ -937,7 +939,8 @@ def test_attach_prefix_out_of_blocks_keeps_the_prefix(attn: HybridModel) -> None
 def test_attach_prefix_refuses_a_bad_grow_to_and_changes_nothing(attn: HybridModel, bad: Any) -> None:
     seq = attn.alloc_sequence()
     free = attn.num_free_blocks()
-    with pytest.raises(InvalidId, match="attach_prefix: (num_tokens=|512 tokens need 128 blocks, over the per-sequence limit of 64)"):
+    message = "attach_prefix: (num_tokens=|512 tokens need 128 blocks, over the per-sequence limit of 64)"
+    with pytest.raises(InvalidId, match=message):
         attn.attach_prefix(seq, np.arange(10, dtype=np.int32), grow_to=bad)
     assert (seq.num_blocks, seq.num_tokens, attn.num_free_blocks()) == (0, 0, free)
     attn.free_sequence(seq)

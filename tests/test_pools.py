@@ -7,18 +7,18 @@ the order and failure tests use a host device that records or fails calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, assert_type
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 from devices import Emulator, device, emu, live_allocations, read_device, write_device  # noqa: F401
 
-from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
+from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer, StorageScalar
 from lifecycle.device.base import Copy, Device
 from lifecycle.device.host import HostDevice
 from lifecycle.errors import BlockIdOutOfRange, CudaError, DeviceError, InvalidId, SlotOutOfRange, TornDown
-from lifecycle.pools import KVPool, SSMPool
+from lifecycle.pools import KVPool, PoolView, SSMPool
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 6
@@ -91,6 +91,13 @@ def view_layout(view: Any) -> tuple[int, tuple[int, ...], np.dtype[Any]]:
     interface = view.__cuda_array_interface__
     assert interface["strides"] is None  # C-contiguous
     return interface["data"][0], tuple(interface["shape"]), np.dtype(interface["typestr"])
+
+
+def host_kv_view(kv: KVPool, layer: int) -> npt.NDArray[StorageScalar]:
+    """``kv.kv_view(layer)`` on the host device, where it is a numpy array."""
+    view = kv.kv_view(layer)
+    assert isinstance(view, np.ndarray)
+    return view
 
 
 def random_bytes(rng: np.random.Generator, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -167,10 +174,17 @@ def test_kv_view_covers_the_layer_with_its_shape_and_dtype(device: Device) -> No
     kv.release()
 
 
+def test_kv_view_is_typed_as_a_pool_view_and_is_numpy_on_host() -> None:
+    kv = KVPool(HostDevice(), CONFIG)
+    view = assert_type(kv.kv_view(1), PoolView)  # checked statically by mypy --strict (test_static.py)
+    assert isinstance(view, np.ndarray) and view.dtype == np.uint16  # bfloat16's storage
+    kv.release()
+
+
 def test_kv_view_strides_match_layer_strides_on_host() -> None:
     kv = KVPool(HostDevice(), CONFIG)
     for layer in range(kv.num_layers):
-        assert kv.kv_view(layer).strides == kv.layer_strides(layer)
+        assert host_kv_view(kv, layer).strides == kv.layer_strides(layer)
     kv.release()
 
 
@@ -180,7 +194,7 @@ def test_data_written_at_a_block_address_reads_back_through_the_view() -> None:
     rng = np.random.default_rng(1)
     data = random_bytes(rng, kv.layer_block_bytes(0))
     write_device(dev, kv.block_addr(0, 3), data)
-    view = kv.kv_view(0)
+    view = host_kv_view(kv, 0)
     assert np.array_equal(view[3].view(np.uint8).reshape(-1), data)
     v_plane = data[kv.layer_strides(0)[1] :].view(np.float16).reshape(BLOCK_SIZE, 2, 8)
     assert np.array_equal(view[3, 1], v_plane, equal_nan=True)
@@ -190,7 +204,7 @@ def test_data_written_at_a_block_address_reads_back_through_the_view() -> None:
 def test_data_written_through_the_view_reads_back_at_the_block_address() -> None:
     dev = HostDevice()
     kv = KVPool(dev, CONFIG)
-    view = kv.kv_view(2)
+    view = host_kv_view(kv, 2)
     view[4] = np.arange(view[4].size, dtype=np.float32).reshape(view[4].shape)
     back = read_device(dev, kv.block_addr(2, 4), kv.layer_block_bytes(2)).view(np.float32)
     assert np.array_equal(back, np.arange(view[4].size, dtype=np.float32))
@@ -275,7 +289,8 @@ def test_copy_blocks_may_copy_one_block_to_several(device: Device) -> None:
 @pytest.mark.parametrize("block_id", [-1, NUM_BLOCKS, 2**40])
 def test_block_addr_out_of_range_names_id_and_limit(device: Device, block_id: int) -> None:
     kv = KVPool(device, CONFIG)
-    with pytest.raises(BlockIdOutOfRange, match=rf"block id {block_id} is out of range: valid values are 0\.\.{NUM_BLOCKS - 1}"):
+    message = rf"block id {block_id} is out of range: valid values are 0\.\.{NUM_BLOCKS - 1}"
+    with pytest.raises(BlockIdOutOfRange, match=message):
         kv.block_addr(0, block_id)
     kv.release()
 
@@ -339,7 +354,9 @@ def test_kv_release_twice_frees_once() -> None:
     assert len(dev.frees) == len(dev.allocs)
 
 
-@pytest.mark.parametrize("call", ["layer_ptrs", "block_addr", "block_ranges", "kv_view", "copy_blocks", "layer_block_bytes"])
+@pytest.mark.parametrize(
+    "call", ["layer_ptrs", "block_addr", "block_ranges", "kv_view", "copy_blocks", "layer_block_bytes"]
+)
 def test_kv_calls_after_release_raise_torn_down(device: Device, call: str) -> None:
     kv = KVPool(device, CONFIG)
     kv.release()

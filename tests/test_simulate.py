@@ -11,15 +11,21 @@ import numpy as np
 import pytest
 
 from lifecycle.config import AttentionLayer, ModelConfig
-from lifecycle.errors import ConfigError, TornDown
+from lifecycle.errors import ConfigError, LifecycleError, TornDown
 from lifecycle.model import HybridModel
 from lifecycle.presets import preset
 from lifecycle.simulate import (
+    COPY_CAUSES,
+    CopyTimingDevice,
     Request,
     SimulationOptions,
     SimulationResult,
+    figure,
     multi_turn_trace,
+    plot,
     simulate,
+    simulation_model,
+    summary_rows,
     trace_for_model,
 )
 
@@ -277,3 +283,128 @@ def test_a_request_longer_than_the_pool_is_refused_before_anything_runs() -> Non
 def test_options_refuse_bad_values(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         SimulationOptions(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------- pool split and events
+
+
+def test_the_pool_splits_into_live_cached_and_free_blocks_at_every_step() -> None:
+    config, trace = pressured_tiny()
+    _, result = run(config, trace)
+    series = result.series
+    assert len(series.live_blocks) == len(series.cached_blocks) == len(series.free_blocks) == result.summary.steps
+    for live, cached, free, used in zip(series.live_blocks, series.cached_blocks, series.free_blocks,
+                                        series.used_blocks):
+        assert live + cached + free == series.total_blocks
+        assert live + cached == used and min(live, cached, free) >= 0
+    assert max(series.cached_blocks) > 0 and max(series.live_blocks) > 0
+
+
+def test_the_series_marks_every_preemption_and_swap_in_at_its_step() -> None:
+    config, trace = pressured_tiny()
+    _, result = run(config, trace)
+    series, summary = result.series, result.summary
+    assert sum(series.swaps_out) == summary.swaps_out > 0
+    assert sum(series.swaps_in) == summary.swaps_in
+    assert sum(series.recomputes) == summary.recomputes
+    assert len(series.swaps_out) == len(series.swaps_in) == len(series.recomputes) == summary.steps
+
+
+def test_preemptions_by_recompute_are_marked_too() -> None:
+    config, trace = pressured_tiny()
+    _, result = run(config, trace, swap=False)
+    assert sum(result.series.recomputes) == result.summary.recomputes > 0
+    assert sum(result.series.swaps_out) == 0
+
+
+# ---------------------------------------------------------------------------------------- time split
+
+
+def test_library_time_is_device_copies_plus_bookkeeping_on_a_timing_device() -> None:
+    config, trace = pressured_tiny()
+    result = simulate(simulation_model(config), trace, SimulationOptions(check_every=1))
+    summary = result.summary
+    assert summary.copy_ns is not None and summary.bookkeeping_ns is not None
+    assert summary.copy_ns + summary.bookkeeping_ns == summary.time_in_library_ns
+    assert sorted(summary.copy_ns_by_cause) == sorted(COPY_CAUSES)
+    assert sum(summary.copy_ns_by_cause.values()) == summary.copy_ns
+    assert summary.dominant in ("device copies", "bookkeeping")
+
+
+def test_snapshot_compaction_and_swap_copies_are_told_apart_on_a_hybrid_model() -> None:
+    config, trace = pressured_tiny()
+    by_cause = simulate(simulation_model(config), trace).summary.copy_ns_by_cause
+    assert by_cause["snapshots"] > 0 and by_cause["compaction"] > 0 and by_cause["swap"] > 0
+
+
+def test_an_attention_only_model_makes_no_snapshot_copies() -> None:
+    config = preset("llama-like")
+    trace = trace_for_model(config, seed=2, num_requests=10, turns=2)
+    by_cause = simulate(simulation_model(config), trace).summary.copy_ns_by_cause
+    assert by_cause["snapshots"] == 0 and by_cause["compaction"] == 0
+
+
+def test_without_a_timing_device_the_split_is_not_reported() -> None:
+    config = preset("tiny-hybrid")
+    _, result = run(config, trace_for_model(config, seed=0, num_requests=5, turns=2))
+    summary = result.summary
+    assert (summary.copy_ns, summary.bookkeeping_ns, summary.dominant) == (None, None, None)
+    assert summary.copy_ns_by_cause == {}
+
+
+def test_simulation_model_runs_on_a_timing_device_that_simulate_closes() -> None:
+    config = preset("tiny-hybrid")
+    model = simulation_model(config)
+    device = model.device
+    assert isinstance(device, CopyTimingDevice) and device.kind == "host"
+    simulate(model, trace_for_model(config, seed=0, num_requests=3, turns=1))
+    with pytest.raises(LifecycleError):
+        device.inner.alloc(64)
+
+
+def test_simulation_model_refuses_an_unknown_device() -> None:
+    with pytest.raises(ConfigError, match="device='tpu'"):
+        simulation_model(preset("tiny-hybrid"), "tpu")
+
+
+# ---------------------------------------------------------------------------------------- output
+
+
+def test_the_json_carries_the_seed_and_the_pool_sizes() -> None:
+    config = preset("tiny-hybrid", num_blocks=96)
+    trace = trace_for_model(config, seed=5, num_requests=5, turns=2)
+    out = simulate(HybridModel(config, "host"), trace, SimulationOptions(max_live=3), seed=5).to_json()
+    assert out["seed"] == 5
+    pools = out["pools"]
+    assert (pools["kv_blocks"], pools["block_size"], pools["max_live"]) == (96, config.block_size, 3)
+    assert pools["ssm_slots"] == config.max_seqs and pools["snapshots"] == config.num_snapshots
+    assert pools["kv_block_bytes"] == config.kv_block_bytes() and pools["ssm_slot_bytes"] == config.ssm_slot_bytes()
+
+
+def test_the_summary_rows_split_library_time_and_name_what_dominates() -> None:
+    config, trace = pressured_tiny()
+    rows = dict(summary_rows(simulate(simulation_model(config), trace, seed=1)))
+    assert rows["trace seed"] == "1"
+    assert "copies" in rows["library time per request"] and "bookkeeping" in rows["library time per request"]
+    assert "SSM snapshots" in rows["  device copies by cause (µs/request)"]
+    assert rows["  dominated by"].startswith(("device copies", "bookkeeping"))
+
+
+def test_the_figure_stacks_the_pool_split_and_marks_swaps() -> None:
+    pytest.importorskip("matplotlib")
+    config, trace = pressured_tiny()
+    result = simulate(HybridModel(config, "host"), trace)
+    legend = figure(result).axes[0].get_legend()
+    assert legend is not None
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels[:3] == ["live: held by running sequences", "cached, evictable", "free"]
+    assert f"swapped out ({result.summary.swaps_out})" in labels
+    assert f"swapped in ({result.summary.swaps_in})" in labels
+
+
+def test_plot_writes_the_figure_in_the_format_of_the_suffix(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    config = preset("tiny-hybrid")
+    result = simulate(HybridModel(config, "host"), trace_for_model(config, seed=0, num_requests=5, turns=2))
+    plot(result, tmp_path / "run.svg")
+    assert (tmp_path / "run.svg").read_text().lstrip().startswith("<?xml")

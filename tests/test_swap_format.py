@@ -279,7 +279,9 @@ class Trickle(io.RawIOBase):
 
 
 @pytest.mark.parametrize("zero_copy", [True, False])
-def test_short_reads_and_short_writes_are_completed(model: HybridModel, rng: np.random.Generator, zero_copy: bool) -> None:
+def test_short_reads_and_short_writes_are_completed(
+    model: HybridModel, rng: np.random.Generator, zero_copy: bool
+) -> None:
     seq = filled(model, rng, 9)
     ctx = context(model, zero_copy_host=zero_copy)
     writer = Trickle(step=97)

@@ -312,7 +312,8 @@ def test_two_equal_sized_sections_swapped_are_refused(model: HybridModel, rng: n
     assert a[1] - a[0] == b[1] - b[0]
     corrupt = bytearray(record)
     corrupt[a[0] : a[1] + 8], corrupt[b[0] : b[1] + 8] = record[b[0] : b[1] + 8], record[a[0] : a[1] + 8]
-    assert_refused(model, fresh_target(model, rng), bytes(corrupt), seq.num_blocks, SwapChecksumError, "attention-layer 0")
+    target = fresh_target(model, rng)
+    assert_refused(model, target, bytes(corrupt), seq.num_blocks, SwapChecksumError, "attention-layer 0")
 
 
 def test_wrong_magic_is_refused(model: HybridModel, rng: np.random.Generator) -> None:
@@ -323,7 +324,8 @@ def test_wrong_magic_is_refused(model: HybridModel, rng: np.random.Generator) ->
 def test_an_unknown_major_version_is_refused(model: HybridModel, rng: np.random.Generator) -> None:
     seq, record = small_record(model, rng)
     future = with_header(record, 8, "<H", 2)
-    assert_refused(model, fresh_target(model, rng), future, seq.num_blocks, SwapFormatError, r"version 2\.0 is not supported")
+    target = fresh_target(model, rng)
+    assert_refused(model, target, future, seq.num_blocks, SwapFormatError, r"version 2\.0 is not supported")
 
 
 def test_a_newer_minor_version_is_read(model: HybridModel, rng: np.random.Generator) -> None:
@@ -346,7 +348,9 @@ def test_another_models_record_is_refused_by_fingerprint(device: Device, rng: np
 
 
 @pytest.mark.parametrize("delta", [-1, 1])
-def test_a_block_count_mismatch_is_refused_naming_both(model: HybridModel, rng: np.random.Generator, delta: int) -> None:
+def test_a_block_count_mismatch_is_refused_naming_both(
+    model: HybridModel, rng: np.random.Generator, delta: int
+) -> None:
     seq, record = small_record(model, rng)
     asked = seq.num_blocks + delta
     assert_refused(
@@ -378,7 +382,8 @@ def test_a_reader_that_raises_half_way_is_reported_chained(model: HybridModel, r
     seq, record = small_record(model, rng)
     target = fresh_target(model, rng)
     for limit in (0, HEADER_BYTES // 2, HEADER_BYTES + 40, len(record) // 2, len(record) - 20):
-        error = assert_refused(model, target, FailingReader(record, limit), seq.num_blocks, SwapError, "reading section")
+        reader = FailingReader(record, limit)
+        error = assert_refused(model, target, reader, seq.num_blocks, SwapError, "reading section")
         assert isinstance(error.__cause__, OSError)
         assert f"at byte {limit}" in str(error)
 
@@ -440,7 +445,9 @@ class InterruptedReader(io.RawIOBase):
         raise KeyboardInterrupt
 
 
-def test_a_keyboard_interrupt_from_the_reader_propagates_unchanged(model: HybridModel, rng: np.random.Generator) -> None:
+def test_a_keyboard_interrupt_from_the_reader_propagates_unchanged(
+    model: HybridModel, rng: np.random.Generator
+) -> None:
     seq, _ = small_record(model, rng)
     target = fresh_target(model, rng)
     free, before = model.num_free_blocks(), observable(model, target)

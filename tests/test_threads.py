@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from lifecycle.config import ModelConfig
-from lifecycle.errors import InvariantViolation, PoolExhausted, SlotInUse
+from lifecycle.errors import PoolExhausted, SlotInUse
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from devices import make_device
