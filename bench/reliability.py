@@ -6,7 +6,8 @@ the emulated CUDA driver (run in a child process, which loads the emulator as it
 
 prints the counts docs/reliability.md reports: operations, invariant checks, bad inputs tried and
 refused (by kind: ``driver.bad_by_kind``, with issue #14's unrestorable swap-outs, forged handles,
-broken streams, forged record sizes and pool counts past 64 bits), refusals under pressure, swap round trips, faults injected and survived (by kind, with the
+broken streams, forged record sizes and pool counts past 64 bits), refusals under pressure, swap round
+trips, faults injected and survived (by kind, with the
 number of driver call sites enumerated), fuzzed records rejected, leaks found. Exit status 1 if a
 leak was found or a check failed (the failing check's exception propagates).
 """
@@ -39,8 +40,12 @@ def host_part(args: argparse.Namespace) -> dict[str, Any]:
         if now - last[0] >= 10 or counts.operations >= args.ops:
             last[0] = now
             rate = counts.operations / (now - started)
-            print(f"  {counts.operations:>9,} ops, {counts.invariant_checks:,} invariant checks, "
-                  f"{counts.leaks} leaks, {rate:,.0f} ops/s", file=sys.stderr, flush=True)
+            print(
+                f"  {counts.operations:>9,} ops, {counts.invariant_checks:,} invariant checks, "
+                f"{counts.leaks} leaks, {rate:,.0f} ops/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     counts = run_random(args.ops, seed=args.seed, ops_per_episode=args.episode_ops, progress=progress)
     driver_s = time.perf_counter() - started
@@ -49,11 +54,19 @@ def host_part(args: argparse.Namespace) -> dict[str, Any]:
     fuzz_s = time.perf_counter() - fuzz_started
     threads = thread_part(args.thread_runs)
     return {
-        "driver": {**counts.as_dict(), "seconds": round(driver_s, 1),
-                   "ops_per_second": round(counts.operations / driver_s) if driver_s else 0,
-                   "configs": sorted(CONFIGS)},
-        "fuzz": {"tried": fuzz.tried, "rejected": fuzz.rejected, "accepted_resealed": fuzz.accepted,
-                 "by_error": dict(sorted(fuzz.by_error.items())), "seconds": round(fuzz_s, 1)},
+        "driver": {
+            **counts.as_dict(),
+            "seconds": round(driver_s, 1),
+            "ops_per_second": round(counts.operations / driver_s) if driver_s else 0,
+            "configs": sorted(CONFIGS),
+        },
+        "fuzz": {
+            "tried": fuzz.tried,
+            "rejected": fuzz.rejected,
+            "accepted_resealed": fuzz.accepted,
+            "by_error": dict(sorted(fuzz.by_error.items())),
+            "seconds": round(fuzz_s, 1),
+        },
         "threads": threads,
     }
 
@@ -113,15 +126,25 @@ def fault_child(args: argparse.Namespace) -> dict[str, Any]:
         with one_shot_faults(emu):
             driver = soak(dev, emu, CONFIGS[name], args.fault_ops, seed=args.seed)
         dev.close()
-        soaks[name] = {"operations": driver.counts.operations, "faults_injected": driver.counts.faults_injected,
-                       "faults_survived": driver.counts.faults_survived, "leaks": driver.counts.leaks,
-                       "invariant_checks": driver.counts.invariant_checks,
-                       "by_call": dict(sorted(driver.counts.faults_by_call.items()))}
+        soaks[name] = {
+            "operations": driver.counts.operations,
+            "faults_injected": driver.counts.faults_injected,
+            "faults_survived": driver.counts.faults_survived,
+            "leaks": driver.counts.leaks,
+            "invariant_checks": driver.counts.invariant_checks,
+            "by_call": dict(sorted(driver.counts.faults_by_call.items())),
+        }
 
     def sweep(result: Any) -> dict[str, Any]:
-        return {"injected": result.calls, "surfaced": result.surfaced, "survived": result.survived,
-                "broken": dict(result.broken), "never_surfaced": result.never_surfaced,
-                "teardown_raised": result.teardown_raised, "leaks": result.leaks}
+        return {
+            "injected": result.calls,
+            "surfaced": result.surfaced,
+            "survived": result.survived,
+            "broken": dict(result.broken),
+            "never_surfaced": result.never_surfaced,
+            "teardown_raised": result.teardown_raised,
+            "leaks": result.leaks,
+        }
 
     return {
         "driver_calls": calls,
@@ -139,8 +162,15 @@ def fault_part(args: argparse.Namespace) -> dict[str, Any]:
     from test_device_emulated import emulated_env
 
     env = emulated_env(build_emulator())
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--fault-child", "--seed", str(args.seed),
-           "--fault-ops", str(args.fault_ops)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--fault-child",
+        "--seed",
+        str(args.seed),
+        "--fault-ops",
+        str(args.fault_ops),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"fault child failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -159,15 +189,21 @@ def leaks_found(report: dict[str, Any]) -> int:
 
 def print_table(report: dict[str, Any]) -> None:
     d = report["driver"]
-    print(f"random driver: {d['operations']:,} operations over {d['episodes']} episodes "
-          f"({', '.join(d['configs'])}) in {d['seconds']} s ({d['ops_per_second']:,} ops/s)")
-    print(f"  invariant checks {d['invariant_checks']:,}; bad inputs refused {d['bad_inputs']:,} "
-          f"({len(d['bad_by_kind'])} kinds); "
-          f"refusals under pressure {d['refusals_under_pressure']:,}; swap round trips {d['round_trips']:,}; "
-          f"corrupted records refused {d['bad_records']:,}; leak checks {d['leak_checks']}; leaks {d['leaks']}")
+    print(
+        f"random driver: {d['operations']:,} operations over {d['episodes']} episodes "
+        f"({', '.join(d['configs'])}) in {d['seconds']} s ({d['ops_per_second']:,} ops/s)"
+    )
+    print(
+        f"  invariant checks {d['invariant_checks']:,}; bad inputs refused {d['bad_inputs']:,} "
+        f"({len(d['bad_by_kind'])} kinds); "
+        f"refusals under pressure {d['refusals_under_pressure']:,}; swap round trips {d['round_trips']:,}; "
+        f"corrupted records refused {d['bad_records']:,}; leak checks {d['leak_checks']}; leaks {d['leaks']}"
+    )
     f = report["fuzz"]
-    print(f"fuzzed records: {f['tried']:,} tried, {f['rejected']:,} rejected {f['by_error']}, "
-          f"{f['accepted_resealed']:,} accepted (resealed, valid)")
+    print(
+        f"fuzzed records: {f['tried']:,} tried, {f['rejected']:,} rejected {f['by_error']}, "
+        f"{f['accepted_resealed']:,} accepted (resealed, valid)"
+    )
     t = report["threads"]
     print(f"threads: {t['runs']} runs, {t['ops']:,} ops, {t['invariant_checks']:,} concurrent invariant checks")
     faults = report.get("faults")
@@ -175,13 +211,17 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"faults: {faults['driver_calls']} driver calls in the lifecycle, {len(faults['call_sites'])} call sites")
         for kind in ("transient", "sticky"):
             s = faults[kind]
-            print(f"  {kind}: {s['injected']} injected, {s['surfaced']} surfaced, {s['survived']} survived, "
-                  f"teardown raised {s['teardown_raised']}, leaks {s['leaks']}")
+            print(
+                f"  {kind}: {s['injected']} injected, {s['surfaced']} surfaced, {s['survived']} survived, "
+                f"teardown raised {s['teardown_raised']}, leaks {s['leaks']}"
+            )
         b = faults["alloc_budget"]
         print(f"  allocation budget: {b['budgets']} budgets, {b['refused']} refused, leaks {b['leaks']}")
         for name, s in faults["soak"].items():
-            print(f"  soak {name}: {s['faults_injected']} faults over {s['operations']:,} ops, "
-                  f"{s['faults_survived']} survived, leaks {s['leaks']}")
+            print(
+                f"  soak {name}: {s['faults_injected']} faults over {s['operations']:,} ops, "
+                f"{s['faults_survived']} survived, leaks {s['leaks']}"
+            )
     print(f"leaks found: {report['leaks_found']}")
 
 

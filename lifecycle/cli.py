@@ -28,6 +28,7 @@ from lifecycle._packaging import plot_install_hint, shadowed_checkout_warning
 from lifecycle.config import ModelConfig
 from lifecycle.errors import ConfigError, DeviceError, LifecycleError
 from lifecycle.presets import preset, preset_names
+from lifecycle.stats import human_bytes
 
 if TYPE_CHECKING:
     from lifecycle.device.base import Device
@@ -113,33 +114,71 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     trace = sim.add_argument_group("trace")
-    trace.add_argument("--requests", type=_count(1), default=DEFAULT_REQUESTS, help="requests to serve (default: %(default)s)")
-    trace.add_argument("--turns", type=_count(1), default=DEFAULT_TURNS, help="most turns per chat (default: %(default)s)")
+    trace.add_argument(
+        "--requests", type=_count(1), default=DEFAULT_REQUESTS, help="requests to serve (default: %(default)s)"
+    )
+    trace.add_argument(
+        "--turns", type=_count(1), default=DEFAULT_TURNS, help="most turns per chat (default: %(default)s)"
+    )
     trace.add_argument("--seed", type=_count(0), default=0, help="trace seed (default: %(default)s)")
     model = sim.add_argument_group("model")
     model.add_argument(
-        "--model", default=DEFAULT_MODEL, metavar="PRESET",
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="PRESET",
         help=f"model preset: {', '.join(preset_names())} (default: %(default)s)",
     )
-    model.add_argument("--device", choices=("host", "cuda"), default="host", help="device memory (default: %(default)s)")
+    model.add_argument(
+        "--device", choices=("host", "cuda"), default="host", help="device memory (default: %(default)s)"
+    )
     sizing = model.add_mutually_exclusive_group()
-    sizing.add_argument("--blocks", type=_count(1),
-                        help="KV blocks in the pool (default: 2048 for small-hybrid, else the preset's)")
-    sizing.add_argument("--kv-budget", type=_byte_size, metavar="BYTES", help="KV pool size, e.g. 64M (instead of --blocks)")
-    model.add_argument("--snapshots", type=_count(0), metavar="N", help="SSM snapshot pool size of a hybrid model (default: 128 for small-hybrid, else the preset's)")
+    sizing.add_argument(
+        "--blocks", type=_count(1), help="KV blocks in the pool (default: 2048 for small-hybrid, else the preset's)"
+    )
+    sizing.add_argument(
+        "--kv-budget", type=_byte_size, metavar="BYTES", help="KV pool size, e.g. 64M (instead of --blocks)"
+    )
+    model.add_argument(
+        "--snapshots",
+        type=_count(0),
+        metavar="N",
+        help="SSM snapshot pool size of a hybrid model (default: 128 for small-hybrid, else the preset's)",
+    )
     sched = sim.add_argument_group("scheduler")
-    sched.add_argument("--max-live", type=_count(1), help="most sequences decoding at once (default: the preset's max_seqs)")
-    sched.add_argument("--snapshot-every", type=_count(0), default=16, metavar="BLOCKS",
-                       help="hybrid models: snapshot SSM state every BLOCKS blocks (prefill chunks, decode) "
-                       "besides each prompt's end; 0: prompt ends only (default: %(default)s)")
-    sched.add_argument("--swap-host-mb", type=_count(0), default=256, metavar="MB", help="host memory of the swap tier (default: %(default)s)")
-    sched.add_argument("--spill-dir", type=Path, metavar="DIR", help="directory for swap spill files once host memory is full")
+    sched.add_argument(
+        "--max-live", type=_count(1), help="most sequences decoding at once (default: the preset's max_seqs)"
+    )
+    sched.add_argument(
+        "--snapshot-every",
+        type=_count(0),
+        default=16,
+        metavar="BLOCKS",
+        help="hybrid models: snapshot SSM state every BLOCKS blocks (prefill chunks, decode) "
+        "besides each prompt's end; 0: prompt ends only (default: %(default)s)",
+    )
+    sched.add_argument(
+        "--swap-host-mb",
+        type=_count(0),
+        default=256,
+        metavar="MB",
+        help="host memory of the swap tier (default: %(default)s)",
+    )
+    sched.add_argument(
+        "--spill-dir", type=Path, metavar="DIR", help="directory for swap spill files once host memory is full"
+    )
     sched.add_argument("--no-swap", action="store_true", help="preempt by recompute instead of swap")
-    sched.add_argument("--check-every", type=_count(0), default=100, metavar="STEPS",
-                       help="check every invariant each STEPS steps; 0: only at the end (default: %(default)s)")
+    sched.add_argument(
+        "--check-every",
+        type=_count(0),
+        default=100,
+        metavar="STEPS",
+        help="check every invariant each STEPS steps; 0: only at the end (default: %(default)s)",
+    )
     out = sim.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table (no progress bar)")
-    out.add_argument("--plot", type=Path, metavar="FILE.png", help="draw pool occupancy and hit rate over time (needs matplotlib)")
+    out.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="draw pool occupancy and hit rate over time (needs matplotlib)"
+    )
     out.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(command_parser=sim)  # errors found after parsing print this command's usage
     return parser
@@ -209,19 +248,42 @@ def _memory_needs(args: argparse.Namespace, config: ModelConfig, trace_bytes: in
     snapshots_option = "--snapshots" if args.snapshots is not None else "--model"
     blocks, slots = config.num_blocks_resolved, config.num_ssm_slots
     needs = [
-        _Need(kv_option, f"a KV pool of {blocks:,} blocks of {_human_bytes(config.kv_block_bytes())}",
-              config.kv_pool_bytes(), True),
-        _Need(kv_option, f"the bookkeeping of {blocks:,} blocks",
-              blocks * (_HOST_BYTES_PER_BLOCK + 4 * config.block_size), False),
-        _Need(slots_option, f"{slots:,} SSM slots of {_human_bytes(config.ssm_slot_bytes())}", config.ssm_pool_bytes(), True),
-        _Need(slots_option, f"the bookkeeping of {config.max_seqs:,} sequence slots",
-              config.max_seqs * _HOST_BYTES_PER_SLOT_LAYER * (1 + len(config.ssm_layers)), False),
-        _Need(snapshots_option, f"{config.num_snapshots:,} SSM snapshots of {_human_bytes(config.ssm_slot_bytes())}",
-              config.num_snapshots * config.ssm_slot_bytes(), True),
+        _Need(
+            kv_option,
+            f"a KV pool of {blocks:,} blocks of {human_bytes(config.kv_block_bytes())}",
+            config.kv_pool_bytes(),
+            True,
+        ),
+        _Need(
+            kv_option,
+            f"the bookkeeping of {blocks:,} blocks",
+            blocks * (_HOST_BYTES_PER_BLOCK + 4 * config.block_size),
+            False,
+        ),
+        _Need(
+            slots_option,
+            f"{slots:,} SSM slots of {human_bytes(config.ssm_slot_bytes())}",
+            config.ssm_pool_bytes(),
+            True,
+        ),
+        _Need(
+            slots_option,
+            f"the bookkeeping of {config.max_seqs:,} sequence slots",
+            config.max_seqs * _HOST_BYTES_PER_SLOT_LAYER * (1 + len(config.ssm_layers)),
+            False,
+        ),
+        _Need(
+            snapshots_option,
+            f"{config.num_snapshots:,} SSM snapshots of {human_bytes(config.ssm_slot_bytes())}",
+            config.num_snapshots * config.ssm_slot_bytes(),
+            True,
+        ),
         _Need("--requests", f"a trace of {args.requests:,} requests of up to {args.turns} turns", trace_bytes, False),
     ]
     if not args.no_swap:
-        needs.append(_Need("--swap-host-mb", f"{args.swap_host_mb:,} MiB of swap space", args.swap_host_mb << 20, False))
+        needs.append(
+            _Need("--swap-host-mb", f"{args.swap_host_mb:,} MiB of swap space", args.swap_host_mb << 20, False)
+        )
     return needs
 
 
@@ -249,16 +311,16 @@ def _check_memory(parser: argparse.ArgumentParser, needs: list[_Need], host_free
         for need in parts:
             if need.nbytes > free:
                 parser.error(
-                    f"argument {need.option}: {need.what} would take {_human_bytes(need.nbytes)} of {memory} memory; "
-                    f"{_human_bytes(free)} is available"
+                    f"argument {need.option}: {need.what} would take {human_bytes(need.nbytes)} of {memory} memory; "
+                    f"{human_bytes(free)} is available"
                 )
         total = sum(need.nbytes for need in parts)
         if total > free:
             largest = max(parts, key=lambda need: need.nbytes)
-            breakdown = ", ".join(f"{need.what}: {_human_bytes(need.nbytes)}" for need in parts if need.nbytes)
+            breakdown = ", ".join(f"{need.what}: {human_bytes(need.nbytes)}" for need in parts if need.nbytes)
             parser.error(
-                f"argument {largest.option}: the run would take {_human_bytes(total)} of {memory} memory in all "
-                f"({breakdown}); {_human_bytes(free)} is available"
+                f"argument {largest.option}: the run would take {human_bytes(total)} of {memory} memory in all "
+                f"({breakdown}); {human_bytes(free)} is available"
             )
 
 
@@ -308,8 +370,12 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         _check_memory(parser, needs, _available_host_bytes(), device_free)
         show_progress = not (args.json or args.quiet)
         if show_progress and trace_bytes >= _ANNOUNCE_TRACE_BYTES:
-            print(f"lifecycle simulate: generating a trace of {args.requests:,} requests "
-                  f"(about {_human_bytes(trace_bytes)})...", file=sys.stderr, flush=True)
+            print(
+                f"lifecycle simulate: generating a trace of {args.requests:,} requests "
+                f"(about {human_bytes(trace_bytes)})...",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             trace = trace_for_model(config, seed=args.seed, num_requests=args.requests, turns=args.turns)
         except ConfigError as exc:
@@ -339,7 +405,14 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _with_progress(run: Any, total: int) -> Any:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (
         TextColumn("[bold]simulate"),
@@ -367,13 +440,6 @@ def _print_summary(result: SimulationResult) -> None:
     for measure, value in summary_rows(result):
         table.add_row(measure, value)
     Console().print(table)
-
-
-def _human_bytes(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    exponent = min(int(math.log(nbytes, 1024)), 4)
-    return f"{nbytes / 1024**exponent:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exponent]}"
 
 
 def _wants_json(argv: Sequence[str]) -> bool:

@@ -19,8 +19,10 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import BinaryIO, Final
 
@@ -47,7 +49,7 @@ from lifecycle.errors import (
 )
 from lifecycle.pools import KVPool, SSMPool
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
-from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SequenceState
+from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.snapshots import SnapshotPool, snapshot_blocks_at_finish
 from lifecycle.stats import Stats
 from lifecycle.swap import StagingBuffer, SwapContext, restore as swap_restore, save as swap_save
@@ -85,6 +87,7 @@ class _DeviceCounters:
     swap_failures: int = 0
     bytes_swapped_out: int = 0
     bytes_swapped_in: int = 0
+    device_ns: int = 0  # time in calls that move device memory, the core's own time excluded
 
 
 class HybridModel(LifecycleDefaults):
@@ -132,7 +135,9 @@ class HybridModel(LifecycleDefaults):
             snapshot_cut=self._ssm is not None,
             num_snapshots=self._snapshots.capacity if self._snapshots is not None else 0,
             # Without attention layers a sequence holds no blocks: only its tokens are bounded.
-            max_blocks_per_seq=config.max_blocks_per_seq_resolved if self._kv is not None else (2**31 - 1) // self._block_size - 1,
+            max_blocks_per_seq=config.max_blocks_per_seq_resolved
+            if self._kv is not None
+            else (2**31 - 1) // self._block_size - 1,
         )
         self._slots = SlotPool(config.max_seqs)
         self._adapters = AdapterTable(config.num_adapter_slots)
@@ -161,6 +166,17 @@ class HybridModel(LifecycleDefaults):
             raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
         if self._drop_queue:
             self._reap_dropped()
+
+    @contextmanager
+    def _device_work(self) -> Iterator[None]:
+        """Count the time of a call that moves device memory into ``time_in_library_ns`` (the
+        core counts its own part)."""
+        started, core_before = time.perf_counter_ns(), self._core.time_ns()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter_ns() - started - (self._core.time_ns() - core_before)
+            self._counters.device_ns += max(spent, 0)
 
     def _handle(self, seq: SequenceState) -> int:
         """The core handle of a sequence of this model."""
@@ -194,7 +210,8 @@ class HybridModel(LifecycleDefaults):
         wanted = -(-num_tokens // self._block_size)
         if wanted > self._max_blocks_per_seq:
             raise InvalidId(
-                f"{what}: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {self._max_blocks_per_seq}"
+                f"{what}: {num_tokens} tokens need {wanted} blocks, "
+                f"over the per-sequence limit of {self._max_blocks_per_seq}"
             )
         return wanted
 
@@ -223,7 +240,9 @@ class HybridModel(LifecycleDefaults):
         if failed:
             return
         if self._snapshots is not None and not seq.is_detached:
-            blocks = snapshot_blocks_at_finish(num_tokens, num_blocks, None if ssm_tokens < 0 else ssm_tokens, self._block_size)
+            blocks = snapshot_blocks_at_finish(
+                num_tokens, num_blocks, None if ssm_tokens < 0 else ssm_tokens, self._block_size
+            )
             if blocks:
                 self._snapshot(seq, handle, blocks)
                 return
@@ -272,7 +291,7 @@ class HybridModel(LifecycleDefaults):
         guard = self._slots.acquire()
         try:
             if self._ssm is not None:
-                with self._lock:
+                with self._lock, self._device_work():
                     self._enter()
                     self._ssm.zero_slot(guard.slot)
                     self._device.synchronize()  # the engine's kernels may run on another stream
@@ -288,7 +307,7 @@ class HybridModel(LifecycleDefaults):
         adapter; where a block's node already exists the node keeps its own block. The path stays
         pinned while the sequence lives. A failed or freed sequence is never cached."""
         handle = self._handle(seq)
-        with self._lock:
+        with self._lock, self._device_work():
             self._enter()
             if seq._open:
                 self._cache(seq, handle)
@@ -304,7 +323,7 @@ class HybridModel(LifecycleDefaults):
                 self._reap_dropped()
             self._release(seq, handle, cache=True)
             return
-        with self._lock:
+        with self._lock, self._device_work():
             self._enter()
             try:
                 self._cache(seq, handle)
@@ -346,8 +365,9 @@ class HybridModel(LifecycleDefaults):
                     "or detach it before compacting another sequence into its slot"
                 )
             if self._ssm is not None:
-                self._ssm.copy_slot(old_slot, new_slot)
-                self._device.synchronize()  # the old slot may be handed out as soon as it is released
+                with self._device_work():
+                    self._ssm.copy_slot(old_slot, new_slot)
+                    self._device.synchronize()  # the old slot may be handed out as soon as it is released
             if retired is not None:
                 new_guard = retired.move()  # the retired sequence's guard is empty now: it is detached
                 self._counters.detaches += 1
@@ -444,10 +464,12 @@ class HybridModel(LifecycleDefaults):
                 raise SequenceStateError(f"save_sequence_state: sequence {seq.seq_id} was freed")
             if self._ssm is not None and seq.is_detached:
                 raise SequenceStateError(
-                    f"save_sequence_state: sequence {seq.seq_id} is detached; its SSM slot now holds another sequence's state"
+                    f"save_sequence_state: sequence {seq.seq_id} is detached; "
+                    "its SSM slot now holds another sequence's state"
                 )
             try:
-                written = swap_save(self._swap_ctx, seq, writer)
+                with self._device_work():
+                    written = swap_save(self._swap_ctx, seq, writer)
             except BaseException:
                 self._counters.swap_failures += 1
                 raise
@@ -463,7 +485,9 @@ class HybridModel(LifecycleDefaults):
         with self._lock:
             self._enter()
             if self._core.status(handle) != 1:
-                raise SequenceStateError(f"restore_sequence_state: sequence {seq.seq_id} is {seq.status.value}, not active")
+                raise SequenceStateError(
+                    f"restore_sequence_state: sequence {seq.seq_id} is {seq.status.value}, not active"
+                )
             if seq.num_blocks or seq.num_tokens:
                 raise SequenceStateError(
                     f"restore_sequence_state: sequence {seq.seq_id} already holds {seq.num_blocks} blocks "
@@ -471,7 +495,11 @@ class HybridModel(LifecycleDefaults):
                 )
             if self._ssm is not None and seq.is_detached:
                 raise SequenceStateError(f"restore_sequence_state: sequence {seq.seq_id} is detached")
-            if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 0 <= num_blocks <= self._max_blocks_per_seq:
+            if (
+                isinstance(num_blocks, bool)
+                or not isinstance(num_blocks, int)
+                or not 0 <= num_blocks <= self._max_blocks_per_seq
+            ):
                 raise InvalidId(
                     f"restore_sequence_state: num_blocks={num_blocks!r} must be an int in "
                     f"[0, {self._max_blocks_per_seq}] (the per-sequence block limit)"
@@ -482,9 +510,14 @@ class HybridModel(LifecycleDefaults):
                     "(a restore never evicts: reclaim_prefix_blocks first)"
                 )
             try:
-                read = swap_restore(
-                    self._swap_ctx, seq, num_blocks, reader, allocate=lambda: self._core.allocate(handle, num_blocks)
-                )
+                with self._device_work():
+                    read = swap_restore(
+                        self._swap_ctx,
+                        seq,
+                        num_blocks,
+                        reader,
+                        allocate=lambda: self._core.allocate(handle, num_blocks),
+                    )
             except BaseException:
                 self._core.clear(handle)
                 self._counters.swap_failures += 1
@@ -551,7 +584,7 @@ class HybridModel(LifecycleDefaults):
             if self._drop_queue:
                 self._reap_dropped()
             return self._core.attach(handle, prompt, wanted) * self._block_size  # type: ignore[no-any-return]
-        with self._lock:
+        with self._lock, self._device_work():
             self._enter()
             if seq.is_detached:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
@@ -598,7 +631,13 @@ class HybridModel(LifecycleDefaults):
             if self._snapshots is None or not self._core.enabled or not seq._open or seq.failed:
                 return False
             total = seq.num_tokens
-            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0 or num_tokens % self._block_size or num_tokens > total:
+            if (
+                isinstance(num_tokens, bool)
+                or not isinstance(num_tokens, int)
+                or num_tokens <= 0
+                or num_tokens % self._block_size
+                or num_tokens > total
+            ):
                 raise InvalidId(
                     f"save_snapshot: num_tokens={num_tokens!r} must be a positive multiple of the block size "
                     f"{self._block_size}, at most the sequence's {total} tokens"
@@ -609,7 +648,8 @@ class HybridModel(LifecycleDefaults):
                     f"save_snapshot: sequence {seq.seq_id} has {seq.num_blocks} blocks "
                     f"({'detached' if seq.is_detached else 'attached'}); {full} needed"
                 )
-            return self._snapshot(seq, handle, full, rolling=rolling)
+            with self._device_work():
+                return self._snapshot(seq, handle, full, rolling=rolling)
 
     def load_adapter(self, name: str) -> int:
         """Load (or reload, as a new generation) a LoRA adapter; returns its slot."""
@@ -664,7 +704,10 @@ class HybridModel(LifecycleDefaults):
         and the model's own (compactions, detaches, swaps)."""
         with self._lock:
             self._enter()
-            return Stats(**self._core.counters(), **asdict(self._counters))
+            counts = self._core.counters()
+            own = asdict(self._counters)
+            counts["time_in_library_ns"] += own.pop("device_ns")
+            return Stats(**counts, **own)
 
     @property
     def config(self) -> ModelConfig:
@@ -717,4 +760,6 @@ class HybridModel(LifecycleDefaults):
             for slot in self._core.adapter_slots().tolist():
                 adapter_refs[slot] += 1
             if adapter_refs != self._adapters.refcounts():
-                raise InvariantViolation(f"adapter refcounts {self._adapters.refcounts()} but sequences hold {adapter_refs}")
+                raise InvariantViolation(
+                    f"adapter refcounts {self._adapters.refcounts()} but sequences hold {adapter_refs}"
+                )

@@ -41,7 +41,7 @@ from lifecycle.device.base import Copy, Device, DeviceKind
 from lifecycle.errors import ConfigError, LifecycleError, OutOfBlocks, PoolExhausted
 from lifecycle.model import HybridModel, TeardownReport
 from lifecycle.sequence import NO_ADAPTER, SequenceState
-from lifecycle.stats import Stats
+from lifecycle.stats import Stats, human_bytes
 from lifecycle.swap_tier import SwapHandle, SwapTier
 
 if TYPE_CHECKING:
@@ -243,7 +243,9 @@ class _ChatShape:
         def scaled(bounds: tuple[int, int], minimum: int) -> tuple[int, int]:
             return (max(int(bounds[0] * scale), minimum), max(int(bounds[1] * scale), minimum))
 
-        return _ChatShape(budget, scale, scaled(system_prompt_tokens, 0), scaled(user_tokens, 1), scaled(response_tokens, 1))
+        return _ChatShape(
+            budget, scale, scaled(system_prompt_tokens, 0), scaled(user_tokens, 1), scaled(response_tokens, 1)
+        )
 
     def fits(self, turns: int) -> bool:
         return self.system[1] + turns * (self.user[1] + self.response[1]) <= self.budget
@@ -1109,15 +1111,6 @@ _CAUSE_LABELS: Final[dict[str, str]] = {
 }
 
 
-def _human_bytes(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def _time_rows(s: Summary) -> list[tuple[str, str]]:
     library = s.library_us_per_request
     if s.copy_us_per_request is None or s.bookkeeping_us_per_request is None:
@@ -1134,8 +1127,11 @@ def _time_rows(s: Summary) -> list[tuple[str, str]]:
     if s.dominant == "bookkeeping":
         dominant = f"bookkeeping ({1 - share:.0%})"
     return [
-        ("library time per request", f"{library:,.1f} µs = copies {s.copy_us_per_request:,.1f} + "
-                                     f"bookkeeping {s.bookkeeping_us_per_request:,.1f}"),
+        (
+            "library time per request",
+            f"{library:,.1f} µs = copies {s.copy_us_per_request:,.1f} + "
+            f"bookkeeping {s.bookkeeping_us_per_request:,.1f}",
+        ),
         ("  device copies by cause (µs/request)", causes or "none"),
         ("  dominated by", dominant),
     ]
@@ -1162,7 +1158,7 @@ def summary_rows(result: SimulationResult) -> list[tuple[str, str]]:
         ("evicted blocks", f"{s.evicted_blocks:,}"),
         ("preemptions (swap / recompute)", f"{s.preemptions:,} ({s.swaps_out:,} / {s.recomputes:,})"),
         ("swaps (out / in)", f"{s.swaps_out:,} / {s.swaps_in:,}{failed}"),
-        ("swap bytes", f"{_human_bytes(s.swap_bytes)} ({swap_rate})"),
+        ("swap bytes", f"{human_bytes(s.swap_bytes)} ({swap_rate})"),
         ("compactions", f"{s.compactions:,}"),
         ("invariant checks", f"{s.invariant_checks:,} (all passed)"),
         *_time_rows(s),
@@ -1217,8 +1213,14 @@ def figure(result: SimulationResult) -> Figure:
     running_axes.set_ylabel("running")
     window = max(len(steps) // 50, 1)
     hit_axes.plot(steps, [100.0 * r for r in series.hit_rate()], color="tab:green", label="cumulative")
-    hit_axes.plot(steps, [100.0 * r for r in series.hit_rate(window)], color="tab:green", alpha=0.35,
-                  linewidth=0.7, label=f"last {window} steps")
+    hit_axes.plot(
+        steps,
+        [100.0 * r for r in series.hit_rate(window)],
+        color="tab:green",
+        alpha=0.35,
+        linewidth=0.7,
+        label=f"last {window} steps",
+    )
     hit_axes.set_ylabel("prefix hit rate (%)")
     hit_axes.set_ylim(0, 100)
     hit_axes.set_xlabel("scheduler step")

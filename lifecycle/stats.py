@@ -47,3 +47,13 @@ class Stats:
 
     def copy(self) -> Stats:
         return Stats(**asdict(self))
+
+
+def human_bytes(nbytes: int) -> str:
+    """``nbytes`` for a person: 512 B, 1.5 KiB, ... up to TiB."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -746,7 +746,9 @@ def _slot_of(ctx: SwapContext, seq: SequenceState, what: str) -> int:
     if ctx.ssm is None:
         return -1
     if seq.slot_idx < 0:
-        raise SequenceStateError(f"{what}: sequence {seq.seq_id} is detached (slot_idx={seq.slot_idx}); it has no SSM state")
+        raise SequenceStateError(
+            f"{what}: sequence {seq.seq_id} is detached (slot_idx={seq.slot_idx}); it has no SSM state"
+        )
     return seq.slot_idx
 
 
@@ -833,7 +835,9 @@ def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
     finally:
         mover.close()
     if out.offset != header.record_bytes:
-        raise SwapError(f"wrote {out.offset} bytes but the header announced {header.record_bytes} (pool layout changed?)")
+        raise SwapError(
+            f"wrote {out.offset} bytes but the header announced {header.record_bytes} (pool layout changed?)"
+        )
     return out.offset
 
 
@@ -907,7 +911,11 @@ def _check_adapter(ctx: SwapContext, seq: SequenceState, name: bytes, generation
     if held != (name, generation):
 
         def show(adapter: tuple[bytes, int]) -> str:
-            return f"adapter {adapter[0].decode(errors='replace')!r} generation {adapter[1]}" if adapter[0] else "no adapter"
+            return (
+                f"adapter {adapter[0].decode(errors='replace')!r} generation {adapter[1]}"
+                if adapter[0]
+                else "no adapter"
+            )
 
         raise SwapModelMismatch(
             f"record was saved with {show((name, generation))}; sequence {seq.seq_id} is bound to {show(held)}"
@@ -938,7 +946,9 @@ def restore(
         allocate()
     block_ids = seq.block_table
     if block_ids.shape[0] != num_blocks:
-        raise SequenceStateError(f"restore: sequence {seq.seq_id} holds {block_ids.shape[0]} blocks, expected {num_blocks}")
+        raise SequenceStateError(
+            f"restore: sequence {seq.seq_id} holds {block_ids.shape[0]} blocks, expected {num_blocks}"
+        )
 
     inp.section = layout.section_name(_META_SECTION)
     meta = inp.read(header.meta_bytes)
@@ -947,7 +957,9 @@ def restore(
     table_bytes = 8 * (len(layout.kv_layer_bytes) + len(layout.ssm_range_bytes))
     table = tuple(meta[:table_bytes].view(_U64).tolist())
     if table != layout.kv_layer_bytes + layout.ssm_range_bytes:
-        raise SwapModelMismatch(f"record's per-section sizes {table} != this model's {layout.kv_layer_bytes + layout.ssm_range_bytes}")
+        raise SwapModelMismatch(
+            f"record's per-section sizes {table} != this model's {layout.kv_layer_bytes + layout.ssm_range_bytes}"
+        )
     name = meta[table_bytes : table_bytes + header.adapter_name_bytes].tobytes()
     _check_adapter(ctx, seq, name, header.adapter_generation)
     tokens = meta[table_bytes + header.adapter_name_bytes :].view(_TOKEN)

@@ -94,6 +94,36 @@ _STATUS_NAMES = ("freed", "active", "retired")
 
 INT64_MAX_PY = 2**63 - 1
 
+cdef extern from *:
+    """
+    #include <time.h>
+    static inline uint64_t lc_monotonic_ns(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    }
+    /* A cheap clock for timing calls: the time-stamp counter on x86-64 (converted to ns against
+     * the monotonic clock over the process's life), the monotonic clock elsewhere. */
+    #if defined(__x86_64__) || defined(_M_X64)
+    #include <x86intrin.h>
+    static inline uint64_t lc_ticks(void) { return __rdtsc(); }
+    #else
+    static inline uint64_t lc_ticks(void) { return lc_monotonic_ns(); }
+    #endif
+    """
+    uint64_t lc_ticks() noexcept nogil
+    uint64_t lc_monotonic_ns() noexcept nogil
+
+cdef uint64_t _TICKS_AT_IMPORT = lc_ticks()
+cdef uint64_t _NS_AT_IMPORT = lc_monotonic_ns()
+
+
+cdef double _ns_per_tick():
+    cdef uint64_t ticks = lc_ticks() - _TICKS_AT_IMPORT
+    cdef uint64_t ns = lc_monotonic_ns() - _NS_AT_IMPORT
+    return <double>ns / <double>ticks if ticks > 0 and ns > 0 else 1.0
+
+
 # A handle is (generation << 32) | record index.
 cdef int64_t INDEX_MASK = 0xFFFFFFFFLL
 
@@ -225,9 +255,18 @@ cdef class KVCacheCore:
     cdef bint _lock_with_gil(self, Py_ssize_t work):
         """Take the lock keeping the GIL when the work is short and the lock free; False means
         the caller must take it with the GIL released."""
-        return work < NOGIL_MIN_TOKENS and lc_mutex_trylock(&self._pool._lock)
+        if work < NOGIL_MIN_TOKENS and lc_mutex_trylock(&self._pool._lock):
+            self._entered = lc_ticks()
+            return True
+        return False
+
+    cdef void _lock(self) noexcept nogil:
+        lc_mutex_lock(&self._pool._lock)
+        self._entered = lc_ticks()
 
     cdef void _unlock(self) noexcept nogil:
+        # Time under the lock is the core's time in the library (the counter is the lock's too).
+        self._counters.time_ticks += lc_ticks() - self._entered
         lc_mutex_unlock(&self._pool._lock)
 
     # -- records (lock held) ----------------------------------------------------------------------
@@ -810,7 +849,7 @@ cdef class KVCacheCore:
             self._unlock()
         else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
                 handle = self._open_locked(key, slot, max(tokens, self._block_size), &f)
                 if handle >= 0 and name >= 0:
                     self._recs[handle & INDEX_MASK].seq_id = name
@@ -826,7 +865,7 @@ cdef class KVCacheCore:
         cdef SeqRec *rec
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             rec = self._rec(h, &f)
             if rec != NULL:
                 if rec.pin_node >= 0:
@@ -851,7 +890,7 @@ cdef class KVCacheCore:
         cdef cnp.ndarray out
         cdef int32_t *dest
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             for i in range(self._recs_high_water):
                 if self._recs[i].status != FREE and self._recs[i].adapter_slot >= 0:
@@ -893,7 +932,7 @@ cdef class KVCacheCore:
             self._unlock()
         else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
                 reuse = self._attach_checked(h, data, n, prefix, wanted, &f)
                 self._unlock()
         if f.code != OK:
@@ -928,7 +967,7 @@ cdef class KVCacheCore:
             self._unlock()
         else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
                 handle = self._admit_locked(key, data, n, prefix, wanted, &f)
                 self._unlock()
         if f.code != OK:
@@ -963,7 +1002,7 @@ cdef class KVCacheCore:
             self._unlock()
         else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
                 self._append_locked(h, data, n, &f)
                 self._unlock()
         if f.code != OK:
@@ -1001,7 +1040,7 @@ cdef class KVCacheCore:
             self._unlock()
         else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
                 added = self._grow_checked(h, wanted, &f)
                 self._unlock()
         if f.code != OK:
@@ -1027,7 +1066,7 @@ cdef class KVCacheCore:
         cdef SeqRec *rec
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             rec = self._active(h, &f)
             if rec != NULL:
                 if rec.num_blocks:
@@ -1056,7 +1095,7 @@ cdef class KVCacheCore:
         cdef Failure f
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             self._cache_checked(h, full, &taken, &f)
             self._unlock()
         self._raise(&f, "cache_sequence")
@@ -1089,7 +1128,7 @@ cdef class KVCacheCore:
         cdef Failure f
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             sid = self._snapshot_locked(h, full, rolling, &fresh, &f)
             self._unlock()
         self._raise(&f, "save_snapshot")
@@ -1147,7 +1186,7 @@ cdef class KVCacheCore:
         """Free a snapshot id whose SSM state could not be copied (its node keeps its KV)."""
         cdef int32_t sid = <int32_t>_as_count(snapshot_id, "snapshot_id", 0, max(self._num_snapshots - 1, 0))
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             if sid < self._num_snapshots and self._snap_node[sid] >= 0:
                 self._trie._nodes[self._snap_node[sid]].tag = -1
                 self._snap_release(sid)
@@ -1162,7 +1201,7 @@ cdef class KVCacheCore:
         cdef SeqRec *rec
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             rec = self._rec(h, &f)
             if rec != NULL and rec.pin_node >= 0 and rec.cached_tokens > 0:
                 sid = self._trie._nodes[rec.pin_node].tag
@@ -1188,7 +1227,7 @@ cdef class KVCacheCore:
             self._unlock()
         else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
                 rec = self._rec(h, &f)
                 if rec != NULL:
                     slot = rec.adapter_slot
@@ -1205,7 +1244,7 @@ cdef class KVCacheCore:
         cdef int64_t h = handle
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             live = self._rec(h, &f) != NULL
             self._unlock()
         return live
@@ -1218,7 +1257,7 @@ cdef class KVCacheCore:
         cdef Failure f
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             if self._closed:
                 f.code = E_CLOSED
             else:
@@ -1240,7 +1279,7 @@ cdef class KVCacheCore:
         tokens = _token_vector(tokens, &data, &n)
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             if self._closed:
                 f.code = E_CLOSED
             else:
@@ -1291,7 +1330,7 @@ cdef class KVCacheCore:
         cdef cnp.ndarray out
         cdef SeqRec *rec
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             rec = self._read(h, "tokens")
             self._materialize(rec)
@@ -1307,7 +1346,7 @@ cdef class KVCacheCore:
         cdef cnp.ndarray out
         cdef SeqRec *rec
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             rec = self._read(h, "block_table")
             out = _empty_int32(rec.num_blocks)
@@ -1328,7 +1367,7 @@ cdef class KVCacheCore:
         cdef cnp.npy_intp dim
         cdef bint failed = False
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             rec = self._read(h, "block_hashes")
             self._materialize(rec)
@@ -1362,7 +1401,7 @@ cdef class KVCacheCore:
         cdef int64_t h = handle
         cdef SeqRec *rec
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             rec = self._read(h, "info")
             return (rec.seq_id, rec.status, rec.num_tokens, rec.prompt_len, rec.num_blocks, rec.cached_tokens,
@@ -1375,9 +1414,11 @@ cdef class KVCacheCore:
         cdef SeqRec *rec
         cdef int32_t value = -1
         _ok(&f)
-        if not lc_mutex_trylock(&self._pool._lock):
+        if lc_mutex_trylock(&self._pool._lock):
+            self._entered = lc_ticks()
+        else:
             with nogil:
-                lc_mutex_lock(&self._pool._lock)
+                self._lock()
         rec = self._rec(handle, &f)
         if rec != NULL:
             if which == 0:
@@ -1434,7 +1475,7 @@ cdef class KVCacheCore:
         cdef SeqRec *rec
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             rec = self._read(handle, call)
             if which == 0:
@@ -1480,7 +1521,7 @@ cdef class KVCacheCore:
         cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", 0, INT32_MAX)
         cdef SeqRec *rec
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             rec = self._read(h, "bind_adapter")
             if rec.status != ACTIVE:
@@ -1515,13 +1556,18 @@ cdef class KVCacheCore:
             "snapshot_hits": c.snapshot_hits,
             "snapshot_hits_cut_short": c.snapshot_hits_cut_short,
             "snapshots_evicted": c.snapshots_evicted,
+            "time_in_library_ns": int(c.time_ticks * _ns_per_tick()),
         }
+
+    def time_ns(self):
+        """Nanoseconds spent in the core's calls so far (under its lock)."""
+        return int(self._counters.time_ticks * _ns_per_tick())
 
     def live_totals(self):
         """``(live records, blocks they hold)``."""
         cdef Py_ssize_t i, blocks = 0
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             for i in range(self._recs_high_water):
                 if self._recs[i].status != FREE:
                     blocks += self._recs[i].num_blocks
@@ -1534,7 +1580,7 @@ cdef class KVCacheCore:
         blocks they held, cached blocks)``."""
         cdef Py_ssize_t i, blocks = 0, live, cached
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             live = self._num_live
             cached = self._trie._num_blocks
@@ -1559,7 +1605,7 @@ cdef class KVCacheCore:
         cdef Py_ssize_t chunk_bytes = 0, token_bytes = 0, hash_bytes = 0
         cdef Chunk *chunk
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             for i in range(self._trie._high_water):
                 if self._trie._nodes[i].parent >= 0 and self._trie._nodes[i].chunk != NULL:
@@ -1589,7 +1635,7 @@ cdef class KVCacheCore:
         cdef bint done = False
         _ok(&f)
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
             if self._closed:
                 f.code = E_CLOSED
             elif self._trie._lru_blocks == self._trie._num_blocks:
@@ -1605,7 +1651,7 @@ cdef class KVCacheCore:
         tables plus the cache's nodes, every node's pins against the records, every chunk's
         references, and the snapshot ids against the nodes' tags."""
         with nogil:
-            lc_mutex_lock(&self._pool._lock)
+            self._lock()
         try:
             problem = self._pool._problem()
             if problem is None:

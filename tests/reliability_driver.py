@@ -371,7 +371,8 @@ class Driver:
             slots.add(s.slot_idx)
             if self.model.slots.owner_of(s.slot_idx) != s._handle:
                 raise self._fail(
-                    f"sequence {s.seq_id} reports slot {s.slot_idx}, whose guard records owner {self.model.slots.owner_of(s.slot_idx)}"
+                    f"sequence {s.seq_id} reports slot {s.slot_idx}, "
+                    f"whose guard records owner {self.model.slots.owner_of(s.slot_idx)}"
                 )
             if ssm is not None and s.ssm_addrs != tuple(
                 (ssm.h_addr(i, s.slot_idx), ssm.conv_addr(i, s.slot_idx)) for i in range(ssm.num_layers)
@@ -756,8 +757,13 @@ class Driver:
         if room and self.choose.integer(0, 2) == 0:
             corrupt = bytearray(record)
             corrupt[self.choose.integer(0, len(corrupt) - 1)] ^= 1 << self.choose.integer(0, 7)
-            self._refused("restore a corrupted record", lambda: self.model.restore_sequence_state(
-                target, seq.num_blocks, io.BytesIO(bytes(corrupt))), SwapError, target, kind="corrupted record")
+            self._refused(
+                "restore a corrupted record",
+                lambda: self.model.restore_sequence_state(target, seq.num_blocks, io.BytesIO(bytes(corrupt))),
+                SwapError,
+                target,
+                kind="corrupted record",
+            )
             self.counts.bad_records += 1
         before, seq_before = model_digest(self.model), seq_digest(target)
         try:
@@ -792,8 +798,13 @@ class Driver:
             return
         track = _Track(target)
         self.seqs.append(track)
-        self._refused(kind, lambda: self.model.restore_sequence_state(target, num_blocks, io.BytesIO(record)),
-                      expected, target, kind=kind)
+        self._refused(
+            kind,
+            lambda: self.model.restore_sequence_state(target, num_blocks, io.BytesIO(record)),
+            expected,
+            target,
+            kind=kind,
+        )
         self._free(track)
 
     # ------------------------------------------------------------------ adapters
@@ -998,8 +1009,13 @@ def _bad_compact_slot(d: Driver) -> None:
         return _bad_budget(d)
     seq = track.seq
     value: object = (-1, d.config.max_seqs, 2**31, -(2**40), 1.0, "0", None)[d.choose.integer(0, 6)]
-    d._refused(f"compact_sequence(slot={value!r})", lambda: d.model.compact_sequence(seq, value),  # type: ignore[arg-type]
-               SlotOutOfRange, seq, kind="compact: slot out of range")
+    d._refused(
+        f"compact_sequence(slot={value!r})",
+        lambda: d.model.compact_sequence(seq, value),  # type: ignore[arg-type]
+        SlotOutOfRange,
+        seq,
+        kind="compact: slot out of range",
+    )
 
 
 def _bad_compact_active(d: Driver) -> None:
@@ -1010,16 +1026,26 @@ def _bad_compact_active(d: Driver) -> None:
     a = guarded[d.choose.integer(0, len(guarded) - 1)]
     b = d._pick([t for t in guarded if t is not a])
     assert b is not None
-    d._refused("compact into an active sequence's slot", lambda: d.model.compact_sequence(a.seq, b.seq.slot_idx),
-               SlotInUse, a.seq, kind="compact: active owner")
+    d._refused(
+        "compact into an active sequence's slot",
+        lambda: d.model.compact_sequence(a.seq, b.seq.slot_idx),
+        SlotInUse,
+        a.seq,
+        kind="compact: active owner",
+    )
 
 
 def _bad_compact_detached(d: Driver) -> None:
     track = d._pick([t for t in d.seqs if t.seq.is_detached and not t.seq.is_freed])
     if track is None:
         return _bad_compact_active(d)
-    d._refused("compact a detached sequence", lambda: d.model.compact_sequence(track.seq, 0), SequenceStateError,
-               track.seq, kind="compact: detached sequence")
+    d._refused(
+        "compact a detached sequence",
+        lambda: d.model.compact_sequence(track.seq, 0),
+        SequenceStateError,
+        track.seq,
+        kind="compact: detached sequence",
+    )
 
 
 def _bad_tokens(d: Driver) -> None:
@@ -1027,10 +1053,21 @@ def _bad_tokens(d: Driver) -> None:
     track = d._pick(fresh)
     if track is None:
         return _bad_grow(d)
-    bad: object = ([1, -2, 3], [1, 2**31], np.ones((2, 3), dtype=np.int32), [[1, 2]], np.array([-1], dtype=np.int64),
-                   [3, 2**70])[d.choose.integer(0, 5)]
-    d._refused(f"attach_prefix({bad!r})", lambda: d.model.attach_prefix(track.seq, bad),  # type: ignore[arg-type]
-               InvalidId, track.seq, kind="attach: bad tokens")
+    bad: object = (
+        [1, -2, 3],
+        [1, 2**31],
+        np.ones((2, 3), dtype=np.int32),
+        [[1, 2]],
+        np.array([-1], dtype=np.int64),
+        [3, 2**70],
+    )[d.choose.integer(0, 5)]
+    d._refused(
+        f"attach_prefix({bad!r})",
+        lambda: d.model.attach_prefix(track.seq, bad),  # type: ignore[arg-type]
+        InvalidId,
+        track.seq,
+        kind="attach: bad tokens",
+    )
 
 
 def _bad_attach_state(d: Driver) -> None:
@@ -1040,8 +1077,13 @@ def _bad_attach_state(d: Driver) -> None:
         return _bad_tokens(d)
     seq = track.seq
     other = np.concatenate((seq.tokens, np.array([7], np.int32)))
-    d._refused("attach_prefix after growth", lambda: d.model.attach_prefix(seq, other), SequenceStateError, seq,
-               kind="attach: wrong state")
+    d._refused(
+        "attach_prefix after growth",
+        lambda: d.model.attach_prefix(seq, other),
+        SequenceStateError,
+        seq,
+        kind="attach: wrong state",
+    )
 
 
 def _bad_adapter(d: Driver) -> None:
@@ -1052,12 +1094,19 @@ def _bad_adapter(d: Driver) -> None:
     n = d.config.num_adapter_slots
     unloaded = [s for s in range(n) if not m.adapter_info(s).loaded]
     choices: list[tuple[int, type[LifecycleError]]] = [
-        (-5, SlotOutOfRange), (n, SlotOutOfRange), (2**40, SlotOutOfRange)
+        (-5, SlotOutOfRange),
+        (n, SlotOutOfRange),
+        (2**40, SlotOutOfRange),
     ]
     choices += [(s, AdapterError) for s in unloaded]
     slot, expected = choices[d.choose.integer(0, len(choices) - 1)]
-    d._refused(f"bind_adapter({slot})", lambda: m.bind_adapter(track.seq, slot), expected, track.seq,
-               kind="bind: bad adapter slot")
+    d._refused(
+        f"bind_adapter({slot})",
+        lambda: m.bind_adapter(track.seq, slot),
+        expected,
+        track.seq,
+        kind="bind: bad adapter slot",
+    )
 
 
 def _bad_bind_state(d: Driver) -> None:
@@ -1067,8 +1116,13 @@ def _bad_bind_state(d: Driver) -> None:
     if track is None or not loaded:
         return _bad_adapter(d)
     slot = loaded[0]
-    d._refused("bind_adapter on a bound or grown sequence", lambda: m.bind_adapter(track.seq, slot),
-               SequenceStateError, track.seq, kind="bind: wrong state")
+    d._refused(
+        "bind_adapter on a bound or grown sequence",
+        lambda: m.bind_adapter(track.seq, slot),
+        SequenceStateError,
+        track.seq,
+        kind="bind: wrong state",
+    )
 
 
 def _bad_adapter_table(d: Driver) -> None:
@@ -1090,8 +1144,12 @@ def _bad_budget(d: Driver) -> None:
     if d.has_kv:
         values.append(limit + 1)
     value = values[d.choose.integer(0, len(values) - 1)]
-    d._refused(f"alloc_sequence_for({value!r})", lambda: d.model.alloc_sequence_for(value), InvalidId,  # type: ignore[arg-type]
-               kind="alloc: bad budget")
+    d._refused(
+        f"alloc_sequence_for({value!r})",
+        lambda: d.model.alloc_sequence_for(value),
+        InvalidId,  # type: ignore[arg-type]
+        kind="alloc: bad budget",
+    )
 
 
 def _bad_reclaim(d: Driver) -> None:
@@ -1100,16 +1158,27 @@ def _bad_reclaim(d: Driver) -> None:
     calls: list[tuple[str, Callable[[], object], type[LifecycleError]]] = [
         ("reclaim_prefix_blocks(-1)", lambda: m.reclaim_prefix_blocks(-1), InvalidId),
         ("reclaim_prefix_blocks('3')", lambda: m.reclaim_prefix_blocks("3"), InvalidId),  # type: ignore[arg-type]
-        ("reclaim_prefix_blocks_for(needed=-1)",
-         lambda: m.reclaim_prefix_blocks_for([1, 2], NO_ADAPTER, -1), InvalidId),
-        ("reclaim_prefix_blocks_for(bad tokens)",
-         lambda: m.reclaim_prefix_blocks_for([1, -2], NO_ADAPTER, 1), InvalidId),
+        (
+            "reclaim_prefix_blocks_for(needed=-1)",
+            lambda: m.reclaim_prefix_blocks_for([1, 2], NO_ADAPTER, -1),
+            InvalidId,
+        ),
+        (
+            "reclaim_prefix_blocks_for(bad tokens)",
+            lambda: m.reclaim_prefix_blocks_for([1, -2], NO_ADAPTER, 1),
+            InvalidId,
+        ),
         (f"reclaim_prefix_blocks_for(adapter={n})", lambda: m.reclaim_prefix_blocks_for([1, 2], n, 1), SlotOutOfRange),
     ]
     unloaded = [s for s in range(n) if not m.adapter_info(s).loaded]
     if unloaded:
-        calls.append(("reclaim_prefix_blocks_for(unloaded adapter)",
-                      lambda: m.reclaim_prefix_blocks_for([1, 2], unloaded[0], 1), AdapterError))
+        calls.append(
+            (
+                "reclaim_prefix_blocks_for(unloaded adapter)",
+                lambda: m.reclaim_prefix_blocks_for([1, 2], unloaded[0], 1),
+                AdapterError,
+            )
+        )
     what, call, expected = calls[d.choose.integer(0, len(calls) - 1)]
     d._refused(what, call, expected, kind="reclaim: bad argument")
 
@@ -1120,8 +1189,13 @@ def _bad_snapshot(d: Driver) -> None:
         return _bad_reclaim(d)
     seq = track.seq
     value = (0, -BS, BS + 1, (seq.num_tokens // BS + 1) * BS)[d.choose.integer(0, 3)]
-    d._refused(f"save_snapshot({value})", lambda: d.model.save_snapshot(seq, value), InvalidId, seq,
-               kind="snapshot: bad token count")
+    d._refused(
+        f"save_snapshot({value})",
+        lambda: d.model.save_snapshot(seq, value),
+        InvalidId,
+        seq,
+        kind="snapshot: bad token count",
+    )
 
 
 def _bad_restore_state(d: Driver) -> None:
@@ -1132,8 +1206,13 @@ def _bad_restore_state(d: Driver) -> None:
     fresh = d._pick([t for t in d._active(guarded=True) if not t.seq.num_tokens and not t.seq.num_blocks])
     if busy is not None and d.choose.integer(0, 1):
         seq = busy.seq
-        d._refused("restore into a busy sequence", lambda: m.restore_sequence_state(seq, 0, io.BytesIO(b"")),
-                   SequenceStateError, seq, kind="restore: busy sequence")
+        d._refused(
+            "restore into a busy sequence",
+            lambda: m.restore_sequence_state(seq, 0, io.BytesIO(b"")),
+            SequenceStateError,
+            seq,
+            kind="restore: busy sequence",
+        )
     elif fresh is not None:
         seq = fresh.seq
         junk = bytes(d.choose.integer(0, 255) for _ in range(d.choose.integer(0, 200)))
@@ -1165,8 +1244,13 @@ def _bad_append(d: Driver) -> None:
     if track is None:
         return _bad_budget(d)
     bad: object = ([-1], [2**31], np.ones((2, 2), dtype=np.int64), np.array([2**40]), [2**70])[d.choose.integer(0, 4)]
-    d._refused(f"append_tokens({bad!r})", lambda: track.seq.append_tokens(bad),  # type: ignore[arg-type]
-               InvalidId, track.seq, kind="append: bad tokens")
+    d._refused(
+        f"append_tokens({bad!r})",
+        lambda: track.seq.append_tokens(bad),  # type: ignore[arg-type]
+        InvalidId,
+        track.seq,
+        kind="append: bad tokens",
+    )
 
 
 def _saveable(d: Driver) -> list[_Track]:
@@ -1176,9 +1260,13 @@ def _saveable(d: Driver) -> list[_Track]:
 def _restore_pair(d: Driver) -> tuple[_Track | None, _Track | None]:
     """(a fresh sequence to restore into, another whose record it can take: both without an
     adapter, so the record's adapter matches)."""
-    fresh = d._pick([
-        t for t in d._active(guarded=True) if not t.seq.num_tokens and not t.seq.num_blocks and t.seq.adapter_slot == NO_ADAPTER
-    ])
+    fresh = d._pick(
+        [
+            t
+            for t in d._active(guarded=True)
+            if not t.seq.num_tokens and not t.seq.num_blocks and t.seq.adapter_slot == NO_ADAPTER
+        ]
+    )
     source = d._pick([t for t in _saveable(d) if t is not fresh and t.seq.adapter_slot == NO_ADAPTER])
     return fresh, source
 
@@ -1201,8 +1289,9 @@ def _bad_swap_out(d: Driver) -> None:
         d.counts.bad_by_kind[kind] += 1
         return
     try:
-        d._refused(f"swap_out with prompt_len={bad!r}", lambda: d.swap_tier().swap_out(seq), SequenceStateError, seq,
-                   kind=kind)
+        d._refused(
+            f"swap_out with prompt_len={bad!r}", lambda: d.swap_tier().swap_out(seq), SequenceStateError, seq, kind=kind
+        )
     finally:
         seq.prompt_len = good
 
@@ -1210,13 +1299,26 @@ def _bad_swap_out(d: Driver) -> None:
 def _bad_handle(d: Driver) -> None:
     """Handles another tier issued, handles built by hand, things that are no handle."""
     tier = d.swap_tier()
-    forged = SwapHandle(tier_id=0, handle_id=1, nbytes=HEADER_BYTES, num_blocks=0, num_tokens=0, budget_tokens=0,
-                        adapter=None, location="host", path=None)
+    forged = SwapHandle(
+        tier_id=0,
+        handle_id=1,
+        nbytes=HEADER_BYTES,
+        num_blocks=0,
+        num_tokens=0,
+        budget_tokens=0,
+        adapter=None,
+        location="host",
+        path=None,
+    )
     handles: list[object] = [forged, dataclasses.replace(forged, tier_id=tier._tier_id), None, "handle-1"]
     handle = handles[d.choose.integer(0, len(handles) - 1)]
     call = tier.swap_in if d.choose.integer(0, 1) else tier.discard
-    d._refused(f"{call.__name__}({handle!r})", lambda: call(handle), SwapError,  # type: ignore[arg-type]
-               kind="swap: foreign or forged handle")
+    d._refused(
+        f"{call.__name__}({handle!r})",
+        lambda: call(handle),
+        SwapError,  # type: ignore[arg-type]
+        kind="swap: foreign or forged handle",
+    )
 
 
 class BrokenReader:
@@ -1260,7 +1362,12 @@ class BrokenWriter:
 
 #: Broken answers of a stream asked for ``n`` bytes.
 _BROKEN_ANSWERS: Final[tuple[Callable[[int], object], ...]] = (
-    lambda n: -1, lambda n: n + 1, lambda n: 2**64, lambda n: 1.5, lambda n: "1", lambda n: True,
+    lambda n: -1,
+    lambda n: n + 1,
+    lambda n: 2**64,
+    lambda n: 1.5,
+    lambda n: "1",
+    lambda n: True,
 )
 
 
@@ -1273,17 +1380,26 @@ def _bad_stream(d: Driver) -> None:
     answer = _BROKEN_ANSWERS[d.choose.integer(0, len(_BROKEN_ANSWERS) - 1)]
     bad_call = d.choose.integer(1, 4)
     if fresh is None or d.choose.integer(0, 1):
-        d._refused("save to a broken writer", lambda: d.model.save_sequence_state(
-            source.seq, cast(io.BytesIO, BrokenWriter(bad_call, answer))), SwapStreamError, source.seq,
-            kind="swap: broken stream")
+        d._refused(
+            "save to a broken writer",
+            lambda: d.model.save_sequence_state(source.seq, cast(io.BytesIO, BrokenWriter(bad_call, answer))),
+            SwapStreamError,
+            source.seq,
+            kind="swap: broken stream",
+        )
         return
     out = io.BytesIO()
     d.model.save_sequence_state(source.seq, out)
     if d.model.num_free_blocks() < source.seq.num_blocks:
         return  # today's restore evicts to make room before it reads past the header
     reader = cast(io.BytesIO, BrokenReader(out.getvalue(), bad_call, answer))
-    d._refused("restore from a broken reader", lambda: d.model.restore_sequence_state(
-        fresh.seq, source.seq.num_blocks, reader), SwapStreamError, fresh.seq, kind="swap: broken stream")
+    d._refused(
+        "restore from a broken reader",
+        lambda: d.model.restore_sequence_state(fresh.seq, source.seq.num_blocks, reader),
+        SwapStreamError,
+        fresh.seq,
+        kind="swap: broken stream",
+    )
 
 
 def forged_header(record: bytes, num_tokens: int) -> bytes:
@@ -1307,8 +1423,13 @@ def _bad_forged_size(d: Driver) -> None:
     limit = d.config.max_blocks_per_seq_resolved * BS
     num_tokens = (limit + 1, 2**31 - 1, 2**32)[d.choose.integer(0, 2)]
     reader = io.BytesIO(forged_header(out.getvalue(), num_tokens) + b"\0" * 64)
-    d._refused(f"restore a record announcing {num_tokens} tokens", lambda: d.model.restore_sequence_state(
-        fresh.seq, source.seq.num_blocks, reader), SwapFormatError, fresh.seq, kind="swap: forged size")
+    d._refused(
+        f"restore a record announcing {num_tokens} tokens",
+        lambda: d.model.restore_sequence_state(fresh.seq, source.seq.num_blocks, reader),
+        SwapFormatError,
+        fresh.seq,
+        kind="swap: forged size",
+    )
     if reader.tell() != HEADER_BYTES:
         raise d._fail(f"a forged size was refused after reading {reader.tell()} bytes, not just the header")
 
@@ -1594,11 +1715,14 @@ def fuzz_restore(num_records: int, *, seed: int = 0, device_factory: Callable[[]
             model.save_sequence_state(donor_seq, donor)
             for _ in range(num_records // 2):
                 mutations = random_mutations(rng)
-                resealed = any(MUTATIONS[k % len(MUTATIONS)] in ("header_field", "header_sizes", "resealed_flip")
-                               for k, *_ in mutations)
+                resealed = any(
+                    MUTATIONS[k % len(MUTATIONS)] in ("header_field", "header_sizes", "resealed_flip")
+                    for k, *_ in mutations
+                )
                 mutated = mutate(record, mutations, donor.getvalue())
-                restore_mutated(model, record, source.num_blocks, mutated, resealed=resealed,
-                                adapter_slot=adapter, counts=counts)
+                restore_mutated(
+                    model, record, source.num_blocks, mutated, resealed=resealed, adapter_slot=adapter, counts=counts
+                )
             model.free_sequence(source)
             model.free_sequence(donor_seq)
         finally:
@@ -1777,8 +1901,9 @@ class SweepResult:
     never_surfaced: list[int] = field(default_factory=list)
 
 
-def count_lifecycle_calls(emulator: EmulatorControls, device_factory: Callable[[], Device],
-                          config: ModelConfig) -> tuple[int, list[tuple[str, int]]]:
+def count_lifecycle_calls(
+    emulator: EmulatorControls, device_factory: Callable[[], Device], config: ModelConfig
+) -> tuple[int, list[tuple[str, int]]]:
     """Driver calls of one fault-free lifecycle, in all and per step."""
     dev = device_factory()
     try:
@@ -1790,8 +1915,14 @@ def count_lifecycle_calls(emulator: EmulatorControls, device_factory: Callable[[
         dev.close()
 
 
-def fault_sweep(emulator: EmulatorControls, device_factory: Callable[[], Device], *, sticky: bool,
-                code: int = 719, config: ModelConfig | None = None) -> SweepResult:
+def fault_sweep(
+    emulator: EmulatorControls,
+    device_factory: Callable[[], Device],
+    *,
+    sticky: bool,
+    code: int = 719,
+    config: ModelConfig | None = None,
+) -> SweepResult:
     """For every driver call N of the lifecycle: a fresh device and model, call N fails (once,
     or from N on when ``sticky``), and then:
 
@@ -1858,8 +1989,7 @@ def fault_sweep(emulator: EmulatorControls, device_factory: Callable[[], Device]
     return result
 
 
-def soak(dev: Device, emulator: EmulatorControls, config: ModelConfig, ops: int, seed: int,
-         code: int = 719) -> Driver:
+def soak(dev: Device, emulator: EmulatorControls, config: ModelConfig, ops: int, seed: int, code: int = 719) -> Driver:
     """The random driver with a one-shot fault armed at a random upcoming driver call before
     about one operation in eight (use inside :class:`one_shot_faults`)."""
     rng = random.Random(seed)

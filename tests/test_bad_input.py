@@ -210,7 +210,7 @@ def test_a_fractional_prompt_is_refused_not_matched(model: HybridModel) -> None:
     model.free_sequence(seq)
 
 
-# ---------------------------------------------------------------------------------- 2. swap-out frees what swap-in cannot restore
+# ------------------------------------------------------------ 2. swap-out frees what swap-in cannot restore
 
 
 def out_of_range_counts(num_tokens: int) -> st.SearchStrategy[object]:
@@ -273,7 +273,10 @@ def test_swap_out_never_frees_a_sequence_whose_record_could_not_be_restored(
     value = data.draw(out_of_range_counts(6))
     try:
         if assign_or_refused(seq, field, value):
-            with unchanged(model, seq), pytest.raises(SequenceStateError, match=f"{field}=.*must be an int in \\[0, num_tokens=6\\]"):
+            with (
+                unchanged(model, seq),
+                pytest.raises(SequenceStateError, match=f"{field}=.*must be an int in \\[0, num_tokens=6\\]"),
+            ):
                 tier.swap_out(seq)
             assert not seq.is_freed
             assert (tier.num_swapped_out, tier.host_bytes_used) == (0, 0)
@@ -295,8 +298,12 @@ def test_swap_out_refuses_more_tokens_than_the_model_can_restore(model: HybridMo
     seq = filled(model, rng, 8)
     seq.append_tokens(np.arange(1, MAX_TOKENS - 8 + 2))  # one more than 48 blocks of 4 cover
     tier = SwapTier(model, host_bytes=1 << 20)
-    with unchanged(model, seq), pytest.raises(
-        SequenceStateError, match=f"num_tokens={MAX_TOKENS + 1} exceeds the per-sequence limit of {MAX_TOKENS} tokens"
+    with (
+        unchanged(model, seq),
+        pytest.raises(
+            SequenceStateError,
+            match=f"num_tokens={MAX_TOKENS + 1} exceeds the per-sequence limit of {MAX_TOKENS} tokens",
+        ),
     ):
         tier.swap_out(seq)
     assert not seq.is_freed and tier.num_swapped_out == 0
@@ -320,7 +327,9 @@ def test_swap_out_refuses_a_sequence_holding_a_negative_token_id(model: HybridMo
 # ---------------------------------------------------------------------------------- 3. swap handles
 
 
-def test_a_handle_of_another_tier_is_refused_and_both_records_stay(model: HybridModel, rng: np.random.Generator) -> None:
+def test_a_handle_of_another_tier_is_refused_and_both_records_stay(
+    model: HybridModel, rng: np.random.Generator
+) -> None:
     first, second = SwapTier(model, host_bytes=1 << 20), SwapTier(model, host_bytes=1 << 20)
     mine = first.swap_out(filled(model, rng))
     theirs = second.swap_out(filled(model, rng, 13))
@@ -371,6 +380,8 @@ bad_counts = st.one_of(
     st.floats(allow_nan=True).map(lambda n: lambda asked: n),
     st.sampled_from(["1", b"1", True, [1]]).map(lambda n: lambda asked: n),
 )
+
+
 @SHARED_MODEL
 @given(answer=bad_counts, bad_call=st.integers(1, 8))
 def test_a_reader_answering_nonsense_is_refused_and_the_restore_undone(
@@ -381,7 +392,9 @@ def test_a_reader_answering_nonsense_is_refused_and_the_restore_undone(
     target = model.alloc_sequence()
     try:
         with unchanged(model, target), pytest.raises(SwapStreamError, match="readinto of [0-9]+ bytes returned"):
-            model.restore_sequence_state(target, source.num_blocks, cast(io.BytesIO, BrokenReader(record, bad_call, answer)))
+            model.restore_sequence_state(
+                target, source.num_blocks, cast(io.BytesIO, BrokenReader(record, bad_call, answer))
+            )
     finally:
         model.free_sequence(target)
         model.free_sequence(source)
@@ -489,7 +502,9 @@ def test_a_restore_failing_its_last_checksum_leaves_the_cache_as_it_was(
     model.free_sequence(target)
 
 
-def test_swap_in_makes_room_itself_so_the_restore_never_has_to_evict(model: HybridModel, rng: np.random.Generator) -> None:
+def test_swap_in_makes_room_itself_so_the_restore_never_has_to_evict(
+    model: HybridModel, rng: np.random.Generator
+) -> None:
     tier = SwapTier(model, host_bytes=1 << 20)
     seq = filled(model, rng)
     tokens, handle = seq.tokens.copy(), tier.swap_out(seq)
@@ -502,7 +517,7 @@ def test_swap_in_makes_room_itself_so_the_restore_never_has_to_evict(model: Hybr
     model.free_sequence(back)
 
 
-# ---------------------------------------------------------------------------------- 6. exceptions that are not LifecycleError
+# ------------------------------------------------------------ 6. exceptions that are not LifecycleError
 
 #: Anything a count, a start or an id cannot be: ints past 64 bits either way, and non-ints.
 not_a_c_index = st.one_of(
@@ -517,8 +532,12 @@ not_a_c_index = st.one_of(
 )
 
 
-@given(value=not_a_c_index, call=st.sampled_from(["allocate", "allocate_into start", "allocate_into n",
-                                                 "dec_ref_range start", "dec_ref_range n", "refcount"]))
+@given(
+    value=not_a_c_index,
+    call=st.sampled_from(
+        ["allocate", "allocate_into start", "allocate_into n", "dec_ref_range start", "dec_ref_range n", "refcount"]
+    ),
+)
 def test_block_pool_counts_starts_and_ids_that_fit_no_c_index_are_invalid_ids(value: object, call: str) -> None:
     pool = BlockPool(16)
     table = pool.allocate(8)
@@ -597,7 +616,9 @@ def test_copy_rows_of_the_wrong_kind_are_refused(rows: Any) -> None:
         first_bad_row(rows, bounds, bounds)
 
 
-@pytest.mark.parametrize("starts", [np.zeros(1, np.float64), np.zeros((1, 1), np.int64), None], ids=["dtype", "2-D", "none"])
+@pytest.mark.parametrize(
+    "starts", [np.zeros(1, np.float64), np.zeros((1, 1), np.int64), None], ids=["dtype", "2-D", "none"]
+)
 def test_copy_bounds_of_the_wrong_kind_are_refused(starts: Any) -> None:
     with pytest.raises(InvalidId, match="starts must be a contiguous 1-D int64 array"):
         first_bad_row(np.zeros((1, 3), np.int64), starts, np.zeros(1, np.int64))
@@ -764,9 +785,13 @@ def test_the_issues_forged_record_names_the_per_sequence_limit(model: HybridMode
     source = filled(model, rng)
     target = model.alloc_sequence()
     reader = Endless(forged_header(record_of(model, source), MAX_RECORD_TOKENS))
-    with unchanged(model, target), pytest.raises(
-        SwapFormatError, match=f"num_tokens=2147483647 exceeds the per-sequence limit of {MAX_TOKENS} tokens "
-        f"\\({MAX_BLOCKS} blocks of {BS} tokens\\)"
+    with (
+        unchanged(model, target),
+        pytest.raises(
+            SwapFormatError,
+            match=f"num_tokens=2147483647 exceeds the per-sequence limit of {MAX_TOKENS} tokens "
+            f"\\({MAX_BLOCKS} blocks of {BS} tokens\\)",
+        ),
     ):
         model.restore_sequence_state(target, source.num_blocks, cast(io.BytesIO, reader))
     assert reader.delivered == HEADER_BYTES
@@ -851,7 +876,9 @@ def test_the_most_meaningful_turns_are_served(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("options", [["--blocks", "0"], ["--blocks", "2000000000"], ["--turns", "1000"]])
-def test_json_mode_prints_a_refused_option_as_a_json_error(capsys: pytest.CaptureFixture[str], options: list[str]) -> None:
+def test_json_mode_prints_a_refused_option_as_a_json_error(
+    capsys: pytest.CaptureFixture[str], options: list[str]
+) -> None:
     assert main(["simulate", "--json", *options]) == 2
     captured = capsys.readouterr()
     error = json.loads(captured.out)["error"]
@@ -875,7 +902,9 @@ def test_json_mode_prints_a_failed_run_as_a_json_error(
     assert main(["simulate", "--requests", "4", "--json"]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out)["error"] == {
-        "type": "OutOfBlocks", "message": "cannot allocate 9 blocks: only 2 of 512 are free", "option": None,
+        "type": "OutOfBlocks",
+        "message": "cannot allocate 9 blocks: only 2 of 512 are free",
+        "option": None,
         "exit_status": 1,
     }
     assert "OutOfBlocks: cannot allocate 9 blocks" in captured.err

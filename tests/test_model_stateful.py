@@ -16,14 +16,13 @@ from __future__ import annotations
 import gc
 import os
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from lifecycle.device.host import HostDevice
-from lifecycle.errors import InvalidId, InvariantViolation, SequenceStateError
+from lifecycle.errors import InvalidId, InvariantViolation
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from devices import make_device

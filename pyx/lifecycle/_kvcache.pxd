@@ -54,6 +54,7 @@ cdef struct Counters:
     int64_t snapshot_hits
     int64_t snapshot_hits_cut_short
     int64_t snapshots_evicted
+    uint64_t time_ticks
 
 
 @cython.final
@@ -84,8 +85,10 @@ cdef class KVCacheCore:
     cdef int32_t _snap_free
     cdef int32_t _snaps_used
     cdef Counters _counters
+    cdef uint64_t _entered          # clock when the lock was last taken
 
     cdef bint _lock_with_gil(self, Py_ssize_t work)
+    cdef void _lock(self) noexcept nogil
     cdef void _unlock(self) noexcept nogil
     cdef SeqRec *_rec(self, int64_t handle, Failure *f) noexcept nogil
     cdef SeqRec *_active(self, int64_t handle, Failure *f) noexcept nogil
