@@ -1,13 +1,11 @@
-"""W2, the prefix-cache serving replay (SPEC §7), at the trie + pool level.
+"""W2, the prefix-cache serving replay (SPEC §7): its trace and the record every library reports.
 
-Replays ``w2_*`` of the reference traces (``bench/data/traces.npz``) by the reference rules: requests
-in order, at most 64 live (FIFO); a finishing request caches every full block of prompt + generated
-tokens, then releases its references; admission reuses the longest cached prefix that leaves the
-prompt's last token uncached, pins it, and allocates the rest, evicting least recently used
-unpinned cached blocks when the free list runs short.
+``load_w2`` reads ``w2_*`` of the reference traces (``bench/data/traces.npz``): 2,000 requests, at
+most 64 live (FIFO), blocks of 16 tokens, a pool of 32,768 blocks; ``bench/replay.py`` replays them
+through lifecycle and ``peer_*.py`` through the peers, by the same rules.
 
-The module imports only numpy at the top so that the peers' runners (``peer_*.py``, run inside
-the peers' virtual environments) can share ``load_w2``.
+The module imports only numpy and the standard library, so that the peers' runners (run inside the
+peers' virtual environments) can share it.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import sys
-import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,64 +118,6 @@ def result(
     }
 
 
-def replay_lifecycle(trace: W2Trace) -> tuple[float, int, int]:
-    """One timed replay on a fresh pool and cache; returns (seconds, hit tokens, blocks evicted)."""
-    from lifecycle._blockpool import BlockPool
-    from lifecycle._prefix_trie import PrefixTrie
-    from lifecycle.prefix_cache import PrefixCache
-
-    pool = BlockPool(trace.num_blocks)
-    cache = PrefixCache(pool, PrefixTrie(trace.block_size, capacity=trace.num_blocks))
-    # Everything a request needs, computed before the clock like the peers' trace preparation.
-    requests = [
-        (trace.tokens[i], trace.reusable_blocks(i), trace.blocks_needed(i),
-         (trace.prompt_lens[i] + trace.gen_len) // trace.block_size)
-        for i in range(trace.num_requests)
-    ]
-    live: deque[tuple[NDArray[np.int32], NDArray[np.int32], int, int, NDArray[np.int32]]] = deque()
-    max_live = trace.max_live
-    block_size = trace.block_size
-    # The cache's fused calls, one C call each: at admission, match + pin + reference the prefix
-    # and evict as needed + allocate the rest into a new block table; at finish, cache + unpin +
-    # release.
-    core = cache.core
-    admit = core.admit
-    cache_and_release = core.cache_and_release
-    hit_tokens = 0
-
-    start = time.perf_counter()
-    for tokens, reusable, needed, full_blocks in requests:
-        if len(live) == max_live:
-            cache_and_release(*live.popleft())
-        block_table, node_ids, _ = admit(tokens, needed, 0, reusable)
-        hit_tokens += len(node_ids) * block_size
-        live.append((tokens, block_table, full_blocks, 0, node_ids))
-    while live:
-        cache_and_release(*live.popleft())
-    seconds = time.perf_counter() - start
-    cache.check_invariants()
-    if pool.num_free + cache.num_cached_blocks != pool.num_total:
-        raise AssertionError(
-            f"W2 leaked blocks: {pool.num_free} free + {cache.num_cached_blocks} cached != {pool.num_total}"
-        )
-    return seconds, hit_tokens, cache.blocks_evicted
-
-
-def run(trace_path: Path, repeats: int = LIFECYCLE_REPEATS) -> list[dict[str, Any]]:
-    """Best of ``repeats`` replays; asserts the hit tokens equal the peers' to the token."""
-    trace = load_w2(trace_path)
-    prompt_tokens = sum(trace.prompt_lens)
-    runs = [timed(replay_lifecycle, trace) for _ in range(repeats)]
-    seconds = min(r[0] for r in runs)
-    _, hit_tokens, blocks_evicted = runs[0]
-    if prompt_tokens != REFERENCE_PROMPT_TOKENS or hit_tokens != REFERENCE_HIT_TOKENS:
-        raise AssertionError(
-            f"W2 hit {hit_tokens} of {prompt_tokens} prompt tokens; the peers hit "
-            f"{REFERENCE_HIT_TOKENS} of {REFERENCE_PROMPT_TOKENS}"
-        )
-    return [result("lifecycle", seconds, hit_tokens, prompt_tokens, blocks_evicted, trace.num_requests)]
-
-
 if __name__ == "__main__":
-    for record in run(TRACES):
-        print(json.dumps(record))
+    trace = load_w2(TRACES)
+    print(json.dumps({"requests": trace.num_requests, "prompt_tokens": sum(trace.prompt_lens)}))

@@ -1,12 +1,15 @@
-"""SPEC §7 workloads, replayed from the reference traces.
+"""SPEC §7 workloads, replayed from the repository's inputs.
 
     python bench/workloads.py w1 --json         # W1 block churn: lifecycle (both forms) and the C free-list limit
-    python bench/workloads.py w2 --json         # W2 prefix-cache replay at the trie + pool level
+    python bench/workloads.py w2 --json         # W2 prefix-cache replay at the core (one C call per admission/finish)
     python bench/workloads.py w2-model --json   # W2 through the HybridModel API
+    python bench/workloads.py w3 --json         # W3 long-context replay at the core, with the never-evict ceiling
+    python bench/workloads.py w3-model --json   # W3 through the HybridModel API
 
-Each prints one JSON line per library measured (``--json``) or a small table. The reference traces
-are the repository's ``bench/data/traces.npz`` (see bench/data/README.md); ``--trace PATH`` names
-another file, compact or in the original ``traces.npz`` format.
+Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
+``bench/data/traces.npz`` (see bench/data/README.md; ``--trace PATH`` names another file, compact or
+in the original ``traces.npz`` format); W3 reads ``bench/data/mooncake_synthetic.jsonl.xz``
+(``--trace PATH`` names another Mooncake JSONL file, plain or ``.xz``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,39 +24,68 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from traces import TRACES  # noqa: E402
+from traces import MOONCAKE_TRACE, TRACES  # noqa: E402
 
 #: The traces every W1/W2 benchmark replays unless told otherwise (the repository's copy).
 DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
+WORKLOADS = ("w1", "w2", "w2-model", "w3", "w3-model")
+#: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
+#: longer than W2's, so fewer of them give as steady a minimum.
+REPEATS = {"w2": 10, "w3": 5}
 
 
-def _runner(workload: str) -> Callable[[Path], list[Result]]:
+def run_w2(trace_path: Path, *, model: bool, repeats: int = REPEATS["w2"]) -> Result:
+    """W2 through lifecycle; the hit tokens must equal the peers' to the token."""
+    from replay import run
+    from w2 import REFERENCE_HIT_TOKENS, REFERENCE_PROMPT_TOKENS, load_w2
+
+    trace = load_w2(trace_path)
+    record = run("W2", trace, repeats, model=model)
+    if (record["hit_tokens"], record["prompt_tokens"]) != (REFERENCE_HIT_TOKENS, REFERENCE_PROMPT_TOKENS):
+        raise AssertionError(
+            f"W2 hit {record['hit_tokens']} of {record['prompt_tokens']} prompt tokens; the peers hit "
+            f"{REFERENCE_HIT_TOKENS} of {REFERENCE_PROMPT_TOKENS}"
+        )
+    return record
+
+
+def run_w3(trace_path: Path, *, model: bool, repeats: int = REPEATS["w3"]) -> Result:
+    """W3 through lifecycle, with the hit tokens of a cache that never evicts beside its own."""
+    from replay import run
+    from w3 import load_w3, never_evict_hit_tokens
+
+    trace = load_w3(trace_path)
+    record = run("W3", trace, repeats, model=model)
+    ceiling = never_evict_hit_tokens(trace)
+    if record["hit_tokens"] > ceiling:
+        raise AssertionError(f"W3 hit {record['hit_tokens']} tokens, more than a cache that never evicts ({ceiling})")
+    record["never_evict_hit_tokens"] = ceiling
+    record["never_evict_hit_rate"] = round(ceiling / record["prompt_tokens"], 6)
+    return record
+
+
+def results(workload: str, trace: Path | None) -> list[Result]:
     if workload == "w1":
         from w1 import run as run_w1
 
-        return run_w1
-    if workload == "w2":
-        from w2 import run as run_w2
-
-        return run_w2
-    if workload == "w2-model":
-        from w2_model import run as run_w2_model
-
-        return run_w2_model
+        return list(run_w1(trace or TRACES))
+    if workload.startswith("w2"):
+        return [run_w2(trace or TRACES, model=workload.endswith("model"))]
+    if workload.startswith("w3"):
+        return [run_w3(trace or MOONCAKE_TRACE, model=workload.endswith("model"))]
     raise SystemExit(f"unknown workload {workload!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["w1", "w2", "w2-model"])
+    parser.add_argument("workload", choices=WORKLOADS)
     parser.add_argument("--json", action="store_true", help="one JSON line per library")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="traces.npz to replay")
+    parser.add_argument("--trace", type=Path, default=None, help="the trace to replay (default: the repository's)")
     args = parser.parse_args(argv)
-    if not args.trace.is_file():
-        parser.error(f"--trace {args.trace}: no such file (the reference traces are {DEFAULT_TRACE})")
-    results = _runner(args.workload)(args.trace)
-    for result in results:
+    if args.trace is not None and not args.trace.is_file():
+        parser.error(f"--trace {args.trace}: no such file")
+    for result in results(args.workload, args.trace):
         if args.json:
             print(json.dumps(result), flush=True)
         else:

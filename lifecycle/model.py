@@ -16,7 +16,6 @@ model's lock, so teardown never frees memory under them. Bad input raises a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -134,15 +133,13 @@ class HybridModel(LifecycleDefaults):
             enable_prefix_cache=config.enable_prefix_cache,
             snapshot_cut=self._ssm is not None,
             num_snapshots=self._snapshots.capacity if self._snapshots is not None else 0,
-            # Without attention layers a sequence holds no blocks: only its tokens are bounded.
-            max_blocks_per_seq=config.max_blocks_per_seq_resolved
-            if self._kv is not None
-            else (2**31 - 1) // self._block_size - 1,
+            max_blocks_per_seq=config.max_blocks_per_seq_resolved,
+            # Without attention layers a sequence holds no blocks, and its tokens are not bounded by them.
+            max_tokens_per_seq=None if self._kv is not None else 2**31 - 1,
         )
         self._slots = SlotPool(config.max_seqs)
         self._adapters = AdapterTable(config.num_adapter_slots)
         self._drop_queue: deque[int] = deque()
-        self._seq_ids = itertools.count()
         self._innerq_hook: Callable[[], None] | None = None
         self._max_blocks_per_seq = config.max_blocks_per_seq_resolved
         self._max_budget_tokens = self._max_blocks_per_seq * self._block_size if self._kv is not None else None
@@ -195,34 +192,12 @@ class HybridModel(LifecycleDefaults):
             except (SequenceStateError, TornDown, IndexError):
                 continue
             if slot != NO_ADAPTER:
-                with self._lock:
-                    self._adapters.release_ref(slot)
+                self._release_adapter(slot)
 
     def _root_of(self, adapter_slot: int) -> int:
         if isinstance(adapter_slot, bool) or not isinstance(adapter_slot, int):
             raise InvalidId(f"adapter_slot={adapter_slot!r} must be an int (NO_ADAPTER = -1 for none)")
         return 0 if adapter_slot == NO_ADAPTER else self._adapters.uid_of_loaded(adapter_slot)
-
-    def _wanted_blocks(self, num_tokens: object, what: str) -> int:
-        """Blocks that cover ``num_tokens`` tokens, checked against the per-sequence limit."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidId(f"{what}: num_tokens={num_tokens!r} must be an int >= 0")
-        wanted = -(-num_tokens // self._block_size)
-        if wanted > self._max_blocks_per_seq:
-            raise InvalidId(
-                f"{what}: {num_tokens} tokens need {wanted} blocks, "
-                f"over the per-sequence limit of {self._max_blocks_per_seq}"
-            )
-        return wanted
-
-    def _checked_blocks(self, seq: SequenceState, handle: int, num_tokens: object, what: str) -> int:
-        """``_wanted_blocks``, but a sequence that is not active is refused for that first."""
-        try:
-            return self._wanted_blocks(num_tokens, what)
-        except InvalidId:
-            if not seq._open or self._core.status(handle) != 1:
-                raise SequenceStateError(f"{what}: sequence {seq.seq_id} is {seq.status.value}, not active") from None
-            raise
 
     def _snapshot(self, seq: SequenceState, handle: int, blocks: int, *, rolling: bool = False) -> bool:
         """Cache the first ``blocks`` blocks with an SSM snapshot at their end (copied from the
@@ -248,22 +223,14 @@ class HybridModel(LifecycleDefaults):
                 return
         self._core.cache(handle, min(num_tokens // self._block_size, num_blocks))
 
-    def _release(self, seq: SequenceState, handle: int, *, cache: bool) -> None:
+    def _release(self, seq: SequenceState, cache: bool) -> None:
         """The slot first (unless detached), then the record (its full blocks cached when
         ``cache``, its pins and block references dropped), then its adapter reference."""
-        guard, seq._guard = seq._guard, None
-        seq._open = False
-        slot = NO_ADAPTER
-        try:
-            if guard is not None:
-                guard.release()
-        finally:
-            try:
-                slot = self._core.finish(handle, cache)
-            finally:
-                if slot != NO_ADAPTER:
-                    with self._lock:
-                        self._adapters.release_ref(slot)
+        self._core.release(seq, cache, self._release_adapter)
+
+    def _release_adapter(self, adapter_slot: int) -> None:
+        with self._lock:
+            self._adapters.release_ref(adapter_slot)
 
     # ------------------------------------------------------------------ required methods
 
@@ -280,27 +247,25 @@ class HybridModel(LifecycleDefaults):
     def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
         """``alloc_sequence`` for a request that reaches at most ``budget_tokens`` tokens: its
         proposer (draft) state and token buffer are sized to that budget."""
-        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
-            raise InvalidId(f"budget_tokens={budget_tokens!r} must be an int >= 0")
+        if type(budget_tokens) is not int or budget_tokens < 0:
+            if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
+                raise InvalidId(f"budget_tokens={budget_tokens!r} must be an int >= 0")
         limit = self._max_budget_tokens
         if limit is not None and budget_tokens > limit:
             raise InvalidId(f"budget_tokens={budget_tokens} exceeds the per-sequence limit of {limit} tokens")
         if self._torn_down or self._drop_queue:
             self._enter()
-        seq_id = next(self._seq_ids)
-        guard = self._slots.acquire()
-        try:
-            if self._ssm is not None:
+        seq = self._core.alloc(self._slots, budget_tokens, self._addrs_by_slot, self._drop_queue)
+        if self._ssm is not None:
+            try:
                 with self._lock, self._device_work():
                     self._enter()
-                    self._ssm.zero_slot(guard.slot)
+                    self._ssm.zero_slot(seq.slot_idx)
                     self._device.synchronize()  # the engine's kernels may run on another stream
-            handle = self._core.open(0, NO_ADAPTER, budget_tokens, seq_id)
-        except BaseException:
-            guard.release()
-            raise
-        guard.owner = handle
-        return SequenceState(self._core, handle, seq_id, guard, self._addrs_by_slot, budget_tokens, self._drop_queue)
+            except BaseException:
+                self._core.release(seq, False)
+                raise
+        return seq
 
     def cache_sequence(self, seq: SequenceState) -> None:
         """Insert the sequence's full blocks (prompt and generated) into the prefix cache under its
@@ -315,29 +280,26 @@ class HybridModel(LifecycleDefaults):
     def finish_sequence(self, seq: SequenceState) -> None:
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
         request ends): one core call that caches, unpins and releases."""
-        handle = self._handle(seq)
-        if not seq._open:
+        if self._snapshots is not None:
+            self._handle(seq)
+            with self._lock, self._device_work():
+                self._enter()
+                if seq._open:
+                    try:
+                        self._cache(seq, seq._handle)
+                    finally:
+                        self._release(seq, False)
             return
-        if self._snapshots is None:
-            if self._drop_queue:
-                self._reap_dropped()
-            self._release(seq, handle, cache=True)
-            return
-        with self._lock, self._device_work():
-            self._enter()
-            try:
-                self._cache(seq, handle)
-            finally:
-                self._release(seq, handle, cache=False)
+        if self._drop_queue:
+            self._reap_dropped()
+        self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
         """Release the SSM slot first (unless detached), then the adapter reference, the prefix
         pins and one reference on every block. A second call is a no-op."""
-        handle = self._handle(seq)
-        if seq._open:
-            if self._drop_queue:
-                self._reap_dropped()
-            self._release(seq, handle, cache=False)
+        if self._drop_queue:
+            self._reap_dropped()
+        self._core.release(seq, False, self._release_adapter)
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
         """Move the sequence's SSM state to ``new_slot`` (one batched copy of every SSM layer,
@@ -578,23 +540,22 @@ class HybridModel(LifecycleDefaults):
         would, in the same call. It ends as the two calls would: when the growth raises
         ``OutOfBlocks``, the prefix stays attached. A ``grow_to`` that ``grow`` would refuse is
         refused first, before anything is attached or recorded."""
-        handle = self._handle(seq)
-        wanted = -1 if grow_to is None else self._checked_blocks(seq, handle, grow_to, "attach_prefix")
         if self._ssm is None:
             if self._drop_queue:
                 self._reap_dropped()
-            return self._core.attach(handle, prompt, wanted) * self._block_size  # type: ignore[no-any-return]
+            return self._core.attach_seq(seq, prompt, grow_to)  # type: ignore[no-any-return]
+        self._handle(seq)
         with self._lock, self._device_work():
             self._enter()
-            if seq.is_detached:
+            if seq._open and seq.is_detached:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
             try:
-                reused = self._core.attach(handle, prompt, wanted)
+                reused: int = self._core.attach_seq(seq, prompt, grow_to)
             except OutOfBlocks:  # the prefix is attached: its state is restored all the same
-                self._restore_prefix_state(seq, handle)
+                self._restore_prefix_state(seq, seq._handle)
                 raise
-            self._restore_prefix_state(seq, handle)
-            return reused * self._block_size
+            self._restore_prefix_state(seq, seq._handle)
+            return reused
 
     def _restore_prefix_state(self, seq: SequenceState, handle: int) -> None:
         """Copy the SSM snapshot at the end of the attached prefix into the sequence's slot; if
@@ -610,11 +571,9 @@ class HybridModel(LifecycleDefaults):
     def grow(self, seq: SequenceState, num_tokens: int) -> int:
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
         prefix blocks when the free list runs short. Returns the number of blocks added."""
-        handle = self._handle(seq)
-        wanted = self._checked_blocks(seq, handle, num_tokens, "grow")
         if self._drop_queue:
             self._reap_dropped()
-        return self._core.grow(handle, wanted)  # type: ignore[no-any-return]
+        return self._core.grow_seq(seq, num_tokens)  # type: ignore[no-any-return]
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the

@@ -24,10 +24,14 @@ released when the call is long or the lock is taken; nothing holding it waits fo
 
 cimport cython
 cimport numpy as cnp
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+
+import enum
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
+from lifecycle._slots cimport SlotGuard, SlotPool
 from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash, lc_stream_tokens_checked
 from lifecycle._radix cimport (
@@ -45,6 +49,7 @@ import numpy as np
 
 from lifecycle.errors import (
     ConfigError,
+    ForeignSequence,
     InvalidId,
     InvariantViolation,
     OutOfBlocks,
@@ -149,14 +154,20 @@ cdef class KVCacheCore:
     """
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
-                 num_snapshots=0, max_blocks_per_seq=None, capacity=None):
+                 num_snapshots=0, max_blocks_per_seq=None, max_tokens_per_seq=None, capacity=None):
         cdef Py_ssize_t i
         if self._pool is not None:
             raise ConfigError("this KVCacheCore is already initialized; make a new one")
         total = pool.num_total
         self._block_size = _as_count(block_size, "block_size", 1, 1 << 16)
         self._max_blocks_per_seq = _as_count(
-            max(total, 1) if max_blocks_per_seq is None else max_blocks_per_seq, "max_blocks_per_seq", 1, INT32_MAX // self._block_size
+            total if max_blocks_per_seq is None else max_blocks_per_seq, "max_blocks_per_seq", 0,
+            INT32_MAX // self._block_size - 1,
+        )
+        # A sequence may hold one block's worth of tokens past its blocks (the token being computed).
+        self._max_tokens_per_seq = _as_count(
+            (self._max_blocks_per_seq + 1) * self._block_size if max_tokens_per_seq is None else max_tokens_per_seq,
+            "max_tokens_per_seq", 0, INT32_MAX,
         )
         self._num_snapshots = <int32_t>_as_count(num_snapshots, "num_snapshots", 0, INT32_MAX // 2)
         # Nodes hold runs of blocks, so far fewer nodes than blocks are needed; the table grows.
@@ -830,32 +841,145 @@ cdef class KVCacheCore:
 
     # -- the calls ------------------------------------------------------------------------------------
 
-    def open(self, adapter=0, adapter_slot=-1, token_capacity=0, seq_id=None):
+    def open(self, adapter=0, adapter_slot=-1, token_capacity=0):
         """A new request record under ``adapter`` (its prefix-cache key), holding adapter slot
         ``adapter_slot`` (-1: none; the caller's reference, handed back by ``finish``), with room
-        for ``token_capacity`` tokens, named ``seq_id`` in messages (default: a counter of its
-        own). Returns its handle."""
-        cdef Failure f
+        for ``token_capacity`` tokens. Returns its handle."""
         cdef int64_t key = _adapter_key(adapter)
         cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", -1, INT32_MAX)
-        cdef Py_ssize_t tokens = _as_count(token_capacity, "token_capacity", 0, (self._max_blocks_per_seq + 1) * self._block_size)
+        cdef int64_t seq_id
+        return self._open(
+            key, slot, _as_count(token_capacity, "token_capacity", 0, self._max_tokens_per_seq),
+            &seq_id,
+        )
+
+    cdef int64_t _open(self, int64_t key, int32_t slot, Py_ssize_t tokens, int64_t *seq_id) except -1:
+        cdef Failure f
         cdef int64_t handle
-        cdef int64_t name = -1 if seq_id is None else _as_count(seq_id, "seq_id", 0, INT64_MAX_PY)
         _ok(&f)
+        tokens = max(tokens, self._block_size)
         if self._lock_with_gil(0):
-            handle = self._open_locked(key, slot, max(tokens, self._block_size), &f)
-            if handle >= 0 and name >= 0:
-                self._recs[handle & INDEX_MASK].seq_id = name
+            handle = self._open_locked(key, slot, tokens, &f)
+            if handle >= 0:
+                seq_id[0] = self._recs[handle & INDEX_MASK].seq_id
             self._unlock()
         else:
             with nogil:
                 self._lock()
-                handle = self._open_locked(key, slot, max(tokens, self._block_size), &f)
-                if handle >= 0 and name >= 0:
-                    self._recs[handle & INDEX_MASK].seq_id = name
+                handle = self._open_locked(key, slot, tokens, &f)
+                if handle >= 0:
+                    seq_id[0] = self._recs[handle & INDEX_MASK].seq_id
                 self._unlock()
-        self._raise(&f, "open")
+        if handle < 0:
+            self._raise(&f, "open")
         return handle
+
+    def alloc(self, SlotPool slots not None, budget_tokens, addrs_by_slot, drop_queue):
+        """A new request: a slot from ``slots`` (its guard records the request as the slot's
+        owner), a record with room for ``budget_tokens`` tokens, and their Python face, which reads
+        its SSM addresses from ``addrs_by_slot`` and puts its handle on ``drop_queue`` if it is
+        dropped while open. One call for what a model's ``alloc_sequence_for`` does."""
+        cdef Py_ssize_t budget = _as_count(
+            budget_tokens, "budget_tokens", 0, self._max_tokens_per_seq
+        )
+        cdef int64_t seq_id, handle
+        cdef SlotGuard guard = slots._acquire()
+        try:
+            handle = self._open(0, -1, budget, &seq_id)
+        except BaseException:
+            guard._let_go()
+            raise
+        slots._owners[guard._slot] = handle
+        cdef SequenceState seq = SequenceState.__new__(SequenceState)
+        seq._core = self
+        seq._handle = handle
+        seq.seq_id = seq_id
+        seq._guard = guard
+        seq._addrs_by_slot = addrs_by_slot
+        seq.budget_tokens = budget
+        seq._drop_queue = drop_queue
+        seq._open = True
+        return seq
+
+    def release(self, seq, bint cache, on_adapter=None):
+        """What a model's ``free_sequence`` (``cache=False``) or ``finish_sequence`` does: the SSM
+        slot first (unless detached), then the record (``finish``), then ``on_adapter(slot)`` for
+        the adapter slot the request held, if any, whatever failed before. A second call does
+        nothing."""
+        cdef SequenceState face = self._face(seq)
+        cdef object guard
+        cdef int32_t slot = -1
+        if not face._open:
+            return
+        guard, face._guard = face._guard, None
+        face._open = False
+        try:
+            if guard is not None:
+                (<SlotGuard>guard)._let_go()
+        finally:
+            try:
+                slot = self._finish(face._handle, cache)
+            finally:
+                if slot >= 0 and on_adapter is not None:
+                    on_adapter(slot)
+
+    def attach_seq(self, seq, prompt, grow_to=None):
+        """``attach`` for a ``SequenceState`` (a model's ``attach_prefix``): ``grow_to`` counts
+        tokens (None: no growth). Returns the reused token count."""
+        cdef int64_t h = self._open_handle(seq, "attach_prefix")
+        cdef Py_ssize_t wanted = -1
+        if grow_to is not None:
+            wanted = self._blocks_for_tokens(h, grow_to, "attach_prefix")
+        return self.attach(h, prompt, wanted) * self._block_size
+
+    def grow_seq(self, seq, num_tokens):
+        """``grow`` for a ``SequenceState``, to cover ``num_tokens`` tokens; the blocks added."""
+        cdef int64_t h = self._open_handle(seq, "grow")
+        return self.grow(h, self._blocks_for_tokens(h, num_tokens, "grow"))
+
+    cdef SequenceState _face(self, object seq):
+        if type(seq) is not SequenceState:
+            raise ForeignSequence(f"expected a SequenceState, got {type(seq).__name__}")
+        if (<SequenceState>seq)._core is not self:
+            raise ForeignSequence(f"sequence {(<SequenceState>seq).seq_id} belongs to another model")
+        return <SequenceState>seq
+
+    cdef int64_t _open_handle(self, object seq, str call) except -1:
+        cdef SequenceState face = self._face(seq)
+        if not face._open:
+            raise SequenceStateError(f"{call}: sequence {face.seq_id} is freed, not active")
+        return face._handle
+
+    cdef Py_ssize_t _blocks_for_tokens(self, int64_t h, object num_tokens, str call) except -1:
+        """Blocks covering ``num_tokens`` tokens (an int >= 0) within the per-sequence limit; a
+        record that is not active is refused for that first."""
+        cdef int overflow = 0
+        cdef long long n = -1
+        cdef Py_ssize_t limit = self._max_blocks_per_seq
+        if PyLong_CheckExact(num_tokens):
+            n = PyLong_AsLongLongAndOverflow(num_tokens, &overflow)
+            if not overflow and 0 <= n <= <long long>limit * self._block_size:
+                return <Py_ssize_t>((n + self._block_size - 1) // self._block_size)
+        if self._field(h, 6) != ACTIVE:
+            status = _STATUS_NAMES[self._field(h, 6)]
+            raise SequenceStateError(f"{call}: sequence {self._field_seq_id(h)} is {status}, not active")
+        if isinstance(num_tokens, int) and not isinstance(num_tokens, bool) and num_tokens >= 0:
+            wanted = -(-num_tokens // self._block_size)
+            raise InvalidId(f"{call}: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
+        raise InvalidId(f"{call}: num_tokens={num_tokens!r} must be an int >= 0")
+
+    cdef int64_t _field_seq_id(self, int64_t h):
+        cdef Failure f
+        cdef SeqRec *rec
+        cdef int64_t seq_id = -1
+        _ok(&f)
+        with nogil:
+            self._lock()
+            rec = self._rec(h, &f)
+            if rec != NULL:
+                seq_id = rec.seq_id
+            self._unlock()
+        return seq_id
 
     def clear(self, handle):
         """Take a record back to how ``open`` left it (keeping its adapter): its pin, block
@@ -924,8 +1048,8 @@ cdef class KVCacheCore:
         cdef Py_ssize_t prefix = _as_count(max_prefix, "max_prefix", -1, INT32_MAX)
         cdef Failure f
         tokens = _token_vector(tokens, &data, &n)
-        if n > (limit + 1) * self._block_size:
-            raise InvalidId(f"attach: {n} tokens are over the per-sequence limit of {(limit + 1) * self._block_size}")
+        if n > self._max_tokens_per_seq:
+            raise InvalidId(f"attach: {n} tokens are over the per-sequence limit of {self._max_tokens_per_seq}")
         _ok(&f)
         if self._lock_with_gil(n):
             reuse = self._attach_checked(h, data, n, prefix, wanted, &f)
@@ -959,8 +1083,8 @@ cdef class KVCacheCore:
         cdef int64_t handle
         cdef Failure f
         tokens = _token_vector(tokens, &data, &n)
-        if n > (limit + 1) * self._block_size:
-            raise InvalidId(f"admit: {n} tokens are over the per-sequence limit of {(limit + 1) * self._block_size}")
+        if n > self._max_tokens_per_seq:
+            raise InvalidId(f"admit: {n} tokens are over the per-sequence limit of {self._max_tokens_per_seq}")
         _ok(&f)
         if self._lock_with_gil(n):
             handle = self._admit_locked(key, data, n, prefix, wanted, &f)
@@ -991,9 +1115,11 @@ cdef class KVCacheCore:
 
     def append(self, handle, tokens):
         """Record tokens whose KV the engine computed (prompt first, then generated ones)."""
+        self._append(handle, tokens)
+
+    cdef int _append(self, int64_t h, object tokens) except -1:
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0
-        cdef int64_t h = handle
         cdef Failure f
         tokens = _token_vector(tokens, &data, &n)
         _ok(&f)
@@ -1007,6 +1133,7 @@ cdef class KVCacheCore:
                 self._unlock()
         if f.code != OK:
             self._raise(&f, "append_tokens", tokens)
+        return 0
 
     cdef void _append_locked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Failure *f) noexcept nogil:
         cdef SeqRec *rec = self._rec(handle, f)
@@ -1014,10 +1141,10 @@ cdef class KVCacheCore:
         if rec == NULL:
             return
         total = rec.num_tokens + n
-        if total > (self._max_blocks_per_seq + 1) * self._block_size:
+        if total > self._max_tokens_per_seq:
             f.code = E_TOO_LONG
             f.value = total
-            f.limit = (self._max_blocks_per_seq + 1) * self._block_size
+            f.limit = self._max_tokens_per_seq
             return
         if self._reserve_rec(rec, 0, total):
             f.code = E_NO_MEMORY
@@ -1214,7 +1341,9 @@ cdef class KVCacheCore:
         False, the cache is off or the request failed), unpin its prefix, drop its reference on
         every block and close the record. Returns the adapter slot it held (-1: none), for the
         caller to release; a second call raises ``SequenceStateError``."""
-        cdef int64_t h = handle
+        return self._finish(handle, cache)
+
+    cdef int32_t _finish(self, int64_t h, bint cache) except? -2:
         cdef Failure f
         cdef int32_t slot = -1
         cdef SeqRec *rec
@@ -1738,6 +1867,152 @@ cdef class KVCacheCore:
         if used != tags or used != self._snaps_used:
             return f"{used} snapshots listed, {tags} nodes tagged, the counter says {self._snaps_used}"
         return None
+
+
+# -- the Python face of a record -------------------------------------------------------------------
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is in its life. Transitions: ACTIVE -> RETIRED -> FREED, ACTIVE -> FREED."""
+
+    ACTIVE = "active"
+    RETIRED = "retired"
+    FREED = "freed"
+
+
+# Indexed by a record's status code.
+_SEQ_STATUS = (SeqStatus.FREED, SeqStatus.ACTIVE, SeqStatus.RETIRED)
+_NO_IDS = np.empty(0, dtype=np.int32)
+_NO_HASHES = np.empty(0, dtype=np.uint64)
+
+
+@cython.final
+@cython.no_gc_clear  # a face collected in a cycle must still queue its handle
+@cython.auto_pickle(False)
+cdef class SequenceState:
+    """One sequence's memory, as handed out by ``alloc_sequence``. Not constructed directly.
+
+    Its state (tokens, block table, pinned prefix, content hashes, adapter reference, status)
+    lives in the model's KV cache core, its SSM slot in the slot pool through ``_guard``: this
+    object reads through them. A sequence the model freed answers as an empty one.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("SequenceState objects are created by alloc_sequence()")
+
+    def __dealloc__(self):
+        # Dropped without free_sequence (an exception path): the guard releases the slot by itself;
+        # the model reaps the record at its next call.
+        if self._open and self._drop_queue is not None:
+            self._drop_queue.append(self._handle)
+
+    def __repr__(self):
+        if not self._open:
+            return f"SequenceState(seq_id={self.seq_id}, status=freed)"
+        return (
+            f"SequenceState(seq_id={self.seq_id}, slot_idx={self.slot_idx}, blocks={self.num_blocks}, "
+            f"tokens={self.num_tokens}, status={self.status.value}{', failed' if self.failed else ''})"
+        )
+
+    @property
+    def slot_idx(self):
+        """The SSM pool slot holding this sequence's state, or ``DETACHED_SLOT`` (-1)."""
+        guard = self._guard
+        return guard.slot if guard is not None and guard.held else -1
+
+    @property
+    def ssm_addrs(self):
+        """Per SSM layer, the (h_state, conv_state) device addresses of this sequence's slot."""
+        slot = self.slot_idx
+        return self._addrs_by_slot[slot] if slot >= 0 else ()
+
+    @property
+    def draft_tokens(self):
+        """Per-sequence proposer state for speculative decoding: draft token ids, sized to the
+        budget (allocated on first use, so sequences that never draft pay nothing)."""
+        if self._draft_tokens is None:
+            self._draft_tokens = np.zeros(self.budget_tokens, dtype=np.int32)
+        return self._draft_tokens
+
+    @property
+    def block_table(self):
+        """The sequence's block ids in order (int32, a copy safe to hand to a kernel)."""
+        return self._core.block_table(self._handle) if self._open else _NO_IDS.copy()
+
+    @property
+    def num_blocks(self):
+        return self._core._field(self._handle, 1) if self._open else 0
+
+    @property
+    def tokens(self):
+        """Prompt and generated tokens so far (a copy; empty once freed)."""
+        return self._core.tokens(self._handle) if self._open else _NO_IDS.copy()
+
+    @property
+    def num_tokens(self):
+        return self._core._field(self._handle, 0) if self._open else 0
+
+    def block_hashes(self):
+        """Content hashes of the sequence's full blocks (docs/content-hashes.md): the same on every
+        process and machine for the same tokens and adapter, computed once per block."""
+        return self._core.block_hashes(self._handle) if self._open else _NO_HASHES.copy()
+
+    @property
+    def prompt_len(self):
+        """Tokens of the prompt (the rest of ``tokens`` was generated)."""
+        return self._core._field(self._handle, 2) if self._open else 0
+
+    @prompt_len.setter
+    def prompt_len(self, value):
+        self._core.set_prompt_len(self._handle, value)
+
+    @property
+    def num_cached_tokens(self):
+        """Prompt tokens whose KV came from the prefix cache."""
+        return self._core._field(self._handle, 3) if self._open else 0
+
+    @property
+    def ssm_tokens(self):
+        """How many tokens the SSM state in the slot has consumed (set by the engine; None means
+        ``num_tokens``). A snapshot is only taken where this falls on a block boundary."""
+        cdef int32_t value = self._core._field(self._handle, 4) if self._open else -1
+        return None if value < 0 else value
+
+    @ssm_tokens.setter
+    def ssm_tokens(self, value):
+        self._core.set_ssm_tokens(self._handle, value)
+
+    @property
+    def adapter_slot(self):
+        """The LoRA adapter slot this sequence holds a reference on, or ``NO_ADAPTER`` (-1)."""
+        return self._core._field(self._handle, 7) if self._open else -1
+
+    @property
+    def status(self):
+        return _SEQ_STATUS[self._core._field(self._handle, 6)] if self._open else SeqStatus.FREED
+
+    @property
+    def is_detached(self):
+        return self.slot_idx == -1
+
+    @property
+    def is_freed(self):
+        return self.status is SeqStatus.FREED
+
+    @property
+    def failed(self):
+        return bool(self._core._field(self._handle, 5)) if self._open else False
+
+    def mark_failed(self):
+        """Mark the sequence failed: its KV is not trusted, so it is never inserted in the cache."""
+        self._core.mark_failed(self._handle)
+
+    def append_tokens(self, tokens):
+        """Record tokens whose KV the engine has computed (prompt first, then generated ones).
+        Token ids are integers in [0, 2**31); anything else is refused with nothing recorded."""
+        if not isinstance(tokens, (np.ndarray, list, tuple)):
+            tokens = list(tokens)
+        self._core._append(self._handle, tokens)
 
 
 cdef inline bint memcmp_tokens(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil:

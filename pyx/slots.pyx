@@ -213,9 +213,10 @@ cdef class SlotPool:
 
     def acquire(self):
         """Take a free slot; the returned guard owns it. Raises :class:`OutOfSlots` when none is free."""
-        cdef int32_t slot
-        with nogil:
-            slot = self._pop_free()
+        return self._acquire()
+
+    cdef SlotGuard _acquire(self):
+        cdef int32_t slot = self._pop_free()  # O(1) under the pool's lock: not worth handing the GIL over
         if slot < 0:
             raise OutOfSlots(
                 f"no free slot: all {self._num_slots} slots are taken "
@@ -229,8 +230,7 @@ cdef class SlotPool:
         owns it; nothing changes on error."""
         cdef int32_t wanted = self._slot_arg(slot)
         cdef int previous
-        with nogil:
-            previous = self._claim(wanted)
+        previous = self._claim(wanted)
         if previous == GUARDED:
             raise SlotInUse(
                 f"slot {wanted} is owned by a live guard; only a free or detached slot can be "
@@ -346,8 +346,7 @@ cdef class SlotGuard:
         # Must never raise: _release is noexcept, and a slot that is not guarded is left alone.
         if self._slot >= 0 and self._pool is not None:
             self._pool._forget(self._slot)
-            with nogil:
-                self._pool._release(self._slot)
+            self._pool._release(self._slot)
             self._slot = -1
 
     @property
@@ -381,12 +380,13 @@ cdef class SlotGuard:
         """Put the slot back on the free list and empty the guard. Returns False (and does nothing)
         when the guard is already empty. Raises :class:`DoubleFree` if the pool does not see the
         slot as guarded; the guard is then left unchanged."""
+        return self._let_go()
+
+    cdef bint _let_go(self) except -1:
         cdef int32_t slot = self._slot
         if slot < 0:
             return False
-        cdef int previous
-        with nogil:
-            previous = self._pool._release(slot)
+        cdef int previous = self._pool._release(slot)
         if previous != GUARDED:
             raise DoubleFree(
                 f"slot {slot} is {_state_name(previous)} in its pool of {self._pool._num_slots} "
@@ -403,8 +403,7 @@ cdef class SlotGuard:
         if slot < 0:
             return -1
         cdef int previous
-        with nogil:
-            previous = self._pool._detach(slot)
+        previous = self._pool._detach(slot)
         if previous != GUARDED:
             raise InvariantViolation(
                 f"guard holds slot {slot} but the pool sees it as {_state_name(previous)}"

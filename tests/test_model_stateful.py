@@ -203,13 +203,14 @@ def test_the_driver_catches_a_reference_the_model_forgets() -> None:
     dev = HostDevice()
     driver = Driver(CONFIGS["attention"], dev, RandomChooser(3))
 
-    def forgetful_release(seq: SequenceState, handle: int, *, cache: bool) -> None:
+    def forgetful_free(seq: SequenceState) -> None:
         guard, seq._guard = seq._guard, None
         seq._open = False
         if guard is not None:
             guard.release()
 
-    driver.model._release = forgetful_release  # type: ignore[method-assign]
+    driver.model.free_sequence = forgetful_free  # type: ignore[method-assign]
+    driver.model.finish_sequence = forgetful_free  # type: ignore[method-assign]
     try:
         driver.run(1000)
         leaks = driver.finish()

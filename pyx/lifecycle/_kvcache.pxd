@@ -57,6 +57,9 @@ cdef struct Counters:
     uint64_t time_ticks
 
 
+cdef class SequenceState
+
+
 @cython.final
 cdef class KVCacheCore:
     cdef BlockPool _pool
@@ -69,6 +72,7 @@ cdef class KVCacheCore:
     cdef int64_t _next_seq_id
     cdef Py_ssize_t _block_size
     cdef Py_ssize_t _max_blocks_per_seq
+    cdef Py_ssize_t _max_tokens_per_seq
     cdef bint _enabled
     cdef bint _snapshot_cut
     cdef bint _closed
@@ -128,3 +132,24 @@ cdef class KVCacheCore:
     cdef int32_t _field(self, int64_t handle, int which) except? -2
     cdef int _set(self, int64_t handle, int which, int64_t value, str call) except -1
     cdef str _recount(self)
+    cdef int _append(self, int64_t h, object tokens) except -1
+    cdef int32_t _finish(self, int64_t h, bint cache) except? -2
+    cdef SequenceState _face(self, object seq)
+    cdef int64_t _open_handle(self, object seq, str call) except -1
+    cdef Py_ssize_t _blocks_for_tokens(self, int64_t h, object num_tokens, str call) except -1
+    cdef int64_t _field_seq_id(self, int64_t h)
+    cdef int64_t _open(self, int64_t key, int32_t slot, Py_ssize_t tokens, int64_t *seq_id) except -1
+
+
+@cython.final
+cdef class SequenceState:
+    cdef readonly KVCacheCore _core
+    cdef readonly int64_t _handle
+    cdef readonly int64_t seq_id
+    cdef public object _guard          # the guard of its SSM slot (empty once detached)
+    cdef public bint _open             # the model has not released it yet
+    cdef public Py_ssize_t budget_tokens
+    cdef object _addrs_by_slot
+    cdef object _draft_tokens
+    cdef object _drop_queue
+    cdef object __weakref__

@@ -23,6 +23,7 @@ cdef class SlotPool:
     cdef cython.pymutex _lock
 
     cdef SlotGuard _guard_for(self, int32_t slot)
+    cdef SlotGuard _acquire(self)
     cdef void _forget(self, int32_t slot)
     cdef int32_t _pop_free(self) noexcept nogil
     cdef int _claim(self, int32_t slot) noexcept nogil
@@ -36,3 +37,5 @@ cdef class SlotPool:
 cdef class SlotGuard:
     cdef SlotPool _pool
     cdef int32_t _slot
+
+    cdef bint _let_go(self) except -1

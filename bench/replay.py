@@ -1,0 +1,147 @@
+"""W2 and W3 (SPEC §7) replayed through lifecycle, at the core and through ``HybridModel``.
+
+Both workloads follow the same rules (``../shared/bench/README.md``): requests in order, a FIFO
+window of ``max_live`` live requests; a finishing request caches every full block of its prompt and
+generated tokens, then releases its references; admission reuses the longest cached prefix in
+whole blocks, never the block holding the prompt's last token, and allocates the rest of the
+blocks it will hold, evicting least recently used unpinned cached blocks when short.
+
+- ``replay_core``: the KV cache core's own calls, one C call each: ``admit`` (a new record with
+  its cached prefix and the rest of its blocks) and ``finish`` (cache, unpin, release). This is
+  the trie-level figure the peers' pool/tree replays compare with.
+- ``replay_model``: every step a public ``HybridModel`` call a scheduler makes:
+  ``alloc_sequence_for``, ``attach_prefix(prompt, grow_to=...)``, ``append_tokens`` of the generated
+  tokens, ``finish_sequence``.
+
+Trace preparation (the per-request arguments) happens before the clock, as for the peers; the
+cyclic GC is off during a replay.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+from w2 import no_gc
+
+Replay = Callable[["PrefixTrace"], tuple[float, int, int]]
+
+
+class PrefixTrace(Protocol):
+    """What a prefix-cache replay reads of a trace (``w2.W2Trace`` and ``w3.W3Trace`` both are)."""
+
+    tokens: list[NDArray[np.int32]]
+    prompt_lens: list[int]
+    block_size: int
+    num_blocks: int
+    max_live: int
+
+    @property
+    def num_requests(self) -> int: ...
+    def blocks_needed(self, i: int) -> int: ...
+    def reusable_blocks(self, i: int) -> int: ...
+
+
+def replay_core(trace: PrefixTrace) -> tuple[float, int, int]:
+    """One timed replay through ``KVCacheCore.admit`` / ``finish`` on a fresh pool; returns
+    (seconds, hit tokens, blocks evicted)."""
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._kvcache import KVCacheCore
+
+    pool = BlockPool(trace.num_blocks)
+    core = KVCacheCore(pool, trace.block_size)
+    requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
+    live: deque[int] = deque()
+    max_live = trace.max_live
+    admit, finish = core.admit, core.finish
+    with no_gc():
+        start = time.perf_counter()
+        for tokens, needed, reusable in requests:
+            if len(live) == max_live:
+                finish(live.popleft())
+            live.append(admit(tokens, needed, reusable))
+        while live:
+            finish(live.popleft())
+        seconds = time.perf_counter() - start
+    core.check_invariants()
+    if pool.num_free + core.num_cached_blocks != pool.num_total:
+        raise AssertionError(
+            f"leaked blocks: {pool.num_free} free + {core.num_cached_blocks} cached != {pool.num_total}"
+        )
+    counters = core.counters()
+    return seconds, counters["prefix_hit_tokens"], counters["blocks_evicted"]
+
+
+def replay_model(trace: PrefixTrace) -> tuple[float, int, int]:
+    """One timed replay through the public ``HybridModel`` API on a fresh pure-attention model
+    (one small layer: the replay measures bookkeeping, not bandwidth); returns (seconds, hit
+    tokens, blocks evicted)."""
+    from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
+
+    config = ModelConfig(
+        layers=(AttentionLayer(num_kv_heads=1, head_dim=8),),
+        block_size=trace.block_size,
+        num_blocks=trace.num_blocks,
+        max_seqs=trace.max_live,
+        name="replay",
+    )
+    model = HybridModel(config, "host")
+    requests = []
+    for i in range(trace.num_requests):
+        tokens, prompt_len = trace.tokens[i], trace.prompt_lens[i]
+        requests.append((tokens[:prompt_len], tokens[prompt_len:], len(tokens)))
+    live: deque[SequenceState] = deque()
+    max_live = trace.max_live
+    alloc, attach, finish = model.alloc_sequence_for, model.attach_prefix, model.finish_sequence
+    with no_gc():
+        start = time.perf_counter()
+        for prompt, generated, total in requests:
+            if len(live) == max_live:
+                finish(live.popleft())
+            seq = alloc(total)
+            attach(seq, prompt, grow_to=total)
+            seq.append_tokens(generated)
+            live.append(seq)
+        while live:
+            finish(live.popleft())
+        seconds = time.perf_counter() - start
+    model.check_invariants()
+    stats = model.stats()
+    model.teardown()
+    report = model.teardown_report
+    if report is None or report.leaked:
+        raise AssertionError(f"the model replay leaked: {report}")
+    return seconds, stats.prefix_hit_tokens, stats.blocks_evicted
+
+
+def record(workload: str, library: str, runs: list[tuple[float, int, int]], trace: PrefixTrace) -> dict[str, Any]:
+    """The JSON record of ``runs`` (best of them, the median beside it) in the shape every library
+    reports; replays that disagree on their hits are a bug."""
+    hits = {r[1] for r in runs}
+    if len(hits) != 1:
+        raise AssertionError(f"{workload} {library}: replays of one trace hit {sorted(hits)} tokens")
+    prompt_tokens = sum(trace.prompt_lens)
+    seconds = min(r[0] for r in runs)
+    return {
+        "workload": workload,
+        "library": library,
+        "us_per_request": round(seconds / trace.num_requests * 1e6, 3),
+        "median_us_per_request": round(statistics.median(r[0] for r in runs) / trace.num_requests * 1e6, 3),
+        "hit_rate": round(runs[0][1] / prompt_tokens, 6),
+        "hit_tokens": runs[0][1],
+        "prompt_tokens": prompt_tokens,
+        "blocks_evicted": runs[0][2],
+        "replays": len(runs),
+    }
+
+
+def run(workload: str, trace: PrefixTrace, repeats: int, *, model: bool) -> dict[str, Any]:
+    """``repeats`` replays of ``trace`` at the core (``model=False``) or through the model."""
+    replay: Replay = replay_model if model else replay_core
+    runs = [replay(trace) for _ in range(repeats)]
+    return record(workload, "lifecycle-model" if model else "lifecycle", runs, trace)
