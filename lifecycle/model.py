@@ -106,7 +106,10 @@ class HybridModel(LifecycleDefaults):
         self.teardown_report: TeardownReport | None = None
         self._counters = _DeviceCounters()
         self._owns_device = isinstance(device, str)
-        self._device: Device = open_device(device, ordinal) if isinstance(device, str) else device
+        if isinstance(device, str):
+            # A kind other than open_device's three is refused there, with ConfigError naming them.
+            device = open_device(device, ordinal)  # type: ignore[arg-type]
+        self._device: Device = device
         self._releases: list[Callable[[], None]] = []  # device memory, released newest first
         try:
             self._kv = KVPool(self._device, config) if config.kv_block_bytes() > 0 else None
@@ -583,7 +586,7 @@ class HybridModel(LifecycleDefaults):
         if self._ssm is None:
             if self._drop_queue:
                 self._reap_dropped()
-            return self._core.attach(handle, prompt, wanted) * self._block_size  # type: ignore[no-any-return]
+            return self._core.attach(handle, prompt, wanted) * self._block_size
         with self._lock, self._device_work():
             self._enter()
             if seq.is_detached:
@@ -614,7 +617,7 @@ class HybridModel(LifecycleDefaults):
         wanted = self._checked_blocks(seq, handle, num_tokens, "grow")
         if self._drop_queue:
             self._reap_dropped()
-        return self._core.grow(handle, wanted)  # type: ignore[no-any-return]
+        return self._core.grow(handle, wanted)
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
@@ -686,7 +689,7 @@ class HybridModel(LifecycleDefaults):
 
     def block_table(self, seq: SequenceState) -> npt.NDArray[np.int32]:
         """The sequence's block ids as an int32 array (a copy, safe to hand to a kernel)."""
-        return self._core.block_table(self._handle(seq))  # type: ignore[no-any-return]
+        return self._core.block_table(self._handle(seq))
 
     def wait_stream(self, stream: object) -> None:
         """Order the library's later device work after everything the engine has issued so far on

@@ -92,7 +92,7 @@ cdef enum:
 _STATUS_NAMES = ("freed", "active", "retired")
 
 
-INT64_MAX_PY = 2**63 - 1
+_INT64_MAX_PY = 2**63 - 1
 
 cdef extern from *:
     """
@@ -150,6 +150,8 @@ cdef class KVCacheCore:
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
                  num_snapshots=0, max_blocks_per_seq=None, capacity=None):
+        """An empty cache over ``pool`` with ``block_size`` tokens per block; the class says what
+        each option does."""
         cdef Py_ssize_t i
         if self._pool is not None:
             raise ConfigError("this KVCacheCore is already initialized; make a new one")
@@ -840,7 +842,7 @@ cdef class KVCacheCore:
         cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", -1, INT32_MAX)
         cdef Py_ssize_t tokens = _as_count(token_capacity, "token_capacity", 0, (self._max_blocks_per_seq + 1) * self._block_size)
         cdef int64_t handle
-        cdef int64_t name = -1 if seq_id is None else _as_count(seq_id, "seq_id", 0, INT64_MAX_PY)
+        cdef int64_t name = -1 if seq_id is None else _as_count(seq_id, "seq_id", 0, _INT64_MAX_PY)
         _ok(&f)
         if self._lock_with_gil(0):
             handle = self._open_locked(key, slot, max(tokens, self._block_size), &f)
