@@ -1,24 +1,24 @@
 """Build the Cython modules of ``pyx/`` into the ``lifecycle`` package.
 
-Every ``pyx/NAME.pyx`` becomes the extension ``lifecycle._NAME``; its hand-written stub
-``stubs/lifecycle/_NAME.pyi`` is copied beside it so that mypy, stubtest and users see the types.
+Every ``pyx/NAME.pyx`` becomes the extension ``lifecycle._NAME``. Its hand-written stub
+``stubs/lifecycle/_NAME.pyi`` goes beside it in the built package (the wheel), never into the
+source tree: mypy and stubtest read ``stubs/`` itself (``mypy_path`` in pyproject.toml).
 ``LIFECYCLE_BUILD_ONLY=blockpool,slots`` restricts a development build to some modules.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 PYX = ROOT / "pyx"
 STUBS = ROOT / "stubs" / "lifecycle"
-PACKAGE = ROOT / "lifecycle"
 
 
 def _wanted(name: str) -> bool:
@@ -26,11 +26,23 @@ def _wanted(name: str) -> bool:
     return not only or name in {part.strip() for part in only.split(",")}
 
 
-def _copy_stubs() -> None:
-    for stub in sorted(STUBS.glob("_*.pyi")):
-        target = PACKAGE / stub.name
-        if not target.exists() or target.read_bytes() != stub.read_bytes():
-            shutil.copyfile(stub, target)
+class _BuildPyWithStubs(build_py):
+    """``build_py`` that also puts the compiled modules' stubs into the built ``lifecycle``."""
+
+    def _stub_targets(self) -> list[tuple[Path, Path]]:
+        if self.editable_mode:  # an editable install runs from the checkout, whose mypy reads stubs/
+            return []
+        package = Path(self.build_lib) / "lifecycle"
+        return [(stub, package / stub.name) for stub in sorted(STUBS.glob("_*.pyi"))]
+
+    def run(self) -> None:
+        super().run()
+        for stub, target in self._stub_targets():
+            self.mkpath(str(target.parent))
+            self.copy_file(str(stub), str(target))
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), *(str(target) for _, target in self._stub_targets())]
 
 
 def _extensions() -> list[Extension]:
@@ -57,10 +69,12 @@ def _extensions() -> list[Extension]:
             "wraparound": False,
             "cdivision": True,
             "initializedcheck": False,
+            # Signatures as __text_signature__ (what inspect and stubtest read), for binding=False
+            # classes too, whose methods are otherwise opaque builtins to them.
             "embedsignature": True,
+            "embedsignature.format": "clinic",
         },
     )
 
 
-_copy_stubs()
-setup(ext_modules=_extensions())
+setup(ext_modules=_extensions(), cmdclass={"build_py": _BuildPyWithStubs})

@@ -105,7 +105,10 @@ class HybridModel(LifecycleDefaults):
         self.teardown_report: TeardownReport | None = None
         self._counters = _DeviceCounters()
         self._owns_device = isinstance(device, str)
-        self._device: Device = open_device(device, ordinal) if isinstance(device, str) else device
+        if isinstance(device, str):
+            # A kind other than open_device's three is refused there, with ConfigError naming them.
+            device = open_device(device, ordinal)  # type: ignore[arg-type]
+        self._device: Device = device
         self._releases: list[Callable[[], None]] = []  # device memory, released newest first
         try:
             self._kv = KVPool(self._device, config) if config.kv_block_bytes() > 0 else None
@@ -543,7 +546,7 @@ class HybridModel(LifecycleDefaults):
         if self._ssm is None:
             if self._drop_queue:
                 self._reap_dropped()
-            return self._core.attach_seq(seq, prompt, grow_to)  # type: ignore[no-any-return]
+            return self._core.attach_seq(seq, prompt, grow_to)
         self._handle(seq)
         with self._lock, self._device_work():
             self._enter()
@@ -573,7 +576,7 @@ class HybridModel(LifecycleDefaults):
         prefix blocks when the free list runs short. Returns the number of blocks added."""
         if self._drop_queue:
             self._reap_dropped()
-        return self._core.grow_seq(seq, num_tokens)  # type: ignore[no-any-return]
+        return self._core.grow_seq(seq, num_tokens)
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
@@ -645,7 +648,7 @@ class HybridModel(LifecycleDefaults):
 
     def block_table(self, seq: SequenceState) -> npt.NDArray[np.int32]:
         """The sequence's block ids as an int32 array (a copy, safe to hand to a kernel)."""
-        return self._core.block_table(self._handle(seq))  # type: ignore[no-any-return]
+        return self._core.block_table(self._handle(seq))
 
     def wait_stream(self, stream: object) -> None:
         """Order the library's later device work after everything the engine has issued so far on

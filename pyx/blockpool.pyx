@@ -145,6 +145,7 @@ cdef class BlockPool:
         lc_mutex_init(&self._lock)
 
     def __init__(self, num_blocks):
+        """A pool of ``num_blocks`` free blocks, ids ``0 .. num_blocks-1``."""
         if self._refcounts != NULL:
             raise ConfigError(f"this BlockPool already holds {self._num_blocks} blocks; make a new one")
         try:

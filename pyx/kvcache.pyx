@@ -97,7 +97,6 @@ cdef enum:
 _STATUS_NAMES = ("freed", "active", "retired")
 
 
-INT64_MAX_PY = 2**63 - 1
 
 cdef extern from *:
     """
@@ -155,6 +154,8 @@ cdef class KVCacheCore:
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
                  num_snapshots=0, max_blocks_per_seq=None, max_tokens_per_seq=None, capacity=None):
+        """An empty cache over ``pool`` with ``block_size`` tokens per block; the class says what
+        each option does."""
         cdef Py_ssize_t i
         if self._pool is not None:
             raise ConfigError("this KVCacheCore is already initialized; make a new one")

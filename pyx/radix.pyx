@@ -332,6 +332,7 @@ cdef class RadixTrie:
         self._free_head = -1
 
     def __init__(self, block_size, *, capacity=0):
+        """An empty trie for blocks of ``block_size`` tokens, with room for ``capacity`` nodes."""
         if self._keys != NULL:
             raise ConfigError("this RadixTrie is already initialized; make a new one")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:

@@ -1,4 +1,4 @@
-# cython: autotestdict=False
+# cython: autotestdict=False, binding=False
 """SSM state slots: a fixed pool of slot indices and the guards that own them.
 
 A slot is in exactly one of three states:
@@ -53,6 +53,7 @@ cdef class SlotPool:
     """
 
     def __init__(self, num_slots):
+        """A pool of ``num_slots`` free slots."""
         if self._state != NULL:
             raise ConfigError(f"this SlotPool already holds {self._num_slots} slots; make a new one")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 <= num_slots <= INT32_MAX:
@@ -340,6 +341,7 @@ cdef class SlotGuard:
     """
 
     def __init__(self, *args, **kwargs):
+        """Always raises TypeError: guards come from SlotPool.acquire() or claim_specific()."""
         raise TypeError("SlotGuard objects are created by SlotPool.acquire() or SlotPool.claim_specific()")
 
     def __dealloc__(self):

@@ -1146,8 +1146,8 @@ def _bad_budget(d: Driver) -> None:
     value = values[d.choose.integer(0, len(values) - 1)]
     d._refused(
         f"alloc_sequence_for({value!r})",
-        lambda: d.model.alloc_sequence_for(value),
-        InvalidId,  # type: ignore[arg-type]
+        lambda: d.model.alloc_sequence_for(value),  # type: ignore[arg-type]
+        InvalidId,
         kind="alloc: bad budget",
     )
 
@@ -1315,8 +1315,8 @@ def _bad_handle(d: Driver) -> None:
     call = tier.swap_in if d.choose.integer(0, 1) else tier.discard
     d._refused(
         f"{call.__name__}({handle!r})",
-        lambda: call(handle),
-        SwapError,  # type: ignore[arg-type]
+        lambda: call(handle),  # type: ignore[arg-type]
+        SwapError,
         kind="swap: foreign or forged handle",
     )
 

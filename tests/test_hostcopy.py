@@ -68,10 +68,10 @@ def test_put_int32_copies_into_place_or_declines() -> None:
     before = dst.copy()
     assert not put_int32(dst, 8, np.arange(3, dtype=np.int32))  # past the end
     assert not put_int32(dst, -1, np.arange(1, dtype=np.int32))
-    assert not put_int32(dst, 0, np.arange(3))  # int64
+    assert not put_int32(dst, 0, np.arange(3))  # type: ignore[arg-type]  # int64
     assert not put_int32(dst, 0, np.arange(6, dtype=np.int32)[::2])  # strided
     assert not put_int32(dst[::2], 0, np.arange(3, dtype=np.int32))
-    assert not put_int32(dst, 0, [1, 2, 3])
+    assert not put_int32(dst, 0, [1, 2, 3])  # type: ignore[arg-type]
     readonly = np.zeros(4, dtype=np.int32)
     readonly.flags.writeable = False
     assert not put_int32(readonly, 0, np.arange(2, dtype=np.int32))

@@ -1,18 +1,21 @@
 """Sphinx extension: signatures of the compiled modules' functions and methods from their stubs.
 
 The Cython modules (``lifecycle._blockpool`` and the others, built from ``pyx/``) carry docstrings
-but no introspectable signature: their first docstring line is a Cython signature with C types
-(``BlockPool.allocate(self, Py_ssize_t n)``). Their typed signatures live in the hand-written stubs
-``stubs/lifecycle/_NAME.pyi`` (checked against the modules by ``mypy.stubtest``). This extension
-reads every stub with :mod:`ast` and hands autodoc the stub's parameters and return annotation for
-each compiled function, method and property it documents.
+and untyped signatures (``__text_signature__``, embedded by Cython). Their typed signatures live in
+the hand-written stubs ``stubs/lifecycle/_NAME.pyi`` (checked against the modules by
+``mypy.stubtest``). This extension reads every stub with :mod:`ast` and hands autodoc the stub's
+parameters and return annotation for each compiled function, method and property it documents.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from sphinx.util.inspect import safe_getattr
 
 STUBS = Path(__file__).resolve().parents[2] / "stubs" / "lifecycle"
 
@@ -78,8 +81,31 @@ def _stub_name(obj: Any, name: str) -> str | None:
     return f"{module}.{qualname}"
 
 
+def _class_getattr(signatures: dict[str, Signature]) -> Callable[..., Any]:
+    """autodoc's ``getattr`` for classes. A compiled class's ``__init__`` is a slot wrapper, which
+    autodoc takes no constructor signature from (and then cannot take one from the stub either); it
+    gets a stand-in function with the wrapper's signature instead."""
+
+    def get(cls: Any, name: str, *default: Any) -> Any:
+        value = safe_getattr(cls, name, *default)
+        if name != "__init__" or not isinstance(value, _SLOT_WRAPPER) or _stub_name(cls, name) not in signatures:
+            return value
+
+        def stand_in(*args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("documentation only")
+
+        stand_in.__signature__ = inspect.signature(value)  # type: ignore[attr-defined]
+        return stand_in
+
+    return get
+
+
+_SLOT_WRAPPER = type(object.__init__)
+
+
 def setup(app: Any) -> dict[str, Any]:
     signatures = load_stubs()
+    app.add_autodoc_attrgetter(type, _class_getattr(signatures))
 
     def process_signature(
         app: Any, what: str, name: str, obj: Any, options: Any, signature: str | None, return_annotation: str | None
