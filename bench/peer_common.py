@@ -90,11 +90,14 @@ def w1_record(library: str, seconds: float, blocks: int, note: str = "") -> dict
 
 
 def main(library: str, replay_w1: W1Replay, replay_w2: W2Replay, *, w1_note: str = "", w2_note: str = "") -> int:
-    """Run W1 and W2 (best of ``--repeats``) and print one JSON line each."""
+    """Run W1, W2 and W3 (best of ``--repeats``; W3 by the W2 replay over the W3 trace) and print
+    one JSON line each."""
     parser = argparse.ArgumentParser()
     parser.add_argument("trace", type=Path)
+    parser.add_argument("--w3-trace", type=Path, default=None, help="the Mooncake trace (default: the repository's)")
     parser.add_argument("--repeats", type=int, default=REPEATS)
-    parser.add_argument("--workloads", default="w1,w2")
+    parser.add_argument("--w3-repeats", type=int, default=1, help="W3 replays (each lasts seconds to minutes)")
+    parser.add_argument("--workloads", default="w1,w2,w3")
     args = parser.parse_args()
     wanted = set(args.workloads.split(","))
     if "w1" in wanted:
@@ -111,6 +114,18 @@ def main(library: str, replay_w1: W1Replay, replay_w2: W2Replay, *, w1_note: str
         record = result(
             library, min(r[0] for r in runs), hit_tokens, sum(trace.prompt_lens), evicted, trace.num_requests
         )
+        if w2_note:
+            record["note"] = w2_note
+        print(json.dumps(record), flush=True)
+    if "w3" in wanted:
+        from traces import MOONCAKE_TRACE
+        from w3 import load_w3
+
+        w3 = load_w3(args.w3_trace or MOONCAKE_TRACE)
+        runs = [timed(replay_w2, w3) for _ in range(args.w3_repeats)]  # type: ignore[arg-type]
+        _, hit_tokens, evicted = runs[0]
+        record = result(library, min(r[0] for r in runs), hit_tokens, w3.prompt_tokens, evicted, w3.num_requests)
+        record["workload"] = "W3"
         if w2_note:
             record["note"] = w2_note
         print(json.dumps(record), flush=True)

@@ -65,7 +65,7 @@ def replay_w2(trace: W2Trace) -> tuple[float, int, int]:
     # Trace preparation: tokens as array('q'), SGLang's key type.
     requests = [
         (array("q", trace.tokens[i].tolist()), trace.reusable_blocks(i) * bs, trace.blocks_needed(i) * bs,
-         ((trace.prompt_lens[i] + trace.gen_len) // bs) * bs)
+         (len(trace.tokens[i]) // bs) * bs)
         for i in range(trace.num_requests)
     ]
     live: deque[tuple[array[int], torch.Tensor, int, int, Any]] = deque()

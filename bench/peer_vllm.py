@@ -60,8 +60,7 @@ def replay_w2(trace: W2Trace) -> tuple[float, int, int]:
     pool = BlockPool(trace.num_blocks + 1, enable_caching=True, hash_block_size=bs)
     # Trace preparation: tokens as Python lists, vLLM's input type.
     requests = [
-        (trace.tokens[i].tolist(), trace.reusable_blocks(i), trace.blocks_needed(i),
-         (trace.prompt_lens[i] + trace.gen_len) // bs)
+        (trace.tokens[i].tolist(), trace.reusable_blocks(i), trace.blocks_needed(i), len(trace.tokens[i]) // bs)
         for i in range(trace.num_requests)
     ]
     live: deque[tuple[RequestBlocks, list[Any], int, int]] = deque()

@@ -1,4 +1,4 @@
-"""W1 and W2 for lifecycle, vLLM and SGLang, side by side in one run (SPEC §7). Not part of CI.
+"""W1, W2 and W3 for lifecycle, vLLM and SGLang, side by side in one run (SPEC §7). Not part of CI.
 
     python bench/peers.py              # install the peers if needed, run, print one table
     python bench/peers.py --json       # one JSON line per (workload, library)
@@ -27,6 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from traces import MOONCAKE_TRACE  # noqa: E402
 from workloads import DEFAULT_TRACE  # noqa: E402
 
 VENVS = HERE / ".venv-peers"
@@ -109,9 +110,12 @@ def ensure_peer(peer: Peer) -> Path:
     return env
 
 
-def run_peer(peer: Peer, env: Path, trace: Path, repeats: int) -> list[dict[str, Any]]:
+def run_peer(peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int) -> list[dict[str, Any]]:
     completed = subprocess.run(
-        [str(_python(env)), "-W", "ignore", str(HERE / peer.runner), str(trace), "--repeats", str(repeats)],
+        [
+            str(_python(env)), "-W", "ignore", str(HERE / peer.runner), str(trace),
+            "--repeats", str(repeats), "--w3-repeats", str(w3_repeats),
+        ],
         capture_output=True,
         text=True,
     )
@@ -127,51 +131,50 @@ def run_lifecycle_w1(trace: Path) -> list[dict[str, Any]]:
     return list(run_w1(trace))
 
 
-def run_lifecycle_w2(trace: Path, repeats: int) -> list[dict[str, Any]]:
-    """One window of lifecycle's W2 replays: at the trie + pool level and through HybridModel."""
-    from w2 import LIFECYCLE_REPEATS
-    from w2 import run as run_w2
+def run_lifecycle(trace: Path) -> list[dict[str, Any]]:
+    """One window of lifecycle's W2 and W3 replays, at the core and through HybridModel."""
+    from workloads import run_w2, run_w3
 
-    from w2_model import run as run_w2_model
-
-    results: list[dict[str, Any]] = list(run_w2(trace, max(repeats, LIFECYCLE_REPEATS)))
-    for record in run_w2_model(trace, max(repeats, LIFECYCLE_REPEATS)):
-        results.append({**record, "workload": "W2"})
-    return results
+    return [run_w2(trace, model=False), run_w2(trace, model=True), run_w3(MOONCAKE_TRACE, model=False),
+            run_w3(MOONCAKE_TRACE, model=True)]
 
 
 def best_windows(windows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per library, the record of its fastest window, with every window's figure beside it."""
-    best: dict[str, dict[str, Any]] = {}
-    seen: dict[str, list[float]] = {}
+    """Per (workload, library), the record of its fastest window, with every window's figure beside it."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: dict[tuple[str, str], list[float]] = {}
     for window in windows:
         for record in window:
-            library = record["library"]
-            seen.setdefault(library, []).append(record["us_per_request"])
-            if library not in best or record["us_per_request"] < best[library]["us_per_request"]:
-                best[library] = record
-    return [{**record, "windows_us_per_request": seen[library]} for library, record in best.items()]
+            key = (record["workload"], record["library"])
+            seen.setdefault(key, []).append(record["us_per_request"])
+            if key not in best or record["us_per_request"] < best[key]["us_per_request"]:
+                best[key] = record
+    return [{**record, "windows_us_per_request": seen[key]} for key, record in best.items()]
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    w1 = {r["library"]: r for r in results if r["workload"] == "W1"}
-    w2 = {r["library"]: r for r in results if r["workload"] == "W2"}
-    libraries = list(dict.fromkeys(r["library"] for r in results))
-    lines = [
-        f"{'library':<15} {'W1 ns/block':>12} {'W2 us/request':>14} {'hit rate':>9} {'hit tokens':>11} "
-        f"{'evicted':>8}  W2 vs lifecycle",
-    ]
-    ours = w2.get("lifecycle", {}).get("us_per_request")
-    for library in libraries:
-        one = w1.get(library, {})
-        two = w2.get(library, {})
-        ratio = f"{two['us_per_request'] / ours:.1f}x slower" if ours and library != "lifecycle" and two else ""
-        hit_rate = f"{two['hit_rate'] * 100:.3f}%" if two else "-"
-        lines.append(
-            f"{library:<15} {one.get('ns_per_block', '-'):>12} {two.get('us_per_request', '-'):>14} "
-            f"{hit_rate:>9} {two.get('hit_tokens', '-'):>11} "
-            f"{two.get('blocks_evicted', '-'):>8}  {ratio}"
-        )
+    """W1 per library, then W2 and W3 side by side with each peer's ratio to lifecycle's core."""
+    lines = [f"{'library':<17} {'W1 ns/block':>12}"]
+    for record in results:
+        if record["workload"] == "W1":
+            lines.append(f"{record['library']:<17} {record['ns_per_block']:>12}")
+    for workload in ("W2", "W3"):
+        rows = [r for r in results if r["workload"] == workload]
+        if not rows:
+            continue
+        ours = next((r["us_per_request"] for r in rows if r["library"] == "lifecycle"), None)
+        header = f"{'library':<17} {workload + ' us/request':>14} {'hit rate':>9} {'hit tokens':>11} {'evicted':>9}"
+        lines += ["", header + "  vs lifecycle"]
+        for r in rows:
+            ratio = f"{r['us_per_request'] / ours:.1f}x" if ours and r["library"] != "lifecycle" else ""
+            lines.append(
+                f"{r['library']:<17} {r['us_per_request']:>14} {r['hit_rate'] * 100:>8.3f}% {r['hit_tokens']:>11} "
+                f"{r['blocks_evicted']:>9}  {ratio}"
+            )
+        ceiling = next((r["never_evict_hit_tokens"] for r in rows if "never_evict_hit_tokens" in r), None)
+        if ceiling is not None:
+            prompt_tokens = rows[0]["prompt_tokens"]
+            lines.append(f"{'never-evict':<17} {'-':>14} {ceiling / prompt_tokens * 100:>8.3f}% {ceiling:>11}")
     return "\n".join(lines)
 
 
@@ -180,25 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON line per (workload, library)")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--peers", default="vllm,sglang", help="comma-separated subset of vllm,sglang")
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="replays per workload and peer, the best counts (lifecycle: at least 10)"
-    )
+    parser.add_argument("--repeats", type=int, default=3, help="W1/W2 replays per peer, the best counts")
+    parser.add_argument("--w3-repeats", type=int, default=1, help="W3 replays per peer (each lasts seconds to minutes)")
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file")
     chosen = [PEERS[name] for name in args.peers.split(",") if name]
     envs = {peer.name: ensure_peer(peer) for peer in chosen}
-    # lifecycle's W2 window (10 replays) lasts a fraction of a second, a peer's several seconds:
-    # one slow spell of this shared machine can cover all of ours. So its W2 is replayed before
-    # the peers and again after each of them, and its fastest window counts (each window's figure
-    # is kept in the JSON record).
+    # lifecycle's window of replays lasts seconds, a peer's minutes: one slow spell of this shared
+    # machine can cover all of ours. So its replays run before the peers and again after each of
+    # them, and its fastest window counts (each window's figure is kept in the JSON record).
     results = run_lifecycle_w1(args.trace)
-    windows = [run_lifecycle_w2(args.trace, args.repeats)]
+    windows = [run_lifecycle(args.trace)]
     peer_results: list[dict[str, Any]] = []
     for peer in chosen:
-        peer_results += run_peer(peer, envs[peer.name], args.trace, args.repeats)
-        windows.append(run_lifecycle_w2(args.trace, args.repeats))
+        peer_results += run_peer(peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats)
+        windows.append(run_lifecycle(args.trace))
     results += best_windows(windows) + peer_results
+    for workload in ("W2", "W3"):
+        ours = [r for r in results if r["workload"] == workload and r["library"].startswith("lifecycle")]
+        best_peer = max((r["hit_tokens"] for r in peer_results if r["workload"] == workload), default=0)
+        if any(r["hit_tokens"] < best_peer for r in ours):
+            raise SystemExit(f"{workload}: lifecycle hit fewer tokens than a peer ({best_peer})")
     if args.json:
         for record in results:
             print(json.dumps(record), flush=True)

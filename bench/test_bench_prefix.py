@@ -1,9 +1,11 @@
-"""pytest-benchmark suite for the prefix trie and cache (match, insert, evict, and the W2 replay).
+"""pytest-benchmark suite for the KV cache core (one request's admission and finish, reuse of a long
+cached prefix, eviction, and the W2 replay).
 
     python bench/regress.py save -- bench/test_bench_prefix.py    # a baseline under .benchmarks/
     python bench/regress.py check -- bench/test_bench_prefix.py   # fail if a minimum is > 25% slower
 
-Shapes follow W2: blocks of 16 tokens, a shared 64-block system prompt under many unique suffixes.
+Shapes follow W2 and W3: blocks of 16 tokens; a shared 64-block system prompt under many unique
+suffixes; a 15k-token long-context prompt most of which is cached.
 """
 
 from __future__ import annotations
@@ -20,108 +22,89 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from lifecycle._blockpool import BlockPool  # noqa: E402
-from lifecycle._prefix_trie import PrefixTrie  # noqa: E402
-from lifecycle.prefix_cache import PrefixCache  # noqa: E402
+from lifecycle._kvcache import KVCacheCore  # noqa: E402
 
 BS = 16
 SYSTEM_BLOCKS = 64
 SUFFIX_BLOCKS = 16
 NUM_SUFFIXES = 512
+LONG_BLOCKS = 960  # W3's mean prompt, 15.3k tokens
 TRACE = HERE / "data" / "traces.npz"
 
 
-def requests() -> list[NDArray[np.int32]]:
+def requests(num: int = NUM_SUFFIXES) -> list[NDArray[np.int32]]:
     rng = np.random.default_rng(7)
     system = rng.integers(0, 50_000, SYSTEM_BLOCKS * BS).astype(np.int32)
-    return [
-        np.concatenate([system, rng.integers(0, 50_000, SUFFIX_BLOCKS * BS).astype(np.int32)])
-        for _ in range(NUM_SUFFIXES)
-    ]
+    return [np.concatenate([system, rng.integers(0, 50_000, SUFFIX_BLOCKS * BS).astype(np.int32)]) for _ in range(num)]
 
 
-def filled_trie() -> tuple[PrefixTrie, list[NDArray[np.int32]]]:
-    trie = PrefixTrie(BS, capacity=NUM_SUFFIXES * (SYSTEM_BLOCKS + SUFFIX_BLOCKS))
+def filled_core() -> tuple[KVCacheCore, list[NDArray[np.int32]]]:
+    """A core whose cache holds the system prompt under every suffix."""
+    core = KVCacheCore(BlockPool(NUM_SUFFIXES * (SYSTEM_BLOCKS + SUFFIX_BLOCKS) * 2), BS)
     tokens = requests()
-    blocks_per_request = SYSTEM_BLOCKS + SUFFIX_BLOCKS
-    for i, request in enumerate(tokens):
-        trie.insert(request, np.arange(blocks_per_request, dtype=np.int32) + i * blocks_per_request)
-    return trie, tokens
+    for request in tokens:
+        core.finish(core.admit(request, len(request) // BS))
+    return core, tokens
 
 
-def test_match_80_blocks(benchmark: BenchmarkFixture) -> None:
-    trie, tokens = filled_trie()
-    block_ids, _ = benchmark(trie.match, tokens[17], 0)
-    assert len(block_ids) == SYSTEM_BLOCKS + SUFFIX_BLOCKS
+def test_admit_and_finish_a_cached_request(benchmark: BenchmarkFixture) -> None:
+    """A request whose 80 blocks are all cached: the hit, pins and references, then the release."""
+    core, tokens = filled_core()
+    request = tokens[17]
+
+    def one_request() -> None:
+        core.finish(core.admit(request, len(request) // BS + 1))
+
+    benchmark(one_request)
+    core.check_invariants()
 
 
-def test_match_and_pin_then_unpin(benchmark: BenchmarkFixture) -> None:
-    trie, tokens = filled_trie()
+def test_admit_and_finish_a_new_suffix(benchmark: BenchmarkFixture) -> None:
+    """W2's shape: the system prompt hits, 16 new blocks are allocated and cached at finish (the
+    cache grows by a branch per round; eviction keeps the pool bounded)."""
+    core, _ = filled_core()
+    fresh = iter(requests(100_000)[NUM_SUFFIXES:])
 
-    def match_pin_unpin() -> None:
-        _, node_ids = trie.match(tokens[3], 0, pin=True)
-        trie.unpin(node_ids)
+    def one_request() -> None:
+        request = next(fresh)
+        core.finish(core.admit(request, len(request) // BS + 1))
 
-    benchmark(match_pin_unpin)
-    trie.check_invariants()
-
-
-def test_insert_existing_80_blocks(benchmark: BenchmarkFixture) -> None:
-    trie, tokens = filled_trie()
-    block_ids = np.arange(SYSTEM_BLOCKS + SUFFIX_BLOCKS, dtype=np.int32)
-    taken, _, _ = benchmark(trie.insert, tokens[5], block_ids)
-    assert len(taken) == 0
+    benchmark.pedantic(one_request, rounds=2000, iterations=1)  # type: ignore[no-untyped-call]
+    core.check_invariants()
 
 
-def test_evict_and_reinsert_16_blocks(benchmark: BenchmarkFixture) -> None:
-    trie, tokens = filled_trie()
-    block_ids = np.arange(SYSTEM_BLOCKS + SUFFIX_BLOCKS, dtype=np.int32)
+def test_admit_and_finish_a_long_cached_prompt(benchmark: BenchmarkFixture) -> None:
+    """W3's shape: a 15k-token prompt of which all but the last block is cached."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 32_000, LONG_BLOCKS * BS).astype(np.int32)
+    core = KVCacheCore(BlockPool(4 * LONG_BLOCKS), BS)
+    core.finish(core.admit(prompt, LONG_BLOCKS))
 
-    def evict_then_insert() -> None:
-        evicted = trie.evict(SUFFIX_BLOCKS)
-        assert len(evicted) == SUFFIX_BLOCKS
-        trie.insert(tokens[int(evicted[0]) // len(block_ids)], block_ids)
+    def one_request() -> None:
+        core.finish(core.admit(prompt, LONG_BLOCKS + 1))
 
-    benchmark(evict_then_insert)
-    trie.check_invariants()
-
-
-def test_cache_insert_through_the_pool(benchmark: BenchmarkFixture) -> None:
-    pool = BlockPool(SYSTEM_BLOCKS + SUFFIX_BLOCKS)
-    cache = PrefixCache(pool, PrefixTrie(BS))
-    tokens = requests()[0]
-    block_table = pool.allocate(SYSTEM_BLOCKS + SUFFIX_BLOCKS)
-    cache.insert(tokens, block_table)
-    duplicates = benchmark(cache.insert, tokens, block_table)
-    assert len(duplicates) == len(block_table)
-    cache.check_invariants()
+    benchmark(one_request)
+    core.check_invariants()
 
 
-def test_admit_then_cache_and_release(benchmark: BenchmarkFixture) -> None:
-    """One request's life through the fused calls: a 64-block cached prefix reused, 17 blocks
-    allocated, then everything cached and released."""
-    pool = BlockPool(4 * (SYSTEM_BLOCKS + SUFFIX_BLOCKS))
-    cache = PrefixCache(pool, PrefixTrie(BS))
-    core = cache.core
-    tokens = requests()[:2]
-    needed = SYSTEM_BLOCKS + SUFFIX_BLOCKS + 1
-    table, pinned, _ = core.admit(tokens[0], needed, 0, needed - 2)
-    core.cache_and_release(tokens[0], table, SYSTEM_BLOCKS + SUFFIX_BLOCKS, 0, pinned)
+def test_evict_and_refill_64_blocks(benchmark: BenchmarkFixture) -> None:
+    """Evict 64 least recently used cached blocks, then cache a new request of that size."""
+    core, _ = filled_core()
+    fresh = iter(requests(200_000)[NUM_SUFFIXES:])
 
-    def request() -> None:
-        table, pinned, _ = core.admit(tokens[1], needed, 0, SYSTEM_BLOCKS + SUFFIX_BLOCKS - 1)
-        assert len(pinned) >= SYSTEM_BLOCKS
-        core.cache_and_release(tokens[1], table, SYSTEM_BLOCKS + SUFFIX_BLOCKS, 0, pinned)
+    def evict_and_refill() -> None:
+        core.evict(SYSTEM_BLOCKS)
+        request = next(fresh)
+        core.finish(core.admit(request, len(request) // BS))
 
-    benchmark(request)
-    cache.check_invariants()
-    assert pool.num_free + cache.num_cached_blocks == pool.num_total
+    benchmark.pedantic(evict_and_refill, rounds=2000, iterations=1)  # type: ignore[no-untyped-call]
+    core.check_invariants()
 
 
 def test_w2_replay(benchmark: BenchmarkFixture) -> None:
-    from w2 import REFERENCE_HIT_TOKENS, load_w2, replay_lifecycle
+    from replay import replay_core
+    from w2 import REFERENCE_HIT_TOKENS, load_w2
 
     trace = load_w2(TRACE)
-    _, hit_tokens, _ = benchmark.pedantic(  # type: ignore[no-untyped-call]
-        replay_lifecycle, args=(trace,), rounds=5, iterations=1
-    )
+    _, hit_tokens, _ = benchmark.pedantic(replay_core, args=(trace,), rounds=5, iterations=1)  # type: ignore[no-untyped-call]
     assert hit_tokens == REFERENCE_HIT_TOKENS

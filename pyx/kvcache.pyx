@@ -59,9 +59,9 @@ from lifecycle.errors import (
 
 cnp.import_array()
 
+from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key,
-    as_count as _as_count,
     empty_int32 as _empty_int32,
     first_negative as _first_negative,
     token_vector as _token_vector,
@@ -1899,6 +1899,7 @@ cdef class SequenceState:
     """
 
     def __init__(self, *args, **kwargs):
+        """Always raises TypeError: sequences come from a model's alloc_sequence()."""
         raise TypeError("SequenceState objects are created by alloc_sequence()")
 
     def __dealloc__(self):

@@ -57,28 +57,6 @@ cdef inline int64_t _adapter_key_other(object adapter) except? -1:
     raise InvalidId(f"adapter key must be an int, got {adapter!r}")
 
 
-cdef inline Py_ssize_t as_count(object value, str what, Py_ssize_t low, Py_ssize_t high) except? -1:
-    """An int argument in [low, high] (an exact int on the fast path), else ``InvalidId`` naming
-    the value and the range (never OverflowError or TypeError)."""
-    cdef int overflow = 0
-    cdef long long number
-    if PyLong_CheckExact(value):
-        number = PyLong_AsLongLongAndOverflow(value, &overflow)
-        if not overflow and low <= number <= high:
-            return <Py_ssize_t>number
-    return _as_count_other(value, what, low, high)
-
-
-cdef inline Py_ssize_t _as_count_other(object value, str what, Py_ssize_t low, Py_ssize_t high) except? -1:
-    import numpy as np
-    from lifecycle.errors import InvalidId
-    if isinstance(value, np.integer) and not isinstance(value, np.bool_):
-        value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-        return <Py_ssize_t>value
-    raise InvalidId(f"{what}={value!r} must be an int in [{low}, {high}]")
-
-
 cdef inline object token_vector(object tokens, const int32_t **data, Py_ssize_t *n):
     """``tokens`` as int32 values to read in place (``data``, ``n``); returns the array owning
     them. A native int32 vector is taken as it is (the caller rejects negative ids while it reads
