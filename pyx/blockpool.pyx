@@ -91,8 +91,6 @@ cdef inline void _unlocked(BlockPool pool) noexcept nogil:
     lc_mutex_unlock(&pool._lock)
 
 
-
-
 cdef object _id_vector(object ids):
     """Any sequence -> a 1-D numpy array of it (any dtype), or ``InvalidId``."""
     try:
@@ -385,7 +383,8 @@ cdef class BlockPool:
             1: f"num_free {self._num_free} outside [0, {self._num_blocks}]",
             2: f"free stack entry {bad_index} holds block id {bad_value} out of range [0, {self._num_blocks})",
             3: f"block id {bad_value} is on the free stack twice (again at entry {bad_index})",
-            4: f"block id {bad_value} is on the free stack with refcount {self._refcounts[bad_value] if problem == 4 else 0}",
+            4: f"block id {bad_value} is on the free stack with refcount "
+               f"{self._refcounts[bad_value] if problem == 4 else 0}",
             5: f"block id {bad_index} has negative refcount {bad_value}",
             6: f"{zeros} blocks have refcount 0 but num_free is {self._num_free}",
         }

@@ -15,7 +15,7 @@ cimport numpy as cnp
 import numpy as np
 from libc.stdint cimport int64_t, uintptr_t
 from libc.stdlib cimport free, malloc, qsort
-from libc.string cimport memcpy, memmove
+from libc.string cimport memmove
 
 from lifecycle._args cimport ssize_fits
 
@@ -124,7 +124,9 @@ def first_bad_row(rows, starts, ends):
     except (TypeError, ValueError, BufferError) as error:
         raise _bad_rows("first_bad_row", rows, (starts, ends)) from error
     if row_view.shape[1] != 3:
-        raise _refused(f"first_bad_row: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns")
+        raise _refused(
+            f"first_bad_row: rows must be a C-contiguous (n, 3) int64 array, got {row_view.shape[1]} columns"
+        )
     if start_view.shape[0] != end_view.shape[0]:
         raise _refused(
             f"first_bad_row: {start_view.shape[0]} starts but {end_view.shape[0]} ends; they must pair up"
@@ -198,7 +200,9 @@ def stream_copy(dst, src):
     cdef unsigned char[::1] dst_view
     cdef const unsigned char[::1] src_view
     if dst is None or src is None:
-        raise _refused(f"stream_copy: dst and src must be contiguous byte buffers, got {_describe(dst)} and {_describe(src)}")
+        raise _refused(
+            f"stream_copy: dst and src must be contiguous byte buffers, got {_describe(dst)} and {_describe(src)}"
+        )
     try:
         dst_view = dst
     except (TypeError, ValueError, BufferError) as error:

@@ -25,17 +25,14 @@ released when the call is long or the lock is taken; nothing holding it waits fo
 cimport cython
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
-
-import enum
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
+from lifecycle._blockpool cimport BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._slots cimport SlotGuard, SlotPool
-from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash, lc_stream_tokens_checked
 from lifecycle._radix cimport (
-    ROOT_PARENT,
     Chunk,
     RadixTrie,
     RNode,
@@ -44,6 +41,8 @@ from lifecycle._radix cimport (
     chunk_new,
     chunk_reserve,
 )
+
+import enum
 
 import numpy as np
 
@@ -95,7 +94,6 @@ cdef enum:
     NOGIL_MIN_TOKENS = 4096
 
 _STATUS_NAMES = ("freed", "active", "retired")
-
 
 
 cdef extern from *:
@@ -172,7 +170,9 @@ cdef class KVCacheCore:
         )
         self._num_snapshots = <int32_t>_as_count(num_snapshots, "num_snapshots", 0, INT32_MAX // 2)
         # Nodes hold runs of blocks, so far fewer nodes than blocks are needed; the table grows.
-        self._trie = RadixTrie(self._block_size, capacity=_as_count(1024 if capacity is None else capacity, "capacity", 0, INT32_MAX // 4))
+        self._trie = RadixTrie(
+            self._block_size, capacity=_as_count(1024 if capacity is None else capacity, "capacity", 0, INT32_MAX // 4)
+        )
         self._trie._lock = &pool._lock
         self._pool = pool
         self._enabled = bool(enable_prefix_cache)
@@ -186,7 +186,10 @@ cdef class KVCacheCore:
         self._snap_generation = <uint32_t *>malloc((n + 1) * sizeof(uint32_t))
         self._snap_prev = <int32_t *>malloc((n + 1) * sizeof(int32_t))
         self._snap_next = <int32_t *>malloc((n + 1) * sizeof(int32_t))
-        if self._snap_node == NULL or self._snap_generation == NULL or self._snap_prev == NULL or self._snap_next == NULL:
+        if (
+            self._snap_node == NULL or self._snap_generation == NULL or self._snap_prev == NULL
+            or self._snap_next == NULL
+        ):
             raise MemoryError(f"KVCacheCore: cannot allocate tables for {n} snapshots")
         for i in range(n - 1, -1, -1):
             self._snap_node[i] = -1
@@ -309,7 +312,9 @@ cdef class KVCacheCore:
             return NULL
         return rec
 
-    cdef int64_t _open_locked(self, int64_t adapter, int32_t adapter_slot, Py_ssize_t tokens, Failure *f) noexcept nogil:
+    cdef int64_t _open_locked(
+        self, int64_t adapter, int32_t adapter_slot, Py_ssize_t tokens, Failure *f
+    ) noexcept nogil:
         cdef Py_ssize_t capacity, index
         cdef SeqRec *grown
         cdef SeqRec *rec
@@ -375,11 +380,16 @@ cdef class KVCacheCore:
         if old.refs == 1:
             return chunk_reserve(&self._trie._chunks, old, blocks, tokens)
         chunk = chunk_new(
-            &self._trie._chunks, max(blocks, 2 * <Py_ssize_t>old.block_capacity), max(tokens, 2 * <Py_ssize_t>old.token_capacity)
+            &self._trie._chunks,
+            max(blocks, 2 * <Py_ssize_t>old.block_capacity),
+            max(tokens, 2 * <Py_ssize_t>old.token_capacity),
         )
         if chunk == NULL:
             return 1
-        memcpy(chunk.tokens + rec.lazy_tokens, old.tokens + rec.lazy_tokens, (rec.num_tokens - rec.lazy_tokens) * sizeof(int32_t))
+        memcpy(
+            chunk.tokens + rec.lazy_tokens, old.tokens + rec.lazy_tokens,
+            (rec.num_tokens - rec.lazy_tokens) * sizeof(int32_t),
+        )
         memcpy(chunk.blocks, old.blocks, rec.num_blocks * sizeof(int32_t))
         if old.num_hashed:
             chunk.hashes = <uint64_t *>malloc(chunk.block_capacity * sizeof(uint64_t))
@@ -812,7 +822,9 @@ cdef class KVCacheCore:
         if code == E_CLOSED:
             raise TornDown(f"{call}: the KV cache core was closed (torn down)")
         if code == E_HANDLE:
-            raise SequenceStateError(f"{call}: {f.value} is not a live sequence of this cache (freed, or another model's)")
+            raise SequenceStateError(
+                f"{call}: {f.value} is not a live sequence of this cache (freed, or another model's)"
+            )
         if code == E_STATE:
             raise SequenceStateError(f"{call}: sequence {f.value} is {_STATUS_NAMES[f.limit]}, not active")
         if code == E_OUT_OF_BLOCKS:
@@ -826,13 +838,16 @@ cdef class KVCacheCore:
             self._pool._raise_refused(&f.batch, "inc_ref")
         if code == E_NEGATIVE_TOKEN:
             if tokens is not None:
-                raise _first_negative(<const int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tokens), cnp.PyArray_DIM(<cnp.ndarray>tokens, 0))
+                raise _first_negative(
+                    <const int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tokens), cnp.PyArray_DIM(<cnp.ndarray>tokens, 0)
+                )
             raise InvalidId(f"{call}: token ids must lie in [0, 2147483647]")
         if code == E_OTHER_TOKENS:
             raise SequenceStateError(f"{call}: sequence {f.value} already holds {f.limit} other tokens")
         if code == E_GROWN:
             raise SequenceStateError(
-                f"{call}: sequence {f.value} already grew to {f.limit} blocks; attach a prefix before allocating the rest"
+                f"{call}: sequence {f.value} already grew to {f.limit} blocks; "
+                "attach a prefix before allocating the rest"
             )
         if code == E_TOO_LONG:
             raise InvalidId(f"{call}: {f.value} is over the per-sequence limit of {f.limit}")
@@ -1262,7 +1277,9 @@ cdef class KVCacheCore:
         self._raise(&f, "save_snapshot")
         return sid, fresh
 
-    cdef int32_t _snapshot_locked(self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f) noexcept nogil:
+    cdef int32_t _snapshot_locked(
+        self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f
+    ) noexcept nogil:
         cdef SeqRec *rec = self._rec(handle, f)
         cdef Py_ssize_t taken
         cdef int32_t end, sid, previous
@@ -1405,7 +1422,6 @@ cdef class KVCacheCore:
         cdef int64_t key = _adapter_key(adapter)
         cdef Py_ssize_t needed = _as_count(blocks_needed, "blocks_needed", 0, INT32_MAX)
         cdef Failure f
-        cdef bint negative = False
         tokens = _token_vector(tokens, &data, &n)
         _ok(&f)
         with nogil:
@@ -1495,7 +1511,6 @@ cdef class KVCacheCore:
         cdef Py_ssize_t full, done
         cdef uint64_t parent
         cdef cnp.npy_intp dim
-        cdef bint failed = False
         with nogil:
             self._lock()
         try:
@@ -1620,7 +1635,9 @@ cdef class KVCacheCore:
                 rec.failed = 1
             elif which == 3:
                 if rec.status != ACTIVE:
-                    raise SequenceStateError(f"{call}: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active")
+                    raise SequenceStateError(
+                        f"{call}: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active"
+                    )
                 rec.status = RETIRED
             elif which == 4:
                 rec.adapter_slot = <int32_t>value
@@ -1655,9 +1672,13 @@ cdef class KVCacheCore:
         try:
             rec = self._read(h, "bind_adapter")
             if rec.status != ACTIVE:
-                raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active")
+                raise SequenceStateError(
+                    f"bind_adapter: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active"
+                )
             if rec.adapter_slot >= 0:
-                raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} already holds adapter slot {rec.adapter_slot}")
+                raise SequenceStateError(
+                    f"bind_adapter: sequence {rec.seq_id} already holds adapter slot {rec.adapter_slot}"
+                )
             if rec.num_blocks or rec.num_tokens:
                 raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} already has KV blocks or tokens")
             rec.adapter_slot = slot
@@ -1812,12 +1833,18 @@ cdef class KVCacheCore:
             if rec.status == FREE:
                 continue
             live += 1
-            if rec.chunk == NULL or rec.num_blocks > rec.chunk.block_capacity or rec.num_tokens > rec.chunk.token_capacity:
-                return f"sequence {rec.seq_id} holds {rec.num_blocks} blocks and {rec.num_tokens} tokens beyond its chunk"
+            if (
+                rec.chunk == NULL or rec.num_blocks > rec.chunk.block_capacity
+                or rec.num_tokens > rec.chunk.token_capacity
+            ):
+                return f"sequence {rec.seq_id} holds {rec.num_blocks} blocks, {rec.num_tokens} tokens beyond its chunk"
             if rec.lazy_tokens > rec.pin_blocks * self._block_size or rec.lazy_tokens % self._block_size:
-                return f"sequence {rec.seq_id} leaves {rec.lazy_tokens} tokens to its pinned path of {rec.pin_blocks} blocks"
+                return f"sequence {rec.seq_id} leaves {rec.lazy_tokens} tokens to its pinned {rec.pin_blocks} blocks"
             if rec.prompt_len > rec.num_tokens or rec.ssm_tokens > rec.num_tokens:
-                return f"sequence {rec.seq_id} has prompt_len {rec.prompt_len} / ssm_tokens {rec.ssm_tokens} over its {rec.num_tokens} tokens"
+                return (
+                    f"sequence {rec.seq_id} has prompt_len {rec.prompt_len} / ssm_tokens {rec.ssm_tokens} "
+                    f"over its {rec.num_tokens} tokens"
+                )
             chunk_refs[<size_t>rec.chunk] = chunk_refs.get(<size_t>rec.chunk, 0) + 1
             for j in range(rec.num_blocks):
                 if not 0 <= rec.chunk.blocks[j] < nb:
@@ -1828,7 +1855,10 @@ cdef class KVCacheCore:
                     return f"sequence {rec.seq_id} pins node {rec.pin_node}, which is not a cached node"
                 node = &trie._nodes[rec.pin_node]
                 if node.depth + node.length != rec.pin_blocks:
-                    return f"sequence {rec.seq_id} pins node {rec.pin_node} ending at block {node.depth + node.length}, not {rec.pin_blocks}"
+                    return (
+                        f"sequence {rec.seq_id} pins node {rec.pin_node} ending at block "
+                        f"{node.depth + node.length}, not {rec.pin_blocks}"
+                    )
                 pins[rec.pin_node] = pins.get(rec.pin_node, 0) + 1
             elif rec.pin_blocks != 0:
                 return f"sequence {rec.seq_id} pins {rec.pin_blocks} blocks without a node"

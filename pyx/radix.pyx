@@ -22,7 +22,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from lifecycle._blockpool cimport lc_mutex_init, lc_mutex_lock, lc_mutex_t, lc_mutex_unlock
+from lifecycle._blockpool cimport lc_mutex_init, lc_mutex_lock, lc_mutex_unlock
 from lifecycle._hash cimport LC_GOLDEN, lc_block_equal, lc_equal_blocks, lc_fill_keys, lc_fmix64, lc_nh_block
 
 from lifecycle.errors import ConfigError, InvariantViolation
@@ -483,7 +483,9 @@ cdef class RadixTrie:
         self._num_roots += 1
         return v
 
-    cdef Py_ssize_t _walk(self, int32_t start, const int32_t *tokens, Py_ssize_t num_blocks, WalkEnd *end) noexcept nogil:
+    cdef Py_ssize_t _walk(
+        self, int32_t start, const int32_t *tokens, Py_ssize_t num_blocks, WalkEnd *end
+    ) noexcept nogil:
         """Match the ``num_blocks`` blocks of ``tokens`` downwards from the end of node ``start``
         (a root, or a node the caller holds); returns how many matched. Changes nothing."""
         cdef Py_ssize_t bs = self._block_size
@@ -770,7 +772,10 @@ cdef class RadixTrie:
             if node.length < 1 or node.chunk == NULL:
                 return f"node {i} holds {node.length} blocks"
             if node.start < 0 or node.start + node.length > node.chunk.block_capacity:
-                return f"node {i} runs over blocks [{node.start}, {node.start + node.length}) of a chunk of {node.chunk.block_capacity}"
+                return (
+                    f"node {i} runs over blocks [{node.start}, {node.start + node.length}) "
+                    f"of a chunk of {node.chunk.block_capacity}"
+                )
             if (<Py_ssize_t>node.start + node.length) * bs > node.chunk.token_capacity:
                 return f"node {i} runs past its chunk's {node.chunk.token_capacity} tokens"
             if node.chunk.refs < 1:

@@ -94,10 +94,11 @@ cdef extern from *:
     static inline int lc_block_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) {
     #if LC_SSE2
         if (n == 16) {
-            __m128i e0 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)a), _mm_loadu_si128((const __m128i *)b));
-            __m128i e1 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 4)), _mm_loadu_si128((const __m128i *)(b + 4)));
-            __m128i e2 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 8)), _mm_loadu_si128((const __m128i *)(b + 8)));
-            __m128i e3 = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(a + 12)), _mm_loadu_si128((const __m128i *)(b + 12)));
+            const __m128i *x = (const __m128i *)a, *y = (const __m128i *)b;
+            __m128i e0 = _mm_cmpeq_epi32(_mm_loadu_si128(x), _mm_loadu_si128(y));
+            __m128i e1 = _mm_cmpeq_epi32(_mm_loadu_si128(x + 1), _mm_loadu_si128(y + 1));
+            __m128i e2 = _mm_cmpeq_epi32(_mm_loadu_si128(x + 2), _mm_loadu_si128(y + 2));
+            __m128i e3 = _mm_cmpeq_epi32(_mm_loadu_si128(x + 3), _mm_loadu_si128(y + 3));
             return _mm_movemask_epi8(_mm_and_si128(_mm_and_si128(e0, e1), _mm_and_si128(e2, e3))) == 0xFFFF;
         }
     #endif
@@ -111,7 +112,8 @@ cdef extern from *:
         Py_ssize_t done = 0, span, i;
         while (done < n) {
             span = n - done < 64 ? n - done : 64;
-            if (memcmp(a + done * block_size, b + done * block_size, (size_t)(span * block_size) * sizeof(int32_t)) != 0) {
+            size_t bytes = (size_t)(span * block_size) * sizeof(int32_t);
+            if (memcmp(a + done * block_size, b + done * block_size, bytes) != 0) {
                 for (i = 0; i < span; i++)
                     if (!lc_block_equal(a + (done + i) * block_size, b + (done + i) * block_size, block_size))
                         return done + i;

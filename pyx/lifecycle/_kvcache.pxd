@@ -125,7 +125,9 @@ cdef class KVCacheCore:
     cdef void _append_locked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Failure *f) noexcept nogil
     cdef Py_ssize_t _grow_checked(self, int64_t handle, Py_ssize_t wanted, Failure *f) noexcept nogil
     cdef int32_t _cache_checked(self, int64_t handle, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
-    cdef int32_t _snapshot_locked(self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f) noexcept nogil
+    cdef int32_t _snapshot_locked(
+        self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f
+    ) noexcept nogil
     cdef Py_ssize_t _reclaim_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t needed,
                                     Failure *f) noexcept nogil
     cdef SeqRec *_read(self, int64_t handle, str call) except NULL

@@ -100,7 +100,9 @@ cdef class RadixTrie:
     cdef int _reserve(self, Py_ssize_t nodes) noexcept nogil
     cdef int32_t _find_root(self, int64_t adapter) noexcept nogil
     cdef int32_t _root(self, int64_t adapter) noexcept nogil
-    cdef Py_ssize_t _walk(self, int32_t start, const int32_t *tokens, Py_ssize_t num_blocks, WalkEnd *end) noexcept nogil
+    cdef Py_ssize_t _walk(
+        self, int32_t start, const int32_t *tokens, Py_ssize_t num_blocks, WalkEnd *end
+    ) noexcept nogil
     cdef int32_t _split(self, int32_t v, int32_t blocks) noexcept nogil
     cdef int32_t _settle(self, WalkEnd *end) noexcept nogil
     cdef int32_t _add_leaf(self, int32_t parent, Chunk *chunk, int32_t start, int32_t length) noexcept nogil
