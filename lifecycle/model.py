@@ -39,40 +39,24 @@ from lifecycle.errors import (
     ForeignSequence,
     InvalidId,
     InvariantViolation,
-    LifecycleError,
-    OutOfBlocks,
     SequenceStateError,
     SlotInUse,
     SlotOutOfRange,
     TornDown,
 )
+from lifecycle.memory import ModelMemory
 from lifecycle.pools import KVPool, SSMPool
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
 from lifecycle.sequence import NO_ADAPTER, SequenceState
-from lifecycle.snapshots import SnapshotPool, snapshot_blocks_at_finish
-from lifecycle.stats import Stats
-from lifecycle.swap import StagingBuffer, SwapContext, restore as swap_restore, save as swap_save
+from lifecycle.snapshots import cache_sequence, snapshot_point
+from lifecycle.stats import Stats, TeardownReport
+from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
 
 __all__ = ["HybridModel", "TeardownReport"]
 
 _log = logging.getLogger("lifecycle.model")
+_ACTIVE: Final = 1
 _RETIRED: Final = 2
-
-
-@dataclass(frozen=True, slots=True)
-class TeardownReport:
-    """What ``teardown`` found still referenced. Everything was released all the same."""
-
-    live_sequences: int
-    live_blocks: int
-    cached_blocks: int
-    detached_slots: int
-    adapter_references: int
-
-    @property
-    def leaked(self) -> int:
-        """References that callers still held (0 for a clean shutdown)."""
-        return self.live_sequences + self.live_blocks + self.detached_slots + self.adapter_references
 
 
 @dataclass(slots=True)
@@ -109,26 +93,8 @@ class HybridModel(LifecycleDefaults):
             # A kind other than open_device's three is refused there, with ConfigError naming them.
             device = open_device(device, ordinal)  # type: ignore[arg-type]
         self._device: Device = device
-        self._releases: list[Callable[[], None]] = []  # device memory, released newest first
-        try:
-            self._kv = KVPool(self._device, config) if config.kv_block_bytes() > 0 else None
-            if self._kv is not None:
-                self._releases.append(self._kv.release)
-            self._ssm = SSMPool(self._device, config) if config.ssm_layers else None
-            if self._ssm is not None:
-                self._releases.append(self._ssm.release)
-            self._snapshots = (
-                SnapshotPool(self._device, self._ssm, config.num_snapshots)
-                if self._ssm is not None and config.num_snapshots > 0
-                else None
-            )
-            if self._snapshots is not None:
-                self._releases.append(self._snapshots.release)
-        except BaseException:
-            self._release_device_memory()
-            raise
-        self._swap_staging = StagingBuffer(self._device)  # pinned on CUDA, allocated on first use
-        self._releases.append(self._swap_staging.release)
+        self._memory = ModelMemory(self._device, config)
+        self._kv, self._ssm, self._snapshots = self._memory.kv, self._memory.ssm, self._memory.snapshots
         self._pool = BlockPool(config.num_blocks_resolved)
         self._core = KVCacheCore(
             self._pool,
@@ -146,16 +112,9 @@ class HybridModel(LifecycleDefaults):
         self._innerq_hook: Callable[[], None] | None = None
         self._max_blocks_per_seq = config.max_blocks_per_seq_resolved
         self._max_budget_tokens = self._max_blocks_per_seq * self._block_size if self._kv is not None else None
-        ssm = self._ssm
-        # Per slot, the (h, conv) addresses of every SSM layer: what a sequence in that slot holds.
-        self._addrs_by_slot: list[tuple[tuple[int, int], ...]] = [
-            tuple((ssm.h_addr(layer, slot), ssm.conv_addr(layer, slot)) for layer in range(ssm.num_layers))
-            if ssm is not None
-            else ()
-            for slot in range(config.max_seqs)
-        ]
+        self._addrs_by_slot = self._memory.addrs_by_slot
         self._swap_ctx = SwapContext(
-            config, self._device, self._kv, self._ssm, staging=self._swap_staging, adapters=self._adapters
+            config, self._device, self._kv, self._ssm, staging=self._memory.staging, adapters=self._adapters
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -202,35 +161,6 @@ class HybridModel(LifecycleDefaults):
             raise InvalidId(f"adapter_slot={adapter_slot!r} must be an int (NO_ADAPTER = -1 for none)")
         return 0 if adapter_slot == NO_ADAPTER else self._adapters.uid_of_loaded(adapter_slot)
 
-    def _snapshot(self, seq: SequenceState, handle: int, blocks: int, *, rolling: bool = False) -> bool:
-        """Cache the first ``blocks`` blocks with an SSM snapshot at their end (copied from the
-        sequence's slot when new); False when snapshots are off."""
-        assert self._snapshots is not None
-        snapshot_id, fresh = self._core.snapshot_point(handle, blocks, rolling)
-        if fresh:
-            self._snapshots.save(self._core, snapshot_id, seq.slot_idx)
-        return snapshot_id >= 0
-
-    def _cache(self, seq: SequenceState, handle: int) -> None:
-        """The sequence's full blocks into the prefix cache, with an SSM snapshot at their end
-        when the state consumed exactly those tokens (the snapshot rule)."""
-        _, _, num_tokens, _, num_blocks, _, ssm_tokens, failed, _ = self._core.info(handle)
-        if failed:
-            return
-        if self._snapshots is not None and not seq.is_detached:
-            blocks = snapshot_blocks_at_finish(
-                num_tokens, num_blocks, None if ssm_tokens < 0 else ssm_tokens, self._block_size
-            )
-            if blocks:
-                self._snapshot(seq, handle, blocks)
-                return
-        self._core.cache(handle, min(num_tokens // self._block_size, num_blocks))
-
-    def _release(self, seq: SequenceState, cache: bool) -> None:
-        """The slot first (unless detached), then the record (its full blocks cached when
-        ``cache``, its pins and block references dropped), then its adapter reference."""
-        self._core.release(seq, cache, self._release_adapter)
-
     def _release_adapter(self, adapter_slot: int) -> None:
         with self._lock:
             self._adapters.release_ref(adapter_slot)
@@ -274,11 +204,11 @@ class HybridModel(LifecycleDefaults):
         """Insert the sequence's full blocks (prompt and generated) into the prefix cache under its
         adapter; where a block's node already exists the node keeps its own block. The path stays
         pinned while the sequence lives. A failed or freed sequence is never cached."""
-        handle = self._handle(seq)
+        self._handle(seq)
         with self._lock, self._device_work():
             self._enter()
             if seq._open:
-                self._cache(seq, handle)
+                cache_sequence(self._core, self._snapshots, seq, self._block_size)
 
     def finish_sequence(self, seq: SequenceState) -> None:
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
@@ -289,9 +219,9 @@ class HybridModel(LifecycleDefaults):
                 self._enter()
                 if seq._open:
                     try:
-                        self._cache(seq, seq._handle)
+                        cache_sequence(self._core, self._snapshots, seq, self._block_size)
                     finally:
-                        self._release(seq, False)
+                        self._core.release(seq, False, self._release_adapter)
             return
         if self._drop_queue:
             self._reap_dropped()
@@ -313,7 +243,7 @@ class HybridModel(LifecycleDefaults):
         handle = self._handle(seq)
         with self._lock:
             self._enter()
-            if self._core.status(handle) != 1:
+            if self._core.status(handle) != _ACTIVE:
                 raise SequenceStateError(f"compact_sequence: sequence {seq.seq_id} is {seq.status.value}, not active")
             old_guard = seq._guard
             if old_guard is None or not old_guard.held:
@@ -381,23 +311,12 @@ class HybridModel(LifecycleDefaults):
             self._torn_down = True
             self.teardown_report = report
             try:
-                self._release_device_memory()
+                self._memory.release()
             finally:
                 if self._owns_device:
                     self._device.close()
             if report.leaked:
                 _log.warning("teardown of %r released memory still referenced: %s", self._config.name, report)
-
-    def _release_device_memory(self) -> None:
-        errors: list[BaseException] = []
-        while self._releases:
-            release = self._releases.pop()
-            try:
-                release()
-            except LifecycleError as exc:  # keep releasing the rest; report the first failure
-                errors.append(exc)
-        if errors:
-            raise errors[0]
 
     def poll_innerq(self) -> None:
         """Run the registered KV-quantization calibration hook, if any (once per prefill step)."""
@@ -427,11 +346,6 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             if not seq._open:
                 raise SequenceStateError(f"save_sequence_state: sequence {seq.seq_id} was freed")
-            if self._ssm is not None and seq.is_detached:
-                raise SequenceStateError(
-                    f"save_sequence_state: sequence {seq.seq_id} is detached; "
-                    "its SSM slot now holds another sequence's state"
-                )
             try:
                 with self._device_work():
                     written = swap_save(self._swap_ctx, seq, writer)
@@ -442,47 +356,18 @@ class HybridModel(LifecycleDefaults):
             self._counters.bytes_swapped_out += written
 
     def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
-        """Take ``num_blocks`` free blocks (all or nothing; a restore never evicts cached blocks,
-        so a failure gives back exactly what it took) and stream a record written by
-        ``save_sequence_state`` into them and the sequence's SSM slot, verifying everything. On any
-        failure the blocks are freed and the sequence is unchanged."""
+        """Take ``num_blocks`` free blocks for a freshly allocated sequence (all or nothing, before
+        reading anything; a restore never evicts cached blocks, so a failure gives back exactly what
+        it took) and stream a record written by ``save_sequence_state`` into them and the
+        sequence's SSM slot, verifying everything. On any failure the blocks are freed and the
+        sequence is unchanged."""
         handle = self._handle(seq)
         with self._lock:
             self._enter()
-            if self._core.status(handle) != 1:
-                raise SequenceStateError(
-                    f"restore_sequence_state: sequence {seq.seq_id} is {seq.status.value}, not active"
-                )
-            if seq.num_blocks or seq.num_tokens:
-                raise SequenceStateError(
-                    f"restore_sequence_state: sequence {seq.seq_id} already holds {seq.num_blocks} blocks "
-                    f"and {seq.num_tokens} tokens; restore needs a freshly allocated sequence"
-                )
-            if self._ssm is not None and seq.is_detached:
-                raise SequenceStateError(f"restore_sequence_state: sequence {seq.seq_id} is detached")
-            if (
-                isinstance(num_blocks, bool)
-                or not isinstance(num_blocks, int)
-                or not 0 <= num_blocks <= self._max_blocks_per_seq
-            ):
-                raise InvalidId(
-                    f"restore_sequence_state: num_blocks={num_blocks!r} must be an int in "
-                    f"[0, {self._max_blocks_per_seq}] (the per-sequence block limit)"
-                )
-            if num_blocks > self._pool.num_free:
-                raise OutOfBlocks(
-                    f"restore_sequence_state: the record needs {num_blocks} blocks, {self._pool.num_free} are free "
-                    "(a restore never evicts: reclaim_prefix_blocks first)"
-                )
+            self._core.allocate(handle, num_blocks, "restore_sequence_state")
             try:
                 with self._device_work():
-                    read = swap_restore(
-                        self._swap_ctx,
-                        seq,
-                        num_blocks,
-                        reader,
-                        allocate=lambda: self._core.allocate(handle, num_blocks),
-                    )
+                    read = swap_restore(self._swap_ctx, seq, num_blocks, reader)
             except BaseException:
                 self._core.clear(handle)
                 self._counters.swap_failures += 1
@@ -554,22 +439,10 @@ class HybridModel(LifecycleDefaults):
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
             try:
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
-            except OutOfBlocks:  # the prefix is attached: its state is restored all the same
-                self._restore_prefix_state(seq, seq._handle)
-                raise
-            self._restore_prefix_state(seq, seq._handle)
+            finally:  # also after OutOfBlocks: the prefix is attached, its state is restored all the same
+                if seq._open and self._snapshots is not None:
+                    self._snapshots.restore_prefix(self._core, seq)
             return reused
-
-    def _restore_prefix_state(self, seq: SequenceState, handle: int) -> None:
-        """Copy the SSM snapshot at the end of the attached prefix into the sequence's slot; if
-        the copy fails, the attach is undone."""
-        snapshot_id = self._core.prefix_snapshot(handle)
-        if snapshot_id >= 0 and self._snapshots is not None:
-            try:
-                self._snapshots.restore_into(snapshot_id, seq.slot_idx)
-            except BaseException:
-                self._core.clear(handle)  # nothing attached: as before the call
-                raise
 
     def grow(self, seq: SequenceState, num_tokens: int) -> int:
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
@@ -587,31 +460,14 @@ class HybridModel(LifecycleDefaults):
         at every block boundary while decoding, so that the state at the last whole block of the
         finished sequence (where the next turn of a chat resumes) is cached, at the cost of one
         snapshot per live sequence and no growth of what the sequence holds."""
-        handle = self._handle(seq)
+        self._handle(seq)
         with self._lock:
             self._enter()
             if self._snapshots is None or not self._core.enabled or not seq._open or seq.failed:
                 return False
-            total = seq.num_tokens
-            if (
-                isinstance(num_tokens, bool)
-                or not isinstance(num_tokens, int)
-                or num_tokens <= 0
-                or num_tokens % self._block_size
-                or num_tokens > total
-            ):
-                raise InvalidId(
-                    f"save_snapshot: num_tokens={num_tokens!r} must be a positive multiple of the block size "
-                    f"{self._block_size}, at most the sequence's {total} tokens"
-                )
-            full = num_tokens // self._block_size
-            if full > seq.num_blocks or seq.is_detached:
-                raise SequenceStateError(
-                    f"save_snapshot: sequence {seq.seq_id} has {seq.num_blocks} blocks "
-                    f"({'detached' if seq.is_detached else 'attached'}); {full} needed"
-                )
+            blocks = snapshot_point(seq, num_tokens, self._block_size)
             with self._device_work():
-                return self._snapshot(seq, handle, full, rolling=rolling)
+                return self._snapshots.snapshot(self._core, seq, blocks, rolling=rolling)
 
     def load_adapter(self, name: str) -> int:
         """Load (or reload, as a new generation) a LoRA adapter; returns its slot."""
@@ -637,7 +493,7 @@ class HybridModel(LifecycleDefaults):
         handle = self._handle(seq)
         with self._lock:
             self._enter()
-            if not seq._open or self._core.status(handle) != 1:
+            if not seq._open or self._core.status(handle) != _ACTIVE:
                 raise SequenceStateError(f"bind_adapter: sequence {seq.seq_id} is {seq.status.value}, not active")
             uid = self._adapters.acquire(adapter_slot)
             try:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, final
 import numpy as np
 
 from lifecycle.device.base import Copy, Device
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, InvalidId, SequenceStateError
 
 if TYPE_CHECKING:
-    from lifecycle._kvcache import KVCacheCore
+    from lifecycle._kvcache import KVCacheCore, SequenceState
     from lifecycle.pools import SSMPool
 
 
@@ -37,6 +37,24 @@ def snapshot_blocks_at_finish(num_tokens: int, num_blocks: int, ssm_tokens: int 
     full = min(num_tokens // block_size, num_blocks)
     consumed = num_tokens if ssm_tokens is None else ssm_tokens
     return full if full > 0 and consumed == full * block_size else 0
+
+
+def snapshot_point(seq: SequenceState, num_tokens: object, block_size: int) -> int:
+    """The blocks of an explicit snapshot point: ``num_tokens`` must be a positive multiple of the
+    block size within the sequence's tokens and blocks, on a sequence that holds its slot."""
+    total = seq.num_tokens
+    if type(num_tokens) is not int or num_tokens <= 0 or num_tokens % block_size or num_tokens > total:
+        raise InvalidId(
+            f"save_snapshot: num_tokens={num_tokens!r} must be a positive multiple of the block size "
+            f"{block_size}, at most the sequence's {total} tokens"
+        )
+    blocks = num_tokens // block_size
+    if blocks > seq.num_blocks or seq.is_detached:
+        raise SequenceStateError(
+            f"save_snapshot: sequence {seq.seq_id} has {seq.num_blocks} blocks "
+            f"({'detached' if seq.is_detached else 'attached'}); {blocks} needed"
+        )
+    return blocks
 
 
 @final
@@ -89,3 +107,40 @@ class SnapshotPool:
         if not self._released:
             self._released = True
             self._device.free(self._base)
+
+    # -- the rules, applied to a sequence of the core --
+
+    def snapshot(self, core: KVCacheCore, seq: SequenceState, blocks: int, *, rolling: bool = False) -> bool:
+        """Cache the sequence's first ``blocks`` blocks with an SSM snapshot at their end: the
+        core names the snapshot (a fresh id, or the one already there), a fresh one gets the slot's
+        state. False when the core keeps none (snapshots off, a failed sequence)."""
+        snapshot_id, fresh = core.snapshot_point(seq._handle, blocks, rolling)
+        if fresh:
+            self.save(core, snapshot_id, seq.slot_idx)
+        return snapshot_id >= 0
+
+    def restore_prefix(self, core: KVCacheCore, seq: SequenceState) -> None:
+        """Copy the snapshot at the end of the sequence's attached prefix into its slot; if the
+        copy fails, the attach is undone (the sequence is as before it)."""
+        snapshot_id = core.prefix_snapshot(seq._handle)
+        if snapshot_id >= 0:
+            try:
+                self.restore_into(snapshot_id, seq.slot_idx)
+            except BaseException:
+                core.clear(seq._handle)
+                raise
+
+
+def cache_sequence(core: KVCacheCore, snapshots: SnapshotPool | None, seq: SequenceState, block_size: int) -> None:
+    """The sequence's full blocks into the prefix cache (pinned while it lives), with an SSM
+    snapshot at their end when the state consumed exactly those tokens. A failed sequence is
+    never cached."""
+    _, _, num_tokens, _, num_blocks, _, ssm_tokens, failed, _ = core.info(seq._handle)
+    if failed:
+        return
+    if snapshots is not None and not seq.is_detached:
+        blocks = snapshot_blocks_at_finish(num_tokens, num_blocks, None if ssm_tokens < 0 else ssm_tokens, block_size)
+        if blocks:
+            snapshots.snapshot(core, seq, blocks)
+            return
+    core.cache(seq._handle, min(num_tokens // block_size, num_blocks))

@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+@dataclass(frozen=True, slots=True)
+class TeardownReport:
+    """What ``teardown`` found still referenced. Everything was released all the same."""
+
+    live_sequences: int
+    live_blocks: int
+    cached_blocks: int
+    detached_slots: int
+    adapter_references: int
+
+    @property
+    def leaked(self) -> int:
+        """References that callers still held (0 for a clean shutdown)."""
+        return self.live_sequences + self.live_blocks + self.detached_slots + self.adapter_references
+
+
 @dataclass(slots=True)
 class Stats:
     """Monotonic counters since the model was built. ``time_in_library_ns`` sums the wall time

@@ -1200,22 +1200,22 @@ cdef class KVCacheCore:
             return 0
         return max(<Py_ssize_t>0, rec.num_blocks - before)
 
-    def allocate(self, handle, num_blocks):
-        """Give a record without blocks exactly ``num_blocks`` free blocks, never evicting (a
-        restore must not drop cache it cannot give back); ``OutOfBlocks`` when too few are free."""
+    def allocate(self, handle, num_blocks, str call="allocate"):
+        """Give a fresh record (no blocks, no tokens) exactly ``num_blocks`` free blocks, never
+        evicting (a restore must not drop cache it cannot give back); ``OutOfBlocks`` when too few
+        are free. ``call`` names the caller in errors."""
         cdef int64_t h = handle
-        cdef Py_ssize_t wanted = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
+        cdef Py_ssize_t wanted = _as_count(num_blocks, f"{call}: num_blocks", 0, self._max_blocks_per_seq)
         cdef Failure f
         cdef SeqRec *rec
+        cdef int64_t seq_id = -1, held_blocks = 0, held_tokens = 0
         _ok(&f)
         with nogil:
             self._lock()
             rec = self._active(h, &f)
             if rec != NULL:
-                if rec.num_blocks:
-                    f.code = E_STATE
-                    f.value = rec.seq_id
-                    f.limit = rec.status
+                if rec.num_blocks or rec.num_tokens:
+                    seq_id, held_blocks, held_tokens = rec.seq_id, rec.num_blocks, rec.num_tokens
                 elif self._reserve_rec(rec, wanted, 0):
                     f.code = E_NO_MEMORY
                 elif not self._pool._allocate_locked(rec.chunk.blocks, wanted):
@@ -1226,7 +1226,17 @@ cdef class KVCacheCore:
                     rec.num_blocks = <int32_t>wanted
                     self._counters.blocks_allocated += wanted
             self._unlock()
-        self._raise(&f, "allocate")
+        if seq_id >= 0:
+            raise SequenceStateError(
+                f"{call}: sequence {seq_id} already holds {held_blocks} blocks and {held_tokens} tokens; "
+                "it needs a freshly allocated sequence"
+            )
+        if f.code == E_OUT_OF_BLOCKS:
+            raise OutOfBlocks(
+                f"{call}: {f.value} blocks are needed, {f.limit} are free "
+                "(this never evicts: reclaim_prefix_blocks first)"
+            )
+        self._raise(&f, call)
 
     def cache(self, handle, num_blocks):
         """Insert the record's first ``num_blocks`` full blocks into the prefix cache (nodes that

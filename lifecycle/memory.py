@@ -1,0 +1,67 @@
+"""The device memory of one model: the KV pool, the SSM pool, the SSM snapshots and the swap
+staging buffer, allocated together and released together, newest first, exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import final
+
+from lifecycle.config import ModelConfig
+from lifecycle.device.base import Device
+from lifecycle.errors import LifecycleError
+from lifecycle.pools import KVPool, SSMPool
+from lifecycle.snapshots import SnapshotPool
+from lifecycle.swap import StagingBuffer
+
+__all__ = ["ModelMemory"]
+
+
+@final
+class ModelMemory:
+    """What ``config`` needs on ``device``: ``kv`` (None without attention layers), ``ssm`` (None
+    without SSM layers), ``snapshots`` (None without snapshots), ``staging`` (pinned on CUDA,
+    allocated on first use) and, per SSM slot, its layers' (h, conv) addresses. A failure while
+    allocating releases what was allocated before it."""
+
+    def __init__(self, device: Device, config: ModelConfig) -> None:
+        self._releases: list[Callable[[], None]] = []
+        try:
+            self.kv = KVPool(device, config) if config.kv_block_bytes() > 0 else None
+            if self.kv is not None:
+                self._releases.append(self.kv.release)
+            self.ssm = SSMPool(device, config) if config.ssm_layers else None
+            if self.ssm is not None:
+                self._releases.append(self.ssm.release)
+            self.snapshots = (
+                SnapshotPool(device, self.ssm, config.num_snapshots)
+                if self.ssm is not None and config.num_snapshots > 0
+                else None
+            )
+            if self.snapshots is not None:
+                self._releases.append(self.snapshots.release)
+        except BaseException:
+            self.release()
+            raise
+        self.staging = StagingBuffer(device)
+        self._releases.append(self.staging.release)
+        ssm = self.ssm
+        #: Per slot, the (h, conv) addresses of every SSM layer: what a sequence in that slot holds.
+        self.addrs_by_slot: list[tuple[tuple[int, int], ...]] = [
+            tuple((ssm.h_addr(layer, slot), ssm.conv_addr(layer, slot)) for layer in range(ssm.num_layers))
+            if ssm is not None
+            else ()
+            for slot in range(config.max_seqs)
+        ]
+
+    def release(self) -> None:
+        """Free every allocation, newest first, each exactly once; keeps going past a failure and
+        raises the first one at the end."""
+        errors: list[BaseException] = []
+        while self._releases:
+            release = self._releases.pop()
+            try:
+                release()
+            except LifecycleError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
