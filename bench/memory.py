@@ -35,7 +35,7 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * 4096
 
 
-def measure(target_blocks: int, seed: int = 11) -> dict[str, float]:
+def measure(target_blocks: int, seed: int = 11) -> dict[str, object]:
     from lifecycle._blockpool import BlockPool
     from lifecycle._kvcache import KVCacheCore
 

@@ -451,6 +451,33 @@ class HybridModel(LifecycleDefaults):
             self._reap_dropped()
         return self._core.grow_seq(seq, num_tokens)
 
+    def step(
+        self,
+        seqs: Sequence[SequenceState] | npt.NDArray[np.int64],
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        counts: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        table: npt.NDArray[np.int32] | None = None,
+        rows: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        cache: bool | None = None,
+    ) -> npt.NDArray[np.int32]:
+        """One decode step for the running sequences in one core call with the GIL released:
+        append one token per sequence (or ``counts[i]`` of the concatenated ``tokens``), grow the
+        tables whose last block filled (evicting cached blocks when short), write the new block
+        ids into row ``rows[i]`` (default ``i``) of the engine's int32 ``table``, and cache the
+        blocks that filled (``cache``; by default on a pure-attention model with the prefix cache
+        on). ``seqs`` are the sequences or, cheaper for a scheduler that keeps them, their
+        ``handle`` values as an int64 array.
+
+        All or nothing per sequence: returns the positions of those that could not grow even
+        after eviction, left exactly as they were, for the scheduler to preempt."""
+        handles = seqs if isinstance(seqs, np.ndarray) else np.fromiter((s.handle for s in seqs), np.int64, len(seqs))
+        if cache is None:
+            cache = self._ssm is None and self._config.enable_prefix_cache
+        if self._torn_down or self._drop_queue:
+            self._enter()
+        return self._core.step(handles, tokens, counts, table, rows, cache)
+
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
         SSM state in its slot has consumed exactly) with an SSM snapshot at that point, so a later

@@ -61,6 +61,8 @@ cnp.import_array()
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key,
+    int32_vector as _int32_vector_in,
+    shrink as _shrink,
     empty_int32 as _empty_int32,
     first_negative as _first_negative,
     token_vector as _token_vector,
@@ -87,6 +89,7 @@ cdef enum:
     E_TOO_LONG = 10         # value: tokens or blocks asked for, limit: the per-sequence limit
     E_NOT_CACHED = 11       # value: blocks asked for, limit: full blocks the record has
     E_CLOSED = 12
+    E_INVALID_ARG = 13      # value: the argument, limit: its bound
 
 # Calls handling fewer tokens than this keep the GIL when the lock is free: handing it over and
 # back costs more than such a call.
@@ -1406,6 +1409,152 @@ cdef class KVCacheCore:
             self._unlock()
         return live
 
+    def step(self, handles, tokens, counts=None, table=None, rows=None, bint cache=False):
+        """One decode step for a batch of running requests, in one call with the GIL released:
+        append each request's new tokens (one per request, or ``counts[i]`` of the concatenated
+        ``tokens`` for speculative decoding), grow every table whose last block filled (evicting
+        least recently used cached blocks when short), write each request's new block ids into
+        row ``rows[i]`` (default ``i``) of the engine's 2-D int32 ``table``, and with ``cache``
+        insert blocks that filled into the prefix cache (pinned while the request lives).
+
+        All or nothing per request: one that cannot grow even after eviction is left exactly as it
+        was, and its position in ``handles`` is returned (int32, empty when every request
+        stepped), for the scheduler to preempt. A bad argument (a stale handle, a retired request,
+        a negative token, a table too small) raises before anything changes. Blocks evicted for a
+        request that was refused all the same stay evicted, as for ``grow``."""
+        cdef const int32_t *tok = NULL
+        cdef Py_ssize_t n, num_tok = 0, i, ncols = 0, nrows = 0
+        cdef const int64_t *hs
+        cdef const int32_t *cnt = NULL
+        cdef const int32_t *row_of = NULL
+        cdef int32_t *tab = NULL
+        cdef cnp.ndarray handle_array = _int64_vector(handles, "step: handles")
+        cdef cnp.ndarray count_array, row_array, table_array, refused
+        cdef Failure f
+        cdef Py_ssize_t num_refused = 0, bad = -1
+        n = cnp.PyArray_DIM(handle_array, 0)
+        hs = <const int64_t *>cnp.PyArray_DATA(handle_array)
+        tokens = _token_vector(tokens, &tok, &num_tok)
+        if counts is not None:
+            count_array = _int32_column(counts, n, "step: counts")
+            cnt = <const int32_t *>cnp.PyArray_DATA(count_array)
+            if int(count_array.sum()) != num_tok:
+                raise InvalidId(f"step: {num_tok} tokens given, but the counts add up to {int(count_array.sum())}")
+        elif num_tok != n:
+            raise InvalidId(f"step: {num_tok} tokens for {n} requests; one each, or give counts")
+        if table is not None:
+            table_array = _table_2d(table)
+            nrows, ncols = cnp.PyArray_DIM(table_array, 0), cnp.PyArray_DIM(table_array, 1)
+            tab = <int32_t *>cnp.PyArray_DATA(table_array)
+            if rows is not None:
+                row_array = _int32_column(rows, n, "step: rows")
+                row_of = <const int32_t *>cnp.PyArray_DATA(row_array)
+            elif n > nrows:
+                raise InvalidId(f"step: a table of {nrows} rows for {n} requests (give rows)")
+        refused = _empty_int32(n)
+        _ok(&f)
+        with nogil:
+            self._lock()
+            bad = self._step_check(hs, n, tok, num_tok, cnt, row_of, nrows, ncols, &f)
+            if bad < 0:
+                num_refused = self._step_locked(
+                    hs, n, tok, cnt, tab, row_of, ncols, cache, <int32_t *>cnp.PyArray_DATA(refused), &f
+                )
+            self._unlock()
+        if bad >= 0 or f.code != OK:
+            if f.code == E_NEGATIVE_TOKEN:
+                self._raise(&f, "step", tokens)
+            if f.code == E_TOO_LONG:
+                raise InvalidId(
+                    f"step: request {bad} would hold {f.value} blocks (or tokens), over what its table row or the "
+                    f"per-sequence limit allows ({f.limit})"
+                )
+            if f.code == E_INVALID_ARG:
+                raise InvalidId(f"step: {f.value} is outside [0, {f.limit}] (entry {bad})")
+            self._raise(&f, "step")
+        return _shrink(refused, num_refused)
+
+    cdef Py_ssize_t _step_check(
+        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
+        const int32_t *row_of, Py_ssize_t nrows, Py_ssize_t ncols, Failure *f
+    ) noexcept nogil:
+        """(Lock held) the index of the first request the step refuses as bad input, or -1."""
+        cdef Py_ssize_t i, added, blocks
+        cdef SeqRec *rec
+        for i in range(n):
+            rec = self._active(hs[i], f)
+            if rec == NULL:
+                return i
+            added = cnt[i] if cnt != NULL else 1
+            if added < 0:
+                f.code = E_INVALID_ARG
+                f.value = added
+                f.limit = self._max_tokens_per_seq
+                return i
+            if rec.num_tokens + added > self._max_tokens_per_seq:
+                f.code = E_TOO_LONG
+                f.value = rec.num_tokens + added
+                f.limit = self._max_tokens_per_seq
+                return i
+            blocks = _blocks_for(rec.num_tokens + added, self._block_size)
+            if blocks > self._max_blocks_per_seq or (ncols and blocks > ncols):
+                f.code = E_TOO_LONG
+                f.value = blocks
+                f.limit = min(self._max_blocks_per_seq, ncols) if ncols else self._max_blocks_per_seq
+                return i
+            if row_of != NULL and not 0 <= row_of[i] < nrows:
+                f.code = E_INVALID_ARG
+                f.value = row_of[i]
+                f.limit = nrows - 1
+                return i
+        for i in range(num_tok):
+            if tok[i] < 0:
+                f.code = E_NEGATIVE_TOKEN
+                return i
+        return -1
+
+    cdef Py_ssize_t _step_locked(
+        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
+        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, Failure *f
+    ) noexcept nogil:
+        """(Lock held, arguments checked) the step itself; returns how many requests it refused."""
+        cdef Py_ssize_t i, added, need, num_refused = 0, offset = 0, j, full, taken
+        cdef SeqRec *rec
+        cdef int32_t *row
+        for i in range(n):
+            rec = &self._recs[hs[i] & INDEX_MASK]
+            added = cnt[i] if cnt != NULL else 1
+            need = _blocks_for(rec.num_tokens + added, self._block_size) - rec.num_blocks
+            if self._reserve_rec(rec, rec.num_blocks + max(need, <Py_ssize_t>0), rec.num_tokens + added):
+                f.code = E_NO_MEMORY
+                return num_refused
+            if need > 0:
+                if self._pool._num_free < need:
+                    self._evict_locked(need - self._pool._num_free, f)
+                    if f.code != OK:
+                        return num_refused
+                if not self._pool._allocate_locked(rec.chunk.blocks + rec.num_blocks, need):
+                    refused[num_refused] = <int32_t>i
+                    num_refused += 1
+                    offset += added
+                    continue
+                if tab != NULL:
+                    row = tab + <Py_ssize_t>(row_of[i] if row_of != NULL else i) * ncols
+                    for j in range(rec.num_blocks, rec.num_blocks + need):
+                        row[j] = rec.chunk.blocks[j]
+                rec.num_blocks += <int32_t>need
+                self._counters.blocks_allocated += need
+            memcpy(rec.chunk.tokens + rec.num_tokens, tok + offset, added * sizeof(int32_t))
+            rec.num_tokens += <int32_t>added
+            offset += added
+            if cache and self._enabled and not rec.failed:
+                full = min(<Py_ssize_t>rec.num_tokens // self._block_size, <Py_ssize_t>rec.num_blocks)
+                if full > rec.pin_blocks:
+                    self._cache_locked(rec, full, &taken, f)
+                    if f.code != OK:
+                        return num_refused
+        return num_refused
+
     def evict(self, num_blocks):
         """Evict least recently used cached blocks until ``num_blocks`` became free or nothing is
         evictable; returns how many became free (0: nothing evictable)."""
@@ -1910,6 +2059,58 @@ cdef class KVCacheCore:
         return None
 
 
+# -- argument conversion for the batched calls (GIL held) -------------------------------------------
+
+cdef cnp.ndarray _int64_vector(object values, str what):
+    """A 1-D int64 array (handles) as given when it is one, else converted; ``InvalidId`` when not
+    integers."""
+    if isinstance(values, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT64 and \
+            cnp.PyArray_NDIM(<cnp.ndarray>values) == 1 and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>values):
+        return <cnp.ndarray>values
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidId(f"{what} must be a 1-D sequence of ints, got {values!r}") from error
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidId(f"{what} must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
+    return np.require(array, dtype=np.int64, requirements=["C", "A"])
+
+
+cdef cnp.ndarray _int32_column(object values, Py_ssize_t n, str what):
+    """``n`` int32 values (a count or a row per request)."""
+    cdef const int32_t *data = NULL
+    cdef Py_ssize_t size = 0
+    if not _int32_vector_in(values, &data, &size):
+        try:
+            array = np.asarray(values)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise InvalidId(f"{what} must be {n} ints, got {values!r}") from error
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu") or (
+            array.size and (array.min() < 0 or array.max() > INT32_MAX)
+        ):
+            raise InvalidId(f"{what} must be {n} ints in [0, {INT32_MAX}], got {array!r}")
+        values = np.require(array, dtype=np.int32, requirements=["C", "A"])
+        _int32_vector_in(values, &data, &size)
+    if size != n:
+        raise InvalidId(f"{what}: {size} values for {n} requests")
+    return <cnp.ndarray>values
+
+
+cdef cnp.ndarray _table_2d(object table):
+    """The engine's block table: a writeable, C-contiguous 2-D int32 numpy array."""
+    if not (
+        isinstance(table, cnp.ndarray)
+        and cnp.PyArray_TYPE(<cnp.ndarray>table) == cnp.NPY_INT32
+        and cnp.PyArray_NDIM(<cnp.ndarray>table) == 2
+        and cnp.PyArray_ISCARRAY(<cnp.ndarray>table)
+    ):
+        raise InvalidId(
+            "step: table must be a writeable C-contiguous 2-D int32 numpy array (rows by request), got "
+            f"{type(table).__name__} {getattr(table, 'dtype', '')} {getattr(table, 'shape', '')}"
+        )
+    return <cnp.ndarray>table
+
+
 # -- the Python face of a record -------------------------------------------------------------------
 
 
@@ -1955,6 +2156,12 @@ cdef class SequenceState:
             f"SequenceState(seq_id={self.seq_id}, slot_idx={self.slot_idx}, blocks={self.num_blocks}, "
             f"tokens={self.num_tokens}, status={self.status.value}{', failed' if self.failed else ''})"
         )
+
+    @property
+    def handle(self):
+        """The handle of the sequence's record in the core (for batched calls such as
+        ``HybridModel.step``); refused by the core once the sequence is freed."""
+        return self._handle
 
     @property
     def slot_idx(self):

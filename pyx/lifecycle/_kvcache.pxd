@@ -135,6 +135,14 @@ cdef class KVCacheCore:
     cdef int _set(self, int64_t handle, int which, int64_t value, str call) except -1
     cdef str _recount(self)
     cdef int _append(self, int64_t h, object tokens) except -1
+    cdef Py_ssize_t _step_check(
+        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
+        const int32_t *row_of, Py_ssize_t nrows, Py_ssize_t ncols, Failure *f
+    ) noexcept nogil
+    cdef Py_ssize_t _step_locked(
+        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
+        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, Failure *f
+    ) noexcept nogil
     cdef int32_t _finish(self, int64_t h, bint cache) except? -2
     cdef SequenceState _face(self, object seq)
     cdef int64_t _open_handle(self, object seq, str call) except -1

@@ -108,6 +108,15 @@ class KVCacheCore:
     def bind_adapter(self, handle: int, adapter_slot: _Int, adapter: _Int) -> None: ...
 
     # -- the whole cache --
+    def step(
+        self,
+        handles: npt.NDArray[np.int64] | Sequence[int],
+        tokens: _TokenIds,
+        counts: npt.NDArray[np.integer[Any]] | Sequence[int] | None = None,
+        table: npt.NDArray[np.int32] | None = None,
+        rows: npt.NDArray[np.integer[Any]] | Sequence[int] | None = None,
+        cache: bool = False,
+    ) -> npt.NDArray[np.int32]: ...
     def evict(self, num_blocks: _Int) -> int: ...
     def reclaim_for(self, tokens: _TokenIds, adapter: _Int, blocks_needed: _Int) -> tuple[int, int]:
         """(target, free)."""
@@ -145,6 +154,8 @@ class SequenceState:
     _guard: SlotGuard | None
     _open: bool
     budget_tokens: int
+    @property
+    def handle(self) -> int: ...
     @property
     def slot_idx(self) -> int: ...
     @property
