@@ -142,13 +142,15 @@ def _colliding_blocks() -> tuple[list[int], list[int]]:
     """Two different 2-token blocks with the same NH value, so the same child key under any parent:
     with a = t0 + k0 and b = t1 + k1 (mod 2**32), (2x, y) and (x, 2y) have equal products."""
     k0, k1 = hash_keys(3)[:2]
-    for x in range(1 << 20, 1 << 31, 7919):
-        y = x + 12345
-        first = [(2 * x - k0) % (1 << 32), (y - k1) % (1 << 32)]
-        second = [(x - k0) % (1 << 32), (2 * y - k1) % (1 << 32)]
-        if max(first + second) < 1 << 31:
-            return first, second
-    raise AssertionError("no colliding pair found")
+
+    def doubling_pair(key: int) -> tuple[int, int]:
+        # z and 2z (z < 2**31) both at a token id when offset by the key: the key's complement region
+        z = next(z for z in range(1 << 16, 1 << 31, 1 << 16) if max((z - key) % (1 << 32), (2 * z - key) % (1 << 32)) < 1 << 31)
+        return (z - key) % (1 << 32), (2 * z - key) % (1 << 32)
+
+    x, two_x = doubling_pair(k0)
+    y, two_y = doubling_pair(k1)
+    return [two_x, y], [x, two_y]
 
 
 def test_a_hash_collision_never_decides_a_match() -> None:
