@@ -585,6 +585,7 @@ cdef class KVCacheCore:
         cdef Py_ssize_t old_blocks
         cdef bint retry = rec.num_tokens > 0
         cdef Chunk *chunk
+        cdef Chunk *fresh = NULL
         cdef WalkEnd walk
         cdef int32_t root = -1
         if retry:
@@ -637,20 +638,33 @@ cdef class KVCacheCore:
         if retry and end == old_pin:
             pass  # the same prefix is held already: no second set of references
         elif retry:
-            # New references first (into scratch), then the old ones go.
-            if end >= 0:
-                if self._reserve_scratch(reuse):
+            if end >= 0 and self._reserve_scratch(reuse):
+                f.code = E_NO_MEMORY
+                return -1
+            if reuse < old_blocks and chunk.refs > 1:
+                # Trie nodes hold the table's tail in this chunk (it was cached mid-life): the
+                # shorter table's growth must not write over it, so the record moves to a copy.
+                fresh = chunk_new(&self._trie._chunks, chunk.block_capacity, chunk.token_capacity)
+                if fresh == NULL:
                     f.code = E_NO_MEMORY
                     return -1
+            # New references first (into scratch), then the old ones go.
+            if end >= 0:
                 self._trie._path_blocks(end, self._scratch)
                 self._pool._inc_ref_locked(self._scratch, reuse, &f.batch)
                 if f.batch.failed_at >= 0:
+                    if fresh != NULL:
+                        chunk_decref(&self._trie._chunks, fresh)
                     f.code = E_REFUSED
                     return -1
                 self._trie._pin(end)
             if old_pin >= 0:
                 self._trie._unpin(old_pin)
                 self._counters.blocks_freed += self._pool._dec_ref_locked(chunk.blocks, old_blocks, &f.batch)
+            if fresh != NULL:
+                memcpy(fresh.tokens, chunk.tokens, rec.num_tokens * sizeof(int32_t))
+                chunk_decref(&self._trie._chunks, chunk)
+                rec.chunk = chunk = fresh
             if end >= 0:
                 memcpy(chunk.blocks, self._scratch, reuse * sizeof(int32_t))
             rec.pin_node = end

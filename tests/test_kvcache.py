@@ -210,6 +210,19 @@ def test_a_retried_attach_picks_up_a_prefix_cached_since(core: Core) -> None:
     core.check_invariants()
 
 
+def test_a_retried_attach_after_caching_mid_life_leaves_the_cached_run_intact() -> None:
+    core = make_core(16, 2)
+    handle = core.open()
+    core.attach(handle, [1, 2, 3, 4], grow_to=2)
+    cached = core.block_table(handle).tolist()
+    core.cache(handle, 2)
+    assert core.attach(handle, [1, 2, 3, 4]) == 1  # the prompt's last block is never reused
+    core.grow(handle, 2)
+    core.check_invariants()
+    probe = core.admit([1, 2, 3, 4, 5], 0)
+    assert core.block_table(probe).tolist() == cached
+
+
 def test_an_attach_with_other_tokens_than_the_records_is_refused(core: Core) -> None:
     handle = core.open()
     core.attach(handle, blocks(1, 2, 9))
