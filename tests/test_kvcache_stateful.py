@@ -82,10 +82,8 @@ class PerBlockCache:
         self.roots: dict[int, dict[Block, Node]] = {}
         self.lru: dict[Node, None] = {}  # unprotected nodes, least recently used first
         self.requests: dict[int, Request] = {}
-        self.counters = dict.fromkeys(
-            ["blocks_cached", "blocks_evicted", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "snapshots_evicted"],
-            0,
-        )
+        counted = ["blocks_cached", "blocks_evicted", "prefix_lookups", "prefix_hits", "prefix_hit_tokens"]
+        self.counters = dict.fromkeys([*counted, "snapshots_evicted"], 0)
         self.snap_node: list[Node | None] = [None] * num_snapshots
         self.snap_generation = [0] * num_snapshots
         self.snap_lru: dict[int, None] = {}
@@ -289,7 +287,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def draw_tokens(self, data: st.DataObject, max_blocks: int = 6) -> list[int]:
         """Mostly a shared document's or a cached path's tokens, cut somewhere and continued at
         random: lookups reach deep and diverge inside runs and in first blocks."""
-        paths = [[token for node in leaf.path() for token in node.key] for leaf in self.model.nodes() if not leaf.children]
+        leaves = [node for node in self.model.nodes() if not node.children]
+        paths = [[token for node in leaf.path() for token in node.key] for leaf in leaves]
         source = data.draw(st.sampled_from(["document", "document", "cached path", "random"]), label="source")
         tokens: list[int] = []
         if source == "document":
@@ -299,6 +298,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         tokens = tokens[: data.draw(st.integers(0, min(len(tokens), max_blocks * self.bs + 1)), label="cut")]
         extra = data.draw(st.integers(0, max(0, max_blocks * self.bs + 1 - len(tokens))), label="extra tokens")
         return tokens + data.draw(st.lists(st.integers(0, self.alphabet - 1), min_size=extra, max_size=extra))
+
+    def token_lists(self, most: int, held: int) -> st.SearchStrategy[list[int]]:
+        """Up to ``most`` tokens to add to ``held`` ones, within the per-request limit."""
+        room = (self.model.num_blocks + 1) * self.bs - held
+        return st.lists(st.integers(0, self.alphabet - 1), max_size=min(most, room))
 
     def live(self) -> list[Request]:
         return list(self.model.requests.values())
@@ -373,7 +377,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.model.requests[request.handle] = request
         self.take_new_blocks(request)
         if self.snapshot_cut:
-            assert self.core.prefix_snapshot(request.handle) == (request.pin.tag if request.pin and request.reused else -1)
+            expected = request.pin.tag if request.pin is not None and request.reused else -1
+            assert self.core.prefix_snapshot(request.handle) == expected
 
     @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS))
     def open_and_attach(self, data: st.DataObject, adapter: int) -> None:
@@ -434,8 +439,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def append(self, data: st.DataObject) -> None:
         request = self.draw_request(data)
-        room = (self.model.num_blocks + 1) * self.bs - len(request.tokens)  # the per-request limit
-        tokens = data.draw(st.lists(st.integers(0, self.alphabet - 1), max_size=min(2 * self.bs, room)), label="appended")
+        tokens = data.draw(self.token_lists(2 * self.bs, len(request.tokens)), label="appended")
         self.core.append(request.handle, tokens)
         request.tokens += tokens
 
@@ -496,8 +500,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def serve(self, data: st.DataObject, adapter: int, cache: bool) -> None:
         """A whole request in a row: admitted with room for what it generates, then finished."""
         prompt = self.draw_tokens(data)
-        room = (self.model.num_blocks + 1) * self.bs - len(prompt)  # the per-request limit
-        generated = data.draw(st.lists(st.integers(0, self.alphabet - 1), max_size=min(3 * self.bs, room)), label="generated")
+        generated = data.draw(self.token_lists(3 * self.bs, len(prompt)), label="generated")
         grow_to = min(-(-(len(prompt) + len(generated)) // self.bs), self.model.num_blocks)
         request = Request(-1, adapter)
         self.model.requests[-1] = request
@@ -601,8 +604,9 @@ class SnapshotCutMachine(KVCacheMachine):
         if request.failed:
             return -1, False
         previous = request.rolling
-        if previous >= 0 and (model.snap_generation[previous] != request.rolling_generation or model.snap_node[previous] is None):
-            previous = request.rolling = -1  # reused since: no longer the request's to drop
+        reused_since = previous >= 0 and model.snap_generation[previous] != request.rolling_generation
+        if reused_since or (previous >= 0 and model.snap_node[previous] is None):
+            previous = request.rolling = -1  # no longer the request's to drop
         node = model.snap_node[previous] if previous >= 0 else None
         if rolling and node is not None and node.depth != full:
             model.release_snapshot(previous)
