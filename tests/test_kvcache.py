@@ -89,7 +89,7 @@ def test_reuse_puts_the_cached_block_ids_at_the_head_of_the_table(core: Core) ->
 
 @pytest.mark.parametrize("position", [0, 1, BS - 1, BS, 2 * BS - 1])
 def test_a_block_differing_in_one_token_never_matches(core: Core, position: int) -> None:
-    # The three cached blocks are one run; a change in its first block or inside it ends the match.
+    # The four cached blocks are one run; a change in its first block or inside it ends the match.
     cached = blocks(1, 2, 3, 4)
     cache_prompt(core, cached)
     prompt = list(cached)
