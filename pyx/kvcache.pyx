@@ -129,8 +129,11 @@ cdef double _ns_per_tick():
     return <double>ns / <double>ticks if ticks > 0 and ns > 0 else 1.0
 
 
-# A handle is (generation << 32) | record index.
+# A handle is (generation << 32) | record index. Each core starts its generations elsewhere, so
+# that another core's handle is refused too (short of 2**31 reuses of one record slot).
 cdef int64_t INDEX_MASK = 0xFFFFFFFFLL
+cdef uint32_t GENERATION_MASK = 0x7FFFFFFF
+cdef uint32_t _last_generation_base = 0
 
 
 cdef inline void _ok(Failure *f) noexcept nogil:
@@ -158,8 +161,11 @@ cdef class KVCacheCore:
         """An empty cache over ``pool`` with ``block_size`` tokens per block; the class says what
         each option does."""
         cdef Py_ssize_t i
+        global _last_generation_base
         if self._pool is not None:
             raise ConfigError("this KVCacheCore is already initialized; make a new one")
+        _last_generation_base = (_last_generation_base + 0x9E3779B9) & GENERATION_MASK
+        self._generation_base = _last_generation_base
         total = pool.num_total
         self._block_size = _as_count(block_size, "block_size", 1, 1 << 16)
         self._max_blocks_per_seq = _as_count(
@@ -346,9 +352,10 @@ cdef class KVCacheCore:
         else:
             index = self._recs_high_water
             self._recs_high_water += 1
-            self._recs[index].generation = 0
+            self._recs[index].generation = self._generation_base
         rec = &self._recs[index]
-        rec.generation += 1
+        # 31 bits, so that a handle is never negative; never 0.
+        rec.generation = (rec.generation + 1) & GENERATION_MASK
         if rec.generation == 0:
             rec.generation = 1
         rec.chunk = chunk
@@ -603,6 +610,7 @@ cdef class KVCacheCore:
         cdef Py_ssize_t old_blocks
         cdef bint retry = rec.num_tokens > 0
         cdef Chunk *chunk
+        cdef Chunk *fresh = NULL
         cdef WalkEnd walk
         cdef int32_t root = -1
         if retry:
@@ -617,6 +625,13 @@ cdef class KVCacheCore:
                 f.value = rec.seq_id
                 f.limit = rec.num_blocks
                 return -1
+        elif rec.num_blocks:
+            # Blocks taken before any tokens (grow, allocate, an empty prompt's growth): the prefix
+            # would be written over them and they would leak.
+            f.code = E_GROWN
+            f.value = rec.seq_id
+            f.limit = rec.num_blocks
+            return -1
         elif self._reserve_rec(rec, max(grow_to, _blocks_for(n, bs)), n):
             f.code = E_NO_MEMORY
             return -1
@@ -648,20 +663,33 @@ cdef class KVCacheCore:
         if retry and end == old_pin:
             pass  # the same prefix is held already: no second set of references
         elif retry:
-            # New references first (into scratch), then the old ones go.
-            if end >= 0:
-                if self._reserve_scratch(reuse):
+            if end >= 0 and self._reserve_scratch(reuse):
+                f.code = E_NO_MEMORY
+                return -1
+            if reuse < old_blocks and chunk.refs > 1:
+                # Trie nodes hold the table's tail in this chunk (it was cached mid-life): the
+                # shorter table's growth must not write over it, so the record moves to a copy.
+                fresh = chunk_new(&self._trie._chunks, chunk.block_capacity, chunk.token_capacity)
+                if fresh == NULL:
                     f.code = E_NO_MEMORY
                     return -1
+            # New references first (into scratch), then the old ones go.
+            if end >= 0:
                 self._trie._path_blocks(end, self._scratch)
                 self._pool._inc_ref_locked(self._scratch, reuse, &f.batch)
                 if f.batch.failed_at >= 0:
+                    if fresh != NULL:
+                        chunk_decref(&self._trie._chunks, fresh)
                     f.code = E_REFUSED
                     return -1
                 self._trie._pin(end)
             if old_pin >= 0:
                 self._trie._unpin(old_pin)
                 self._counters.blocks_freed += self._pool._dec_ref_locked(chunk.blocks, old_blocks, &f.batch)
+            if fresh != NULL:
+                memcpy(fresh.tokens, chunk.tokens, rec.num_tokens * sizeof(int32_t))
+                chunk_decref(&self._trie._chunks, chunk)
+                rec.chunk = chunk = fresh
             if end >= 0:
                 memcpy(chunk.blocks, self._scratch, reuse * sizeof(int32_t))
             rec.pin_node = end
@@ -1006,10 +1034,18 @@ cdef class KVCacheCore:
         cdef int64_t h = handle
         cdef Failure f
         cdef SeqRec *rec
+        cdef Chunk *fresh = NULL
         _ok(&f)
         with nogil:
             self._lock()
             rec = self._rec(h, &f)
+            if rec != NULL and rec.chunk.refs > 1:
+                # Trie nodes hold runs of this chunk: the record's next tokens and blocks must not
+                # be written over them.
+                fresh = chunk_new(&self._trie._chunks, rec.chunk.block_capacity, rec.chunk.token_capacity)
+                if fresh == NULL:
+                    f.code = E_NO_MEMORY
+                    rec = NULL
             if rec != NULL:
                 if rec.pin_node >= 0:
                     self._trie._unpin(rec.pin_node)
@@ -1024,6 +1060,11 @@ cdef class KVCacheCore:
                 rec.cached_tokens = 0
                 rec.lazy_tokens = 0
                 rec.ssm_tokens = -1
+                if fresh != NULL:
+                    chunk_decref(&self._trie._chunks, rec.chunk)
+                    rec.chunk = fresh
+                else:
+                    rec.chunk.num_hashed = 0  # the hashes were those of the old tokens
             self._unlock()
         self._raise(&f, "clear")
 
@@ -1129,6 +1170,10 @@ cdef class KVCacheCore:
         if f.code != OK:
             _ok(&ignored)
             self._finish_locked(rec, False, &ignored)
+            # Nothing was admitted: the record opened and closed inside the call is not counted.
+            self._counters.sequences_opened -= 1
+            self._counters.sequences_closed -= 1
+            self._next_seq_id -= 1
             return -1
         return handle
 
@@ -1343,12 +1388,17 @@ cdef class KVCacheCore:
     def drop_snapshot(self, snapshot_id):
         """Free a snapshot id whose SSM state could not be copied (its node keeps its KV)."""
         cdef int32_t sid = <int32_t>_as_count(snapshot_id, "snapshot_id", 0, max(self._num_snapshots - 1, 0))
+        cdef Failure f
+        _ok(&f)
         with nogil:
             self._lock()
-            if sid < self._num_snapshots and self._snap_node[sid] >= 0:
+            if self._closed:
+                f.code = E_CLOSED
+            elif sid < self._num_snapshots and self._snap_node[sid] >= 0:
                 self._trie._nodes[self._snap_node[sid]].tag = -1
                 self._snap_release(sid)
             self._unlock()
+        self._raise(&f, "drop_snapshot")
 
     def prefix_snapshot(self, handle):
         """The snapshot id at the end of the prefix the record reuses (-1: none), whose SSM state
@@ -1963,6 +2013,9 @@ cdef class KVCacheCore:
         with nogil:
             self._lock()
         try:
+            if self._closed:
+                # The pool keeps the references the closed core dropped: nothing left to recount.
+                raise TornDown("check_invariants: the KV cache core was closed (torn down)")
             problem = self._pool._problem()
             if problem is None:
                 problem = self._trie._problem()

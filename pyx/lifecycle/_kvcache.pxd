@@ -70,6 +70,7 @@ cdef class KVCacheCore:
     cdef int32_t _recs_free
     cdef Py_ssize_t _num_live
     cdef int64_t _next_seq_id
+    cdef uint32_t _generation_base  # generations of this core's record slots start after it
     cdef Py_ssize_t _block_size
     cdef Py_ssize_t _max_blocks_per_seq
     cdef Py_ssize_t _max_tokens_per_seq
