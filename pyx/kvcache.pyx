@@ -145,6 +145,34 @@ cdef inline Py_ssize_t _blocks_for(Py_ssize_t tokens, Py_ssize_t block_size) noe
     return (tokens + block_size - 1) // block_size
 
 
+cdef inline int64_t _handle_arg(object handle, str call) except? -1:
+    """A record handle as given to ``call``: an exact int in [0, 2**63) costs one inline
+    conversion; numpy integers pass through ``__index__``; anything else (a float, a string,
+    None, a bool, an int out of range) is refused by name rather than truncated or converted."""
+    cdef int overflow = 0
+    cdef long long value
+    if PyLong_CheckExact(handle):
+        value = PyLong_AsLongLongAndOverflow(handle, &overflow)
+        if not overflow and value >= 0:
+            return <int64_t>value
+    return _handle_arg_other(handle, call)
+
+
+cdef int64_t _handle_arg_other(object handle, str call) except? -1:
+    import operator
+    number = None
+    if not isinstance(handle, bool):
+        try:
+            number = operator.index(handle)
+        except TypeError:
+            pass
+    if number is None:
+        raise InvalidId(f"{call}: a handle must be an int (the record's handle), got {handle!r}")
+    if not 0 <= number < 2**63:
+        raise InvalidId(f"{call}: handle {number} is outside [0, 2**63 - 1]")
+    return <int64_t>number
+
+
 @cython.final
 @cython.auto_pickle(False)
 cdef class KVCacheCore:
@@ -1031,7 +1059,7 @@ cdef class KVCacheCore:
     def clear(self, handle):
         """Take a record back to how ``open`` left it (keeping its adapter): its pin, block
         references and tokens go. For undoing a step that failed after the core's part."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "clear")
         cdef Failure f
         cdef SeqRec *rec
         cdef Chunk *fresh = NULL
@@ -1102,7 +1130,7 @@ cdef class KVCacheCore:
         """
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0, reuse
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "attach")
         cdef Py_ssize_t limit = self._max_blocks_per_seq
         cdef Py_ssize_t wanted = _as_count(grow_to, "grow_to", -1, limit)
         cdef Py_ssize_t prefix = _as_count(max_prefix, "max_prefix", -1, INT32_MAX)
@@ -1179,7 +1207,7 @@ cdef class KVCacheCore:
 
     def append(self, handle, tokens):
         """Record tokens whose KV the engine computed (prompt first, then generated ones)."""
-        self._append(handle, tokens)
+        self._append(_handle_arg(handle, "append"), tokens)
 
     cdef int _append(self, int64_t h, object tokens) except -1:
         cdef const int32_t *data = NULL
@@ -1221,7 +1249,7 @@ cdef class KVCacheCore:
     def grow(self, handle, num_blocks):
         """Extend the table to ``num_blocks`` blocks, all or nothing, evicting cached blocks when
         the free list is short; returns how many were added."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "grow")
         cdef Py_ssize_t wanted = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
         cdef Py_ssize_t added = 0
         cdef Failure f
@@ -1252,7 +1280,7 @@ cdef class KVCacheCore:
         """Give a fresh record (no blocks, no tokens) exactly ``num_blocks`` free blocks, never
         evicting (a restore must not drop cache it cannot give back); ``OutOfBlocks`` when too few
         are free. ``call`` names the caller in errors."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "allocate")
         cdef Py_ssize_t wanted = _as_count(num_blocks, f"{call}: num_blocks", 0, self._max_blocks_per_seq)
         cdef Failure f
         cdef SeqRec *rec
@@ -1290,7 +1318,7 @@ cdef class KVCacheCore:
         """Insert the record's first ``num_blocks`` full blocks into the prefix cache (nodes that
         exist keep their blocks; new ones take a cache reference of their own) and pin the path,
         so it is not evicted while the request lives. Returns the blocks newly cached."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "cache")
         cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
         cdef Py_ssize_t taken = 0
         cdef Failure f
@@ -1322,7 +1350,7 @@ cdef class KVCacheCore:
         (the caller copies the SSM state into it, or calls ``drop_snapshot`` if it cannot);
         ``(-1, False)`` when snapshots are off. ``rolling`` first drops the record's previous
         rolling snapshot (if no one took it over since), then remembers this one."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "snapshot_point")
         cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 1, self._max_blocks_per_seq)
         cdef int32_t sid = -1
         cdef bint fresh = False
@@ -1403,7 +1431,7 @@ cdef class KVCacheCore:
     def prefix_snapshot(self, handle):
         """The snapshot id at the end of the prefix the record reuses (-1: none), whose SSM state
         prefill starts from."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "prefix_snapshot")
         cdef int32_t sid = -1
         cdef Failure f
         cdef SeqRec *rec
@@ -1412,17 +1440,31 @@ cdef class KVCacheCore:
             self._lock()
             rec = self._rec(h, &f)
             if rec != NULL and rec.pin_node >= 0 and rec.cached_tokens > 0:
-                sid = self._trie._nodes[rec.pin_node].tag
+                sid = self._tag_at(rec.pin_node, rec.cached_tokens // self._block_size)
             self._unlock()
         self._raise(&f, "prefix_snapshot")
         return sid
+
+    cdef int32_t _tag_at(self, int32_t node, Py_ssize_t blocks) noexcept nogil:
+        """The snapshot tag at exactly ``blocks`` blocks along the path ending at ``node`` (a
+        record caching past its reused prefix moves its pin further down), -1 when none ends
+        there."""
+        cdef RNode *n
+        while node >= 0:
+            n = &self._trie._nodes[node]
+            if n.parent < 0 or n.depth + n.length < blocks:
+                return -1
+            if n.depth + n.length == blocks:
+                return n.tag
+            node = n.parent
+        return -1
 
     def finish(self, handle, bint cache=True):
         """What a finishing request does, in one call: cache its full blocks (unless ``cache`` is
         False, the cache is off or the request failed), unpin its prefix, drop its reference on
         every block and close the record. Returns the adapter slot it held (-1: none), for the
         caller to release; a second call raises ``SequenceStateError``."""
-        return self._finish(handle, cache)
+        return self._finish(_handle_arg(handle, "finish"), cache)
 
     cdef int32_t _finish(self, int64_t h, bint cache) except? -2:
         cdef Failure f
@@ -1451,7 +1493,7 @@ cdef class KVCacheCore:
         """Whether ``handle`` is a record of this core not yet finished."""
         cdef Failure f
         cdef bint live
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "is_live")
         _ok(&f)
         with nogil:
             self._lock()
@@ -1473,7 +1515,7 @@ cdef class KVCacheCore:
         a negative token, a table too small) raises before anything changes. Blocks evicted for a
         request that was refused all the same stay evicted, as for ``grow``."""
         cdef const int32_t *tok = NULL
-        cdef Py_ssize_t n, num_tok = 0, i, ncols = 0, nrows = 0
+        cdef Py_ssize_t n, num_tok = 0, ncols = 0, nrows = 0
         cdef const int64_t *hs
         cdef const int32_t *cnt = NULL
         cdef const int32_t *row_of = NULL
@@ -1681,7 +1723,7 @@ cdef class KVCacheCore:
 
     def tokens(self, handle):
         """A copy of the record's token ids."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "tokens")
         cdef cnp.ndarray out
         cdef SeqRec *rec
         with nogil:
@@ -1697,7 +1739,7 @@ cdef class KVCacheCore:
 
     def block_table(self, handle):
         """A copy of the record's block table (int32, for kernels)."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "block_table")
         cdef cnp.ndarray out
         cdef SeqRec *rec
         with nogil:
@@ -1713,7 +1755,7 @@ cdef class KVCacheCore:
     def block_hashes(self, handle):
         """The content hashes of the record's full blocks (uint64; see docs/content-hashes.md),
         computed once per block and kept with the record."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "block_hashes")
         cdef cnp.ndarray out
         cdef SeqRec *rec
         cdef Chunk *chunk
@@ -1752,7 +1794,7 @@ cdef class KVCacheCore:
     def info(self, handle):
         """``(seq_id, status, num_tokens, prompt_len, num_blocks, cached_tokens, ssm_tokens,
         failed, adapter_slot)`` of a record (status: 1 active, 2 retired)."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "info")
         cdef SeqRec *rec
         with nogil:
             self._lock()
@@ -1799,30 +1841,30 @@ cdef class KVCacheCore:
         return value
 
     def num_tokens(self, handle):
-        return self._field(handle, 0)
+        return self._field(_handle_arg(handle, "num_tokens"), 0)
 
     def num_blocks(self, handle):
-        return self._field(handle, 1)
+        return self._field(_handle_arg(handle, "num_blocks"), 1)
 
     def prompt_len(self, handle):
-        return self._field(handle, 2)
+        return self._field(_handle_arg(handle, "prompt_len"), 2)
 
     def cached_tokens(self, handle):
-        return self._field(handle, 3)
+        return self._field(_handle_arg(handle, "cached_tokens"), 3)
 
     def ssm_tokens(self, handle):
         """Tokens the SSM state consumed, -1 when as many as the record's tokens."""
-        return self._field(handle, 4)
+        return self._field(_handle_arg(handle, "ssm_tokens"), 4)
 
     def failed(self, handle):
-        return bool(self._field(handle, 5))
+        return bool(self._field(_handle_arg(handle, "failed"), 5))
 
     def status(self, handle):
         """0 freed (or not of this core), 1 active, 2 retired."""
-        return self._field(handle, 6)
+        return self._field(_handle_arg(handle, "status"), 6)
 
     def adapter_slot(self, handle):
-        return self._field(handle, 7)
+        return self._field(_handle_arg(handle, "adapter_slot"), 7)
 
     cdef int _set(self, int64_t handle, int which, int64_t value, str call) except -1:
         cdef Failure f
@@ -1857,22 +1899,23 @@ cdef class KVCacheCore:
         return 0
 
     def set_prompt_len(self, handle, value):
-        self._set(handle, 0, _as_count(value, "prompt_len", 0, INT32_MAX), "prompt_len")
+        self._set(_handle_arg(handle, "prompt_len"), 0, _as_count(value, "prompt_len", 0, INT32_MAX), "prompt_len")
 
     def set_ssm_tokens(self, handle, value):
         """Set the tokens the SSM state consumed (None: as many as the record's tokens)."""
-        self._set(handle, 1, -1 if value is None else _as_count(value, "ssm_tokens", 0, INT32_MAX), "ssm_tokens")
+        cdef int64_t h = _handle_arg(handle, "ssm_tokens")
+        self._set(h, 1, -1 if value is None else _as_count(value, "ssm_tokens", 0, INT32_MAX), "ssm_tokens")
 
     def mark_failed(self, handle):
-        self._set(handle, 2, 0, "mark_failed")
+        self._set(_handle_arg(handle, "mark_failed"), 2, 0, "mark_failed")
 
     def retire(self, handle):
-        self._set(handle, 3, 0, "retire_sequence")
+        self._set(_handle_arg(handle, "retire_sequence"), 3, 0, "retire_sequence")
 
     def bind_adapter(self, handle, adapter_slot, adapter):
         """Record the adapter slot reference the request holds and its prefix-cache key (only
         before it has blocks)."""
-        cdef int64_t h = handle
+        cdef int64_t h = _handle_arg(handle, "bind_adapter")
         cdef int64_t key = _adapter_key(adapter)
         cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", 0, INT32_MAX)
         cdef SeqRec *rec

@@ -631,7 +631,6 @@ def test_snapshot_point_without_snapshot_ids_does_nothing() -> None:
     assert core.num_cached_blocks == 0
 
 
-@pytest.mark.xfail(strict=True, reason="prefix_snapshot reads the pinned node, which cache() moves past the reuse")
 def test_prefix_snapshot_still_names_the_reused_prefixs_snapshot_after_caching_mid_life() -> None:
     core = snapshot_core(4, cut=True)
     handle = core.admit([1, 2, 3, 4, 5, 6], 6)
@@ -735,7 +734,6 @@ def test_another_cores_handle_is_refused(core: Core) -> None:
     other.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="a handle is converted by Cython: a float truncates, others raise TypeError")
 @pytest.mark.parametrize("as_given", [float, str, lambda handle: handle + 2**64, lambda handle: None])
 def test_a_handle_that_is_not_an_int_is_refused_and_finishes_nothing(
     core: Core, as_given: Callable[[int], object]

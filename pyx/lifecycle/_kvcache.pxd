@@ -117,6 +117,7 @@ cdef class KVCacheCore:
                                    Py_ssize_t grow_to, Failure *f) noexcept nogil
     cdef int32_t _cache_locked(self, SeqRec *rec, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
     cdef int32_t _node_at(self, SeqRec *rec, Py_ssize_t blocks, Failure *f) noexcept nogil
+    cdef int32_t _tag_at(self, int32_t node, Py_ssize_t blocks) noexcept nogil
     cdef Py_ssize_t _finish_locked(self, SeqRec *rec, bint cache, Failure *f) noexcept nogil
     cdef int _raise(self, Failure *f, str call, object tokens=*) except -1
     cdef Py_ssize_t _attach_checked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
