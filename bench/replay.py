@@ -51,27 +51,41 @@ class PrefixTrace(Protocol):
     def reusable_blocks(self, i: int) -> int: ...
 
 
-def replay_core(trace: PrefixTrace) -> tuple[float, int, int]:
+def replay_core(trace: PrefixTrace, *, events: bool = False) -> tuple[float, int, int]:
     """One timed replay through ``KVCacheCore.admit`` / ``finish`` on a fresh pool; returns
-    (seconds, hit tokens, blocks evicted)."""
+    (seconds, hit tokens, blocks evicted). ``events``: the core logs KV events and the replay
+    drains them after every request, as an engine publishing them each step would."""
     from lifecycle._blockpool import BlockPool
     from lifecycle._kvcache import KVCacheCore
 
     pool = BlockPool(trace.num_blocks)
-    core = KVCacheCore(pool, trace.block_size)
+    core = KVCacheCore(pool, trace.block_size, events=events)
     requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
     live: deque[int] = deque()
     max_live = trace.max_live
-    admit, finish = core.admit, core.finish
+    admit, finish, take = core.admit, core.finish, core.take_events
+    stored = 0
     with no_gc():
         start = time.perf_counter()
-        for tokens, needed, reusable in requests:
-            if len(live) == max_live:
+        if events:
+            for tokens, needed, reusable in requests:
+                if len(live) == max_live:
+                    finish(live.popleft())
+                live.append(admit(tokens, needed, reusable))
+                stored += len(take().hashes)
+            while live:
                 finish(live.popleft())
-            live.append(admit(tokens, needed, reusable))
-        while live:
-            finish(live.popleft())
+            stored += len(take().hashes)
+        else:
+            for tokens, needed, reusable in requests:
+                if len(live) == max_live:
+                    finish(live.popleft())
+                live.append(admit(tokens, needed, reusable))
+            while live:
+                finish(live.popleft())
         seconds = time.perf_counter() - start
+    if events and stored != core.counters()["blocks_cached"] + core.counters()["blocks_evicted"]:
+        raise AssertionError(f"{stored} hashes in the events, but the core cached and evicted a different count")
     core.check_invariants()
     if pool.num_free + core.num_cached_blocks != pool.num_total:
         raise AssertionError(
@@ -142,6 +156,22 @@ def record(workload: str, library: str, runs: list[tuple[float, int, int]], trac
         "blocks_evicted": runs[0][2],
         "replays": len(runs),
     }
+
+
+def run_events(workload: str, trace: PrefixTrace, repeats: int) -> list[dict[str, Any]]:
+    """The core with events off and on (drained after every request), replays interleaved so
+    that drift of a noisy machine hits both alike; the second record carries the ratio of the
+    best times and of the medians."""
+    off: list[tuple[float, int, int]] = []
+    on: list[tuple[float, int, int]] = []
+    for _ in range(repeats):
+        off.append(replay_core(trace))
+        on.append(replay_core(trace, events=True))
+    plain = record(workload, "lifecycle", off, trace)
+    logged = record(workload, "lifecycle-events", on, trace)
+    logged["overhead_best"] = round(logged["us_per_request"] / plain["us_per_request"] - 1, 4)
+    logged["overhead_median"] = round(logged["median_us_per_request"] / plain["median_us_per_request"] - 1, 4)
+    return [plain, logged]
 
 
 def run(workload: str, trace: PrefixTrace, repeats: int, *, model: bool) -> dict[str, Any]:

@@ -5,6 +5,8 @@
     python bench/workloads.py w2-model --json   # W2 through the HybridModel API
     python bench/workloads.py w3 --json         # W3 long-context replay at the core, with the never-evict ceiling
     python bench/workloads.py w3-model --json   # W3 through the HybridModel API
+    python bench/workloads.py w2-events --json  # W2 at the core with KV events off and on (the overhead)
+    python bench/workloads.py w3-events --json  # W3 likewise
 
 Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
 ``bench/data/traces.npz`` (see bench/data/README.md; ``--trace PATH`` names another file, compact or
@@ -29,7 +31,7 @@ from traces import MOONCAKE_TRACE, TRACES  # noqa: E402
 #: The traces every W1/W2 benchmark replays unless told otherwise (the repository's copy).
 DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
-WORKLOADS = ("w1", "w2", "w2-model", "w3", "w3-model")
+WORKLOADS = ("w1", "w2", "w2-model", "w2-events", "w3", "w3-model", "w3-events")
 #: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
 #: longer than W2's, so fewer of them give as steady a minimum.
 REPEATS = {"w2": 10, "w3": 5}
@@ -70,6 +72,14 @@ def results(workload: str, trace: Path | None) -> list[Result]:
         from w1 import run as run_w1
 
         return list(run_w1(trace or TRACES))
+    if workload.endswith("events"):
+        from replay import run_events
+        from w2 import load_w2
+        from w3 import load_w3
+
+        name = workload.split("-")[0]
+        trace_data = load_w2(trace or TRACES) if name == "w2" else load_w3(trace or MOONCAKE_TRACE)
+        return run_events(name.upper(), trace_data, REPEATS[name])
     if workload.startswith("w2"):
         return [run_w2(trace or TRACES, model=workload.endswith("model"))]
     if workload.startswith("w3"):

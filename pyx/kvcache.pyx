@@ -23,15 +23,27 @@ released when the call is long or the lock is taken; nothing holding it waits fo
 """
 
 cimport cython
+from cpython.pyport cimport PY_SSIZE_T_MAX
+from cpython.object cimport PyTypeObject
+from cpython.ref cimport Py_INCREF
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcpy, memset
 
 from lifecycle._blockpool cimport BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._slots cimport SlotGuard, SlotPool
-from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash, lc_stream_tokens_checked
+from lifecycle._hash cimport (
+    LC_GOLDEN,
+    lc_content_hashes,
+    lc_copy_tokens_checked,
+    lc_fmix64,
+    lc_hash_blocks_by_id,
+    lc_nh_block,
+    lc_root_hash,
+    lc_stream_tokens_checked,
+)
 from lifecycle._radix cimport (
     Chunk,
     RadixTrie,
@@ -145,6 +157,22 @@ cdef inline Py_ssize_t _blocks_for(Py_ssize_t tokens, Py_ssize_t block_size) noe
     return (tokens + block_size - 1) // block_size
 
 
+cdef inline int _grow_array(void **array, Py_ssize_t *capacity, Py_ssize_t needed, size_t item) noexcept nogil:
+    """Make room for ``needed`` items (doubling); 1 when out of memory (nothing changed)."""
+    cdef Py_ssize_t grown = capacity[0] if capacity[0] > 0 else 64
+    cdef void *moved
+    if needed <= capacity[0]:
+        return 0
+    while grown < needed:
+        grown *= 2
+    moved = realloc(array[0], grown * item)
+    if moved == NULL:
+        return 1
+    array[0] = moved
+    capacity[0] = grown
+    return 0
+
+
 cdef inline int64_t _handle_arg(object handle, str call) except? -1:
     """A record handle as given to ``call``: an exact int in [0, 2**63) costs one inline
     conversion; numpy integers pass through ``__index__``; anything else (a float, a string,
@@ -182,10 +210,13 @@ cdef class KVCacheCore:
     ``enable_prefix_cache=False`` makes it a plain allocator (nothing matches, nothing is cached);
     ``snapshot_cut=True`` (hybrid models) reuses a cached prefix only up to its deepest SSM
     snapshot, of which it keeps ids for ``num_snapshots``; ``max_blocks_per_seq`` caps a table.
+    ``events`` / ``demote``: see ``set_events``; ``null_block=True`` holds block 0 of a fresh
+    pool for good (engines pad their tables with it), so it is never handed out or cached.
     """
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
-                 num_snapshots=0, max_blocks_per_seq=None, max_tokens_per_seq=None, capacity=None):
+                 num_snapshots=0, max_blocks_per_seq=None, max_tokens_per_seq=None, capacity=None,
+                 events=False, demote=False, null_block=False):
         """An empty cache over ``pool`` with ``block_size`` tokens per block; the class says what
         each option does."""
         cdef Py_ssize_t i
@@ -234,6 +265,22 @@ cdef class KVCacheCore:
             self._snap_prev[i] = -1
             self._snap_next[i] = self._snap_free
             self._snap_free = <int32_t>i
+        self._null_block = -1
+        self._max_pending_tokens = 1 << 24
+        if null_block:
+            if self._pool.num_free != self._pool.num_total or self._pool.num_total == 0:
+                raise ConfigError(
+                    f"null_block needs a fresh pool with at least one block (free {self._pool.num_free} of "
+                    f"{self._pool.num_total})"
+                )
+            with nogil:
+                self._lock()
+                self._pool._allocate_locked(&self._null_block, 1)
+                self._unlock()
+            if self._null_block != 0:
+                raise InvariantViolation(f"a fresh pool handed out block {self._null_block} first, not block 0")
+        if events or demote:
+            self.set_events(events, demote)
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -243,6 +290,10 @@ cdef class KVCacheCore:
                     chunk_decref(&self._trie._chunks, self._recs[i].chunk)
         free(self._recs)
         free(self._scratch)
+        free(self._token_scratch)
+        free(self._block_hash)
+        _free_log(&self._log)
+        _free_log(&self._spare)
         free(self._snap_node)
         free(self._snap_generation)
         free(self._snap_prev)
@@ -536,19 +587,23 @@ cdef class KVCacheCore:
         returns how many became free. A block a request still holds loses the cache's reference
         but frees nothing, so the next round trims more."""
         cdef Py_ssize_t freed = 0, want, count
+        cdef bint keep_tokens
         while freed < n:
             want = min(n - freed, self._trie._lru_blocks)
             if want <= 0:
                 break
-            if self._reserve_scratch(want):
+            keep_tokens = self._demote and not self._quiet
+            if self._reserve_scratch(want) or (keep_tokens and self._reserve_token_scratch(want)):
                 f.code = E_NO_MEMORY
                 break
-            count = self._trie._trim(want, self._scratch)
+            count = self._trie._trim(want, self._scratch, self._token_scratch if keep_tokens else NULL)
             if count < 0:
                 f.code = E_INVARIANT
                 f.value = self._trie._lru_head
                 break
             self._counters.blocks_evicted += count
+            if (self._events or self._demote) and not self._quiet and count > 0:
+                self._log_removed(self._scratch, self._token_scratch if keep_tokens else NULL, count)
             freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
             if f.batch.failed_at >= 0:
                 f.code = E_INVARIANT
@@ -559,6 +614,107 @@ cdef class KVCacheCore:
                 break
         self._counters.blocks_freed += freed
         return freed
+
+    cdef int _reserve_token_scratch(self, Py_ssize_t blocks) noexcept nogil:
+        cdef Py_ssize_t n = blocks * self._block_size
+        cdef int32_t *grown
+        if n <= self._token_scratch_capacity:
+            return 0
+        grown = <int32_t *>realloc(self._token_scratch, n * sizeof(int32_t))
+        if grown == NULL:
+            return 1
+        self._token_scratch = grown
+        self._token_scratch_capacity = n
+        return 0
+
+    # -- content hashes of cached blocks and the event log (lock held) -------------------------------
+
+    cdef EvEntry *_log_entry(self, Py_ssize_t hashes, Py_ssize_t tokens, Py_ssize_t ids) noexcept nogil:
+        """Room for one more entry with that many hashes, tokens and ids; NULL (the entry counted
+        as dropped) past the pending limit or out of memory."""
+        cdef EvLog *log = &self._log
+        if log.num_tokens + tokens > self._max_pending_tokens:
+            log.dropped += 1
+            return NULL
+        if (
+            _grow_array(<void **>&log.entries, &log.entries_capacity, log.num_entries + 1, sizeof(EvEntry))
+            or _grow_array(<void **>&log.hashes, &log.hashes_capacity, log.num_hashes + hashes, sizeof(uint64_t))
+            or _grow_array(<void **>&log.tokens, &log.tokens_capacity, log.num_tokens + tokens, sizeof(int32_t))
+            or _grow_array(<void **>&log.ids, &log.ids_capacity, log.num_ids + ids, sizeof(int32_t))
+        ):
+            log.dropped += 1
+            return NULL
+        log.num_entries += 1
+        return &log.entries[log.num_entries - 1]
+
+    cdef void _log_stored(self, int32_t v, Py_ssize_t count) noexcept nogil:
+        """The last ``count`` blocks of node ``v`` were just cached: record their content hashes
+        by block id (chained from the block before them) and, with events on, log them."""
+        cdef RNode *node = &self._trie._nodes[v]
+        cdef RNode *up
+        cdef Py_ssize_t bs = self._block_size, first = node.start + node.length - count
+        cdef uint64_t parent
+        cdef int64_t key
+        cdef bint has_parent = True
+        cdef const int32_t *tokens = node.chunk.tokens + first * bs
+        cdef uint64_t *out = NULL
+        cdef EvEntry *entry = NULL
+        if self._block_hash == NULL or count <= 0:
+            return
+        up = node
+        while up.parent >= 0:
+            up = &self._trie._nodes[up.parent]
+        key = <int64_t>up.key
+        if count < node.length:
+            parent = self._block_hash[node.chunk.blocks[first - 1]]
+        else:
+            up = &self._trie._nodes[node.parent]
+            if up.parent < 0:
+                parent = lc_root_hash(key)
+                has_parent = False
+            else:
+                parent = self._block_hash[up.chunk.blocks[up.start + up.length - 1]]
+        if self._events:
+            entry = self._log_entry(count, count * bs, 0)
+        if entry != NULL:
+            entry.kind = 1
+            entry.adapter = key
+            entry.parent = parent
+            entry.has_parent = has_parent
+            entry.has_ids = 0
+            entry.count = <int32_t>count
+            entry.num_tokens = <int32_t>(count * bs)
+            out = self._log.hashes + self._log.num_hashes
+            self._log.num_hashes += count
+            memcpy(self._log.tokens + self._log.num_tokens, tokens, count * bs * sizeof(int32_t))
+            self._log.num_tokens += count * bs
+        lc_hash_blocks_by_id(
+            parent, tokens, count, bs, self._trie._keys, node.chunk.blocks + first, self._block_hash, out
+        )
+
+    cdef void _log_removed(self, const int32_t *ids, const int32_t *tokens, Py_ssize_t count) noexcept nogil:
+        """``count`` cached blocks left the cache: log their hashes (with demotion, their ids and
+        tokens too)."""
+        cdef Py_ssize_t i, bs = self._block_size
+        cdef bint with_tokens = tokens != NULL
+        cdef EvEntry *entry = self._log_entry(count, count * bs if with_tokens else 0, count if with_tokens else 0)
+        if entry == NULL:
+            return
+        entry.kind = 2
+        entry.adapter = 0
+        entry.parent = 0
+        entry.has_parent = 0
+        entry.has_ids = with_tokens
+        entry.count = <int32_t>count
+        entry.num_tokens = <int32_t>(count * bs if with_tokens else 0)
+        for i in range(count):
+            self._log.hashes[self._log.num_hashes + i] = self._block_hash[ids[i]]
+        self._log.num_hashes += count
+        if with_tokens:
+            memcpy(self._log.ids + self._log.num_ids, ids, count * sizeof(int32_t))
+            self._log.num_ids += count
+            memcpy(self._log.tokens + self._log.num_tokens, tokens, count * bs * sizeof(int32_t))
+            self._log.num_tokens += count * bs
 
     cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
         """Extend the record's table to ``num_blocks`` fresh blocks, evicting when short; all or
@@ -775,6 +931,8 @@ cdef class KVCacheCore:
                 f.code = E_REFUSED
                 return -1
             self._trie._extend(start, <int32_t>(full - d))
+            if self._block_hash != NULL:
+                self._log_stored(start, full - d)
             taken[0] = full - d
             self._counters.blocks_cached += full - d
             rec.pin_blocks = <int32_t>full
@@ -788,6 +946,8 @@ cdef class KVCacheCore:
                 f.code = E_REFUSED
                 return -1
             end = self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>(full - pos))
+            if self._block_hash != NULL:
+                self._log_stored(end, full - pos)
             taken[0] = full - pos
             self._counters.blocks_cached += full - pos
         else:
@@ -824,7 +984,7 @@ cdef class KVCacheCore:
         how many blocks became free."""
         cdef Py_ssize_t bs = self._block_size, d = rec.pin_blocks, full = 0, pos = 0, matched, length
         cdef Py_ssize_t freed
-        cdef int32_t start, v
+        cdef int32_t start, v, leaf = -1
         cdef WalkEnd walk
         cdef Chunk *chunk = rec.chunk
         cdef Chunk *copy
@@ -843,7 +1003,7 @@ cdef class KVCacheCore:
                 if length <= 0:
                     self._trie._touch(v)
                 elif 2 * length * bs >= chunk.token_capacity:
-                    self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>length)
+                    leaf = self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>length)
                 else:
                     copy = chunk_new(&self._trie._chunks, length, length * bs)
                     if copy == NULL:
@@ -856,10 +1016,12 @@ cdef class KVCacheCore:
                         if copy.hashes != NULL:
                             memcpy(copy.hashes, chunk.hashes + pos, length * sizeof(uint64_t))
                             copy.num_hashed = <int32_t>length
-                    self._trie._add_leaf(v, copy, 0, <int32_t>length)
+                    leaf = self._trie._add_leaf(v, copy, 0, <int32_t>length)
                     chunk_decref(&self._trie._chunks, copy)
                 if length > 0:
                     self._counters.blocks_cached += length
+                    if self._block_hash != NULL:
+                        self._log_stored(leaf, length)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
         # The blocks [pos, full) now belong to the cache: the record's references changed owner.
@@ -2036,17 +2198,292 @@ cdef class KVCacheCore:
         did. Snapshot ids of dropped nodes are freed."""
         cdef Failure f
         cdef bint done = False
+        cdef EvEntry *entry
         _ok(&f)
         with nogil:
             self._lock()
             if self._closed:
                 f.code = E_CLOSED
             elif self._trie._lru_blocks == self._trie._num_blocks:
+                self._quiet = True
                 self._evict_locked(self._trie._num_blocks + self._pool._num_blocks, &f)
+                self._quiet = False
                 done = self._trie._num_blocks == 0
+                if done and self._events:
+                    entry = self._log_entry(0, 0, 0)
+                    if entry != NULL:
+                        entry.kind = 3
+                        entry.count = 0
+                        entry.num_tokens = 0
+                        entry.has_ids = 0
+                        entry.has_parent = 0
+                        entry.adapter = 0
+                        entry.parent = 0
             self._unlock()
         self._raise(&f, "reset")
         return done
+
+    # -- events, content hashes, engine tables ----------------------------------------------------
+
+    def set_events(self, bint events, bint demote=False, max_pending_tokens=1 << 24):
+        """Turn the event log on or off. ``events``: every block the cache takes is logged as
+        stored (its content hash, the hash before it, its tokens and the trie root's key), every
+        block it drops as removed (its hash), a ``reset`` as cleared. ``demote``: removed blocks
+        are logged with their block ids and tokens, for a tier below to copy them before the block
+        is reused (taken with ``take_events`` right after the call that evicted them).
+
+        While either is on, the content hash of every cached block is kept by block id (8 bytes a
+        block); turning one on hashes what is cached already. Off (the default) costs nothing.
+        Turning both off drops pending entries. An entry that would take the tokens pending
+        past ``max_pending_tokens`` (an engine that stopped draining) is dropped and counted
+        (``RawEvents.dropped``)."""
+        cdef bint track = events or demote
+        cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
+        if track and self._block_hash == NULL:
+            hashes = <uint64_t *>calloc(self._pool._num_blocks + 1, sizeof(uint64_t))
+            if hashes == NULL:
+                raise MemoryError(f"set_events: cannot allocate hashes for {self._pool._num_blocks} blocks")
+            with nogil:
+                self._lock()
+            try:
+                self._block_hash = hashes
+                self._hash_all_cached()
+            finally:
+                self._unlock()
+        with nogil:
+            self._lock()
+            self._events = events
+            self._demote = demote
+            self._max_pending_tokens = cap
+            if not track:
+                free(self._block_hash)
+                self._block_hash = NULL
+                self._log.num_entries = self._log.num_hashes = self._log.num_tokens = self._log.num_ids = 0
+            self._unlock()
+
+    @property
+    def events_on(self):
+        """``(events, demote)`` as set."""
+        return bool(self._events), bool(self._demote)
+
+    cdef void _hash_all_cached(self):
+        """(Lock held) the content hash of every cached block, parents before children."""
+        cdef RadixTrie trie = self._trie
+        cdef Py_ssize_t i, j, bs = self._block_size
+        cdef RNode *node
+        cdef RNode *up
+        cdef uint64_t parent
+        order = sorted(
+            (trie._nodes[i].depth, i) for i in range(trie._high_water) if trie._nodes[i].parent >= 0
+        )
+        for _, i in order:
+            node = &trie._nodes[i]
+            up = &trie._nodes[node.parent]
+            if up.parent < 0:
+                parent = lc_root_hash(<int64_t>up.key)
+            else:
+                parent = self._block_hash[up.chunk.blocks[up.start + up.length - 1]]
+            for j in range(node.start, node.start + node.length):
+                parent = lc_fmix64(lc_nh_block(node.chunk.tokens + j * bs, bs, trie._keys)) + parent * LC_GOLDEN
+                self._block_hash[node.chunk.blocks[j]] = parent
+
+    def take_events(self):
+        """Drain the event log into a ``RawEvents`` (entries in the order things happened: see
+        there), handing over its buffers rather than copying them; they come back for reuse when
+        the ``RawEvents`` goes. ``lifecycle.events`` turns one into typed events."""
+        cdef RawEvents taken
+        cdef EvLog log
+        with nogil:
+            self._lock()
+            log = self._log
+            if log.num_entries or log.dropped:
+                self._log = self._spare
+                _clear_log(&self._spare)
+            self._unlock()
+        if not (log.num_entries or log.dropped):
+            return _NO_EVENTS
+        taken = RawEvents.__new__(RawEvents)
+        taken._log = log
+        taken._core = self
+        taken._block_size = self._block_size
+        return taken
+
+    cdef void _recycle(self, EvLog *log) noexcept:
+        """Keep a drained log's buffers as the spare for the next drain (free them if one is
+        kept already, or if the lock is busy: this runs with the GIL held, from a deallocator,
+        and must not wait for a thread that may be waiting for the GIL)."""
+        if lc_mutex_trylock(&self._pool._lock):
+            if self._spare.entries == NULL and self._spare.hashes == NULL and self._spare.tokens == NULL:
+                self._spare = log[0]
+                self._spare.num_entries = self._spare.num_hashes = self._spare.num_tokens = self._spare.num_ids = 0
+                self._spare.dropped = 0
+                _clear_log(log)
+            lc_mutex_unlock(&self._pool._lock)
+        _free_log(log)
+
+    @property
+    def pending_events(self):
+        """Entries waiting in the event log."""
+        return self._log.num_entries
+
+    @property
+    def null_block(self):
+        """The block held for padding tables (0), or -1 when there is none."""
+        return self._null_block
+
+    def cached_hashes(self, ids):
+        """The content hashes kept for cached blocks ``ids`` (uint64; needs events or demotion on;
+        a block that is not cached reads as whatever it last held)."""
+        cdef cnp.ndarray wanted = _block_ids(ids, self._pool._num_blocks, "cached_hashes")
+        cdef const int32_t *data = <const int32_t *>cnp.PyArray_DATA(wanted)
+        cdef Py_ssize_t i, n = cnp.PyArray_DIM(wanted, 0)
+        cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
+        cdef uint64_t *dest = <uint64_t *>cnp.PyArray_DATA(out)
+        if self._block_hash == NULL:
+            raise ConfigError("cached_hashes: content hashes are kept only while events or demotion are on")
+        with nogil:
+            self._lock()
+            for i in range(n):
+                dest[i] = self._block_hash[data[i]]
+            self._unlock()
+        return out
+
+    def evict_blocks(self, ids):
+        """Drop the given cached blocks from the prefix cache, with every block cached after them
+        on their paths (a prefix cache has no holes), as an engine does when their KV turned out
+        invalid. Blocks on the path of a running request are left alone (it still reads them).
+        Returns the ids of the blocks that left the cache (int32, the given ones and those after
+        them); ids that are not cached are ignored. Costs one pass over the trie's nodes."""
+        cdef cnp.ndarray wanted = _block_ids(ids, self._pool._num_blocks, "evict_blocks")
+        cdef const int32_t *data = <const int32_t *>cnp.PyArray_DATA(wanted)
+        cdef Py_ssize_t i, j, n = cnp.PyArray_DIM(wanted, 0), nb = self._pool._num_blocks, count, total = 0
+        cdef RadixTrie trie = self._trie
+        cdef RNode *node
+        cdef int32_t top
+        cdef bint keep_tokens
+        cdef Failure f
+        _ok(&f)
+        marked = np.zeros(nb + 1, dtype=np.bool_)
+        cdef cnp.npy_bool *mark = <cnp.npy_bool *>cnp.PyArray_DATA(marked)
+        for i in range(n):
+            mark[data[i]] = True
+        dropped = []
+        with nogil:
+            self._lock()
+        try:
+            if self._closed:
+                raise TornDown("evict_blocks: the KV cache core was closed (torn down)")
+            # The first marked block of each unprotected node, cut off as the top of a subtree to drop.
+            tops = []
+            for i in range(trie._high_water):
+                node = &trie._nodes[i]
+                if node.parent < 0 or node.lock_count > 0:
+                    continue
+                for j in range(node.length):
+                    if mark[node.chunk.blocks[node.start + j]]:
+                        tops.append((i, j))
+                        break
+            for i, _ in tops:
+                # Looked at again: an earlier drop may have taken this node (and a cut reused its slot).
+                node = &trie._nodes[i]
+                if node.parent < 0 or node.lock_count > 0 or i >= trie._high_water:
+                    continue
+                j = 0
+                while j < node.length and not mark[node.chunk.blocks[node.start + j]]:
+                    j += 1
+                if j == node.length:
+                    continue
+                top = <int32_t>i
+                if j > 0:
+                    if trie._reserve(1):
+                        raise MemoryError("evict_blocks: out of host memory")
+                    trie._split(top, <int32_t>j)  # the head keeps the blocks before the marked one
+                keep_tokens = self._demote
+                if self._reserve_scratch(trie._lru_blocks) or (
+                    keep_tokens and self._reserve_token_scratch(trie._lru_blocks)
+                ):
+                    raise MemoryError("evict_blocks: out of host memory")
+                count = trie._drop_subtree(top, self._scratch, self._token_scratch if keep_tokens else NULL)
+                if count < 0:
+                    raise MemoryError("evict_blocks: out of host memory")
+                if trie._num_evicted_tags:
+                    self._drain_tags()
+                if (self._events or self._demote) and count > 0:
+                    self._log_removed(self._scratch, self._token_scratch if keep_tokens else NULL, count)
+                self._counters.blocks_evicted += count
+                dropped.append(np.asarray(<int32_t[:count]>self._scratch).copy() if count else np.empty(0, np.int32))
+                self._counters.blocks_freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
+                total += count
+                if f.batch.failed_at >= 0:
+                    raise InvariantViolation(f"evict_blocks: the pool refused a cached block ({f.batch.failed_at})")
+        finally:
+            self._unlock()
+        return np.concatenate(dropped).astype(np.int32) if dropped else np.empty(0, dtype=np.int32)
+
+    def num_common_prefix_blocks(self, handles):
+        """How many leading blocks every one of the given live records shares (the same block
+        ids), as cascade attention wants; 0 for no records."""
+        cdef cnp.ndarray handle_array = _int64_vector(handles, "num_common_prefix_blocks: handles")
+        cdef const int64_t *hs = <const int64_t *>cnp.PyArray_DATA(handle_array)
+        cdef Py_ssize_t i, j, n = cnp.PyArray_DIM(handle_array, 0), common = 0
+        cdef SeqRec *first
+        cdef SeqRec *rec
+        cdef Failure f
+        _ok(&f)
+        if n == 0:
+            return 0
+        with nogil:
+            self._lock()
+            first = self._rec(hs[0], &f)
+            if first != NULL:
+                common = first.num_blocks
+                for i in range(1, n):
+                    rec = self._rec(hs[i], &f)
+                    if rec == NULL:
+                        break
+                    common = min(common, <Py_ssize_t>rec.num_blocks)
+                    j = 0
+                    while j < common and rec.chunk.blocks[j] == first.chunk.blocks[j]:
+                        j += 1
+                    common = j
+            self._unlock()
+        self._raise(&f, "num_common_prefix_blocks")
+        return common
+
+    def write_table(self, handle, out, pad=None):
+        """Write the record's block ids into ``out``, a writable 1-D int32 buffer the engine owns
+        (a numpy array or row, anything with the buffer protocol, or a CPU tensor through DLPack);
+        with ``pad``, fill the rest of ``out`` with that id (the null block). Returns how many ids
+        it wrote before the padding. ``out`` shorter than the table is refused, nothing written."""
+        cdef int64_t h = _handle_arg(handle, "write_table")
+        cdef int32_t pad_id = -1
+        cdef int32_t[::1] dest = _writable_int32(out, "write_table")
+        cdef Py_ssize_t n = 0, size = dest.shape[0], i
+        cdef SeqRec *rec
+        cdef Failure f
+        if pad is not None:
+            pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self._pool._num_blocks - 1, 0))
+        _ok(&f)
+        with nogil:
+            self._lock()
+            rec = self._rec(h, &f)
+            if rec != NULL:
+                n = rec.num_blocks
+                if n > size:
+                    f.code = E_TOO_LONG
+                    f.value = n
+                    f.limit = size
+                else:
+                    if n:
+                        memcpy(&dest[0], rec.chunk.blocks, n * sizeof(int32_t))
+                    if pad is not None:
+                        for i in range(n, size):
+                            dest[i] = pad_id
+            self._unlock()
+        if f.code == E_TOO_LONG:
+            raise InvalidId(f"write_table: the sequence holds {f.value} blocks, the buffer takes {f.limit}")
+        self._raise(&f, "write_table")
+        return n
 
     def check_invariants(self):
         """Recount everything from scratch under the lock and raise ``InvariantViolation`` on any
@@ -2119,6 +2556,8 @@ cdef class KVCacheCore:
                 return f"sequence {rec.seq_id} pins {rec.pin_blocks} blocks without a node"
         if live != self._num_live:
             return f"{live} live sequences, the counter says {self._num_live}"
+        if self._null_block >= 0:
+            refs[self._null_block] += 1
         tags = 0
         for i in range(trie._high_water):
             node = &trie._nodes[i]
@@ -2152,10 +2591,184 @@ cdef class KVCacheCore:
             sid = self._snap_next[sid]
         if used != tags or used != self._snaps_used:
             return f"{used} snapshots listed, {tags} nodes tagged, the counter says {self._snaps_used}"
+        return self._recount_hashes()
+
+    cdef str _recount_hashes(self):
+        """With hashes kept: every cached block's hash follows from the one before it on its path
+        and its own tokens (so, by induction, every one is the content hash of its path)."""
+        cdef RadixTrie trie = self._trie
+        cdef Py_ssize_t i, j, bs = self._block_size
+        cdef RNode *node
+        cdef RNode *up
+        cdef uint64_t parent
+        if self._block_hash == NULL:
+            return None
+        for i in range(trie._high_water):
+            node = &trie._nodes[i]
+            if node.parent < 0:
+                continue
+            up = &trie._nodes[node.parent]
+            if up.parent < 0:
+                parent = lc_root_hash(<int64_t>up.key)
+            else:
+                parent = self._block_hash[up.chunk.blocks[up.start + up.length - 1]]
+            for j in range(node.start, node.start + node.length):
+                parent = lc_fmix64(lc_nh_block(node.chunk.tokens + j * bs, bs, trie._keys)) + parent * LC_GOLDEN
+                if self._block_hash[node.chunk.blocks[j]] != parent:
+                    return f"cached block {node.chunk.blocks[j]} (node {i}) has a stale content hash"
         return None
 
 
+# -- the event log handed over (KVCacheCore.take_events) ---------------------------------------------
+
+cdef inline void _clear_log(EvLog *log) noexcept nogil:
+    memset(log, 0, sizeof(EvLog))
+
+
+cdef inline void _free_log(EvLog *log) noexcept nogil:
+    free(log.entries)
+    free(log.hashes)
+    free(log.tokens)
+    free(log.ids)
+    _clear_log(log)
+
+
+#: The layout of one entry of ``RawEvents.entries``: the C struct, field for field.
+EVENT_DTYPE = np.dtype({
+    "names": ["adapter", "parent", "count", "num_tokens", "kind", "has_parent", "has_ids"],
+    "formats": ["<i8", "<u8", "<i4", "<i4", "i1", "?", "?"],
+    "offsets": [
+        <Py_ssize_t>&(<EvEntry *>NULL).adapter, <Py_ssize_t>&(<EvEntry *>NULL).parent,
+        <Py_ssize_t>&(<EvEntry *>NULL).count, <Py_ssize_t>&(<EvEntry *>NULL).num_tokens,
+        <Py_ssize_t>&(<EvEntry *>NULL).kind, <Py_ssize_t>&(<EvEntry *>NULL).has_parent,
+        <Py_ssize_t>&(<EvEntry *>NULL).has_ids,
+    ],
+    "itemsize": sizeof(EvEntry),
+})
+cdef object _EVENT_DESCR = EVENT_DTYPE
+
+#: ``RawEvents.entries["kind"]`` values.
+STORED = 1
+REMOVED = 2
+CLEARED = 3
+
+
+cdef extern from "numpy/arrayobject.h":
+    """
+    #define lc_array_over(subtype, descr, nd, dims, strides, data, flags, obj) \\
+        PyArray_NewFromDescr(subtype, (PyArray_Descr *)(descr), nd, dims, strides, data, flags, obj)
+    """
+    object _array_over "lc_array_over" (
+        PyTypeObject *subtype, object descr, int nd, cnp.npy_intp *dims, cnp.npy_intp *strides, void *data,
+        int flags, object obj
+    )
+    int NPY_ARRAY_CARRAY_RO
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class RawEvents:
+    """What ``KVCacheCore.take_events`` drained: entries in the order things happened, each
+    naming a run of blocks. Arrays (read-only views over the log's own memory, made when asked
+    for):
+
+    - ``entries`` (``EVENT_DTYPE``): ``kind`` (``STORED``, ``REMOVED``, ``CLEARED``), ``count``
+      blocks, whose content hashes follow each other in ``hashes``; ``num_tokens``: the entry's
+      tokens in ``tokens`` (a stored entry's always, a removed one's with demotion); ``has_ids``:
+      a removed entry's block ids are in ``ids`` (demotion); ``adapter``: the trie root's key of a
+      stored entry; ``parent``: the hash before its first block (``has_parent`` False when that is
+      the root).
+    - ``hashes`` (uint64), ``tokens`` (int32), ``ids`` (int32).
+
+    ``dropped``: entries lost before this drain (over 16M pending tokens, or out of host memory).
+    """
+    def __init__(self, *args, **kwargs):
+        """Not for callers: ``KVCacheCore.take_events`` makes them."""
+        raise TypeError("RawEvents are made by KVCacheCore.take_events")
+
+    def __dealloc__(self):
+        if self._core is not None:
+            self._core._recycle(&self._log)
+        else:
+            _free_log(&self._log)
+
+    def __len__(self):
+        return self._log.num_entries
+
+    def __repr__(self):
+        return (
+            f"RawEvents(entries={self._log.num_entries}, hashes={self._log.num_hashes}, "
+            f"tokens={self._log.num_tokens}, dropped={self._log.dropped})"
+        )
+
+    @property
+    def block_size(self):
+        """Tokens per block of the core that logged them."""
+        return self._block_size
+
+    @property
+    def dropped(self):
+        return int(self._log.dropped)
+
+    cdef object _view(self, void *data, Py_ssize_t n, object descr):
+        cdef cnp.npy_intp dim = n
+        cdef cnp.ndarray array
+        if n == 0:
+            data = NULL
+        Py_INCREF(descr)  # taken by the call
+        array = _array_over(<PyTypeObject *>np.ndarray, descr, 1, &dim, NULL, data, NPY_ARRAY_CARRAY_RO, None)
+        if data != NULL:
+            cnp.set_array_base(array, self)
+        return array
+
+    @property
+    def entries(self):
+        return self._view(self._log.entries, self._log.num_entries, _EVENT_DESCR)
+
+    @property
+    def hashes(self):
+        return self._view(self._log.hashes, self._log.num_hashes, _HASH_DESCR)
+
+    @property
+    def tokens(self):
+        return self._view(self._log.tokens, self._log.num_tokens, _INT32_DESCR)
+
+    @property
+    def ids(self):
+        return self._view(self._log.ids, self._log.num_ids, _INT32_DESCR)
+
+
+cdef object _HASH_DESCR = np.dtype(np.uint64)
+cdef object _INT32_DESCR = np.dtype(np.int32)
+cdef RawEvents _NO_EVENTS = RawEvents.__new__(RawEvents)
+
+
 # -- argument conversion for the batched calls (GIL held) -------------------------------------------
+
+cdef int32_t[::1] _writable_int32(object out, str call):
+    """``out`` as a writable contiguous 1-D int32 view: the buffer protocol first, then DLPack
+    (a CPU tensor); a device tensor, another dtype or shape, or a read-only buffer is refused."""
+    view = None
+    try:
+        view = memoryview(out)
+    except TypeError:
+        if hasattr(out, "__dlpack__"):
+            device = out.__dlpack_device__()[0] if hasattr(out, "__dlpack_device__") else 1
+            if device != 1:
+                raise InvalidId(f"{call}: a tensor on DLPack device type {device} is not host memory; write it "
+                                "through the model (write_block_tables), which batches the copy") from None
+            view = memoryview(np.from_dlpack(out))
+    if view is None:
+        raise InvalidId(f"{call}: {type(out).__name__} has neither the buffer protocol nor __dlpack__")
+    if view.readonly:
+        raise InvalidId(f"{call}: the buffer is read-only")
+    if view.ndim != 1 or view.format not in ("i", "=i", "<i", "@i") or view.itemsize != 4 or not view.c_contiguous:
+        raise InvalidId(
+            f"{call}: needs a contiguous 1-D int32 buffer, got format {view.format!r}, {view.ndim}-D, "
+            f"itemsize {view.itemsize}"
+        )
+    return view
+
 
 cdef cnp.ndarray _int64_vector(object values, str what):
     """A 1-D int64 array (handles) as given when it is one, else converted; ``InvalidId`` when not
@@ -2170,6 +2783,15 @@ cdef cnp.ndarray _int64_vector(object values, str what):
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InvalidId(f"{what} must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
     return np.require(array, dtype=np.int64, requirements=["C", "A"])
+
+
+cdef cnp.ndarray _block_ids(object values, Py_ssize_t num_blocks, str call):
+    """Block ids as a fresh int32 array, each in [0, num_blocks)."""
+    cdef cnp.ndarray wide = _int64_vector(values, f"{call}: ids")
+    if wide.size and (wide.min() < 0 or wide.max() >= num_blocks):
+        bad = wide[(wide < 0) | (wide >= num_blocks)][0]
+        raise InvalidId(f"{call}: block id {int(bad)} is outside [0, {num_blocks - 1}]")
+    return wide.astype(np.int32)
 
 
 cdef cnp.ndarray _int32_column(object values, Py_ssize_t n, str what):

@@ -18,8 +18,8 @@ refcounts and calls these methods with its lock held. Python sees introspection 
 """
 
 cimport cython
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._blockpool cimport lc_mutex_init, lc_mutex_lock, lc_mutex_unlock
@@ -649,11 +649,12 @@ cdef class RadixTrie:
                 memcpy(dest + node.depth * bs, _run_tokens(self, node), (end - node.depth) * bs * sizeof(int32_t))
             node = &self._nodes[node.parent]
 
-    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest) noexcept nogil:
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest) noexcept nogil:
         """Drop up to ``n`` blocks, least recently used first, from the tails of leaf runs; write
-        their ids to ``dest`` and return how many (-1: the LRU head was not a leaf, an invariant
-        broke). Tags at trimmed ends go to the evicted tags."""
-        cdef Py_ssize_t count = 0, take
+        their ids to ``dest`` (and, unless NULL, their tokens to ``token_dest``) and return how
+        many (-1: the LRU head was not a leaf, an invariant broke). Tags at trimmed ends go to the
+        evicted tags."""
+        cdef Py_ssize_t count = 0, take, bs = self._block_size
         cdef int32_t v
         cdef RNode *node
         while count < n and self._lru_head >= 0:
@@ -663,6 +664,11 @@ cdef class RadixTrie:
                 return -1
             take = min(<Py_ssize_t>node.length, n - count)
             memcpy(dest + count, node.chunk.blocks + node.start + node.length - take, take * sizeof(int32_t))
+            if token_dest != NULL:
+                memcpy(
+                    token_dest + count * bs, node.chunk.tokens + (node.start + node.length - take) * bs,
+                    take * bs * sizeof(int32_t),
+                )
             count += take
             if node.tag >= 0:
                 self._evicted_tags[self._num_evicted_tags] = node.tag
@@ -675,6 +681,43 @@ cdef class RadixTrie:
                 node.length -= <int32_t>take
                 self._lru_blocks -= take
                 self._num_blocks -= take
+        return count
+
+    cdef Py_ssize_t _drop_subtree(self, int32_t top, int32_t *dest, int32_t *token_dest) noexcept nogil:
+        """Drop ``top`` and every node below it (none of them may be protected: ``top``'s lock
+        count is 0), writing their block ids to ``dest`` (and tokens to ``token_dest`` unless NULL),
+        deepest first; returns how many blocks (-1: out of memory, nothing dropped). The LRU list
+        holds exactly these nodes among others and lists children before parents, so one pass
+        over it removes each node once its children are gone. Tags go to the evicted tags."""
+        cdef uint8_t *state = <uint8_t *>calloc(self._high_water + 1, sizeof(uint8_t))
+        cdef Py_ssize_t count = 0, bs = self._block_size
+        cdef int32_t v, u, after
+        cdef uint8_t known
+        cdef RNode *node
+        if state == NULL:
+            return -1
+        state[top] = 1  # 1: inside the subtree, 2: outside, 0: not yet known
+        v = self._lru_head
+        while v >= 0:
+            after = self._nodes[v].lru_next
+            u = v
+            while u >= 0 and state[u] == 0:
+                u = self._nodes[u].parent
+            known = state[u] if u >= 0 else 2
+            u = v
+            while u >= 0 and state[u] == 0:
+                state[u] = known
+                u = self._nodes[u].parent
+            if known == 1:
+                node = &self._nodes[v]
+                memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
+                if token_dest != NULL:
+                    memcpy(token_dest + count * bs, _run_tokens(self, node), node.length * bs * sizeof(int32_t))
+                count += node.length
+                _lru_remove(self, v)
+                _remove_leaf(self, v)
+            v = after
+        free(state)
         return count
 
     cdef void _clear(self) noexcept nogil:

@@ -1,6 +1,8 @@
 # Inline helpers the Cython modules share (no module of its own: cimport only).
 cimport numpy as cnp
+from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport int32_t, int64_t
 
 
@@ -64,10 +66,47 @@ cdef inline object token_vector(object tokens, const int32_t **data, Py_ssize_t 
     names the first value that is not a token id."""
     if int32_vector(tokens, data, n):
         return tokens
-    tokens = _coerce_tokens(tokens)
+    converted = _tokens_from_list(tokens)
+    tokens = converted if converted is not None else _coerce_tokens(tokens)
     if not int32_vector(tokens, data, n):
         raise AssertionError("token conversion did not produce an aligned int32 vector")
     return tokens
+
+
+cdef inline object _tokens_from_list(object tokens):
+    """A list or tuple of exact ints in [0, 2**31) as a fresh int32 array, one C loop (what an
+    engine's token lists cost); None when any item is something else (the general path then
+    converts it or names the bad value)."""
+    cdef Py_ssize_t i, size
+    cdef cnp.npy_intp dim
+    cdef cnp.ndarray out
+    cdef int32_t *dest
+    cdef long long value
+    cdef int overflow = 0
+    cdef object item
+    if PyList_CheckExact(tokens):
+        size = PyList_GET_SIZE(tokens)
+    elif PyTuple_CheckExact(tokens):
+        size = PyTuple_GET_SIZE(tokens)
+    else:
+        return None
+    dim = size
+    out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+    dest = <int32_t *>cnp.PyArray_DATA(out)
+    for i in range(size):
+        if PyList_CheckExact(tokens):
+            if i >= PyList_GET_SIZE(tokens):
+                return None  # the list shrank under us (another thread): the general path decides
+            item = <object>PyList_GET_ITEM(tokens, i)
+        else:
+            item = <object>PyTuple_GET_ITEM(tokens, i)
+        if not PyLong_CheckExact(item):
+            return None
+        value = PyLong_AsLongLongAndOverflow(item, &overflow)
+        if overflow or not 0 <= value <= 0x7FFFFFFF:
+            return None
+        dest[i] = <int32_t>value
+    return out
 
 
 cdef inline object _coerce_tokens(object tokens):

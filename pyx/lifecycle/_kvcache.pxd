@@ -3,7 +3,7 @@
 # a BlockPool whose lock guards all of it.
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from lifecycle._blockpool cimport BatchResult, BlockPool
 from lifecycle._radix cimport Chunk, RadixTrie
@@ -57,7 +57,44 @@ cdef struct Counters:
     uint64_t time_ticks
 
 
+# The event log (kept only while events or demotion are on): entries in order, their hashes,
+# tokens and (removed entries, with demotion) block ids in flat arrays.
+cdef struct EvEntry:
+    int64_t adapter            # stored: the trie root's key
+    uint64_t parent            # stored: the hash of the block before the first (root hash if none)
+    int32_t count              # blocks
+    int32_t num_tokens         # tokens of the entry in the token array (0: none kept)
+    int8_t kind                # 1 stored, 2 removed, 3 cleared
+    int8_t has_parent          # stored: the first block follows a cached block (0: follows the root)
+    int8_t has_ids             # removed: block ids kept
+
+
+cdef struct EvLog:
+    EvEntry *entries
+    Py_ssize_t num_entries
+    Py_ssize_t entries_capacity
+    uint64_t *hashes
+    Py_ssize_t num_hashes
+    Py_ssize_t hashes_capacity
+    int32_t *tokens
+    Py_ssize_t num_tokens
+    Py_ssize_t tokens_capacity
+    int32_t *ids
+    Py_ssize_t num_ids
+    Py_ssize_t ids_capacity
+    int64_t dropped            # entries lost (the pending limit, or out of memory)
+
+
 cdef class SequenceState
+
+
+@cython.final
+cdef class RawEvents:
+    cdef EvLog _log
+    cdef KVCacheCore _core
+    cdef Py_ssize_t _block_size
+
+    cdef object _view(self, void *data, Py_ssize_t n, object descr)
 
 
 @cython.final
@@ -91,6 +128,17 @@ cdef class KVCacheCore:
     cdef int32_t _snaps_used
     cdef Counters _counters
     cdef uint64_t _entered          # clock when the lock was last taken
+    # Content hashes of cached blocks by block id (kept while events or demotion are on).
+    cdef uint64_t *_block_hash
+    cdef bint _events               # log stored / removed / cleared entries
+    cdef bint _demote               # removed entries also carry block ids and tokens
+    cdef bint _quiet                # (reset) evictions are not logged one by one
+    cdef int32_t _null_block        # a block held for good, never handed out (-1: none)
+    cdef int32_t *_token_scratch
+    cdef Py_ssize_t _token_scratch_capacity
+    cdef Py_ssize_t _max_pending_tokens
+    cdef EvLog _log
+    cdef EvLog _spare               # a drained log's buffers, for the next drain
 
     cdef bint _lock_with_gil(self, Py_ssize_t work)
     cdef void _lock(self) noexcept nogil
@@ -108,6 +156,7 @@ cdef class KVCacheCore:
     cdef void _drain_tags(self) noexcept nogil
     cdef int32_t _snap_take(self) noexcept nogil
     cdef int _reserve_scratch(self, Py_ssize_t n) noexcept nogil
+    cdef int _reserve_token_scratch(self, Py_ssize_t blocks) noexcept nogil
     cdef Py_ssize_t _evict_locked(self, Py_ssize_t n, Failure *f) noexcept nogil
     cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
     cdef int32_t _match(self, int64_t adapter, const int32_t *tokens, Py_ssize_t limit, Py_ssize_t *matched,
@@ -136,6 +185,12 @@ cdef class KVCacheCore:
     cdef int32_t _field(self, int64_t handle, int which) except? -2
     cdef int _set(self, int64_t handle, int which, int64_t value, str call) except -1
     cdef str _recount(self)
+    cdef str _recount_hashes(self)
+    cdef void _log_stored(self, int32_t v, Py_ssize_t count) noexcept nogil
+    cdef void _log_removed(self, const int32_t *ids, const int32_t *tokens, Py_ssize_t count) noexcept nogil
+    cdef EvEntry *_log_entry(self, Py_ssize_t hashes, Py_ssize_t tokens, Py_ssize_t ids) noexcept nogil
+    cdef void _hash_all_cached(self)
+    cdef void _recycle(self, EvLog *log) noexcept
     cdef int _append(self, int64_t h, object tokens) except -1
     cdef Py_ssize_t _step_check(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
