@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -318,9 +319,10 @@ def test_evict_blocks_ignores_free_and_uncached_ids_and_refuses_bad_ones_first()
     core.finish(core.admit(blocks(1, 2), 2))
     before = (core.pool.num_free, core.num_cached_blocks)
     assert core.evict_blocks([7, 6]).size == 0
+    evict_blocks: Callable[[object], object] = core.evict_blocks  # type: ignore[assignment]
     for bad in ([8], [-1], [0, 2**40], [[0]], ["x"]):
         with pytest.raises(InvalidId):
-            core.evict_blocks(bad)
+            evict_blocks(bad)
     assert (core.pool.num_free, core.num_cached_blocks) == before
     settled(core)
 
