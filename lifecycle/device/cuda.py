@@ -18,7 +18,8 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn
 
@@ -34,7 +35,7 @@ from lifecycle.device.allocations import (
     check_nbytes,
     view_size,
 )
-from lifecycle.device.base import Copy, DeviceKind, stream_handle
+from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
 from lifecycle.device.host import _host_view
 from lifecycle.errors import CudaError, DriverNotFound, ForkedAfterCudaInit, InvalidId, TornDown
 
@@ -235,6 +236,18 @@ class _InContext:
             _quietly(drv.cuCtxSetCurrent, previous)
 
 
+class _StreamScope:
+    """One ``use_stream`` block of one thread: the engine's stream its copies go to, whether any
+    work was issued there since the last synchronize, and the scope it is nested in."""
+
+    __slots__ = ("handle", "pending", "outer")
+
+    def __init__(self, handle: int, outer: _StreamScope | None) -> None:
+        self.handle = handle
+        self.pending = False
+        self.outer = outer
+
+
 class CudaDevice(TrackedDevice):
     """One GPU through the CUDA driver API: its primary context (retained once, released in
     :meth:`close`), one non-blocking stream that every copy and memset is issued on, and
@@ -245,6 +258,9 @@ class CudaDevice(TrackedDevice):
     current. Memory management (alloc, free, mem_info) works from any thread and leaves the
     caller's context as it found it; copies, memsets, synchronize and wait_stream need a thread
     bound with :meth:`bind_to_thread`. ``close`` also puts back the caller's context.
+
+    Copies go to the calling thread's copy stream: the device's stream, or inside
+    ``use_stream(stream)`` the engine's stream (see :meth:`use_stream`).
 
     Every call holds the device's lock, so ``close`` waits for calls in flight on other threads.
     """
@@ -262,8 +278,10 @@ class CudaDevice(TrackedDevice):
         self._ctx: Any = None
         self._ctx_handle = 0
         self._stream: Any = None
-        self._event: Any = None  # created on the first wait_stream
-        self._pending = False  # work issued on the stream since the last synchronize
+        self._event: Any = None  # created when first needed to order one stream after another
+        self._pending = False  # work issued on the device's stream since the last synchronize
+        self._thread_scope = threading.local()  # .scope: the thread's innermost use_stream block
+        self._scopes: set[_StreamScope] = set()  # the use_stream blocks open on any thread
         count = call(drv.cuDeviceGetCount, "cuDeviceGetCount")
         if count == 0:
             raise DriverNotFound("a CUDA driver is installed but no GPU is present (cuDeviceGetCount: 0)")
@@ -414,10 +432,46 @@ class CudaDevice(TrackedDevice):
             return int(free), int(total)
 
     def _settle(self) -> None:
-        """Wait for the device's stream if work was issued on it since the last synchronize."""
+        """Wait for every stream with copies issued since the last synchronize: the device's, and
+        those of the ``use_stream`` blocks open on any thread."""
         if self._pending:
             call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
             self._pending = False
+        for scope in self._scopes:
+            if scope.pending:
+                call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", scope.handle)
+                scope.pending = False
+
+    # -- the calling thread's copy stream --------------------------------------------------------
+    def _scope(self) -> _StreamScope | None:
+        scope: _StreamScope | None = getattr(self._thread_scope, "scope", None)
+        return scope
+
+    def _target(self) -> Any:
+        """The calling thread's copy stream, as the driver takes it."""
+        scope = self._scope()
+        return self._stream if scope is None else scope.handle
+
+    def _target_handle(self) -> int:
+        scope = self._scope()
+        return self._stream_handle if scope is None else scope.handle
+
+    def _issued(self) -> None:
+        """Work was issued on the calling thread's copy stream."""
+        scope = self._scope()
+        if scope is None:
+            self._pending = True
+        else:
+            scope.pending = True
+
+    def _order(self, later: Any, earlier: Any) -> None:
+        """Make stream ``later`` wait, on the GPU, for the work issued so far on ``earlier``."""
+        drv = self._drv
+        if self._event is None:
+            flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            self._event = call(drv.cuEventCreate, "cuEventCreate", flags)
+        call(drv.cuEventRecord, "cuEventRecord", self._event, earlier)
+        call(drv.cuStreamWaitEvent, "cuStreamWaitEvent", later, self._event, 0)
 
     # -- copies ---------------------------------------------------------------------------------
     def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
@@ -428,8 +482,8 @@ class CudaDevice(TrackedDevice):
             if nbytes:
                 self._device.locate("copy_dtod dst", dst, nbytes)
                 self._device.locate("copy_dtod src", src, nbytes)
-                call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._stream)
-                self._pending = True
+                call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._target())
+                self._issued()
 
     def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
         """``cuMemcpyHtoDAsync``: the source must stay valid and unchanged until synchronize."""
@@ -438,8 +492,8 @@ class CudaDevice(TrackedDevice):
             check_nbytes("copy_htod", nbytes)
             if nbytes:
                 self._device.locate("copy_htod dst", dst, nbytes)
-                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._stream)
-                self._pending = True
+                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
+                self._issued()
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """``cuMemcpyDtoHAsync``: the destination holds the data only after synchronize."""
@@ -448,8 +502,8 @@ class CudaDevice(TrackedDevice):
             check_nbytes("copy_dtoh", nbytes)
             if nbytes:
                 self._device.locate("copy_dtoh src", src, nbytes)
-                call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._stream)
-                self._pending = True
+                call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._target())
+                self._issued()
 
     def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
         """Copies between device and/or pinned memory (unified addresses), unordered among
@@ -464,10 +518,10 @@ class CudaDevice(TrackedDevice):
             count = rows.shape[0]
             if count == 0:
                 return
-            self._pending = True
+            self._issued()
             if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
                 return
-            copy, stream = self._drv.cuMemcpyAsync, self._stream
+            copy, stream = self._drv.cuMemcpyAsync, self._target()
             for dst, src, nbytes in rows.tolist():
                 call(copy, "cuMemcpyAsync", dst, src, nbytes, stream)
 
@@ -507,10 +561,10 @@ class CudaDevice(TrackedDevice):
         if self._batch_v1:
             fail_idx = ctypes.c_size_t(0)
             rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
-                                1, ctypes.addressof(fail_idx), self._stream_handle)
+                                1, ctypes.addressof(fail_idx), self._target_handle())
         else:
             rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
-                                1, self._stream_handle)
+                                1, self._target_handle())
         if rc in (CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE):
             level = logging.INFO if rc == CUDA_ERROR_NOT_SUPPORTED else logging.WARNING
             _, name, text = _describe(self._drv, rc)
@@ -531,33 +585,76 @@ class CudaDevice(TrackedDevice):
                 raise InvalidId(f"memset: value={value} must be in 0..255")
             if nbytes:
                 self._device.locate("memset", ptr, nbytes)
-                call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._stream)
-                self._pending = True
+                call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._target())
+                self._issued()
 
     def synchronize(self) -> None:
-        """``cuStreamSynchronize`` of the device's stream: every copy and memset issued is done."""
+        """``cuStreamSynchronize`` of the device's stream, and of every ``use_stream`` block's
+        stream with copies issued since the last synchronize: every copy and memset issued is
+        done."""
         with self._lock:
             self._check_open("synchronize")
             call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
             self._pending = False
+            self._settle()
 
     def wait_stream(self, stream: object) -> None:
-        """Make the device's stream wait, on the GPU, for the work issued so far on ``stream``
-        (``cuEventRecord`` there, ``cuStreamWaitEvent`` here): copies issued after this call see
-        what an engine's kernels on that stream write. The caller does not block. ``stream`` must
-        belong to this device's context (the primary context, which torch and CuPy use)."""
+        """Make the calling thread's copy stream wait, on the GPU, for the work issued so far on
+        ``stream`` (``cuEventRecord`` there, ``cuStreamWaitEvent`` here): copies issued after this
+        call see what an engine's kernels on that stream write. The caller does not block.
+        ``stream`` must belong to this device's context (the primary context, which torch and CuPy
+        use)."""
         handle = stream_handle(stream)
         with self._lock:
             self._check_open("wait_stream")
-            if handle == self._stream_handle:
+            if handle == self._target_handle():
                 return
-            drv = self._drv
-            if self._event is None:
-                flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-                self._event = call(drv.cuEventCreate, "cuEventCreate", flags)
-            call(drv.cuEventRecord, "cuEventRecord", self._event, handle)
-            call(drv.cuStreamWaitEvent, "cuStreamWaitEvent", self._stream, self._event, 0)
-            self._pending = True
+            self._order(self._target(), handle)
+            self._issued()
+
+    @contextmanager
+    def use_stream(self, stream: object) -> Iterator[None]:
+        """Issue the calling thread's copies and memsets on ``stream`` inside the block (see
+        :meth:`lifecycle.device.base.Device.use_stream`): on entry ``stream`` waits for the
+        thread's earlier copies still in flight, on exit the stream outside waits for the
+        block's. Only the joins at entry and exit touch both streams; nothing blocks."""
+        handle = stream_handle(stream, "use_stream")
+        with self._lock:
+            self._check_open("use_stream")
+            outer = self._scope()
+            scope = _StreamScope(handle, outer)
+            outer_pending = self._pending if outer is None else outer.pending
+            if outer_pending and handle != self._target_handle():
+                self._order(handle, self._target())
+            self._scopes.add(scope)
+            self._thread_scope.scope = scope
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._thread_scope.scope = outer
+                self._scopes.discard(scope)
+                if scope.pending and not self._closed:
+                    if handle != self._target_handle():
+                        self._order(self._target(), handle)
+                    self._issued()
+
+    def record_event(self, event: object) -> None:
+        """``cuEventRecord`` of ``event`` on the calling thread's copy stream: it completes once
+        the copies and memsets the thread issued so far are done."""
+        handle = event_handle(event, "record_event")
+        with self._lock:
+            self._check_open("record_event")
+            call(self._drv.cuEventRecord, "cuEventRecord", handle, self._target())
+
+    def wait_event(self, event: object) -> None:
+        """``cuStreamWaitEvent`` of the calling thread's copy stream on ``event``: later copies
+        and memsets run after the work ``event`` was recorded after."""
+        handle = event_handle(event, "wait_event")
+        with self._lock:
+            self._check_open("wait_event")
+            call(self._drv.cuStreamWaitEvent, "cuStreamWaitEvent", self._target(), handle, 0)
+            self._issued()
 
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -601,6 +698,9 @@ class CudaDevice(TrackedDevice):
                 attempt(drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._ctx)
             if self._stream is not None:
                 attempt(drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
+            for scope in self._scopes:  # use_stream blocks still open: their copies may read the memory
+                if scope.pending and attempt(drv.cuStreamSynchronize, "cuStreamSynchronize", scope.handle)[0]:
+                    scope.pending = False
             leftovers = self.live_allocations
             if leftovers:
                 _log.warning("%s: close() frees %d allocation(s) still live (%d bytes)", self._name, leftovers,

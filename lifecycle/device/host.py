@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from lifecycle.device.allocations import (
     check_nbytes,
     view_size,
 )
-from lifecycle.device.base import Copy, DeviceKind, stream_handle
+from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
 from lifecycle.errors import DeviceError, InvalidId
 
 _ALIGN = 256
@@ -257,6 +258,27 @@ class HostDevice(TrackedDevice):
         stream_handle(stream)
         with self._lock:
             self._check_open("wait_stream")
+
+    @contextmanager
+    def use_stream(self, stream: object) -> Iterator[None]:
+        """Nothing changes on host memory, which has no streams; ``stream`` is checked as on CUDA."""
+        stream_handle(stream, "use_stream")
+        with self._lock:
+            self._check_open("use_stream")
+        yield
+
+    def record_event(self, event: object) -> None:
+        """Nothing to record: the copies are in place once :meth:`synchronize` returned (at once
+        in immediate mode). ``event`` is checked as on CUDA."""
+        event_handle(event, "record_event")
+        with self._lock:
+            self._check_open("record_event")
+
+    def wait_event(self, event: object) -> None:
+        """Nothing to wait for (see :meth:`wait_stream`); ``event`` is checked as on CUDA."""
+        event_handle(event, "wait_event")
+        with self._lock:
+            self._check_open("wait_event")
 
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
