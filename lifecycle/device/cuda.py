@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType, TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -36,8 +36,14 @@ from lifecycle.device.allocations import (
     view_size,
 )
 from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
+from lifecycle.device.dlpack import KDL_CUDA, capsule, check_device, element_of
 from lifecycle.device.host import _host_view
 from lifecycle.errors import CudaError, DriverNotFound, ForkedAfterCudaInit, InvalidId, TornDown
+
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
+
+    from lifecycle.config import DType
 
 _log = logging.getLogger("lifecycle.device")
 
@@ -51,6 +57,8 @@ _devices: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
 #: First driver version with ``cuMemcpyBatchAsync`` (CUDA 12.8).
 BATCH_MIN_DRIVER_VERSION = 12080
 CUDA_ERROR_INVALID_VALUE = 1
+#: The handle of the legacy default stream, as DLPack names it.
+CU_STREAM_LEGACY = 1
 CUDA_ERROR_NOT_SUPPORTED = 801
 _UNKNOWN_RESULT = re.compile(r"^(-?\d+) is not a valid CUresult")
 
@@ -172,20 +180,25 @@ def _quietly(function: Callable[..., Any], *args: Any) -> None:
 
 
 class CudaArrayView:
-    """A typed, C-contiguous window on device memory exposing ``__cuda_array_interface__`` v3.
+    """A typed, C-contiguous window on device memory exposing ``__cuda_array_interface__`` v3 and
+    DLPack (``__dlpack__`` / ``__dlpack_device__``).
 
     The interface names the device's stream, so consumers (torch, CuPy, Numba) order their work
-    after the copies issued on it. A view of zero elements reports a null data pointer, as the
-    interface asks for empty arrays.
+    after the copies issued on it. DLPack exports ``element``, the type the memory really holds
+    (bfloat16 where the interface's numpy dtype says uint16; see :mod:`lifecycle.device.dlpack`),
+    and makes the consumer's stream wait for the device's. A view of zero elements reports a null
+    data pointer, as the interface asks for empty arrays.
     """
 
-    __slots__ = ("ptr", "shape", "dtype", "nbytes", "_stream", "_owner")
+    __slots__ = ("ptr", "shape", "dtype", "element", "nbytes", "_stream", "_owner")
 
-    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], stream: int, owner: object) -> None:
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], stream: int, owner: CudaDevice,
+                 element: DType | None = None) -> None:
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self.ptr = ptr if self.nbytes else 0
         self.shape = shape
         self.dtype = dtype
+        self.element = element
         self._stream = stream
         self._owner = owner  # keeps the device (and its context) referenced while the view lives
 
@@ -201,8 +214,29 @@ class CudaArrayView:
             "stream": self._stream,
         }
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self._owner.ordinal)
+
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
+        """A zero-copy DLPack capsule with the true element type. ``stream`` is the consumer's
+        (None: the legacy default stream; -1: no ordering): it waits, on the GPU, for the copies
+        issued on the device's stream. ``copy=True`` is refused (BufferError)."""
+        if copy:
+            raise BufferError("__dlpack__: copy=True: a CUDA view exports its memory only (copy it with the device)")
+        check_device(dl_device, self.__dlpack_device__())
+        if stream is None:
+            stream = CU_STREAM_LEGACY
+        if stream != -1:
+            self._owner._order_consumer(stream, self._stream)
+        count = len(self.shape)
+        strides = tuple(int(np.prod(self.shape[dim + 1:], dtype=np.int64)) for dim in range(count))
+        return capsule(self, data=self.ptr, shape=self.shape, strides=strides, storage=self.dtype,
+                       element=self.element, device=self.__dlpack_device__(), max_version=max_version)
+
     def __repr__(self) -> str:
-        return f"CudaArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype})"
+        shown = f", element={self.element}" if self.element is not None else ""
+        return f"CudaArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype}{shown})"
 
 
 class _InContext:
@@ -663,15 +697,26 @@ class CudaDevice(TrackedDevice):
         return _host_view(ptr, nbytes)
 
     def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> CudaArrayView:
-        """A ``__cuda_array_interface__`` view of ``shape``/``dtype`` at ``ptr``, inside one live
-        allocation (InvalidId otherwise). A view of zero elements touches no memory and reports a
-        null pointer."""
+        """A ``__cuda_array_interface__`` / DLPack view of ``shape``/``dtype`` at ``ptr``, inside
+        one live allocation (InvalidId otherwise). ``dtype`` is a numpy dtype or a
+        :data:`~lifecycle.config.DType` name (``"bfloat16"``: a uint16 interface, bfloat16 through
+        DLPack). A view of zero elements touches no memory and reports a null pointer."""
+        storage, element = element_of(dtype)
         with self._lock:
             self._check_open("device_array")
-            dims, dt, nbytes = view_size("device_array", shape, dtype)
+            dims, dt, nbytes = view_size("device_array", shape, storage)
             if nbytes:
                 self._device.locate("device_array", ptr, nbytes)
-            return CudaArrayView(ptr, dims, dt, self._stream_handle, self)
+            return CudaArrayView(ptr, dims, dt, self._stream_handle, self, element)
+
+    def _order_consumer(self, consumer: object, producer: int) -> None:
+        """A DLPack export: the consumer's stream waits for the work issued so far on the view's
+        stream ``producer`` (nothing to do when they are the same stream)."""
+        handle = stream_handle(consumer, "__dlpack__")
+        with self._lock:
+            self._check_open("__dlpack__")
+            if handle != producer:
+                self._order(handle, producer)
 
     # -- teardown -------------------------------------------------------------------------------
     def close(self) -> None:
