@@ -447,3 +447,17 @@ def test_a_batch_that_fails_to_encode_is_counted_and_the_next_one_is_sent(
     assert [(int.from_bytes(seq, "big"), decode(payload).events) for _, seq, payload in answers[:-1]] == [
         (0, [WireRemoved([6], "GPU")])
     ]
+
+
+def test_without_msgspec_the_encoding_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from lifecycle import events
+
+    monkeypatch.setitem(sys.modules, "msgspec", None)  # an import of msgspec now fails
+    events._wire_structs.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"kv-lifecycle\[events\]"):
+            encode_batch(vllm_reference_batch())
+    finally:
+        events._wire_structs.cache_clear()
