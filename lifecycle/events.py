@@ -162,7 +162,7 @@ def _tokens(what: str, values: object) -> tuple[int, ...]:
 
 
 class KVEventTranslator:
-    """Turns the core's raw event log into :class:`KVEventBatch` es.
+    """Turns the core's raw event log into batches (:class:`KVEventBatch`).
 
     ``block_size`` is the model's; ``adapter_of`` maps a non-zero adapter key to ``(lora_id,
     lora_name)`` (key 0 is "no adapter" and is never looked up); ``medium`` is the tier the core's
@@ -304,7 +304,7 @@ def _binds(endpoint: str) -> bool:
 
 
 class ZmqEventPublisher:
-    """Sends :class:`KVEventBatch` es over ZeroMQ as vLLM's ``ZmqEventPublisher`` does.
+    """Sends batches (:class:`KVEventBatch`) over ZeroMQ as vLLM's ``ZmqEventPublisher`` does.
 
     Every batch is one multipart message on a PUB socket: ``(topic, seq, payload)``, where ``seq`` is
     the batch's sequence number (0, 1, 2, ... as an 8-byte big-endian integer) and ``payload`` is
