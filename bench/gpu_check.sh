@@ -14,7 +14,7 @@
 #                                  with cc) stands in for the GPU; GPU_CHECK_DRY_RUN=1 does the same
 #
 # Needs python3 (or $PYTHON) with pip, setuptools, cython, numpy, cuda-bindings, pytest, hypothesis and
-# xxhash (torch, where present, runs one more test); a C compiler. Files (at most 8) go to $OUT, else to a new temp dir: gpu_check.log (every
+# xxhash (torch, where present, runs three more tests); a C compiler. Files (at most 8) go to $OUT, else to a new temp dir: gpu_check.log (every
 # step's full output), gpu-tests.xml, device_bench_gpu.jsonl, swap_bench_gpu.jsonl, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2

@@ -71,6 +71,11 @@ class Unsupported(LifecycleError, NotImplementedError):
     """The model does not implement an optional method (e.g. swap on a model without pools)."""
 
 
+class MalformedEvent(LifecycleError, ValueError):
+    """An entry of the core's raw KV event log does not have the shape of an event; the message
+    names the entry."""
+
+
 class DeviceError(LifecycleError):
     """A device operation failed."""
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, TypeAlias, cast
 
 from numpy.typing import NDArray
 
-from lifecycle.config import AttentionLayer, DType, ModelConfig, SSMLayer, StorageScalar, storage_dtype
+from lifecycle.config import DTYPE_SIZES, AttentionLayer, DType, ModelConfig, SSMLayer, StorageScalar
 from lifecycle.device.base import Copy, Device
 from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from lifecycle.device.cuda import CudaArrayView
 
 #: An array view of pool memory: a numpy array of the layer's storage dtype on the host device, a
-#: ``__cuda_array_interface__`` object on CUDA (narrow with ``isinstance(view, numpy.ndarray)``).
+#: ``__cuda_array_interface__`` object on CUDA (narrow with ``isinstance(view, numpy.ndarray)``);
+#: both export DLPack with the layer's true dtype.
 PoolView: TypeAlias = "NDArray[StorageScalar] | CudaArrayView"
 
 
@@ -234,12 +235,11 @@ class KVPool:
 
     def kv_view(self, layer: int) -> PoolView:
         """Zero-copy array of ``layer`` shaped :meth:`layer_shape`: numpy on host, an object with
-        ``__cuda_array_interface__`` on CUDA. bfloat16 / float8 layers are viewed as unsigned integers
-        of the same width."""
+        ``__cuda_array_interface__`` on CUDA; both export DLPack with the layer's true dtype
+        (``torch.from_dlpack(pool.kv_view(0))`` is a bfloat16 / float8 tensor over the pool). numpy
+        and the array interface see bfloat16 / float8 as unsigned integers of the same width."""
         index = self._layer(layer)
-        view = self._device.device_array(
-            self._ptrs[index], self.layer_shape(index), storage_dtype(self._layers[index].dtype)
-        )
+        view = self._device.device_array(self._ptrs[index], self.layer_shape(index), self._layers[index].dtype)
         return cast(PoolView, view)
 
     def release(self) -> None:
@@ -369,7 +369,8 @@ class SSMPool:
 
     def h_view(self, layer: int) -> Any:
         """Zero-copy ``[num_slots, elements]`` array of ``layer``'s h state (numpy on host,
-        ``__cuda_array_interface__`` on CUDA)."""
+        ``__cuda_array_interface__`` on CUDA; DLPack with the true dtype on both, as
+        :meth:`KVPool.kv_view`)."""
         index = self._layer(layer)
         spec = self._layers[index]
         return self._view(self._h_ptrs[index], spec.h_state_bytes, spec.h_dtype)
@@ -381,8 +382,7 @@ class SSMPool:
         return self._view(self._conv_ptrs[index], spec.conv_state_bytes, spec.conv_dtype)
 
     def _view(self, ptr: int, slot_bytes: int, dtype: DType) -> Any:
-        storage = storage_dtype(dtype)
-        return self._device.device_array(ptr, (self._num_slots, slot_bytes // storage.itemsize), storage)
+        return self._device.device_array(ptr, (self._num_slots, slot_bytes // DTYPE_SIZES[dtype]), dtype)
 
     def release(self) -> None:
         """Free every layer's memory, newest allocation first; a second call does nothing."""

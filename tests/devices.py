@@ -314,15 +314,50 @@ class EngineStream:
         err, stream = driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
         assert not err, f"cuStreamCreate failed: {err}"
         self._stream = stream
+        self._events: list[object] = []
         self.cuda_stream = int(stream)
 
     def write(self, dst: int, data: npt.NDArray[np.uint8]) -> None:
         """A kernel writing ``data`` at ``dst``, still in flight when this returns."""
         self._emulator.engine_write(self.cuda_stream, dst, data)
 
+    def new_event(self) -> int:
+        """A CUevent of the engine's (as ``torch.cuda.Event`` holds one), destroyed with the stream;
+        its raw handle."""
+        from cuda.bindings import driver
+
+        err, event = driver.cuEventCreate(int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        assert not err, f"cuEventCreate failed: {err}"
+        self._events.append(event)
+        return int(event)
+
+    def record(self, event: int) -> None:
+        """``event`` completes once the work issued on the stream so far has run."""
+        from cuda.bindings import driver
+
+        (err,) = driver.cuEventRecord(driver.CUevent(event), self._stream)
+        assert not err, f"cuEventRecord failed: {err}"
+
+    def wait(self, event: int) -> None:
+        """Later work on the stream runs after ``event``."""
+        from cuda.bindings import driver
+
+        (err,) = driver.cuStreamWaitEvent(self._stream, driver.CUevent(event), 0)
+        assert not err, f"cuStreamWaitEvent failed: {err}"
+
+    def synchronize(self) -> None:
+        """Run the work queued on this stream (and what it waits for), and nothing else."""
+        from cuda.bindings import driver
+
+        (err,) = driver.cuStreamSynchronize(self._stream)
+        assert not err, f"cuStreamSynchronize failed: {err}"
+
     def close(self) -> None:
         from cuda.bindings import driver
 
+        for event in self._events:
+            (err,) = driver.cuEventDestroy(event)
+            assert not err, f"cuEventDestroy failed: {err}"
         (err,) = driver.cuStreamDestroy(self._stream)
         assert not err, f"cuStreamDestroy failed: {err}"
 

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 EMULATED_SUITES: list[str] = [
     "tests/test_device.py",
     "tests/test_device_cuda.py",
+    "tests/test_device_streams.py",
+    "tests/test_dlpack.py",
     "tests/test_emulator.py",
     "tests/test_foreign_streams.py",
     "tests/test_pools.py",

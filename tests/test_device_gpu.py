@@ -19,6 +19,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -102,7 +103,8 @@ def test_a_256_mib_scattered_batch_is_bit_exact_on_the_gpu() -> None:
         dev.close()
 
 
-def test_copies_after_wait_stream_see_what_a_torch_kernel_wrote() -> None:
+def cuda_torch() -> Any:
+    """torch with a GPU it can use (the test is skipped otherwise, and under the emulator)."""
     if loaded_emulator() is not None:
         pytest.skip("needs a real GPU to run a torch kernel")
     with warnings.catch_warnings():
@@ -110,6 +112,11 @@ def test_copies_after_wait_stream_see_what_a_torch_kernel_wrote() -> None:
         torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch sees no GPU")
+    return torch
+
+
+def test_copies_after_wait_stream_see_what_a_torch_kernel_wrote() -> None:
+    torch = cuda_torch()
     from lifecycle.device.cuda import CudaDevice
 
     dev = CudaDevice(0)
@@ -132,6 +139,60 @@ def test_copies_after_wait_stream_see_what_a_torch_kernel_wrote() -> None:
         assert (out == 7).all()
         dev.free(ptr)
     finally:
+        dev.close()
+
+
+def test_copies_inside_use_stream_follow_a_torch_kernel_on_that_stream() -> None:
+    torch = cuda_torch()
+    from lifecycle.device.cuda import CudaDevice
+
+    dev = CudaDevice(0)
+    try:
+        nbytes = 64 * MiB
+        src, dst = dev.alloc(nbytes), dev.alloc(nbytes)
+        dev.memset(src, 0, nbytes)
+        dev.synchronize()
+        target = torch.as_tensor(dev.device_array(src, (nbytes,), np.uint8), device="cuda")
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            sleep = getattr(torch.cuda, "_sleep", None)
+            if sleep is not None:
+                sleep(200_000_000)  # keeps the engine's stream busy while the copy is issued
+            target.fill_(7)
+        with dev.use_stream(engine):
+            dev.copy_dtod(dst, src, nbytes)  # after fill_ on the same stream, no wait issued
+        out = read_device(dev, dst, nbytes)  # the device's stream joined the block's at its end
+        engine.synchronize()
+        del target
+        assert (out == 7).all()
+        dev.free(src)
+        dev.free(dst)
+    finally:
+        dev.close()
+
+
+def test_torch_takes_cuda_kv_views_through_dlpack_as_their_dtype_without_a_copy() -> None:
+    torch = cuda_torch()
+    from lifecycle.config import AttentionLayer, ModelConfig
+    from lifecycle.device.cuda import CudaDevice
+    from lifecycle.pools import KVPool
+
+    dev = CudaDevice(0)
+    layers = (AttentionLayer(num_kv_heads=2, head_dim=64, dtype="bfloat16"),
+              AttentionLayer(num_kv_heads=2, head_dim=64, dtype="float8_e4m3fn"))
+    kv = KVPool(dev, ModelConfig(layers=layers, block_size=16, num_blocks=32))
+    try:
+        tensors = [torch.from_dlpack(kv.kv_view(layer)) for layer in range(2)]
+        assert [t.dtype for t in tensors] == [torch.bfloat16, torch.float8_e4m3fn]
+        assert [t.data_ptr() for t in tensors] == list(kv.layer_ptrs)
+        assert tuple(tensors[0].shape) == kv.layer_shape(0)
+        tensors[0][3].fill_(1.5)
+        torch.cuda.synchronize()
+        del tensors
+        block = read_device(dev, kv.block_addr(0, 3), kv.layer_block_bytes(0)).view(np.uint16)
+        assert (block == 0x3FC0).all()  # 1.5 in bfloat16
+    finally:
+        kv.release()
         dev.close()
 
 

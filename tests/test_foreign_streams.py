@@ -1,5 +1,6 @@
 """The engine's kernels run on streams of their own: the library reads what they write only after
-being told to wait for their stream (``Device.wait_stream``, ``HybridModel.wait_stream``).
+being told to wait for their stream (``Device.wait_stream``, ``HybridModel.wait_stream``), or when
+they issue their copies on the engine's stream itself (``Device.use_stream``).
 
 An engine kernel still writing the pools is emulated by a write queued on another stream of the
 emulated driver (``EngineStream``), which lands only when that stream's work runs. Each test shows
@@ -135,4 +136,40 @@ def test_compaction_moves_engine_writes_only_after_wait_stream(
     m.check_invariants()
     assert seq.slot_idx == target
     assert np.array_equal(read_device(device, seq.ssm_addrs[0][0], h_bytes), written) == waits
+    _finish(m, seq)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["device stream", "use_stream"])
+def test_compaction_on_the_engines_stream_moves_its_writes_without_a_wait(
+    device: Device, engine: EngineStream, inside: bool
+) -> None:
+    m, seq = _model_with_a_sequence(device)
+    h_bytes = CONFIG.ssm_layers[0].h_state_bytes
+    written = engine_bytes(h_bytes, seed=6)
+    engine.write(seq.ssm_addrs[0][0], written)
+    target = (seq.slot_idx + 1) % CONFIG.max_seqs
+    if inside:
+        with device.use_stream(engine):
+            m.compact_sequence(seq, target)
+    else:
+        m.compact_sequence(seq, target)
+    m.check_invariants()
+    assert np.array_equal(read_device(device, seq.ssm_addrs[0][0], h_bytes), written) == inside
+    _finish(m, seq)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["device stream", "use_stream"])
+def test_save_sequence_state_on_the_engines_stream_reads_its_writes_without_a_wait(
+    device: Device, engine: EngineStream, inside: bool
+) -> None:
+    m, seq = _model_with_a_sequence(device)
+    written = engine_bytes(48, seed=7)
+    engine.write(seq.ssm_addrs[0][0], written)
+    record = io.BytesIO()
+    if inside:
+        with device.use_stream(engine):
+            m.save_sequence_state(seq, record)
+    else:
+        m.save_sequence_state(seq, record)
+    assert (written.tobytes() in record.getvalue()) == inside
     _finish(m, seq)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from lifecycle.device.base import Copy, Device, DeviceKind, stream_handle
+from lifecycle.device.base import Copy, Device, DeviceKind, event_handle, stream_handle
 from lifecycle.device.host import HostDevice
 from lifecycle.errors import ConfigError, DriverNotFound, ForkedAfterCudaInit
 
-__all__ = ["Copy", "Device", "DeviceKind", "HostDevice", "open_device", "stream_handle"]
+__all__ = ["Copy", "Device", "DeviceKind", "HostDevice", "event_handle", "open_device", "stream_handle"]
 
 _log = logging.getLogger("lifecycle.device")
 

@@ -7,12 +7,17 @@ guaranteed to be in place after :meth:`Device.synchronize`. ``host`` addresses p
 host pointers (pinned ones from :meth:`Device.alloc_pinned` give full speed on CUDA).
 
 The device's stream is its own: work an engine issues on other streams is not ordered with it
-until :meth:`Device.wait_stream` says so.
+until :meth:`Device.wait_stream` or :meth:`Device.wait_event` says so. The other way round,
+:meth:`Device.record_event` marks the device's copies for an engine's stream to wait on, and
+``with device.use_stream(stream):`` issues the calling thread's copies on the engine's stream itself,
+in order with its kernels. Every such call acts on the calling thread's *copy stream*: the device's
+own stream, or the stream of the innermost ``use_stream`` block of that thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol, SupportsInt, runtime_checkable
 
 import numpy as np
@@ -102,6 +107,32 @@ class Device(Protocol):
         :func:`stream_handle`. A no-op on the host device, whose memory has no streams."""
         ...
 
+    def use_stream(self, stream: object) -> AbstractContextManager[None]:
+        """``with device.use_stream(stream):`` the copies and memsets the calling thread issues on
+        the device run on ``stream`` (an engine's: a handle or a stream object, see
+        :func:`stream_handle`) instead of the device's own, in order with the kernels issued there,
+        without a wait. On entry ``stream`` waits for the thread's earlier copies; on exit the
+        stream outside the block waits for the copies issued inside it, so the order of the
+        thread's copies never changes and :meth:`synchronize` after the block covers them. Blocks
+        nest; the device keeps no reference to ``stream`` after the block. On the host device the
+        stream is checked and nothing else changes."""
+        ...
+
+    def record_event(self, event: object) -> None:
+        """Record ``event`` (an engine's: a ``CUevent`` handle or an event object, see
+        :func:`event_handle`) on the calling thread's copy stream: it completes once every copy
+        and memset the thread issued so far is done, so an engine's stream that waits for it
+        (``cuStreamWaitEvent``, ``torch.cuda.Stream.wait_event``) runs its kernels after them.
+        The caller does not block. On the host device the event is checked and nothing else
+        happens (its copies are in place when :meth:`synchronize` returns)."""
+        ...
+
+    def wait_event(self, event: object) -> None:
+        """Order the calling thread's later copies and memsets after ``event`` (recorded by an
+        engine on its stream), on the GPU, without blocking the caller. A no-op on the host
+        device, once ``event`` is checked."""
+        ...
+
     def mem_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device."""
         ...
@@ -120,26 +151,52 @@ class Device(Protocol):
         ...
 
 
-def stream_handle(stream: object) -> int:
+def _raw_handle(what: str, call: str, value: object, attributes: tuple[str, ...]) -> int:
+    """The int behind ``value``: an int, the first of ``attributes`` it has (read, or called when
+    it is the ``__cuda_stream__`` protocol method), or what ``int()`` makes of it."""
+    handle: object = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        handle = value
+    else:
+        for attribute in attributes:
+            if hasattr(value, attribute):
+                handle = getattr(value, attribute)
+                if attribute == "__cuda_stream__":
+                    protocol = handle() if callable(handle) else handle
+                    handle = protocol[1] if isinstance(protocol, tuple) and len(protocol) == 2 else protocol
+                if not isinstance(handle, int) and isinstance(handle, SupportsInt) and not isinstance(handle, float):
+                    handle = int(handle)  # a cuda.bindings handle object
+                break
+        else:
+            if isinstance(value, SupportsInt) and not isinstance(value, (bool, float)):
+                handle = int(value)
+            else:
+                names = " or ".join(attributes)
+                raise InvalidId(f"{call}: {value!r} is not a {what} (give a {what} handle as an int, or an object with "
+                                f"{names})")
+    if not isinstance(handle, int) or isinstance(handle, bool) or not 0 <= handle < _MAX_HANDLE:
+        raise InvalidId(f"{call}: {what} handle {handle!r} of {value!r} must be an int in [0, 2**64)")
+    return handle
+
+
+def stream_handle(stream: object, call: str = "wait_stream") -> int:
     """The raw ``CUstream`` handle of ``stream``: an int, an object implementing the CUDA stream
     protocol (``__cuda_stream__()``, e.g. ``cuda.core``), an object with a ``cuda_stream``
     attribute (``torch.cuda.Stream``), or one ``int()`` converts (``cuda.bindings``' ``CUstream``).
-    Anything else raises :class:`~lifecycle.errors.InvalidId` naming it."""
-    handle: object
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        handle = stream
-    elif hasattr(stream, "__cuda_stream__"):
-        protocol = stream.__cuda_stream__()
-        handle = protocol[1] if isinstance(protocol, tuple) and len(protocol) == 2 else protocol
-    elif hasattr(stream, "cuda_stream"):
-        handle = stream.cuda_stream
-    elif isinstance(stream, SupportsInt) and not isinstance(stream, (bool, float)):
-        handle = int(stream)
-    else:
+    Anything else raises :class:`~lifecycle.errors.InvalidId` naming it and ``call``."""
+    return _raw_handle("stream", call, stream, ("__cuda_stream__", "cuda_stream"))
+
+
+def event_handle(event: object, call: str = "wait_event") -> int:
+    """The raw ``CUevent`` handle of ``event``: a non-zero int, an object with a ``cuda_event``
+    attribute (``torch.cuda.Event``, whose ``CUevent`` exists once it was first recorded), one
+    with a ``handle`` attribute (``cuda.core``'s ``Event``), or one ``int()`` converts
+    (``cuda.bindings``' ``CUevent``). Anything else, handle 0 included (no event), raises
+    :class:`~lifecycle.errors.InvalidId` naming it and ``call``."""
+    handle = _raw_handle("event", call, event, ("cuda_event", "handle"))
+    if handle == 0:
         raise InvalidId(
-            f"wait_stream: {stream!r} is not a stream (give a CUstream handle as an int, or an object "
-            "with __cuda_stream__ or cuda_stream)"
+            f"{call}: event handle 0 of {event!r} names no event (a torch.cuda.Event has a CUevent only once it "
+            "was recorded: record it once before handing it over)"
         )
-    if not isinstance(handle, int) or isinstance(handle, bool) or not 0 <= handle < _MAX_HANDLE:
-        raise InvalidId(f"wait_stream: stream handle {handle!r} of {stream!r} must be an int in [0, 2**64)")
     return handle

@@ -18,9 +18,10 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import ModuleType, TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -34,9 +35,15 @@ from lifecycle.device.allocations import (
     check_nbytes,
     view_size,
 )
-from lifecycle.device.base import Copy, DeviceKind, stream_handle
+from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
+from lifecycle.device.dlpack import KDL_CUDA, capsule, check_device, element_of
 from lifecycle.device.host import _host_view
 from lifecycle.errors import CudaError, DriverNotFound, ForkedAfterCudaInit, InvalidId, TornDown
+
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
+
+    from lifecycle.config import DType
 
 _log = logging.getLogger("lifecycle.device")
 
@@ -50,6 +57,8 @@ _devices: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
 #: First driver version with ``cuMemcpyBatchAsync`` (CUDA 12.8).
 BATCH_MIN_DRIVER_VERSION = 12080
 CUDA_ERROR_INVALID_VALUE = 1
+#: The handle of the legacy default stream, as DLPack names it.
+CU_STREAM_LEGACY = 1
 CUDA_ERROR_NOT_SUPPORTED = 801
 _UNKNOWN_RESULT = re.compile(r"^(-?\d+) is not a valid CUresult")
 
@@ -171,20 +180,25 @@ def _quietly(function: Callable[..., Any], *args: Any) -> None:
 
 
 class CudaArrayView:
-    """A typed, C-contiguous window on device memory exposing ``__cuda_array_interface__`` v3.
+    """A typed, C-contiguous window on device memory exposing ``__cuda_array_interface__`` v3 and
+    DLPack (``__dlpack__`` / ``__dlpack_device__``).
 
     The interface names the device's stream, so consumers (torch, CuPy, Numba) order their work
-    after the copies issued on it. A view of zero elements reports a null data pointer, as the
-    interface asks for empty arrays.
+    after the copies issued on it. DLPack exports ``element``, the type the memory really holds
+    (bfloat16 where the interface's numpy dtype says uint16; see :mod:`lifecycle.device.dlpack`),
+    and makes the consumer's stream wait for the device's. A view of zero elements reports a null
+    data pointer, as the interface asks for empty arrays.
     """
 
-    __slots__ = ("ptr", "shape", "dtype", "nbytes", "_stream", "_owner")
+    __slots__ = ("ptr", "shape", "dtype", "element", "nbytes", "_stream", "_owner")
 
-    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], stream: int, owner: object) -> None:
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], stream: int, owner: CudaDevice,
+                 element: DType | None = None) -> None:
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self.ptr = ptr if self.nbytes else 0
         self.shape = shape
         self.dtype = dtype
+        self.element = element
         self._stream = stream
         self._owner = owner  # keeps the device (and its context) referenced while the view lives
 
@@ -200,8 +214,29 @@ class CudaArrayView:
             "stream": self._stream,
         }
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self._owner.ordinal)
+
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
+        """A zero-copy DLPack capsule with the true element type. ``stream`` is the consumer's
+        (None: the legacy default stream; -1: no ordering): it waits, on the GPU, for the copies
+        issued on the device's stream. ``copy=True`` is refused (BufferError)."""
+        if copy:
+            raise BufferError("__dlpack__: copy=True: a CUDA view exports its memory only (copy it with the device)")
+        check_device(dl_device, self.__dlpack_device__())
+        if stream is None:
+            stream = CU_STREAM_LEGACY
+        if stream != -1:
+            self._owner._order_consumer(stream, self._stream)
+        count = len(self.shape)
+        strides = tuple(int(np.prod(self.shape[dim + 1:], dtype=np.int64)) for dim in range(count))
+        return capsule(self, data=self.ptr, shape=self.shape, strides=strides, storage=self.dtype,
+                       element=self.element, device=self.__dlpack_device__(), max_version=max_version)
+
     def __repr__(self) -> str:
-        return f"CudaArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype})"
+        shown = f", element={self.element}" if self.element is not None else ""
+        return f"CudaArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype}{shown})"
 
 
 class _InContext:
@@ -235,6 +270,18 @@ class _InContext:
             _quietly(drv.cuCtxSetCurrent, previous)
 
 
+class _StreamScope:
+    """One ``use_stream`` block of one thread: the engine's stream its copies go to, whether any
+    work was issued there since the last synchronize, and the scope it is nested in."""
+
+    __slots__ = ("handle", "pending", "outer")
+
+    def __init__(self, handle: int, outer: _StreamScope | None) -> None:
+        self.handle = handle
+        self.pending = False
+        self.outer = outer
+
+
 class CudaDevice(TrackedDevice):
     """One GPU through the CUDA driver API: its primary context (retained once, released in
     :meth:`close`), one non-blocking stream that every copy and memset is issued on, and
@@ -245,6 +292,9 @@ class CudaDevice(TrackedDevice):
     current. Memory management (alloc, free, mem_info) works from any thread and leaves the
     caller's context as it found it; copies, memsets, synchronize and wait_stream need a thread
     bound with :meth:`bind_to_thread`. ``close`` also puts back the caller's context.
+
+    Copies go to the calling thread's copy stream: the device's stream, or inside
+    ``use_stream(stream)`` the engine's stream (see :meth:`use_stream`).
 
     Every call holds the device's lock, so ``close`` waits for calls in flight on other threads.
     """
@@ -262,8 +312,10 @@ class CudaDevice(TrackedDevice):
         self._ctx: Any = None
         self._ctx_handle = 0
         self._stream: Any = None
-        self._event: Any = None  # created on the first wait_stream
-        self._pending = False  # work issued on the stream since the last synchronize
+        self._event: Any = None  # created when first needed to order one stream after another
+        self._pending = False  # work issued on the device's stream since the last synchronize
+        self._thread_scope = threading.local()  # .scope: the thread's innermost use_stream block
+        self._scopes: set[_StreamScope] = set()  # the use_stream blocks open on any thread
         count = call(drv.cuDeviceGetCount, "cuDeviceGetCount")
         if count == 0:
             raise DriverNotFound("a CUDA driver is installed but no GPU is present (cuDeviceGetCount: 0)")
@@ -414,10 +466,46 @@ class CudaDevice(TrackedDevice):
             return int(free), int(total)
 
     def _settle(self) -> None:
-        """Wait for the device's stream if work was issued on it since the last synchronize."""
+        """Wait for every stream with copies issued since the last synchronize: the device's, and
+        those of the ``use_stream`` blocks open on any thread."""
         if self._pending:
             call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
             self._pending = False
+        for scope in self._scopes:
+            if scope.pending:
+                call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", scope.handle)
+                scope.pending = False
+
+    # -- the calling thread's copy stream --------------------------------------------------------
+    def _scope(self) -> _StreamScope | None:
+        scope: _StreamScope | None = getattr(self._thread_scope, "scope", None)
+        return scope
+
+    def _target(self) -> Any:
+        """The calling thread's copy stream, as the driver takes it."""
+        scope = self._scope()
+        return self._stream if scope is None else scope.handle
+
+    def _target_handle(self) -> int:
+        scope = self._scope()
+        return self._stream_handle if scope is None else scope.handle
+
+    def _issued(self) -> None:
+        """Work was issued on the calling thread's copy stream."""
+        scope = self._scope()
+        if scope is None:
+            self._pending = True
+        else:
+            scope.pending = True
+
+    def _order(self, later: Any, earlier: Any) -> None:
+        """Make stream ``later`` wait, on the GPU, for the work issued so far on ``earlier``."""
+        drv = self._drv
+        if self._event is None:
+            flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            self._event = call(drv.cuEventCreate, "cuEventCreate", flags)
+        call(drv.cuEventRecord, "cuEventRecord", self._event, earlier)
+        call(drv.cuStreamWaitEvent, "cuStreamWaitEvent", later, self._event, 0)
 
     # -- copies ---------------------------------------------------------------------------------
     def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
@@ -428,8 +516,8 @@ class CudaDevice(TrackedDevice):
             if nbytes:
                 self._device.locate("copy_dtod dst", dst, nbytes)
                 self._device.locate("copy_dtod src", src, nbytes)
-                call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._stream)
-                self._pending = True
+                call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._target())
+                self._issued()
 
     def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
         """``cuMemcpyHtoDAsync``: the source must stay valid and unchanged until synchronize."""
@@ -438,8 +526,8 @@ class CudaDevice(TrackedDevice):
             check_nbytes("copy_htod", nbytes)
             if nbytes:
                 self._device.locate("copy_htod dst", dst, nbytes)
-                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._stream)
-                self._pending = True
+                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
+                self._issued()
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """``cuMemcpyDtoHAsync``: the destination holds the data only after synchronize."""
@@ -448,8 +536,8 @@ class CudaDevice(TrackedDevice):
             check_nbytes("copy_dtoh", nbytes)
             if nbytes:
                 self._device.locate("copy_dtoh src", src, nbytes)
-                call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._stream)
-                self._pending = True
+                call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._target())
+                self._issued()
 
     def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
         """Copies between device and/or pinned memory (unified addresses), unordered among
@@ -464,10 +552,10 @@ class CudaDevice(TrackedDevice):
             count = rows.shape[0]
             if count == 0:
                 return
-            self._pending = True
+            self._issued()
             if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
                 return
-            copy, stream = self._drv.cuMemcpyAsync, self._stream
+            copy, stream = self._drv.cuMemcpyAsync, self._target()
             for dst, src, nbytes in rows.tolist():
                 call(copy, "cuMemcpyAsync", dst, src, nbytes, stream)
 
@@ -507,10 +595,10 @@ class CudaDevice(TrackedDevice):
         if self._batch_v1:
             fail_idx = ctypes.c_size_t(0)
             rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
-                                1, ctypes.addressof(fail_idx), self._stream_handle)
+                                1, ctypes.addressof(fail_idx), self._target_handle())
         else:
             rc = self._batch_fn(base, base + stride, base + 2 * stride, count, attrs, self._attrs_idx.ctypes.data,
-                                1, self._stream_handle)
+                                1, self._target_handle())
         if rc in (CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE):
             level = logging.INFO if rc == CUDA_ERROR_NOT_SUPPORTED else logging.WARNING
             _, name, text = _describe(self._drv, rc)
@@ -531,33 +619,76 @@ class CudaDevice(TrackedDevice):
                 raise InvalidId(f"memset: value={value} must be in 0..255")
             if nbytes:
                 self._device.locate("memset", ptr, nbytes)
-                call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._stream)
-                self._pending = True
+                call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._target())
+                self._issued()
 
     def synchronize(self) -> None:
-        """``cuStreamSynchronize`` of the device's stream: every copy and memset issued is done."""
+        """``cuStreamSynchronize`` of the device's stream, and of every ``use_stream`` block's
+        stream with copies issued since the last synchronize: every copy and memset issued is
+        done."""
         with self._lock:
             self._check_open("synchronize")
             call(self._drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
             self._pending = False
+            self._settle()
 
     def wait_stream(self, stream: object) -> None:
-        """Make the device's stream wait, on the GPU, for the work issued so far on ``stream``
-        (``cuEventRecord`` there, ``cuStreamWaitEvent`` here): copies issued after this call see
-        what an engine's kernels on that stream write. The caller does not block. ``stream`` must
-        belong to this device's context (the primary context, which torch and CuPy use)."""
+        """Make the calling thread's copy stream wait, on the GPU, for the work issued so far on
+        ``stream`` (``cuEventRecord`` there, ``cuStreamWaitEvent`` here): copies issued after this
+        call see what an engine's kernels on that stream write. The caller does not block.
+        ``stream`` must belong to this device's context (the primary context, which torch and CuPy
+        use)."""
         handle = stream_handle(stream)
         with self._lock:
             self._check_open("wait_stream")
-            if handle == self._stream_handle:
+            if handle == self._target_handle():
                 return
-            drv = self._drv
-            if self._event is None:
-                flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-                self._event = call(drv.cuEventCreate, "cuEventCreate", flags)
-            call(drv.cuEventRecord, "cuEventRecord", self._event, handle)
-            call(drv.cuStreamWaitEvent, "cuStreamWaitEvent", self._stream, self._event, 0)
-            self._pending = True
+            self._order(self._target(), handle)
+            self._issued()
+
+    @contextmanager
+    def use_stream(self, stream: object) -> Iterator[None]:
+        """Issue the calling thread's copies and memsets on ``stream`` inside the block (see
+        :meth:`lifecycle.device.base.Device.use_stream`): on entry ``stream`` waits for the
+        thread's earlier copies still in flight, on exit the stream outside waits for the
+        block's. Only the joins at entry and exit touch both streams; nothing blocks."""
+        handle = stream_handle(stream, "use_stream")
+        with self._lock:
+            self._check_open("use_stream")
+            outer = self._scope()
+            scope = _StreamScope(handle, outer)
+            outer_pending = self._pending if outer is None else outer.pending
+            if outer_pending and handle != self._target_handle():
+                self._order(handle, self._target())
+            self._scopes.add(scope)
+            self._thread_scope.scope = scope
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._thread_scope.scope = outer
+                self._scopes.discard(scope)
+                if scope.pending and not self._closed:
+                    if handle != self._target_handle():
+                        self._order(self._target(), handle)
+                    self._issued()
+
+    def record_event(self, event: object) -> None:
+        """``cuEventRecord`` of ``event`` on the calling thread's copy stream: it completes once
+        the copies and memsets the thread issued so far are done."""
+        handle = event_handle(event, "record_event")
+        with self._lock:
+            self._check_open("record_event")
+            call(self._drv.cuEventRecord, "cuEventRecord", handle, self._target())
+
+    def wait_event(self, event: object) -> None:
+        """``cuStreamWaitEvent`` of the calling thread's copy stream on ``event``: later copies
+        and memsets run after the work ``event`` was recorded after."""
+        handle = event_handle(event, "wait_event")
+        with self._lock:
+            self._check_open("wait_event")
+            call(self._drv.cuStreamWaitEvent, "cuStreamWaitEvent", self._target(), handle, 0)
+            self._issued()
 
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -566,15 +697,26 @@ class CudaDevice(TrackedDevice):
         return _host_view(ptr, nbytes)
 
     def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> CudaArrayView:
-        """A ``__cuda_array_interface__`` view of ``shape``/``dtype`` at ``ptr``, inside one live
-        allocation (InvalidId otherwise). A view of zero elements touches no memory and reports a
-        null pointer."""
+        """A ``__cuda_array_interface__`` / DLPack view of ``shape``/``dtype`` at ``ptr``, inside
+        one live allocation (InvalidId otherwise). ``dtype`` is a numpy dtype or a
+        :data:`~lifecycle.config.DType` name (``"bfloat16"``: a uint16 interface, bfloat16 through
+        DLPack). A view of zero elements touches no memory and reports a null pointer."""
+        storage, element = element_of(dtype)
         with self._lock:
             self._check_open("device_array")
-            dims, dt, nbytes = view_size("device_array", shape, dtype)
+            dims, dt, nbytes = view_size("device_array", shape, storage)
             if nbytes:
                 self._device.locate("device_array", ptr, nbytes)
-            return CudaArrayView(ptr, dims, dt, self._stream_handle, self)
+            return CudaArrayView(ptr, dims, dt, self._stream_handle, self, element)
+
+    def _order_consumer(self, consumer: object, producer: int) -> None:
+        """A DLPack export: the consumer's stream waits for the work issued so far on the view's
+        stream ``producer`` (nothing to do when they are the same stream)."""
+        handle = stream_handle(consumer, "__dlpack__")
+        with self._lock:
+            self._check_open("__dlpack__")
+            if handle != producer:
+                self._order(handle, producer)
 
     # -- teardown -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -601,6 +743,9 @@ class CudaDevice(TrackedDevice):
                 attempt(drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._ctx)
             if self._stream is not None:
                 attempt(drv.cuStreamSynchronize, "cuStreamSynchronize", self._stream)
+            for scope in self._scopes:  # use_stream blocks still open: their copies may read the memory
+                if scope.pending and attempt(drv.cuStreamSynchronize, "cuStreamSynchronize", scope.handle)[0]:
+                    scope.pending = False
             leftovers = self.live_allocations
             if leftovers:
                 _log.warning("%s: close() frees %d allocation(s) still live (%d bytes)", self._name, leftovers,

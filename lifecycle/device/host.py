@@ -11,8 +11,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -27,8 +28,15 @@ from lifecycle.device.allocations import (
     check_nbytes,
     view_size,
 )
-from lifecycle.device.base import Copy, DeviceKind, stream_handle
+from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
+from lifecycle.config import storage_dtype
+from lifecycle.device.dlpack import KDL_CPU, capsule, check_device, element_of, element_strides
 from lifecycle.errors import DeviceError, InvalidId
+
+if TYPE_CHECKING:
+    from typing_extensions import CapsuleType
+
+    from lifecycle.config import DType
 
 _ALIGN = 256
 _memmove = ctypes.memmove
@@ -50,8 +58,46 @@ def _host_view(ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B"), dtype=np.uint8)
 
 
+class HostArrayView(np.ndarray[Any, np.dtype[Any]]):
+    """A numpy view of host device memory that also exports, through DLPack, the element type the
+    memory holds (``torch.from_dlpack(view)`` is a ``bfloat16`` tensor over the same bytes where
+    numpy sees ``uint16``). Slices, copies and reshapes keep the element type; a view as another
+    numpy dtype than the element's storage dtype exports that dtype."""
+
+    _element: DType | None = None
+
+    def __array_finalize__(self, obj: npt.NDArray[Any] | None, /) -> None:
+        self._element = getattr(obj, "_element", None)
+
+    @property
+    def element(self) -> DType | None:
+        """The element type name the memory holds, or None where the numpy dtype says it (also
+        for a view whose dtype is no longer that element's storage dtype)."""
+        element = self._element
+        return element if element is not None and self.dtype == storage_dtype(element) else None
+
+    def __dlpack_device__(self, /) -> tuple[Literal[1], Literal[0]]:
+        return (KDL_CPU, 0)
+
+    def __dlpack__(self, /, *, stream: int | Any | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
+        """A DLPack capsule of this view with its true element type (see
+        :mod:`lifecycle.device.dlpack`); zero-copy unless ``copy=True``. Host memory has no
+        stream: ``stream`` must be None."""
+        if stream is not None:
+            raise BufferError(f"__dlpack__: stream={stream!r}, but a host view has no stream (give None)")
+        check_device(dl_device, (KDL_CPU, 0))
+        source = self.copy() if copy else self
+        return capsule(
+            source, data=source.ctypes.data, shape=source.shape,
+            strides=element_strides("__dlpack__", source.strides, source.itemsize), storage=source.dtype,
+            element=source.element, device=(KDL_CPU, 0), max_version=max_version,
+            read_only=not source.flags.writeable, copied=bool(copy),
+        )
+
+
 def _shaped_view(buf: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...], dtype: np.dtype[Any],
-                 nbytes: int) -> Any:
+                 nbytes: int, element: DType | None) -> HostArrayView:
     """View ``shape``/``dtype`` (``nbytes`` in all) over ``buf[offset:]``, refusing a view that would
     not fit."""
     if offset + nbytes > buf.nbytes:
@@ -59,7 +105,13 @@ def _shaped_view(buf: npt.NDArray[np.uint8], offset: int, shape: tuple[int, ...]
             f"device_array: shape {shape} of {dtype} needs {nbytes} bytes at offset {offset}, "
             f"allocation has {buf.nbytes}"
         )
-    return buf[offset : offset + nbytes].view(dtype).reshape(shape)
+    return _typed(buf[offset : offset + nbytes].view(dtype).reshape(shape), element)
+
+
+def _typed(array: npt.NDArray[Any], element: DType | None) -> HostArrayView:
+    view = array.view(HostArrayView)
+    view._element = element
+    return view
 
 
 class HostDevice(TrackedDevice):
@@ -258,6 +310,27 @@ class HostDevice(TrackedDevice):
         with self._lock:
             self._check_open("wait_stream")
 
+    @contextmanager
+    def use_stream(self, stream: object) -> Iterator[None]:
+        """Nothing changes on host memory, which has no streams; ``stream`` is checked as on CUDA."""
+        stream_handle(stream, "use_stream")
+        with self._lock:
+            self._check_open("use_stream")
+        yield
+
+    def record_event(self, event: object) -> None:
+        """Nothing to record: the copies are in place once :meth:`synchronize` returned (at once
+        in immediate mode). ``event`` is checked as on CUDA."""
+        event_handle(event, "record_event")
+        with self._lock:
+            self._check_open("record_event")
+
+    def wait_event(self, event: object) -> None:
+        """Nothing to wait for (see :meth:`wait_stream`); ``event`` is checked as on CUDA."""
+        event_handle(event, "wait_event")
+        with self._lock:
+            self._check_open("wait_event")
+
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """uint8 view of host memory; a view into this device's own memory keeps it alive."""
@@ -272,16 +345,19 @@ class HostDevice(TrackedDevice):
                 return buf
             return _host_view(ptr, nbytes)
 
-    def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> Any:
+    def device_array(self, ptr: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> HostArrayView:
         """numpy view of device memory at ``ptr`` (must lie in one live allocation); keeps it alive.
-        A view of zero elements touches no memory: it is an empty array tied to none."""
+        ``dtype`` is a numpy dtype or a :data:`~lifecycle.config.DType` name (``"bfloat16"``: a
+        ``uint16`` view that exports bfloat16 through DLPack). A view of zero elements touches no
+        memory: it is an empty array tied to none."""
+        storage, element = element_of(dtype)
         with self._lock:
             self._check_open("device_array")
-            dims, dt, nbytes = view_size("device_array", shape, dtype)
+            dims, dt, nbytes = view_size("device_array", shape, storage)
             if nbytes == 0:
-                return np.empty(dims, dt)
+                return _typed(np.empty(dims, dt), element)
             start, offset = self._device.locate("device_array", ptr, 1)
-            return _shaped_view(self._buffers[start], offset, dims, dt, nbytes)
+            return _shaped_view(self._buffers[start], offset, dims, dt, nbytes, element)
 
     def close(self) -> None:
         """Drop the queue and forget allocations still live (their memory goes with the last view)."""
