@@ -14,10 +14,13 @@ from lifecycle.errors import InvalidId
 HashesLike = Sequence[int] | npt.NDArray[np.uint64]
 
 _TOKEN_LIMIT: Final = 1 << 31
+_HASH_LIMIT: Final = 1 << 64
 
 
 def content_hashes(call: str, hashes: HashesLike) -> list[int]:
     """``hashes`` as Python ints; InvalidId unless each is in [0, 2**64)."""
+    if isinstance(hashes, list) and all(type(h) is int and 0 <= h < _HASH_LIMIT for h in hashes):
+        return hashes
     try:
         array = np.asarray(hashes, dtype=np.uint64)
     except (OverflowError, ValueError, TypeError):
@@ -46,4 +49,6 @@ def token_blocks(call: str, tokens: npt.ArrayLike, count: int, block_size: int) 
         high = int(raw.max()) if raw.dtype.itemsize > 4 or raw.dtype.kind == "u" else 0
         if low < 0 or high >= _TOKEN_LIMIT:
             raise InvalidId(f"{call}: token id {low if low < 0 else high} is out of range: token ids are in [0, 2**31)")
-    return raw.reshape(count, block_size).astype(np.int32, copy=False)
+    if raw.dtype != np.int32 or raw.shape != (count, block_size):
+        raw = raw.reshape(count, block_size).astype(np.int32, copy=False)
+    return raw

@@ -45,8 +45,8 @@ BlockIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
 #: Tokens of whole blocks: ``(n, block_size)`` or ``n * block_size`` token ids.
 TokensLike = npt.ArrayLike
 
-#: Batches of at most this many blocks build their copy rows from Python ints.
-_SMALL_BATCH: Final = 16
+#: Batches of at most this many copies (blocks x layers) build their rows from Python ints.
+_SMALL_BATCH_ROWS: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +107,14 @@ class HostTier:
         offsets = [sum(layer_bytes[:layer]) for layer in range(len(layer_bytes))]
         # (base address, block bytes, offset in a slot) of each layer
         self._layers = tuple(zip(kv_pool.layer_ptrs, layer_bytes, offsets))
-        self._layer_ptrs = np.array(kv_pool.layer_ptrs, dtype=np.int64)
-        self._layer_bytes = np.array(layer_bytes, dtype=np.int64)
         self._base = device.alloc_pinned(total)
         try:
             self._memory = device.host_array(self._base, total)
         except BaseException:
             device.free_pinned(self._base)
             raise
-        self._host_offsets = self._base + np.array(offsets, dtype=np.int64)
+        # Copy rows of a batch are template + slot * slot_step + block * block_step, per direction.
+        self._row_templates = {to_host: self._row_template(to_host) for to_host in (True, False)}
         self._tokens = np.zeros((capacity_blocks, block_size), dtype=np.int32)
         self._index: OrderedDict[int, int] = OrderedDict()  # content hash -> slot, least recent first
         self._free = list(range(capacity_blocks - 1, -1, -1))
@@ -163,10 +162,13 @@ class HostTier:
             raise TornDown(f"HostTier.{call}: the tier is closed")
 
     def _block_ids(self, call: str, block_ids: BlockIdsLike, count: int) -> list[int]:
-        try:
-            ids: list[int] = np.asarray(block_ids, dtype=np.int64).tolist()
-        except (OverflowError, ValueError, TypeError):
-            raise BlockIdOutOfRange(f"{call}: block ids must be ints, got {block_ids!r}") from None
+        if isinstance(block_ids, list) and all(type(block) is int for block in block_ids):
+            ids = block_ids
+        else:
+            try:
+                ids = np.asarray(block_ids, dtype=np.int64).tolist()
+            except (OverflowError, ValueError, TypeError):
+                raise BlockIdOutOfRange(f"{call}: block ids must be ints, got {block_ids!r}") from None
         if not isinstance(ids, list) or len(ids) != count:
             raise InvalidId(f"{call}: {np.size(block_ids)} block ids for {count} content hashes")
         if ids:
@@ -183,12 +185,26 @@ class HostTier:
 
     # -- copies ---------------------------------------------------------------------------------
 
+    def _row_template(self, to_host: bool) -> tuple[npt.NDArray[np.int64], ...]:
+        host_col, device_col = (0, 1) if to_host else (1, 0)
+        num_layers = len(self._layers)
+        base = np.zeros((num_layers, 3), dtype=np.int64)
+        slot_step = np.zeros_like(base)
+        block_step = np.zeros_like(base)
+        for layer, (ptr, nbytes, offset) in enumerate(self._layers):
+            base[layer, host_col] = self._base + offset
+            base[layer, device_col] = ptr
+            base[layer, 2] = nbytes
+            slot_step[layer, host_col] = self._slot_bytes
+            block_step[layer, device_col] = nbytes
+        return base, slot_step, block_step
+
     def _copy_rows(self, slots: list[int], block_ids: list[int], to_host: bool) -> npt.NDArray[np.int64]:
         """(dst, src, nbytes) rows moving every layer of each block between its device block and
         its slot, block-major (a slot's layers are adjacent in host memory)."""
         count, num_layers = len(slots), len(self._layers)
         host_col, device_col = (0, 1) if to_host else (1, 0)
-        if count <= _SMALL_BATCH:  # a few rows: plain ints beat a dozen numpy calls
+        if count * num_layers <= _SMALL_BATCH_ROWS:  # a few rows: plain ints beat a dozen numpy calls
             flat = [0] * (3 * count * num_layers)
             row = 0
             for slot, block in zip(slots, block_ids):
@@ -199,13 +215,11 @@ class HostTier:
                     flat[row + 2] = nbytes
                     row += 3
             return np.array(flat, dtype=np.int64).reshape(-1, 3)
-        rows = np.empty((count, num_layers, 3), dtype=np.int64)
-        np.multiply(np.array(slots, dtype=np.int64)[:, None], self._slot_bytes, out=rows[:, :, host_col])
-        rows[:, :, host_col] += self._host_offsets
-        np.multiply(np.array(block_ids, dtype=np.int64)[:, None], self._layer_bytes, out=rows[:, :, device_col])
-        rows[:, :, device_col] += self._layer_ptrs
-        rows[:, :, 2] = self._layer_bytes
-        return rows.reshape(-1, 3)
+        base, slot_step, block_step = self._row_templates[to_host]
+        slot_col = np.array(slots, dtype=np.int64)[:, None, None]
+        block_col = np.array(block_ids, dtype=np.int64)[:, None, None]
+        rows: npt.NDArray[np.int64] = (base + slot_col * slot_step + block_col * block_step).reshape(-1, 3)
+        return rows
 
     def _take_slots(self, count: int) -> list[int]:
         """``count`` free slots, evicting the least recently used entries for the missing ones."""
@@ -250,18 +264,22 @@ class HostTier:
                 fresh = fresh[len(fresh) - self._capacity :]
             if not fresh:
                 return 0
-            # Entries evicted for room leave the index before their slots are written.
+            # Entries evicted for room leave the index before their slots are written; the small
+            # writes go first, while the caches still hold what they touch.
             slots = self._take_slots(len(fresh))
             everything = len(fresh) == len(keys)
+            stored = keys if everything else [keys[i] for i in fresh]
             copies = self._copy_rows(slots, ids if everything else [ids[i] for i in fresh], to_host=True)
+            self._tokens[slots] = rows if everything else rows[fresh]
+            self._insert(stored, slots)
             try:
                 self._device.copy_batch(copies)
                 self._device.synchronize()
             except BaseException:
-                self._free.extend(slots)  # the slots hold nothing usable
+                for key in stored:  # the slots hold nothing usable
+                    del index[key]
+                self._free.extend(slots)
                 raise
-            self._tokens[slots] = rows if everything else rows[fresh]
-            self._insert(keys if everything else [keys[i] for i in fresh], slots)
             self._counts["stored"] += len(fresh)
             self._counts["bytes_demoted"] += len(fresh) * self._slot_bytes
             return len(fresh)
