@@ -111,6 +111,14 @@ def test_a_hash_repeated_in_one_batch_is_stored_once(tier: HostTier) -> None:
     assert tier.num_blocks == 1
 
 
+def test_listeners_hear_the_hashes_a_demote_stored(tier: HostTier) -> None:
+    heard: list[list[int]] = []
+    tier.subscribe(heard.append)
+    tier.demote([11], [0], tokens_of(0))
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+    assert heard == [[11], [12]]
+
+
 # -- copies ------------------------------------------------------------------------------------------
 
 

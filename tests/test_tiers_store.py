@@ -149,6 +149,18 @@ def test_blocks_written_behind_are_read_back_with_their_kv(
     assert kv_found(store) == pool_bytes(seed=1)[: len(HASHES)]
 
 
+def test_a_subscribed_store_writes_every_block_the_host_tier_stores(
+    server: StoreServer, engine: Engine, make_store: StoreFactory
+) -> None:
+    store = make_store(server.url)
+    engine.tier.subscribe(store.write_behind)
+    engine.demote(HASHES, range(len(HASHES)))
+    engine.demote(HASHES, range(len(HASHES)))  # already held: not written again
+    store.flush()
+    assert store.stats().queued == len(HASHES)
+    assert kv_found(store) == pool_bytes(seed=1)[: len(HASHES)]
+
+
 def test_a_request_is_one_round_trip_whatever_its_blocks(
     server: StoreServer, engine: Engine, make_store: StoreFactory
 ) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
@@ -122,6 +122,7 @@ class HostTier:
             ("lookups", "hits", "collisions", "stored", "loaded", "duplicates", "evicted", "promoted",
              "bytes_demoted", "bytes_promoted"), 0,
         )
+        self._listeners: tuple[Callable[[list[int]], None], ...] = ()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -154,6 +155,13 @@ class HostTier:
 
     def __contains__(self, content_hash: object) -> bool:
         return content_hash in self._index
+
+    def subscribe(self, listener: Callable[[list[int]], None]) -> None:
+        """Call ``listener`` with the content hashes each :meth:`demote` stored (not those already
+        held), after the copy, outside the tier's lock: ``host.subscribe(store.write_behind)``
+        writes every block entering the tier behind it. A listener must not raise."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
 
     # -- argument checks ------------------------------------------------------------------------
 
@@ -282,7 +290,10 @@ class HostTier:
                 raise
             self._counts["stored"] += len(fresh)
             self._counts["bytes_demoted"] += len(fresh) * self._slot_bytes
-            return len(fresh)
+            listeners = self._listeners
+        for listener in listeners:  # outside the lock: a listener may read the tier
+            listener(stored)
+        return len(fresh)
 
     def lookup(self, hashes: HashesLike, tokens: TokensLike) -> int:
         """Length of the leading run of ``hashes`` held with equal ``tokens`` (``len(hashes)``
