@@ -62,6 +62,14 @@ class Engine:
             self.device.host_array(ptr, nbytes)[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
         self.tier = HostTier(self.device, self.pool, NUM_BLOCKS, BLOCK_SIZE)
 
+    def block_bytes(self, block: int) -> bytes:
+        """Every layer's bytes of device block ``block``, layer after layer."""
+        pool = self.pool
+        return b"".join(
+            self.device.host_array(pool.block_addr(layer, block), pool.layer_block_bytes(layer)).tobytes()
+            for layer in range(pool.num_layers)
+        )
+
     def demote(self, hashes: Sequence[int], blocks: Sequence[int]) -> None:
         self.tier.demote(hashes, blocks, tokens_of(hashes))
 
@@ -159,6 +167,25 @@ def test_a_subscribed_store_writes_every_block_the_host_tier_stores(
     store.flush()
     assert store.stats().queued == len(HASHES)
     assert kv_found(store) == pool_bytes(seed=1)[: len(HASHES)]
+
+
+def test_store_hits_reach_device_blocks_through_the_host_tier(
+    server: StoreServer, engine: Engine, make_store: StoreFactory
+) -> None:
+    publish(engine, make_store(server.url))
+    other = Engine(seed=2)
+    try:
+        store = make_store(server.url, source=other.tier)
+        wanted = [*HASHES[:2], 0x9999]
+        assert other.tier.lookup(wanted, tokens_of(wanted)) == 0
+        records = store.get_many(wanted, tokens_of(wanted))
+        run = next(i for i, record in enumerate(records) if record is None)
+        other.tier.load([record for record in records[:run] if record is not None])
+        other.tier.promote(wanted[:run], [6, 7])
+        other.tier.check_invariants()
+        assert [other.block_bytes(block) for block in (6, 7)] == pool_bytes(seed=1)[:2]
+    finally:
+        other.close()
 
 
 def test_a_request_is_one_round_trip_whatever_its_blocks(

@@ -122,7 +122,7 @@ class HostTier:
             ("lookups", "hits", "collisions", "stored", "loaded", "duplicates", "evicted", "promoted",
              "bytes_demoted", "bytes_promoted"), 0,
         )
-        self._listeners: tuple[Callable[[list[int]], None], ...] = ()
+        self._listeners: tuple[Callable[[list[int]], object], ...] = ()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -156,7 +156,7 @@ class HostTier:
     def __contains__(self, content_hash: object) -> bool:
         return content_hash in self._index
 
-    def subscribe(self, listener: Callable[[list[int]], None]) -> None:
+    def subscribe(self, listener: Callable[[list[int]], object]) -> None:
         """Call ``listener`` with the content hashes each :meth:`demote` stored (not those already
         held), after the copy, outside the tier's lock: ``host.subscribe(store.write_behind)``
         writes every block entering the tier behind it. A listener must not raise."""
