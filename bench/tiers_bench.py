@@ -5,14 +5,15 @@ tier of 1x, 4x and 8x the device pool.
     python bench/tiers_bench.py --part copies --json # one JSON line per measurement
     python bench/tiers_bench.py --part w3 --limit 500
 
-**Copies** (``HostTier.demote`` / ``promote`` on the host device): for llama-like blocks (8 KV heads
-of dim 128, float16, 16 tokens: 64 KiB per layer) of 32 layers (2 MiB per block) and of 4 layers
-(256 KiB per block), batches of whole blocks are demoted into a full tier (so each evicts its least
-recently used entries, and writes slots not touched for a while) and promoted from random held
-entries into random device blocks. Each is timed against a plain ``memmove`` of the same number of
-bytes between two buffers as large as the pool and the tier, at rotating offsets (so neither side
-is cache-hot), alternating in the same run; the fraction is memcpy time / operation time, best of
-the repeats (the median beside it). Target: >= 0.80 for batches of 1 MiB and more.
+**Copies** (``HostTier.demote`` / ``promote``, on the host device or ``--device cuda``): for
+llama-like blocks (8 KV heads of dim 128, float16, 16 tokens: 64 KiB per layer) of 32 layers
+(2 MiB per block) and of 4 layers (256 KiB per block), batches of whole blocks are demoted into a
+full tier (so each evicts its least recently used entries, and writes slots not touched for a
+while) and promoted from random held entries into random device blocks. Each is timed against a
+plain copy of the same number of bytes (:class:`Baseline`: a ``memmove`` on the host, one pinned
+<-> device copy on CUDA) between buffers as large as the pool and the tier, at rotating offsets (so
+neither side is cache-hot), alternating in the same run; the fraction is memcpy time / operation
+time, best of the repeats (the median beside it). Target: >= 0.80 for batches of 1 MiB and more.
 
 **W3 hit rate**: a pure-Python model of the replay rules of ``bench/replay.py`` (W2's rules, blocks
 of 16 tokens, at most 32 live requests) over an LRU device pool of 262,144 blocks, to which a host
@@ -36,6 +37,7 @@ import ctypes
 import json
 import statistics
 import sys
+from contextlib import closing
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -53,7 +55,7 @@ from w2 import no_gc  # noqa: E402
 from w3 import CHUNK_TOKENS, W3Trace, load_w3, never_evict_hit_tokens  # noqa: E402
 
 from lifecycle.config import AttentionLayer, ModelConfig  # noqa: E402
-from lifecycle.device.host import HostDevice  # noqa: E402
+from lifecycle.device import Device, open_device  # noqa: E402
 from lifecycle.pools import KVPool  # noqa: E402
 from lifecycle.tiers.host import HostTier  # noqa: E402
 
@@ -72,67 +74,91 @@ POOL_BYTES = 512 * MiB
 TIER_BYTES = 256 * MiB
 
 
-def _rotating_memcpy(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, step: int) -> float:
-    """Seconds of one memmove of ``nbytes`` at the ``step``-th rotating offset of each buffer."""
-    dst_at = (step * nbytes) % (dst.size - nbytes + 1) // 4096 * 4096
-    src_at = (step * nbytes * 3) % (src.size - nbytes + 1) // 4096 * 4096
-    started = time.perf_counter()
-    ctypes.memmove(dst.ctypes.data + dst_at, src.ctypes.data + src_at, nbytes)
-    return time.perf_counter() - started
+class Baseline:
+    """The plain copy of ``nbytes`` each operation is measured against, at rotating offsets of
+    buffers as large as the pool and the tier (so that neither side is cache-hot): host: one
+    ``memmove``; CUDA: one device -> pinned copy (demote) or pinned -> device copy (promote),
+    synchronized."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.step = 0
+        self.far = device.alloc(POOL_BYTES) if device.kind == "cuda" else device.alloc_pinned(POOL_BYTES)
+        self.near = device.alloc_pinned(TIER_BYTES)
+        for ptr, nbytes in ((self.far, POOL_BYTES), (self.near, TIER_BYTES)):  # fault every page in
+            if device.kind == "cuda" and ptr == self.far:
+                device.memset(ptr, 1, nbytes)
+            else:
+                device.host_array(ptr, nbytes)[:] = 1
+        device.synchronize()
+
+    def seconds(self, op: str, nbytes: int) -> float:
+        self.step += 1
+        near = self.near + (self.step * nbytes) % (TIER_BYTES - nbytes + 1) // 4096 * 4096
+        far = self.far + (self.step * nbytes * 3) % (POOL_BYTES - nbytes + 1) // 4096 * 4096
+        started = time.perf_counter()
+        if self.device.kind != "cuda":
+            ctypes.memmove(near, far, nbytes) if op == "demote" else ctypes.memmove(far, near, nbytes)
+        elif op == "demote":
+            self.device.copy_dtoh(near, far, nbytes)
+        else:
+            self.device.copy_htod(far, near, nbytes)
+        self.device.synchronize()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        (self.device.free if self.device.kind == "cuda" else self.device.free_pinned)(self.far)
+        self.device.free_pinned(self.near)
 
 
-def copy_rows(name: str, layers: int, batches: tuple[int, ...], repeats: int) -> list[Result]:
-    """Demotion and promotion fractions of memcpy for one model, every batch size."""
+def copy_rows(device: Device, name: str, layers: int, batches: tuple[int, ...], repeats: int) -> list[Result]:
+    """Demotion and promotion fractions of the baseline copy for one model, every batch size."""
     attention = AttentionLayer(num_kv_heads=8, head_dim=128)
     block_bytes = layers * attention.block_bytes(16)
     config = ModelConfig(layers=(attention,) * layers, block_size=16, num_blocks=POOL_BYTES // block_bytes)
     capacity = TIER_BYTES // block_bytes
     rng = np.random.default_rng(0)
     results: list[Result] = []
-    with HostDevice() as device:
-        pool = KVPool(device, config)
-        for layer, ptr in enumerate(pool.layer_ptrs):  # fault every page in before the clock
-            device.memset(ptr, 1, config.num_blocks_resolved * pool.layer_block_bytes(layer))
-        tier = HostTier(device, pool, capacity, 16)
-        tokens = np.zeros((capacity, 16), dtype=np.int32)
-        next_hash = 1
-        tier.demote(range(next_hash, next_hash + capacity), range(capacity), tokens)  # full, pages faulted
-        next_hash += capacity
-        src = np.ones(POOL_BYTES, dtype=np.uint8)
-        dst = np.ones(TIER_BYTES, dtype=np.uint8)
-        step = 0
-        for batch in batches:
-            nbytes = batch * block_bytes
-            times: dict[str, list[float]] = {"memcpy": [], "demote": [], "promote": []}
-            for _ in range(repeats):
-                blocks = rng.choice(config.num_blocks_resolved, batch, replace=False)
-                hashes = list(range(next_hash, next_hash + batch))
-                next_hash += batch
-                step += 1
-                times["memcpy"].append(_rotating_memcpy(dst, src, nbytes, step))
-                started = time.perf_counter()
-                tier.demote(hashes, blocks, tokens[:batch])
-                times["demote"].append(time.perf_counter() - started)
-                # entries demoted a while ago (not the batch just written, which the cache holds)
-                held = next_hash - capacity + rng.choice(capacity - batch, batch, replace=False)
-                targets = rng.choice(config.num_blocks_resolved, batch, replace=False)
-                step += 1
-                times["memcpy"].append(_rotating_memcpy(dst, src, nbytes, step))
-                started = time.perf_counter()
-                tier.promote(held.tolist(), targets)
-                times["promote"].append(time.perf_counter() - started)
-            for op in ("demote", "promote"):
-                best = min(times["memcpy"]) / min(times[op])
-                median = statistics.median(times["memcpy"]) / statistics.median(times[op])
-                results.append({
-                    "bench": "tier_copies", "model": name, "op": op, "blocks": batch, "bytes": nbytes,
-                    "fraction": round(best, 3), "median_fraction": round(median, 3),
-                    "memcpy_GBps": round(nbytes / min(times["memcpy"]) / 1e9, 2),
-                    "op_GBps": round(nbytes / min(times[op]) / 1e9, 2),
-                })
-        tier.check_invariants()
-        tier.close()
-        pool.release()
+    pool = KVPool(device, config)
+    for layer, ptr in enumerate(pool.layer_ptrs):  # fault every page in before the clock
+        device.memset(ptr, 1, config.num_blocks_resolved * pool.layer_block_bytes(layer))
+    tier = HostTier(device, pool, capacity, 16)
+    baseline = Baseline(device)
+    tokens = np.zeros((capacity, 16), dtype=np.int32)
+    next_hash = 1
+    tier.demote(range(next_hash, next_hash + capacity), range(capacity), tokens)  # full, pages faulted
+    next_hash += capacity
+    for batch in batches:
+        nbytes = batch * block_bytes
+        times: dict[str, list[float]] = {"demote": [], "promote": [], "memcpy demote": [], "memcpy promote": []}
+        for _ in range(repeats):
+            blocks = rng.choice(config.num_blocks_resolved, batch, replace=False)
+            hashes = list(range(next_hash, next_hash + batch))
+            next_hash += batch
+            times["memcpy demote"].append(baseline.seconds("demote", nbytes))
+            started = time.perf_counter()
+            tier.demote(hashes, blocks, tokens[:batch])
+            times["demote"].append(time.perf_counter() - started)
+            # entries demoted a while ago (not the batch just written, which the cache holds)
+            held = next_hash - capacity + rng.choice(capacity - batch, batch, replace=False)
+            targets = rng.choice(config.num_blocks_resolved, batch, replace=False)
+            times["memcpy promote"].append(baseline.seconds("promote", nbytes))
+            started = time.perf_counter()
+            tier.promote(held.tolist(), targets)
+            times["promote"].append(time.perf_counter() - started)
+        for op in ("demote", "promote"):
+            plain = times[f"memcpy {op}"]
+            results.append({
+                "bench": "tier_copies", "device": device.kind, "model": name, "op": op, "blocks": batch,
+                "bytes": nbytes, "fraction": round(min(plain) / min(times[op]), 3),
+                "median_fraction": round(statistics.median(plain) / statistics.median(times[op]), 3),
+                "memcpy_GBps": round(nbytes / min(plain) / 1e9, 2),
+                "op_GBps": round(nbytes / min(times[op]) / 1e9, 2),
+            })
+    tier.check_invariants()
+    baseline.close()
+    tier.close()
+    pool.release()
     return results
 
 
@@ -273,7 +299,10 @@ def w3_rows(limit: int | None, check_core: bool) -> list[Result]:
 
 
 def format_copies(rows: list[Result]) -> str:
-    lines = [f"{'model':<17} {'op':<8} {'blocks':>6} {'MiB':>6} {'fraction':>9} {'median':>7} {'memcpy GB/s':>12}"]
+    lines = [
+        f"device: {rows[0]['device'] if rows else '-'}",
+        f"{'model':<17} {'op':<8} {'blocks':>6} {'MiB':>6} {'fraction':>9} {'median':>7} {'memcpy GB/s':>12}",
+    ]
     for r in rows:
         lines.append(
             f"{r['model']:<17} {r['op']:<8} {r['blocks']:>6} {r['bytes'] / MiB:>6.2f} {r['fraction']:>9.2f} "
@@ -302,12 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("all", "copies", "w3"), default="all")
     parser.add_argument("--json", action="store_true", help="one JSON line per measurement")
+    parser.add_argument("--device", choices=("host", "cuda"), default="host", help="copies: the device")
     parser.add_argument("--repeats", type=int, default=15, help="repeats per copy batch size")
     parser.add_argument("--limit", type=int, default=None, help="W3: the first LIMIT requests only")
     parser.add_argument("--no-core-check", action="store_true", help="W3: skip the compiled core's replay")
     args = parser.parse_args(argv)
     if args.part in ("all", "copies"):
-        rows = [row for name, layers, batches in COPY_MODELS for row in copy_rows(name, layers, batches, args.repeats)]
+        with closing(open_device(args.device)) as device:
+            rows = [row for name, layers, batches in COPY_MODELS
+                    for row in copy_rows(device, name, layers, batches, args.repeats)]
         print("\n".join(json.dumps(r) for r in rows) if args.json else format_copies(rows))
     if args.part in ("all", "w3"):
         w3 = w3_rows(args.limit, check_core=not args.no_core_check)
