@@ -429,6 +429,30 @@ def test_a_full_write_queue_drops_blocks_instead_of_waiting(
     assert (stats.queued, stats.dropped_queue_full, stats.written) == (3, 1, 3)
 
 
+def test_writes_of_a_closed_host_tier_are_dropped_as_gone(
+    server: StoreServer, engine: Engine, make_store: StoreFactory
+) -> None:
+    store = make_store(server.url)
+    engine.demote(HASHES, range(len(HASHES)))
+    engine.tier.close()
+    store.write_behind(HASHES)
+    store.flush()
+    assert store.stats().dropped_gone == len(HASHES)
+
+
+def test_every_queued_block_is_accounted_for_while_the_writer_runs(
+    server: StoreServer, engine: Engine, make_store: StoreFactory
+) -> None:
+    store = make_store(server.url, batch_blocks=2)
+    engine.demote(HASHES, range(len(HASHES)))
+    for _ in range(50):
+        store.write_behind(HASHES)
+        store.check_invariants()
+    store.flush()
+    store.check_invariants()
+    assert store.stats().written == store.stats().queued
+
+
 def test_close_drops_queued_writes_and_stops_the_writer(
     server: StoreServer, engine: Engine, make_store: StoreFactory
 ) -> None:

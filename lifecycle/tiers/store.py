@@ -420,10 +420,9 @@ class StoreTier:
             room = max(0, self._queue_blocks - len(self._queue))
             taken = keys[:room]
             self._queue.extend((content_hash, adapter_key) for content_hash in taken)
+            self._count(queued=len(taken), dropped_queue_full=len(keys) - len(taken))
             self._wakeup.notify()
-        dropped = len(keys) - len(taken)
-        self._count(queued=len(taken), dropped_queue_full=dropped)
-        if dropped:
+        if len(taken) < len(keys):
             self._log_once(
                 "queue_full", "store %s: the write queue of queue_blocks=%d is full; blocks were dropped",
                 self._shown_url, self._queue_blocks,
@@ -440,21 +439,24 @@ class StoreTier:
                 batch = [self._queue.popleft() for _ in range(min(self._batch_blocks, len(self._queue)))]
                 self._inflight = len(batch)
             try:
-                self._write(batch)
+                outcomes = self._write(batch)
             except Exception as error:  # a bug in a source must not kill the writer silently
-                self._count(dropped_unavailable=len(batch))
+                outcomes = {"dropped_unavailable": len(batch)}
                 _log.exception("store %s: writing a batch failed: %s", self._shown_url, error)
-            finally:
-                with self._wakeup:
-                    self._inflight = 0
-                    self._wakeup.notify_all()
+            with self._wakeup:  # the outcomes and the end of the flight together, for check_invariants
+                self._count(**outcomes)
+                self._inflight = 0
+                self._wakeup.notify_all()
 
-    def _write(self, batch: list[tuple[int, int]]) -> None:
+    def _write(self, batch: list[tuple[int, int]]) -> dict[str, int]:
+        """Write one batch; returns how many blocks ended how (see :class:`StoreStats`)."""
         if not self._health.available():
-            self._count(dropped_unavailable=len(batch))
-            return
+            return {"dropped_unavailable": len(batch)}
         assert self._source is not None  # write_behind refuses to queue without one
-        blocks = self._source.read_blocks([content_hash for content_hash, _ in batch])
+        try:
+            blocks = self._source.read_blocks([content_hash for content_hash, _ in batch])
+        except TornDown:  # the host tier closed first: nothing left to write
+            return {"dropped_gone": len(batch)}
         records: list[tuple[str, bytes]] = []
         for (content_hash, adapter), block in zip(batch, blocks):
             if block is not None:
@@ -463,8 +465,7 @@ class StoreTier:
                 records.append((self._key(content_hash, adapter), value))
         gone = len(batch) - len(records)
         if not records:
-            self._count(dropped_gone=gone)
-            return
+            return {"dropped_gone": gone}
         pipe = self._client.pipeline(transaction=False)
         for key, value in records:
             pipe.set(key, value, px=self._ttl_ms)
@@ -472,8 +473,7 @@ class StoreTier:
             results = pipe.execute(raise_on_error=False)
         except Exception as error:
             self._health.failed("a write", error)
-            self._count(dropped_gone=gone, dropped_unavailable=len(records))
-            return
+            return {"dropped_gone": gone, "dropped_unavailable": len(records)}
         finally:
             pipe.reset()
         self._health.answered()
@@ -492,10 +492,10 @@ class StoreTier:
                 "full", "store %s is out of memory (maxmemory with a noeviction policy?): writes are refused",
                 self._shown_url,
             )
-        self._count(
-            written=written, refused_full=full, dropped_unavailable=failed, dropped_gone=gone, write_batches=1,
-            bytes_written=nbytes,
-        )
+        return {
+            "written": written, "refused_full": full, "dropped_unavailable": failed, "dropped_gone": gone,
+            "write_batches": 1, "bytes_written": nbytes,
+        }
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write is done (written or dropped), at most ``timeout_s``;
