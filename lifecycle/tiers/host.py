@@ -1,0 +1,445 @@
+"""The host tier: evicted device blocks kept in (pinned) host memory, found again by content hash.
+
+A :class:`HostTier` owns one host allocation of ``capacity_blocks`` slots (page-locked through the
+driver on CUDA, plain memory on the host device). A slot holds one whole block: every attention
+layer's K and V, layer after layer, plus the block's tokens. Entries are indexed by the block's
+content hash (``docs/content-hashes.md``) and evicted least recently used first.
+
+The hash only finds an entry: :meth:`HostTier.lookup` compares the tokens before it counts a hit,
+so a hash collision costs a miss, never another block's KV. (The parent hash needs no check of its
+own: the chain ``hash = fmix64(NH(tokens)) + parent * odd`` fixes the parent once the hash and the
+tokens are equal.)
+
+Copies: :meth:`HostTier.demote` copies device blocks to host and :meth:`HostTier.promote` host
+entries to device blocks, each as one batched copy that has completed when the call returns (the
+device is synchronized), so the device block may be reused, or read by kernels, right after. The
+caller orders the device's stream after the engine's work first (``Device.wait_stream``), as for
+every copy out of the pools.
+
+Every method is thread-safe (one lock): the shared store's writer reads entries from its own
+thread (:meth:`HostTier.read_blocks`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from lifecycle.device.base import Device
+from lifecycle.device.host import physical_memory_bytes
+from lifecycle.errors import BlockIdOutOfRange, ConfigError, InvalidId, InvariantViolation, TornDown
+from lifecycle.pools import KVPool
+from lifecycle.tiers._args import HashesLike, content_hashes, token_blocks
+from lifecycle.tiers.records import BlockRecord
+
+__all__ = ["BlockIdsLike", "HashesLike", "HostTier", "HostTierStats", "TokensLike"]
+
+#: Device block ids: ints, or an integer array.
+BlockIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+#: Tokens of whole blocks: ``(n, block_size)`` or ``n * block_size`` token ids.
+TokensLike = npt.ArrayLike
+
+#: Batches of at most this many copies (blocks x layers) build their rows from Python ints.
+_SMALL_BATCH_ROWS: Final = 8
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierStats:
+    """Counters of a :class:`HostTier` since it was built (blocks, unless named bytes).
+
+    ``lookups`` counts blocks asked for, ``hits`` those found with equal tokens (a hit rate is
+    ``hits / lookups``); ``collisions`` counts entries whose hash matched but tokens did not.
+    ``stored`` counts blocks demoted into the tier, ``loaded`` those put in from records (the
+    store), ``duplicates`` blocks already there, ``evicted`` entries dropped for room."""
+
+    capacity_blocks: int
+    blocks: int
+    lookups: int
+    hits: int
+    collisions: int
+    stored: int
+    loaded: int
+    duplicates: int
+    evicted: int
+    promoted: int
+    bytes_demoted: int
+    bytes_promoted: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class HostTier:
+    """Whole blocks of ``kv_pool`` in ``capacity_blocks`` slots of host memory, by content hash.
+
+    Raises :class:`ConfigError` for a capacity below one block or larger than the machine's
+    memory, or a ``block_size`` other than the pool's; the device's error when the memory cannot
+    be had. Nothing is allocated on failure.
+    """
+
+    def __init__(self, device: Device, kv_pool: KVPool, capacity_blocks: int, block_size: int) -> None:
+        if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+            raise ConfigError(f"HostTier: capacity_blocks={capacity_blocks!r} must be an int >= 1")
+        if block_size != kv_pool.block_size:
+            raise ConfigError(f"HostTier: block_size={block_size!r} differs from the KV pool's {kv_pool.block_size}")
+        if kv_pool.num_layers == 0 or kv_pool.num_blocks == 0:
+            raise ConfigError("HostTier: the KV pool has no attention layer or no block: nothing to keep")
+        layer_bytes = [kv_pool.layer_block_bytes(layer) for layer in range(kv_pool.num_layers)]
+        slot_bytes = sum(layer_bytes)
+        total = capacity_blocks * slot_bytes
+        memory = physical_memory_bytes()
+        if total > memory:
+            raise ConfigError(
+                f"HostTier: capacity_blocks={capacity_blocks} of {slot_bytes} bytes needs {total} bytes of host "
+                f"memory; this machine has {memory}"
+            )
+        self._device = device
+        self._pool = kv_pool
+        self._capacity = capacity_blocks
+        self._block_size = block_size
+        self._slot_bytes = slot_bytes
+        offsets = [sum(layer_bytes[:layer]) for layer in range(len(layer_bytes))]
+        # (base address, block bytes, offset in a slot) of each layer
+        self._layers = tuple(zip(kv_pool.layer_ptrs, layer_bytes, offsets))
+        self._base = device.alloc_pinned(total)
+        try:
+            self._memory = device.host_array(self._base, total)
+        except BaseException:
+            device.free_pinned(self._base)
+            raise
+        # Copy rows of a batch are template + slot * slot_step + block * block_step, per direction.
+        self._row_templates = {to_host: self._row_template(to_host) for to_host in (True, False)}
+        self._tokens = np.zeros((capacity_blocks, block_size), dtype=np.int32)
+        self._index: OrderedDict[int, int] = OrderedDict()  # content hash -> slot, least recent first
+        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._counts = dict.fromkeys(
+            ("lookups", "hits", "collisions", "stored", "loaded", "duplicates", "evicted", "promoted",
+             "bytes_demoted", "bytes_promoted"), 0,
+        )
+        self._listeners: tuple[Callable[[list[int]], object], ...] = ()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Slots of the tier."""
+        return self._capacity
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's KV, every layer (one slot)."""
+        return self._slot_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held now."""
+        return len(self._index)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __contains__(self, content_hash: object) -> bool:
+        return content_hash in self._index
+
+    def subscribe(self, listener: Callable[[list[int]], object]) -> None:
+        """Call ``listener`` with the content hashes each :meth:`demote` stored (not those already
+        held), after the copy, outside the tier's lock: ``host.subscribe(store.write_behind)``
+        writes every block entering the tier behind it. A listener must not raise."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    # -- argument checks ------------------------------------------------------------------------
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise TornDown(f"HostTier.{call}: the tier is closed")
+
+    def _block_ids(self, call: str, block_ids: BlockIdsLike, count: int) -> list[int]:
+        if isinstance(block_ids, list) and all(type(block) is int for block in block_ids):
+            ids = block_ids
+        else:
+            try:
+                ids = np.asarray(block_ids, dtype=np.int64).tolist()
+            except (OverflowError, ValueError, TypeError):
+                raise BlockIdOutOfRange(f"{call}: block ids must be ints, got {block_ids!r}") from None
+        if not isinstance(ids, list) or len(ids) != count:
+            raise InvalidId(f"{call}: {np.size(block_ids)} block ids for {count} content hashes")
+        if ids:
+            limit = self._pool.num_blocks
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= limit:
+                raise BlockIdOutOfRange(
+                    f"{call}: block id {low if low < 0 else high} is out of range: valid values are 0..{limit - 1}"
+                )
+            if len(set(ids)) != count:
+                repeated = next(block for position, block in enumerate(ids) if block in ids[:position])
+                raise InvalidId(f"{call}: block id {repeated} is given more than once")
+        return ids
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def _row_template(self, to_host: bool) -> tuple[npt.NDArray[np.int64], ...]:
+        host_col, device_col = (0, 1) if to_host else (1, 0)
+        num_layers = len(self._layers)
+        base = np.zeros((num_layers, 3), dtype=np.int64)
+        slot_step = np.zeros_like(base)
+        block_step = np.zeros_like(base)
+        for layer, (ptr, nbytes, offset) in enumerate(self._layers):
+            base[layer, host_col] = self._base + offset
+            base[layer, device_col] = ptr
+            base[layer, 2] = nbytes
+            slot_step[layer, host_col] = self._slot_bytes
+            block_step[layer, device_col] = nbytes
+        return base, slot_step, block_step
+
+    def _copy_rows(self, slots: list[int], block_ids: list[int], to_host: bool) -> npt.NDArray[np.int64]:
+        """(dst, src, nbytes) rows moving every layer of each block between its device block and
+        its slot, block-major (a slot's layers are adjacent in host memory)."""
+        count, num_layers = len(slots), len(self._layers)
+        host_col, device_col = (0, 1) if to_host else (1, 0)
+        if count * num_layers <= _SMALL_BATCH_ROWS:  # a few rows: plain ints beat a dozen numpy calls
+            flat = [0] * (3 * count * num_layers)
+            row = 0
+            for slot, block in zip(slots, block_ids):
+                slot_base = self._base + slot * self._slot_bytes
+                for ptr, nbytes, offset in self._layers:
+                    flat[row + host_col] = slot_base + offset
+                    flat[row + device_col] = ptr + block * nbytes
+                    flat[row + 2] = nbytes
+                    row += 3
+            return np.array(flat, dtype=np.int64).reshape(-1, 3)
+        base, slot_step, block_step = self._row_templates[to_host]
+        slot_col = np.array(slots, dtype=np.int64)[:, None, None]
+        block_col = np.array(block_ids, dtype=np.int64)[:, None, None]
+        rows: npt.NDArray[np.int64] = (base + slot_col * slot_step + block_col * block_step).reshape(-1, 3)
+        return rows
+
+    def _take_slots(self, count: int) -> list[int]:
+        """``count`` free slots, evicting the least recently used entries for the missing ones."""
+        free, index = self._free, self._index
+        for _ in range(count - len(free)):
+            free.append(index.popitem(last=False)[1])
+            self._counts["evicted"] += 1
+        slots = free[len(free) - count :]
+        del free[len(free) - count :]
+        return slots
+
+    def _insert(self, keys: list[int], slots: list[int]) -> None:
+        for key, slot in zip(keys, slots):
+            self._index[key] = slot
+
+    def demote(self, hashes: HashesLike, block_ids: BlockIdsLike, tokens: TokensLike) -> int:
+        """Copy the device blocks ``block_ids`` (every layer) into the tier under their content
+        ``hashes``, with their ``tokens`` (``len(hashes)`` blocks); returns the blocks stored.
+
+        One batched copy, completed on return. A hash already held is not copied again but becomes
+        the most recently used (also when its tokens differ: a collision is left to :meth:`lookup`);
+        a hash repeated in the batch counts once. Then the new blocks are stored in batch order, each
+        the most recently used so far; the least recently used entries make room, and of more new
+        blocks than the tier holds only the last ``capacity_blocks`` are kept. Every argument
+        is checked before anything changes."""
+        keys = content_hashes("demote", hashes)
+        ids = self._block_ids("demote", block_ids, len(keys))
+        rows = token_blocks("demote", tokens, len(keys), self._block_size)
+        with self._lock:
+            self._check_open("demote")
+            index = self._index
+            fresh: list[int] = []  # positions of the batch to store
+            seen: set[int] = set()
+            for position, key in enumerate(keys):
+                if key in index:
+                    index.move_to_end(key)
+                    self._counts["duplicates"] += 1
+                elif key not in seen:
+                    seen.add(key)
+                    fresh.append(position)
+            if len(fresh) > self._capacity:
+                fresh = fresh[len(fresh) - self._capacity :]
+            if not fresh:
+                return 0
+            # Entries evicted for room leave the index before their slots are written; the small
+            # writes go first, while the caches still hold what they touch.
+            slots = self._take_slots(len(fresh))
+            everything = len(fresh) == len(keys)
+            stored = keys if everything else [keys[i] for i in fresh]
+            copies = self._copy_rows(slots, ids if everything else [ids[i] for i in fresh], to_host=True)
+            self._tokens[slots] = rows if everything else rows[fresh]
+            self._insert(stored, slots)
+            try:
+                self._device.copy_batch(copies)
+                self._device.synchronize()
+            except BaseException:
+                for key in stored:  # the slots hold nothing usable
+                    del index[key]
+                self._free.extend(slots)
+                raise
+            self._counts["stored"] += len(fresh)
+            self._counts["bytes_demoted"] += len(fresh) * self._slot_bytes
+            listeners = self._listeners
+        for listener in listeners:  # outside the lock: a listener may read the tier
+            listener(stored)
+        return len(fresh)
+
+    def lookup(self, hashes: HashesLike, tokens: TokensLike) -> int:
+        """Length of the leading run of ``hashes`` held with equal ``tokens`` (``len(hashes)``
+        blocks of them). Those entries become the most recently used, the first block most."""
+        keys = content_hashes("lookup", hashes)
+        rows = token_blocks("lookup", tokens, len(keys), self._block_size)
+        with self._lock:
+            self._check_open("lookup")
+            slots: list[int] = []
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None:
+                    break
+                slots.append(slot)
+            found = len(slots)
+            if found:
+                equal = (self._tokens[slots] == rows[:found]).all(axis=1)
+                if not equal.all():
+                    found = int(np.argmin(equal))
+                    self._counts["collisions"] += 1
+                for key in reversed(keys[:found]):
+                    self._index.move_to_end(key)
+            self._counts["lookups"] += len(keys)
+            self._counts["hits"] += found
+            return found
+
+    def promote(self, hashes: HashesLike, block_ids: BlockIdsLike) -> None:
+        """Copy the entries ``hashes`` (every layer) into the device blocks ``block_ids``, one
+        batched copy completed on return. Entries stay in the tier. An absent hash raises
+        :class:`InvalidId` naming it, and nothing is copied."""
+        keys = content_hashes("promote", hashes)
+        ids = self._block_ids("promote", block_ids, len(keys))
+        with self._lock:
+            self._check_open("promote")
+            slots: list[int] = []
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None:
+                    raise InvalidId(
+                        f"promote: content hash {key:#018x} is not in the host tier ({len(self._index)} blocks held); "
+                        "promote what lookup found, before anything else is demoted"
+                    )
+                slots.append(slot)
+            if not slots:
+                return
+            copies = self._copy_rows(slots, ids, to_host=False)
+            self._device.copy_batch(copies)
+            self._device.synchronize()
+            self._counts["promoted"] += len(slots)
+            self._counts["bytes_promoted"] += len(slots) * self._slot_bytes
+
+    # -- records (the shared store) ----------------------------------------------------------------
+
+    def read_blocks(self, hashes: HashesLike) -> list[tuple[npt.NDArray[np.int32], bytes] | None]:
+        """A copy of the tokens and KV bytes of each entry of ``hashes`` (None where absent). The
+        entries' recency is unchanged."""
+        keys = content_hashes("read_blocks", hashes)
+        out: list[tuple[npt.NDArray[np.int32], bytes] | None] = []
+        with self._lock:
+            self._check_open("read_blocks")
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None:
+                    out.append(None)
+                    continue
+                start = slot * self._slot_bytes
+                out.append((self._tokens[slot].copy(), self._memory[start : start + self._slot_bytes].tobytes()))
+        return out
+
+    def load(self, records: Sequence[BlockRecord]) -> int:
+        """Put blocks read from the store into the tier, as :meth:`demote` puts device blocks
+        (same recency and room rules); returns the blocks stored."""
+        for index, record in enumerate(records):
+            if memoryview(record.kv).nbytes != self._slot_bytes:
+                raise InvalidId(
+                    f"load: record {index} has {memoryview(record.kv).nbytes} KV bytes; "
+                    f"a block takes {self._slot_bytes}"
+                )
+        keys = [record.content_hash for record in records]
+        content_hashes("load", keys)
+        rows = token_blocks("load", [record.tokens for record in records], len(records), self._block_size)
+        with self._lock:
+            self._check_open("load")
+            stored = 0
+            for record, row in zip(records, rows):
+                if record.content_hash in self._index:
+                    self._index.move_to_end(record.content_hash)
+                    self._counts["duplicates"] += 1
+                    continue
+                (slot,) = self._take_slots(1)
+                start = slot * self._slot_bytes
+                self._memory[start : start + self._slot_bytes] = np.frombuffer(record.kv, dtype=np.uint8)
+                self._tokens[slot] = row
+                self._index[record.content_hash] = slot
+                stored += 1
+            self._counts["loaded"] += stored
+            return stored
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def stats(self) -> HostTierStats:
+        """The counters now."""
+        with self._lock:
+            return HostTierStats(capacity_blocks=self._capacity, blocks=len(self._index), **self._counts)
+
+    def check_invariants(self) -> None:
+        """Recount the slots from scratch; :class:`InvariantViolation` names the first mismatch."""
+        with self._lock:
+            held = list(self._index.values())
+            if len(set(held)) != len(held):
+                raise InvariantViolation(f"HostTier: {len(held) - len(set(held))} slots are held by two hashes")
+            overlap = set(held) & set(self._free)
+            if overlap:
+                raise InvariantViolation(f"HostTier: slot {min(overlap)} is both held and free")
+            if len(held) + len(self._free) != self._capacity:
+                raise InvariantViolation(
+                    f"HostTier: {len(held)} held + {len(self._free)} free slots != capacity {self._capacity}"
+                )
+            stray = [slot for slot in held + self._free if not 0 <= slot < self._capacity]
+            if stray:
+                raise InvariantViolation(f"HostTier: slot {stray[0]} is outside 0..{self._capacity - 1}")
+            added = self._counts["stored"] + self._counts["loaded"]
+            if added - self._counts["evicted"] != len(held):
+                raise InvariantViolation(
+                    f"HostTier: {added} blocks added - {self._counts['evicted']} evicted != {len(held)} held"
+                )
+
+    def close(self) -> None:
+        """Free the host memory; a second call does nothing, any other call raises TornDown."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._index.clear()
+            self._free.clear()
+            self._memory = np.empty(0, dtype=np.uint8)
+            self._device.free_pinned(self._base)
+
+    def __enter__(self) -> HostTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"HostTier(capacity_blocks={self._capacity}, block_bytes={self._slot_bytes}, blocks={len(self._index)}, "
+            f"closed={self._closed})"
+        )

@@ -1,0 +1,380 @@
+"""HostTier: whole blocks kept in host memory by content hash, verified by tokens, LRU, and the
+copies to and from the device pool (on every device the suites run on)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from devices import device, live_allocations, read_device, write_device  # noqa: F401
+
+from lifecycle.config import AttentionLayer, ModelConfig
+from lifecycle.device.allocations import CopyArray
+from lifecycle.device.base import Copy, Device
+from lifecycle.device.host import HostDevice, physical_memory_bytes
+from lifecycle.errors import BlockIdOutOfRange, ConfigError, DeviceError, InvalidId, TornDown
+from lifecycle.pools import KVPool
+from lifecycle.tiers.host import HostTier
+from lifecycle.tiers.records import BlockRecord
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+# Two layers of different sizes, so that a slot's layer offsets matter.
+CONFIG = ModelConfig(
+    layers=(AttentionLayer(num_kv_heads=2, head_dim=8), AttentionLayer(num_kv_heads=1, head_dim=4, dtype="float32")),
+    block_size=BLOCK_SIZE,
+    num_blocks=NUM_BLOCKS,
+)
+
+
+def fill_pool(dev: Device, pool: KVPool, seed: int) -> None:
+    """Random bytes in every block of every layer."""
+    rng = np.random.default_rng(seed)
+    for layer, ptr in enumerate(pool.layer_ptrs):
+        write_device(dev, ptr, rng.integers(0, 256, NUM_BLOCKS * pool.layer_block_bytes(layer), dtype=np.uint8))
+
+
+def block_bytes(dev: Device, pool: KVPool, block: int) -> bytes:
+    """Every layer's bytes of device block ``block``, layer after layer (a host slot's layout)."""
+    return b"".join(
+        read_device(dev, pool.block_addr(layer, block), pool.layer_block_bytes(layer)).tobytes()
+        for layer in range(pool.num_layers)
+    )
+
+
+def tokens_of(*blocks: int) -> npt.NDArray[np.int32]:
+    """Distinct tokens per block number."""
+    return np.array([[100 * b + i for i in range(BLOCK_SIZE)] for b in blocks], dtype=np.int32)
+
+
+@pytest.fixture
+def pool(device: Device) -> Iterator[KVPool]:  # noqa: F811
+    kv = KVPool(device, CONFIG)
+    fill_pool(device, kv, seed=1)
+    yield kv
+    kv.release()
+
+
+def make_tier(pool: KVPool, capacity: int = 8) -> HostTier:
+    return HostTier(pool.device, pool, capacity, BLOCK_SIZE)
+
+
+@pytest.fixture
+def tier(pool: KVPool) -> Iterator[HostTier]:
+    host = make_tier(pool)
+    yield host
+    host.check_invariants()
+    host.close()
+
+
+# -- demote and lookup -------------------------------------------------------------------------------
+
+
+def test_demoted_blocks_are_found_with_their_tokens(tier: HostTier) -> None:
+    assert tier.demote([11, 12, 13], [0, 1, 2], tokens_of(0, 1, 2)) == 3
+    tier.check_invariants()
+    assert tier.lookup([11, 12, 13], tokens_of(0, 1, 2)) == 3
+
+
+def test_lookup_counts_the_leading_run_only(tier: HostTier) -> None:
+    tier.demote([11, 13], [0, 2], tokens_of(0, 2))
+    assert tier.lookup([11, 12, 13], tokens_of(0, 1, 2)) == 1
+
+
+def test_a_hash_with_other_tokens_is_a_miss(tier: HostTier) -> None:
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+    assert tier.lookup([11, 12], tokens_of(0, 7)) == 1
+    assert tier.stats().collisions == 1
+
+
+def test_lookup_counts_blocks_asked_and_hit(tier: HostTier) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    tier.lookup([11, 12], tokens_of(0, 1))
+    stats = tier.stats()
+    assert (stats.lookups, stats.hits) == (2, 1)
+
+
+def test_a_block_already_held_is_not_stored_again(tier: HostTier) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    assert tier.demote([11], [3], tokens_of(0)) == 0
+    assert tier.stats().duplicates == 1
+
+
+def test_a_hash_repeated_in_one_batch_is_stored_once(tier: HostTier) -> None:
+    assert tier.demote([11, 11], [0, 1], tokens_of(0, 0)) == 1
+    tier.check_invariants()
+    assert tier.num_blocks == 1
+
+
+def test_listeners_hear_the_hashes_a_demote_stored(tier: HostTier) -> None:
+    heard: list[list[int]] = []
+    tier.subscribe(heard.append)
+    tier.demote([11], [0], tokens_of(0))
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+    assert heard == [[11], [12]]
+
+
+# -- copies ------------------------------------------------------------------------------------------
+
+
+def test_promote_copies_every_layer_of_the_demoted_blocks(tier: HostTier, pool: KVPool) -> None:
+    dev = pool.device
+    expected = [block_bytes(dev, pool, block) for block in (0, 5)]
+    tier.demote([11, 12], [0, 5], tokens_of(0, 5))
+    tier.promote([11, 12], [9, 3])
+    assert [block_bytes(dev, pool, block) for block in (9, 3)] == expected
+
+
+def test_demote_has_copied_before_it_returns(tier: HostTier, pool: KVPool) -> None:
+    dev = pool.device
+    expected = block_bytes(dev, pool, 4)
+    tier.demote([11], [4], tokens_of(4))
+    fill_pool(dev, pool, seed=2)  # the device block is reused at once
+    tier.promote([11], [4])
+    assert block_bytes(dev, pool, 4) == expected
+
+
+def test_promoted_blocks_stay_in_the_tier(tier: HostTier) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    tier.promote([11], [1])
+    assert tier.lookup([11], tokens_of(0)) == 1
+
+
+def test_stats_count_the_bytes_moved(tier: HostTier) -> None:
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+    tier.promote([12], [2])
+    stats = tier.stats()
+    assert (stats.bytes_demoted, stats.bytes_promoted) == (2 * tier.block_bytes, tier.block_bytes)
+
+
+def test_promote_of_an_absent_hash_names_it_and_copies_nothing(tier: HostTier, pool: KVPool) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    before = block_bytes(pool.device, pool, 7)
+    with pytest.raises(InvalidId, match="0x000000000000000c"):
+        tier.promote([11, 12], [6, 7])
+    assert block_bytes(pool.device, pool, 7) == before
+    assert tier.stats().promoted == 0
+
+
+def test_a_block_id_out_of_range_is_refused_before_anything_changes(tier: HostTier) -> None:
+    with pytest.raises(BlockIdOutOfRange, match=f"block id {NUM_BLOCKS} .* 0..{NUM_BLOCKS - 1}"):
+        tier.demote([11, 12], [0, NUM_BLOCKS], tokens_of(0, 1))
+    assert tier.num_blocks == 0
+
+
+def test_a_block_id_given_twice_is_refused(tier: HostTier) -> None:
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+    with pytest.raises(InvalidId, match="block id 3 is given more than once"):
+        tier.promote([11, 12], [3, 3])
+
+
+def test_tokens_of_another_count_of_blocks_are_refused(tier: HostTier) -> None:
+    with pytest.raises(InvalidId, match="2 blocks of block_size=4"):
+        tier.demote([11, 12], [0, 1], tokens_of(0))
+
+
+def test_a_negative_token_id_is_refused(tier: HostTier) -> None:
+    with pytest.raises(InvalidId, match="token id -1"):
+        tier.lookup([11], np.full(BLOCK_SIZE, -1, dtype=np.int64))
+
+
+def test_a_hash_outside_64_bits_is_refused(tier: HostTier) -> None:
+    with pytest.raises(InvalidId, match=r"\[0, 2\*\*64\)"):
+        tier.lookup([1 << 64], tokens_of(0))
+
+
+# -- eviction ----------------------------------------------------------------------------------------
+
+
+def test_the_least_recently_used_entry_is_evicted(pool: KVPool) -> None:
+    with make_tier(pool, capacity=2) as tier:
+        tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+        tier.lookup([11], tokens_of(0))  # 12 is now the least recently used
+        tier.demote([13], [2], tokens_of(2))
+        tier.check_invariants()
+        assert (11 in tier, 12 in tier, 13 in tier) == (True, False, True)
+        assert tier.stats().evicted == 1
+
+
+def test_a_lookup_leaves_the_first_block_most_recent(pool: KVPool) -> None:
+    with make_tier(pool, capacity=2) as tier:
+        tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+        tier.lookup([11, 12], tokens_of(0, 1))
+        tier.demote([13], [2], tokens_of(2))
+        assert (11 in tier, 12 in tier) == (True, False)
+
+
+def test_a_batch_larger_than_the_tier_keeps_its_last_blocks(pool: KVPool) -> None:
+    with make_tier(pool, capacity=2) as tier:
+        assert tier.demote([11, 12, 13], [0, 1, 2], tokens_of(0, 1, 2)) == 2
+        tier.check_invariants()
+        assert tier.lookup([12, 13], tokens_of(1, 2)) == 2
+
+
+def test_an_evicted_slot_holds_the_new_block(pool: KVPool) -> None:
+    dev = pool.device
+    with make_tier(pool, capacity=1) as tier:
+        tier.demote([11], [0], tokens_of(0))
+        tier.demote([12], [1], tokens_of(1))
+        tier.promote([12], [8])
+        assert block_bytes(dev, pool, 8) == block_bytes(dev, pool, 1)
+
+
+# -- records -----------------------------------------------------------------------------------------
+
+
+def test_read_blocks_gives_tokens_and_bytes_of_held_blocks(tier: HostTier, pool: KVPool) -> None:
+    tier.demote([11], [3], tokens_of(3))
+    held, absent = tier.read_blocks([11, 12])
+    assert absent is None and held is not None
+    assert held[0].tolist() == tokens_of(3)[0].tolist()
+    assert held[1] == block_bytes(pool.device, pool, 3)
+
+
+def test_loaded_records_promote_like_demoted_blocks(tier: HostTier, pool: KVPool) -> None:
+    kv = bytes(range(256)) * (tier.block_bytes // 256) + bytes(tier.block_bytes % 256)
+    assert tier.load([BlockRecord(21, 0, tokens_of(1)[0], kv)]) == 1
+    tier.check_invariants()
+    assert tier.lookup([21], tokens_of(1)) == 1
+    tier.promote([21], [5])
+    assert block_bytes(pool.device, pool, 5) == kv
+
+
+def test_a_record_of_another_size_is_refused(tier: HostTier) -> None:
+    with pytest.raises(InvalidId, match=f"a block takes {tier.block_bytes}"):
+        tier.load([BlockRecord(21, 0, tokens_of(1)[0], b"short")])
+
+
+# -- construction and teardown ----------------------------------------------------------------------
+
+
+def test_a_tier_larger_than_memory_is_refused(pool: KVPool) -> None:
+    too_many = physical_memory_bytes() // pool.layer_block_bytes(0) + 1
+    with pytest.raises(ConfigError, match=f"capacity_blocks={too_many} .* this machine has"):
+        HostTier(pool.device, pool, too_many, BLOCK_SIZE)
+
+
+def test_a_tier_of_no_blocks_is_refused(pool: KVPool) -> None:
+    with pytest.raises(ConfigError, match="capacity_blocks=0"):
+        HostTier(pool.device, pool, 0, BLOCK_SIZE)
+
+
+def test_a_block_size_other_than_the_pools_is_refused(pool: KVPool) -> None:
+    with pytest.raises(ConfigError, match=f"block_size=8 differs from the KV pool's {BLOCK_SIZE}"):
+        HostTier(pool.device, pool, 4, 8)
+
+
+def test_close_frees_the_host_memory(pool: KVPool) -> None:
+    before = live_allocations(pool.device)
+    tier = make_tier(pool)
+    tier.close()
+    assert live_allocations(pool.device) == before
+
+
+def test_calls_after_close_are_refused(pool: KVPool) -> None:
+    tier = make_tier(pool)
+    tier.close()
+    tier.close()
+    with pytest.raises(TornDown):
+        tier.lookup([11], tokens_of(0))
+
+
+class FailingCopies(HostDevice):
+    """A host device whose batched copies fail once ``fail`` is set."""
+
+    fail = False
+
+    def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
+        if self.fail:
+            raise DeviceError("copy_batch: injected failure")
+        super().copy_batch(copies)
+
+
+def test_a_failed_demote_copy_leaves_the_tier_consistent() -> None:
+    dev = FailingCopies()
+    with dev:
+        pool = KVPool(dev, CONFIG)
+        with make_tier(pool, capacity=2) as tier:
+            tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+            dev.fail = True
+            with pytest.raises(DeviceError, match="injected"):
+                tier.demote([13], [2], tokens_of(2))
+            tier.check_invariants()
+            assert 13 not in tier
+        pool.release()
+
+
+# -- against a model ---------------------------------------------------------------------------------
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    """The tier against an OrderedDict model of an LRU of (hash -> tokens), with the KV bytes of
+    every promoted block compared to the device block it was demoted from."""
+
+    CAPACITY = 3
+
+    @initialize()
+    def start(self) -> None:
+        self.dev = HostDevice(deferred=True)
+        self.pool = KVPool(self.dev, CONFIG)
+        fill_pool(self.dev, self.pool, seed=3)
+        self.tier = make_tier(self.pool, capacity=self.CAPACITY)
+        self.model: OrderedDict[int, tuple[int, bytes]] = OrderedDict()  # hash -> (token seed, bytes)
+
+    @rule(hashes=st.lists(st.integers(1, 6), min_size=1, max_size=4), data=st.data())
+    def demote(self, hashes: list[int], data: st.DataObject) -> None:
+        blocks = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=len(hashes), max_size=len(hashes),
+                                    unique=True))
+        seeds = [h % 3 for h in hashes]  # hashes 1 and 4 share tokens: equal tokens, other hash
+        stored = self.tier.demote(hashes, blocks, tokens_of(*seeds))
+        fresh: dict[int, tuple[int, bytes]] = {}
+        for key, block, seed in zip(hashes, blocks, seeds):
+            if key in self.model:
+                self.model.move_to_end(key)
+            elif key not in fresh:
+                fresh[key] = (seed, block_bytes(self.dev, self.pool, block))
+        for key in list(fresh)[-self.CAPACITY :]:
+            self.model[key] = fresh[key]
+            if len(self.model) > self.CAPACITY:
+                self.model.popitem(last=False)
+        assert stored == min(len(fresh), self.CAPACITY)
+
+    @rule(hashes=st.lists(st.integers(1, 6), min_size=1, max_size=4, unique=True), other_tokens=st.booleans())
+    def lookup(self, hashes: list[int], other_tokens: bool) -> None:
+        seeds = [h % 3 for h in hashes]
+        if other_tokens:  # the last block's tokens differ from those stored under its hash
+            seeds[-1] = 7
+        expected = 0
+        for key, seed in zip(hashes, seeds):
+            if key not in self.model or self.model[key][0] != seed:
+                break
+            expected += 1
+        for key in reversed(hashes[:expected]):
+            self.model.move_to_end(key)
+        assert self.tier.lookup(hashes, tokens_of(*seeds)) == expected
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def promote(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        block = data.draw(st.integers(0, NUM_BLOCKS - 1))
+        self.tier.promote([key], [block])
+        assert block_bytes(self.dev, self.pool, block) == self.model[key][1]
+
+    @invariant()
+    def consistent(self) -> None:
+        self.tier.check_invariants()
+        assert self.tier.num_blocks == len(self.model)
+
+    def teardown(self) -> None:
+        self.tier.close()
+        self.pool.release()
+        self.dev.close()
+
+
+TestHostTierAgainstAModel = HostTierMachine.TestCase
