@@ -2,6 +2,7 @@
 
     python bench/peers.py              # install the peers if needed, run, print one table
     python bench/peers.py --json       # one JSON line per (workload, library)
+    python bench/peers.py --workloads w4   # W4 alone (any comma-separated subset of w1,w2,w3,w4)
 
 Each peer gets its own virtual environment under ``bench/.venv-peers/`` (ignored by git) with
 CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by a constraints file
@@ -33,6 +34,7 @@ from traces import MOONCAKE_TRACE  # noqa: E402
 from workloads import DEFAULT_TRACE  # noqa: E402
 
 VENVS = HERE / ".venv-peers"
+WORKLOADS = ("w1", "w2", "w3", "w4")
 TORCH = "torch==2.13.0"
 
 
@@ -113,12 +115,13 @@ def ensure_peer(peer: Peer) -> Path:
 
 
 def run_peer(
-    peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int, w4_repeats: int
+    peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int, w4_repeats: int, workloads: list[str]
 ) -> list[dict[str, Any]]:
     completed = subprocess.run(
         [
             str(_python(env)), "-W", "ignore", str(HERE / peer.runner), str(trace),
             "--repeats", str(repeats), "--w3-repeats", str(w3_repeats), "--w4-repeats", str(w4_repeats),
+            "--workloads", ",".join(workloads),
         ],
         capture_output=True,
         text=True,
@@ -135,12 +138,19 @@ def run_lifecycle_w1(trace: Path) -> list[dict[str, Any]]:
     return list(run_w1(trace))
 
 
-def run_lifecycle(trace: Path) -> list[dict[str, Any]]:
-    """One window of lifecycle's W2 and W3 replays, at the core and through HybridModel, and W4."""
+def run_lifecycle(trace: Path, workloads: list[str]) -> list[dict[str, Any]]:
+    """One window of lifecycle's W2 and W3 replays (at the core and through HybridModel) and W4,
+    those of ``workloads``."""
     from workloads import run_w2, run_w3, run_w4
 
-    return [run_w2(trace, model=False), run_w2(trace, model=True), run_w3(MOONCAKE_TRACE, model=False),
-            run_w3(MOONCAKE_TRACE, model=True), *run_w4()]
+    records = []
+    if "w2" in workloads:
+        records += [run_w2(trace, model=False), run_w2(trace, model=True)]
+    if "w3" in workloads:
+        records += [run_w3(MOONCAKE_TRACE, model=False), run_w3(MOONCAKE_TRACE, model=True)]
+    if "w4" in workloads:
+        records += run_w4()
+    return records
 
 
 def figure_key(record: dict[str, Any]) -> str:
@@ -162,10 +172,11 @@ def best_windows(windows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """W1 per library, then W2 and W3 side by side with each peer's ratio to lifecycle's core."""
-    lines = [f"{'library':<17} {'W1 ns/block':>12}"]
+    """W1 per library, then W2 and W3 side by side with each peer's ratio to lifecycle's core, then W4."""
+    lines: list[str] = []
     for record in results:
         if record["workload"] == "W1":
+            lines += [] if lines else [f"{'library':<17} {'W1 ns/block':>12}"]
             lines.append(f"{record['library']:<17} {record['ns_per_block']:>12}")
     for workload in ("W2", "W3"):
         rows = [r for r in results if r["workload"] == workload]
@@ -217,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="W1/W2 replays per peer, the best counts")
     parser.add_argument("--w3-repeats", type=int, default=1, help="W3 replays per peer (each lasts seconds to minutes)")
     parser.add_argument("--w4-repeats", type=int, default=1, help="W4 replays per peer (each lasts a minute or more)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of w1,w2,w3,w4")
     args = parser.parse_args(argv)
+    workloads = [name for name in args.workloads.split(",") if name]
+    if not workloads or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads {args.workloads!r}: choose among {','.join(WORKLOADS)}")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file")
     chosen = [PEERS[name] for name in args.peers.split(",") if name]
@@ -225,12 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     # lifecycle's window of replays lasts seconds, a peer's minutes: one slow spell of this shared
     # machine can cover all of ours. So its replays run before the peers and again after each of
     # them, and its fastest window counts (each window's figure is kept in the JSON record).
-    results = run_lifecycle_w1(args.trace)
-    windows = [run_lifecycle(args.trace)]
+    results = run_lifecycle_w1(args.trace) if "w1" in workloads else []
+    windows = [run_lifecycle(args.trace, workloads)]
     peer_results: list[dict[str, Any]] = []
     for peer in chosen:
-        peer_results += run_peer(peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, args.w4_repeats)
-        windows.append(run_lifecycle(args.trace))
+        peer_results += run_peer(
+            peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, args.w4_repeats, workloads
+        )
+        windows.append(run_lifecycle(args.trace, workloads))
     results += best_windows(windows) + peer_results
     for workload in ("W2", "W3", "W4"):
         ours = [r for r in results if r["workload"] == workload and r["library"].startswith("lifecycle")]
