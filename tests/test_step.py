@@ -247,6 +247,58 @@ def test_a_bad_argument_raises_before_anything_changes(model: HybridModel, case:
     assert state(model, ok, full) == before
 
 
+# -- gaps in the step's checks, reported with issue 20 (strict: these fail once the gap is closed) --
+
+CORE_GAP = "KVCacheCore.step does not check this yet (reported with issue 20)"
+MODEL_GAP = "HybridModel.step takes a sequence's handle without checking its model (reported with issue 20)"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CORE_GAP)
+def test_a_sequence_listed_twice_is_refused_as_a_bad_argument(model: HybridModel) -> None:
+    seq = admit(model, [1, 2, 3])
+    memory = np.full(8, -1, dtype=np.int32)
+    table = memory[:4].reshape(2, 2)  # a view, so that a write past the table lands in memory we own
+    before = state(model, seq)
+    raised = False
+    try:
+        model.step([seq, seq], [5, 6, 7, 8, 9, 10], counts=[3, 3], table=table)
+    except InvalidId:
+        raised = True
+    model.check_invariants()
+    assert raised and state(model, seq) == before and (memory == -1).all()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CORE_GAP)
+def test_a_table_without_columns_is_too_narrow(model: HybridModel) -> None:
+    seq = admit(model, [1, 2, 3, 4])
+    memory = np.full(4, -1, dtype=np.int32)
+    table = memory[:0].reshape(1, 0)
+    raised = False
+    try:
+        model.step([seq], [5], table=table)
+    except InvalidId:
+        raised = True
+    model.check_invariants()
+    assert raised and (memory == -1).all()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=MODEL_GAP)
+def test_another_models_sequence_is_refused() -> None:
+    ours, theirs = make_model(), make_model()
+    try:
+        mine, foreign = admit(ours, [1, 2, 3]), admit(theirs, [4, 5, 6])
+        raised = False
+        try:
+            ours.step([foreign], [7])
+        except LifecycleError:
+            raised = True
+        ours.check_invariants()
+        assert raised and mine.tokens.tolist() == [1, 2, 3]
+    finally:
+        ours.teardown()
+        theirs.teardown()
+
+
 # -- a batched step equals the per-sequence calls it replaces -------------------------------------
 
 # Prompts start with a prefix of one of a few documents and generated tokens come from a small
