@@ -247,10 +247,22 @@ def test_a_bad_argument_raises_before_anything_changes(model: HybridModel, case:
     assert state(model, ok, full) == before
 
 
+def test_another_models_sequence_is_refused() -> None:
+    ours, theirs = make_model(), make_model()
+    try:
+        mine, foreign = admit(ours, [1, 2, 3]), admit(theirs, [4, 5, 6])
+        with pytest.raises(SequenceStateError):
+            ours.step([foreign], [7])
+        ours.check_invariants()
+        assert (mine.tokens.tolist(), foreign.tokens.tolist()) == ([1, 2, 3], [4, 5, 6])
+    finally:
+        ours.teardown()
+        theirs.teardown()
+
+
 # -- gaps in the step's checks, reported with issue 20 (strict: these fail once the gap is closed) --
 
 CORE_GAP = "KVCacheCore.step does not check this yet (reported with issue 20)"
-MODEL_GAP = "HybridModel.step takes a sequence's handle without checking its model (reported with issue 20)"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=CORE_GAP)
@@ -280,23 +292,6 @@ def test_a_table_without_columns_is_too_narrow(model: HybridModel) -> None:
         raised = True
     model.check_invariants()
     assert raised and (memory == -1).all()
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=MODEL_GAP)
-def test_another_models_sequence_is_refused() -> None:
-    ours, theirs = make_model(), make_model()
-    try:
-        mine, foreign = admit(ours, [1, 2, 3]), admit(theirs, [4, 5, 6])
-        raised = False
-        try:
-            ours.step([foreign], [7])
-        except LifecycleError:
-            raised = True
-        ours.check_invariants()
-        assert raised and mine.tokens.tolist() == [1, 2, 3]
-    finally:
-        ours.teardown()
-        theirs.teardown()
 
 
 # -- a batched step equals the per-sequence calls it replaces -------------------------------------
