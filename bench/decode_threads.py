@@ -15,15 +15,18 @@ the 65,536 blocks (a run that outgrows the pool stops with an error).
   wall time from the barrier until both are done.
 
 Scaling = one thread's time / two threads' time (2.0 at best). Each figure is the best of
-``--repeats`` rounds on fresh models, the order of the two modes alternating. The load the machine
-carried meanwhile (1-minute load average before and after, and the CPU time other processes took
-per second of the run, from /proc/stat) is printed beside it: on a machine shared with other work, another
-process on one of two cores halves what two threads can gain.
+``--repeats`` rounds on fresh models, the order of the two modes alternating (the median beside
+it). Next to it, what the machine allows any C call of a step's length that releases the GIL: the
+same two modes hashing 8 KiB with ``hashlib.sha256`` (which releases the GIL above 2 KiB), as many
+calls as steps. And the load the machine carried meanwhile (1-minute load average before and
+after, the CPU time other processes took per second of the run, from /proc/stat): on a machine
+shared with other work, another process on one of two cores takes what two threads could gain.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -120,6 +123,28 @@ def two_threads(trace: W4Trace, tokens: NDArray[np.int32]) -> int:
     return elapsed
 
 
+def _hash_calls(data: bytes, calls: int) -> None:
+    for _ in range(calls):
+        hashlib.sha256(data).digest()
+
+
+def reference(calls: int, threads: int) -> int:
+    """Wall ns for ``threads`` threads each hashing 8 KiB ``calls`` times, one after another when
+    ``threads`` is 1 (then twice as many calls)."""
+    data = bytes(8 << 10)
+    if threads == 1:
+        started = time.perf_counter_ns()
+        _hash_calls(data, 2 * calls)
+        return time.perf_counter_ns() - started
+    workers = [threading.Thread(target=_hash_calls, args=(data, calls)) for _ in range(threads)]
+    started = time.perf_counter_ns()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter_ns() - started
+
+
 def _busy_seconds_of_others() -> float:
     """CPU seconds every other process has used since boot: the machine's busy time (/proc/stat)
     less this process's own."""
@@ -136,10 +161,13 @@ def measure(steps: int = STEPS, repeats: int = REPEATS) -> dict[str, Any]:
     others_before, wall_before = _busy_seconds_of_others(), time.monotonic()
     serial: list[int] = []
     parallel: list[int] = []
+    hashed: dict[int, list[int]] = {1: [], 2: []}
     for round_number in range(repeats):
         modes = [(serial, one_thread), (parallel, two_threads)]
         for times, mode in modes if round_number % 2 == 0 else modes[::-1]:
             times.append(mode(trace, tokens))
+        for threads in (1, 2) if round_number % 2 == 0 else (2, 1):
+            hashed[threads].append(reference(steps, threads))
     seconds = time.monotonic() - wall_before
     others = _busy_seconds_of_others() - others_before
     best_serial, best_parallel = min(serial), min(parallel)
@@ -152,6 +180,9 @@ def measure(steps: int = STEPS, repeats: int = REPEATS) -> dict[str, Any]:
         "scaling": round(best_serial / best_parallel, 3),
         "scaling_by_round": [round(s / p, 3) for s, p in zip(serial, parallel)],
         "median_scaling": round(statistics.median(serial) / statistics.median(parallel), 3),
+        "reference_us_per_call": round(min(hashed[1]) / (2 * steps) / 1e3, 3),
+        "reference_scaling": round(min(hashed[1]) / min(hashed[2]), 3),
+        "reference_median_scaling": round(statistics.median(hashed[1]) / statistics.median(hashed[2]), 3),
         "cpus": os.cpu_count(),
         "load_average_before": round(load_before, 2),
         "load_average_after": round(os.getloadavg()[0], 2),

@@ -196,7 +196,7 @@ def table(results: list[dict[str, Any]]) -> str:
             prompt_tokens = rows[0]["prompt_tokens"]
             lines.append(f"{'never-evict':<17} {'-':>14} {ceiling / prompt_tokens * 100:>8.3f}% {ceiling:>11}")
     lines += w4_table([r for r in results if r["workload"] == "W4"])
-    return "\n".join(lines)
+    return "\n".join(lines).lstrip("\n")
 
 
 def w4_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -214,7 +214,8 @@ def w4_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         ratios = [f"{r['us_per_step'] / ours:.2f}x" if ours else "-" for ours in (model, core)]
         lines.append(
-            f"{r['library']:<20} {r['us_per_step']:>11} {r['ns_per_sequence_step']:>12} {r['us_per_turnover']:>12} "
+            f"{r['library']:<20} {r['us_per_step']:>11} {r['ns_per_sequence_step']:>12} "
+            f"{r.get('us_per_turnover', '-'):>12} "
             f"{r['hit_tokens']:>11}  {ratios[0]:>18}  {ratios[1]:>12}"
         )
     return lines
