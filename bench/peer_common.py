@@ -25,9 +25,11 @@ if str(HERE) not in sys.path:
 
 from traces import load_traces, meta  # noqa: E402
 from w2 import REPEATS, W2Trace, load_w2, no_gc, result, timed  # noqa: E402
+from w4 import DecodeRun, W4Trace  # noqa: E402
 
 W1Replay = Callable[[NDArray[np.int32], int], float]
 W2Replay = Callable[[W2Trace], tuple[float, int, int]]
+W4Replay = Callable[[W4Trace], DecodeRun]
 
 
 class _ImportStub(types.ModuleType):
@@ -89,15 +91,25 @@ def w1_record(library: str, seconds: float, blocks: int, note: str = "") -> dict
     return record
 
 
-def main(library: str, replay_w1: W1Replay, replay_w2: W2Replay, *, w1_note: str = "", w2_note: str = "") -> int:
-    """Run W1, W2 and W3 (best of ``--repeats``; W3 by the W2 replay over the W3 trace) and print
-    one JSON line each."""
+def main(
+    library: str,
+    replay_w1: W1Replay,
+    replay_w2: W2Replay,
+    *,
+    w1_note: str = "",
+    w2_note: str = "",
+    replay_w4: W4Replay | None = None,
+    w4_note: str = "",
+) -> int:
+    """Run W1, W2, W3 (best of ``--repeats``; W3 by the W2 replay over the W3 trace) and W4 (best of
+    ``--w4-repeats``) and print one JSON line each."""
     parser = argparse.ArgumentParser()
     parser.add_argument("trace", type=Path)
     parser.add_argument("--w3-trace", type=Path, default=None, help="the Mooncake trace (default: the repository's)")
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--w3-repeats", type=int, default=1, help="W3 replays (each lasts seconds to minutes)")
-    parser.add_argument("--workloads", default="w1,w2,w3")
+    parser.add_argument("--w4-repeats", type=int, default=1, help="W4 replays (each lasts a minute or more)")
+    parser.add_argument("--workloads", default="w1,w2,w3,w4")
     args = parser.parse_args()
     wanted = set(args.workloads.split(","))
     if "w1" in wanted:
@@ -129,4 +141,13 @@ def main(library: str, replay_w1: W1Replay, replay_w2: W2Replay, *, w1_note: str
         if w2_note:
             record["note"] = w2_note
         print(json.dumps(record), flush=True)
+    if "w4" in wanted and replay_w4 is not None:
+        from w4 import generate, record as w4_record
+
+        w4 = generate()
+        decode_runs: list[DecodeRun] = []
+        for _ in range(args.w4_repeats):
+            with no_gc():
+                decode_runs.append(replay_w4(w4))
+        print(json.dumps(w4_record(library, decode_runs, w4, note=w4_note)), flush=True)
     return 0

@@ -1,7 +1,8 @@
-"""W1, W2 and W3 for lifecycle, vLLM and SGLang, side by side in one run (SPEC §7). Not part of CI.
+"""W1, W2, W3 and W4 for lifecycle, vLLM and SGLang, side by side in one run (SPEC §7). Not part of CI.
 
     python bench/peers.py              # install the peers if needed, run, print one table
     python bench/peers.py --json       # one JSON line per (workload, library)
+    python bench/peers.py --workloads w4   # W4 alone (any comma-separated subset of w1,w2,w3,w4)
 
 Each peer gets its own virtual environment under ``bench/.venv-peers/`` (ignored by git) with
 CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by a constraints file
@@ -10,7 +11,9 @@ peer itself is installed with ``--no-deps``, and only the packages that its bloc
 modules import come next to it (listed below with the versions measured).
 
 The peers run from ``peer_vllm.py`` and ``peer_sglang.py`` inside their environments, replaying the
-same traces by the same rules as ``w2.py`` (hit tokens are checked against the reference there).
+same traces by the same rules as ``w2.py`` (hit tokens are checked against the reference there) and
+the same decode trace as ``w4.py`` (W4: the step's bookkeeping per step and per sequence-step, each
+peer's ratio to lifecycle's batched call from Python and to its core call).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from traces import MOONCAKE_TRACE  # noqa: E402
 from workloads import DEFAULT_TRACE  # noqa: E402
 
 VENVS = HERE / ".venv-peers"
+WORKLOADS = ("w1", "w2", "w3", "w4")
 TORCH = "torch==2.13.0"
 
 
@@ -110,11 +114,14 @@ def ensure_peer(peer: Peer) -> Path:
     return env
 
 
-def run_peer(peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int) -> list[dict[str, Any]]:
+def run_peer(
+    peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int, w4_repeats: int, workloads: list[str]
+) -> list[dict[str, Any]]:
     completed = subprocess.run(
         [
             str(_python(env)), "-W", "ignore", str(HERE / peer.runner), str(trace),
-            "--repeats", str(repeats), "--w3-repeats", str(w3_repeats),
+            "--repeats", str(repeats), "--w3-repeats", str(w3_repeats), "--w4-repeats", str(w4_repeats),
+            "--workloads", ",".join(workloads),
         ],
         capture_output=True,
         text=True,
@@ -131,12 +138,24 @@ def run_lifecycle_w1(trace: Path) -> list[dict[str, Any]]:
     return list(run_w1(trace))
 
 
-def run_lifecycle(trace: Path) -> list[dict[str, Any]]:
-    """One window of lifecycle's W2 and W3 replays, at the core and through HybridModel."""
-    from workloads import run_w2, run_w3
+def run_lifecycle(trace: Path, workloads: list[str]) -> list[dict[str, Any]]:
+    """One window of lifecycle's W2 and W3 replays (at the core and through HybridModel) and W4,
+    those of ``workloads``."""
+    from workloads import run_w2, run_w3, run_w4
 
-    return [run_w2(trace, model=False), run_w2(trace, model=True), run_w3(MOONCAKE_TRACE, model=False),
-            run_w3(MOONCAKE_TRACE, model=True)]
+    records = []
+    if "w2" in workloads:
+        records += [run_w2(trace, model=False), run_w2(trace, model=True)]
+    if "w3" in workloads:
+        records += [run_w3(MOONCAKE_TRACE, model=False), run_w3(MOONCAKE_TRACE, model=True)]
+    if "w4" in workloads:
+        records += run_w4()
+    return records
+
+
+def figure_key(record: dict[str, Any]) -> str:
+    """The key of a record's figure (lower is better): per request for W1-W3, per step for W4."""
+    return "us_per_step" if record["workload"] == "W4" else "us_per_request"
 
 
 def best_windows(windows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -145,18 +164,19 @@ def best_windows(windows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     seen: dict[tuple[str, str], list[float]] = {}
     for window in windows:
         for record in window:
-            key = (record["workload"], record["library"])
-            seen.setdefault(key, []).append(record["us_per_request"])
-            if key not in best or record["us_per_request"] < best[key]["us_per_request"]:
+            key, figure = (record["workload"], record["library"]), figure_key(record)
+            seen.setdefault(key, []).append(record[figure])
+            if key not in best or record[figure] < best[key][figure]:
                 best[key] = record
-    return [{**record, "windows_us_per_request": seen[key]} for key, record in best.items()]
+    return [{**record, "windows_" + figure_key(record): seen[key]} for key, record in best.items()]
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """W1 per library, then W2 and W3 side by side with each peer's ratio to lifecycle's core."""
-    lines = [f"{'library':<17} {'W1 ns/block':>12}"]
+    """W1 per library, then W2 and W3 side by side with each peer's ratio to lifecycle's core, then W4."""
+    lines: list[str] = []
     for record in results:
         if record["workload"] == "W1":
+            lines += [] if lines else [f"{'library':<17} {'W1 ns/block':>12}"]
             lines.append(f"{record['library']:<17} {record['ns_per_block']:>12}")
     for workload in ("W2", "W3"):
         rows = [r for r in results if r["workload"] == workload]
@@ -175,7 +195,30 @@ def table(results: list[dict[str, Any]]) -> str:
         if ceiling is not None:
             prompt_tokens = rows[0]["prompt_tokens"]
             lines.append(f"{'never-evict':<17} {'-':>14} {ceiling / prompt_tokens * 100:>8.3f}% {ceiling:>11}")
-    return "\n".join(lines)
+    lines += w4_table([r for r in results if r["workload"] == "W4"])
+    return "\n".join(lines).lstrip("\n")
+
+
+def w4_table(rows: list[dict[str, Any]]) -> list[str]:
+    """W4 per step and per sequence-step; each row's ratio to lifecycle's batched call from Python
+    (``lifecycle-model``) and to its core call (``lifecycle``)."""
+    if not rows:
+        return []
+    by_library = {r["library"]: r["us_per_step"] for r in rows}
+    model, core = by_library.get("lifecycle-model"), by_library.get("lifecycle")
+    lines = [
+        "",
+        f"{'library':<20} {'W4 us/step':>11} {'ns/seq-step':>12} {'us/turnover':>12} {'hit tokens':>11}"
+        "  vs lifecycle-model  vs lifecycle",
+    ]
+    for r in rows:
+        ratios = [f"{r['us_per_step'] / ours:.2f}x" if ours else "-" for ours in (model, core)]
+        lines.append(
+            f"{r['library']:<20} {r['us_per_step']:>11} {r['ns_per_sequence_step']:>12} "
+            f"{r.get('us_per_turnover', '-'):>12} "
+            f"{r['hit_tokens']:>11}  {ratios[0]:>18}  {ratios[1]:>12}"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default="vllm,sglang", help="comma-separated subset of vllm,sglang")
     parser.add_argument("--repeats", type=int, default=3, help="W1/W2 replays per peer, the best counts")
     parser.add_argument("--w3-repeats", type=int, default=1, help="W3 replays per peer (each lasts seconds to minutes)")
+    parser.add_argument("--w4-repeats", type=int, default=1, help="W4 replays per peer (each lasts a minute or more)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of w1,w2,w3,w4")
     args = parser.parse_args(argv)
+    workloads = [name for name in args.workloads.split(",") if name]
+    if not workloads or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads {args.workloads!r}: choose among {','.join(WORKLOADS)}")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file")
     chosen = [PEERS[name] for name in args.peers.split(",") if name]
@@ -193,14 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     # lifecycle's window of replays lasts seconds, a peer's minutes: one slow spell of this shared
     # machine can cover all of ours. So its replays run before the peers and again after each of
     # them, and its fastest window counts (each window's figure is kept in the JSON record).
-    results = run_lifecycle_w1(args.trace)
-    windows = [run_lifecycle(args.trace)]
+    results = run_lifecycle_w1(args.trace) if "w1" in workloads else []
+    windows = [run_lifecycle(args.trace, workloads)]
     peer_results: list[dict[str, Any]] = []
     for peer in chosen:
-        peer_results += run_peer(peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats)
-        windows.append(run_lifecycle(args.trace))
+        peer_results += run_peer(
+            peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, args.w4_repeats, workloads
+        )
+        windows.append(run_lifecycle(args.trace, workloads))
     results += best_windows(windows) + peer_results
-    for workload in ("W2", "W3"):
+    for workload in ("W2", "W3", "W4"):
         ours = [r for r in results if r["workload"] == workload and r["library"].startswith("lifecycle")]
         best_peer = max((r["hit_tokens"] for r in peer_results if r["workload"] == workload), default=0)
         if any(r["hit_tokens"] < best_peer for r in ours):

@@ -7,11 +7,13 @@
     python bench/workloads.py w3-model --json   # W3 through the HybridModel API
     python bench/workloads.py w2-events --json  # W2 at the core with KV events off and on (the overhead)
     python bench/workloads.py w3-events --json  # W3 likewise
+    python bench/workloads.py w4 --json         # W4 decode steps: the model's and the core's step, the core's own time
 
 Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
 ``bench/data/traces.npz`` (see bench/data/README.md; ``--trace PATH`` names another file, compact or
 in the original ``traces.npz`` format); W3 reads ``bench/data/mooncake_synthetic.jsonl.xz``
-(``--trace PATH`` names another Mooncake JSONL file, plain or ``.xz``).
+(``--trace PATH`` names another Mooncake JSONL file, plain or ``.xz``); W4 generates its trace
+(bench/w4.py) and takes no ``--trace``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from traces import MOONCAKE_TRACE, TRACES  # noqa: E402
 #: The traces every W1/W2 benchmark replays unless told otherwise (the repository's copy).
 DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
-WORKLOADS = ("w1", "w2", "w2-model", "w2-events", "w3", "w3-model", "w3-events")
+WORKLOADS = ("w1", "w2", "w2-model", "w2-events", "w3", "w3-model", "w3-events", "w4")
 #: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
 #: longer than W2's, so fewer of them give as steady a minimum.
 REPEATS = {"w2": 10, "w3": 5}
@@ -67,6 +69,16 @@ def run_w3(trace_path: Path, *, model: bool, repeats: int = REPEATS["w3"]) -> Re
     return record
 
 
+def run_w4(repeats: int | None = None) -> list[Result]:
+    """W4 through ``HybridModel.step`` and ``KVCacheCore.step``, and the core's own time for the
+    same steps (bench/decode.py)."""
+    from decode import REPEATS as W4_REPEATS
+    from decode import run
+    from w4 import generate
+
+    return run(generate(), W4_REPEATS if repeats is None else repeats)
+
+
 def results(workload: str, trace: Path | None) -> list[Result]:
     if workload == "w1":
         from w1 import run as run_w1
@@ -84,6 +96,10 @@ def results(workload: str, trace: Path | None) -> list[Result]:
         return [run_w2(trace or TRACES, model=workload.endswith("model"))]
     if workload.startswith("w3"):
         return [run_w3(trace or MOONCAKE_TRACE, model=workload.endswith("model"))]
+    if workload == "w4":
+        if trace is not None:
+            raise SystemExit("w4 generates its trace (bench/w4.py); --trace does not apply")
+        return run_w4()
     raise SystemExit(f"unknown workload {workload!r}")
 
 
