@@ -471,7 +471,13 @@ class HybridModel(LifecycleDefaults):
 
         All or nothing per sequence: returns the positions of those that could not grow even
         after eviction, left exactly as they were, for the scheduler to preempt."""
-        handles = seqs if isinstance(seqs, np.ndarray) else np.fromiter((s.handle for s in seqs), np.int64, len(seqs))
+        if isinstance(seqs, np.ndarray):
+            handles = seqs
+        else:
+            try:
+                handles = np.fromiter((s.handle for s in seqs), np.int64, len(seqs))
+            except AttributeError:
+                raise InvalidId("step: seqs must be SequenceStates, or their handles as an int64 array") from None
         if cache is None:
             cache = self._ssm is None and self._config.enable_prefix_cache
         if self._torn_down or self._drop_queue:

@@ -454,6 +454,7 @@ cdef class KVCacheCore:
         rec.rolling_generation = 0
         rec.status = ACTIVE
         rec.failed = 0
+        rec.step_stamp = 0
         rec.next_free = -1
         self._num_live += 1
         self._counters.sequences_opened += 1
@@ -1677,7 +1678,7 @@ cdef class KVCacheCore:
         a negative token, a table too small) raises before anything changes. Blocks evicted for a
         request that was refused all the same stay evicted, as for ``grow``."""
         cdef const int32_t *tok = NULL
-        cdef Py_ssize_t n, num_tok = 0, ncols = 0, nrows = 0
+        cdef Py_ssize_t n, num_tok = 0, ncols = -1, nrows = 0
         cdef const int64_t *hs
         cdef const int32_t *cnt = NULL
         cdef const int32_t *row_of = NULL
@@ -1705,10 +1706,15 @@ cdef class KVCacheCore:
                 row_of = <const int32_t *>cnp.PyArray_DATA(row_array)
             elif n > nrows:
                 raise InvalidId(f"step: a table of {nrows} rows for {n} requests (give rows)")
+        elif rows is not None:
+            raise InvalidId("step: rows were given without a table to write them in")
         refused = _empty_int32(n)
         _ok(&f)
         with nogil:
             self._lock()
+            self._step_stamp += 1
+            if self._step_stamp == 0:
+                self._step_stamp = 1  # 0 is a fresh record's
             bad = self._step_check(hs, n, tok, num_tok, cnt, row_of, nrows, ncols, &f)
             if bad < 0:
                 num_refused = self._step_locked(
@@ -1723,6 +1729,8 @@ cdef class KVCacheCore:
                     f"step: request {bad} would hold {f.value} blocks (or tokens), over what its table row or the "
                     f"per-sequence limit allows ({f.limit})"
                 )
+            if f.code == E_INVALID_ARG and f.limit == -1:
+                raise InvalidId(f"step: handle {f.value} is listed more than once (entry {bad})")
             if f.code == E_INVALID_ARG:
                 raise InvalidId(f"step: {f.value} is outside [0, {f.limit}] (entry {bad})")
             self._raise(&f, "step")
@@ -1751,11 +1759,17 @@ cdef class KVCacheCore:
                 f.limit = self._max_tokens_per_seq
                 return i
             blocks = _blocks_for(rec.num_tokens + added, self._block_size)
-            if blocks > self._max_blocks_per_seq or (ncols and blocks > ncols):
+            if blocks > self._max_blocks_per_seq or (ncols >= 0 and blocks > ncols):
                 f.code = E_TOO_LONG
                 f.value = blocks
-                f.limit = min(self._max_blocks_per_seq, ncols) if ncols else self._max_blocks_per_seq
+                f.limit = min(self._max_blocks_per_seq, ncols) if ncols >= 0 else self._max_blocks_per_seq
                 return i
+            if rec.step_stamp == self._step_stamp:
+                f.code = E_INVALID_ARG
+                f.value = hs[i]
+                f.limit = -1  # listed twice
+                return i
+            rec.step_stamp = self._step_stamp
             if row_of != NULL and not 0 <= row_of[i] < nrows:
                 f.code = E_INVALID_ARG
                 f.value = row_of[i]

@@ -260,12 +260,9 @@ def test_another_models_sequence_is_refused() -> None:
         theirs.teardown()
 
 
-# -- gaps in the step's checks, reported with issue 20 (strict: these fail once the gap is closed) --
-
-CORE_GAP = "KVCacheCore.step does not check this yet (reported with issue 20)"
+# -- arguments the step's checks once let through (found with issue 20) ---------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CORE_GAP)
 def test_a_sequence_listed_twice_is_refused_as_a_bad_argument(model: HybridModel) -> None:
     seq = admit(model, [1, 2, 3])
     memory = np.full(8, -1, dtype=np.int32)
@@ -280,7 +277,6 @@ def test_a_sequence_listed_twice_is_refused_as_a_bad_argument(model: HybridModel
     assert raised and state(model, seq) == before and (memory == -1).all()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CORE_GAP)
 def test_a_table_without_columns_is_too_narrow(model: HybridModel) -> None:
     seq = admit(model, [1, 2, 3, 4])
     memory = np.full(4, -1, dtype=np.int32)

@@ -28,6 +28,7 @@ cdef struct SeqRec:
     int32_t next_free
     uint8_t status
     uint8_t failed
+    uint32_t step_stamp        # the last step() that listed it (one listing per step)
 
 
 # Why a locked step failed (raised once the lock is released).
@@ -137,6 +138,7 @@ cdef class KVCacheCore:
     cdef int32_t *_token_scratch
     cdef Py_ssize_t _token_scratch_capacity
     cdef Py_ssize_t _max_pending_tokens
+    cdef uint32_t _step_stamp
     cdef EvLog _log
     cdef EvLog _spare               # a drained log's buffers, for the next drain
 
