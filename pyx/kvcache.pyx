@@ -1493,6 +1493,63 @@ cdef class KVCacheCore:
         self._raise(&f, "cache_sequence")
         return taken
 
+    def mark_computed(self, handle, num_blocks):
+        """The record's first ``num_blocks`` blocks hold KV the library put there (promoted from
+        a tier below the device): count their tokens as cached, so the engine skips them, and
+        insert them into the prefix cache as ``cache`` does. They must be full blocks of its
+        prompt. Returns the blocks newly cached."""
+        cdef int64_t h = _handle_arg(handle, "mark_computed")
+        cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
+        cdef Py_ssize_t taken = 0
+        cdef SeqRec *rec
+        cdef Failure f
+        _ok(&f)
+        with nogil:
+            self._lock()
+            rec = self._active(h, &f)
+            if rec != NULL:
+                if full * self._block_size > rec.prompt_len or full > rec.num_blocks:
+                    f.code = E_NOT_CACHED
+                    f.value = full
+                    f.limit = min(<Py_ssize_t>rec.prompt_len // self._block_size, <Py_ssize_t>rec.num_blocks)
+                else:
+                    self._cache_checked(h, full, &taken, &f)
+                    if f.code == OK and full * self._block_size > rec.cached_tokens:
+                        rec.cached_tokens = <int32_t>(full * self._block_size)
+            self._unlock()
+        self._raise(&f, "mark_computed")
+        return taken
+
+    def cache_key(self, handle):
+        """The prefix-cache key (trie root) the record's blocks are matched and cached under."""
+        cdef int64_t h = _handle_arg(handle, "cache_key")
+        with nogil:
+            self._lock()
+        try:
+            return self._read(h, "cache_key").adapter
+        finally:
+            self._unlock()
+
+    def set_cache_key(self, handle, key):
+        """Match and cache the record under ``key`` (an adapter's key mixed with a cache salt),
+        before it has blocks or tokens."""
+        cdef int64_t h = _handle_arg(handle, "set_cache_key")
+        cdef int64_t value = _adapter_key(key)
+        cdef SeqRec *rec
+        with nogil:
+            self._lock()
+        try:
+            rec = self._read(h, "set_cache_key")
+            if rec.status != ACTIVE:
+                raise SequenceStateError(
+                    f"set_cache_key: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active"
+                )
+            if rec.num_blocks or rec.num_tokens:
+                raise SequenceStateError(f"set_cache_key: sequence {rec.seq_id} already has KV blocks or tokens")
+            rec.adapter = value
+        finally:
+            self._unlock()
+
     cdef int32_t _cache_checked(self, int64_t handle, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil:
         cdef SeqRec *rec = self._rec(handle, f)
         if rec == NULL:
