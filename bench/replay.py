@@ -95,10 +95,11 @@ def replay_core(trace: PrefixTrace, *, events: bool = False) -> tuple[float, int
     return seconds, counters["prefix_hit_tokens"], counters["blocks_evicted"]
 
 
-def replay_model(trace: PrefixTrace) -> tuple[float, int, int]:
+def replay_model(trace: PrefixTrace, *, host_tier_blocks: int = 0) -> tuple[float, int, int]:
     """One timed replay through the public ``HybridModel`` API on a fresh pure-attention model
     (one small layer: the replay measures bookkeeping, not bandwidth); returns (seconds, hit
-    tokens, blocks evicted)."""
+    tokens, blocks evicted). With ``host_tier_blocks``, evicted blocks go to a host tier of that
+    many blocks and come back at admission: hit tokens count the device's and the tier's."""
     from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
 
     config = ModelConfig(
@@ -108,7 +109,7 @@ def replay_model(trace: PrefixTrace) -> tuple[float, int, int]:
         max_seqs=trace.max_live,
         name="replay",
     )
-    model = HybridModel(config, "host")
+    model = HybridModel(config, "host", host_tier_blocks=host_tier_blocks)
     requests = []
     for i in range(trace.num_requests):
         tokens, prompt_len = trace.tokens[i], trace.prompt_lens[i]
@@ -134,7 +135,7 @@ def replay_model(trace: PrefixTrace) -> tuple[float, int, int]:
     report = model.teardown_report
     if report is None or report.leaked:
         raise AssertionError(f"the model replay leaked: {report}")
-    return seconds, stats.prefix_hit_tokens, stats.blocks_evicted
+    return seconds, stats.prefix_hit_tokens + stats.blocks_promoted * trace.block_size, stats.blocks_evicted
 
 
 def record(workload: str, library: str, runs: list[tuple[float, int, int]], trace: PrefixTrace) -> dict[str, Any]:
@@ -172,6 +173,20 @@ def run_events(workload: str, trace: PrefixTrace, repeats: int) -> list[dict[str
     logged["overhead_best"] = round(logged["us_per_request"] / plain["us_per_request"] - 1, 4)
     logged["overhead_median"] = round(logged["median_us_per_request"] / plain["median_us_per_request"] - 1, 4)
     return [plain, logged]
+
+
+def run_tiers(workload: str, trace: PrefixTrace, multiples: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """The model with a host tier of each multiple of the device pool (0: none): hit rate and
+    time per request."""
+    records = []
+    for multiple in multiples:
+        blocks = multiple * trace.num_blocks
+        runs = [replay_model(trace, host_tier_blocks=blocks) for _ in range(repeats)]
+        name = f"lifecycle-model host tier {multiple}x" if multiple else "lifecycle-model"
+        entry = record(workload, name, runs, trace)
+        entry["host_tier_blocks"] = blocks
+        records.append(entry)
+    return records
 
 
 def run(workload: str, trace: PrefixTrace, repeats: int, *, model: bool) -> dict[str, Any]:

@@ -7,6 +7,7 @@
     python bench/workloads.py w3-model --json   # W3 through the HybridModel API
     python bench/workloads.py w2-events --json  # W2 at the core with KV events off and on (the overhead)
     python bench/workloads.py w3-events --json  # W3 likewise
+    python bench/workloads.py w3-tiers --json   # W3 through the model with a host tier of 0, 1, 4, 8x the pool
     python bench/workloads.py w4 --json         # W4 decode steps: the model's and the core's step, the core's own time
 
 Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
@@ -33,7 +34,7 @@ from traces import MOONCAKE_TRACE, TRACES  # noqa: E402
 #: The traces every W1/W2 benchmark replays unless told otherwise (the repository's copy).
 DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
-WORKLOADS = ("w1", "w2", "w2-model", "w2-events", "w3", "w3-model", "w3-events", "w4")
+WORKLOADS = ("w1", "w2", "w2-model", "w2-events", "w3", "w3-model", "w3-events", "w3-tiers", "w4")
 #: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
 #: longer than W2's, so fewer of them give as steady a minimum.
 REPEATS = {"w2": 10, "w3": 5}
@@ -84,6 +85,17 @@ def results(workload: str, trace: Path | None) -> list[Result]:
         from w1 import run as run_w1
 
         return list(run_w1(trace or TRACES))
+    if workload == "w3-tiers":
+        from replay import run_tiers
+        from w3 import load_w3, never_evict_hit_tokens
+
+        w3 = load_w3(trace or MOONCAKE_TRACE)
+        ceiling = never_evict_hit_tokens(w3)
+        records = run_tiers("W3", w3, (0, 1, 4, 8), repeats=1)
+        for entry in records:
+            entry["never_evict_hit_rate"] = round(ceiling / entry["prompt_tokens"], 6)
+            entry["below_ceiling_points"] = round(100 * (ceiling - entry["hit_tokens"]) / entry["prompt_tokens"], 2)
+        return records
     if workload.endswith("events"):
         from replay import run_events
         from w2 import load_w2

@@ -9,6 +9,7 @@ are all released.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import final
 
@@ -17,8 +18,9 @@ from lifecycle.errors import AdapterError, OutOfSlots, SlotOutOfRange
 
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
-    """What occupies one adapter slot. ``uid`` is unique per (name, generation) for the model's
-    lifetime and keys the adapter's prefix-cache root."""
+    """What occupies one adapter slot. ``uid`` keys the adapter's prefix-cache root: a hash of its
+    name and generation (:func:`adapter_key`), the same in every process that loads the adapter the
+    same number of times, so engines sharing a store share its blocks too."""
 
     slot: int
     name: str
@@ -28,12 +30,19 @@ class AdapterInfo:
     loaded: bool
 
 
+def adapter_key(name: str, generation: int) -> int:
+    """The prefix-cache key of generation ``generation`` of adapter ``name``: 63 bits of BLAKE2b
+    over both, never 0 (the key of requests without an adapter)."""
+    digest = hashlib.blake2b(f"{name}\0{generation}".encode(), digest_size=8, person=b"lc-adapter").digest()
+    return (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
+
+
 @final
 class AdapterTable:
     """Slots, names, generations and refcounts of the loaded LoRA adapters. Not thread-safe on its
     own: the model calls it under its lock."""
 
-    __slots__ = ("_names", "_generations", "_uids", "_refcounts", "_loaded", "_by_name", "_next_uid", "_gen_of")
+    __slots__ = ("_names", "_generations", "_uids", "_refcounts", "_loaded", "_by_name", "_gen_of", "_named")
 
     def __init__(self, num_slots: int) -> None:
         self._names: list[str | None] = [None] * num_slots
@@ -43,7 +52,7 @@ class AdapterTable:
         self._loaded = [False] * num_slots
         self._by_name: dict[str, int] = {}
         self._gen_of: dict[str, int] = {}
-        self._next_uid = 1  # 0 is the root of requests served without an adapter
+        self._named: dict[int, tuple[str, int]] = {}  # every key handed out: (name, generation)
 
     @property
     def num_slots(self) -> int:
@@ -68,8 +77,8 @@ class AdapterTable:
         self._gen_of[name] = generation
         self._names[free] = name
         self._generations[free] = generation
-        self._uids[free] = self._next_uid
-        self._next_uid += 1
+        self._uids[free] = adapter_key(name, generation)
+        self._named[self._uids[free]] = (name, generation)
         self._loaded[free] = True
         self._by_name[name] = free
         return free
@@ -128,6 +137,11 @@ class AdapterTable:
             refcount=self._refcounts[slot],
             loaded=self._loaded[slot],
         )
+
+    def named(self, uid: int) -> tuple[str, int] | None:
+        """``(name, generation)`` of a key this table handed out (also after unloading), else
+        None."""
+        return self._named.get(uid)
 
     def refcounts(self) -> list[int]:
         return list(self._refcounts)

@@ -167,6 +167,17 @@ def _build_parser() -> argparse.ArgumentParser:
         "--spill-dir", type=Path, metavar="DIR", help="directory for swap spill files once host memory is full"
     )
     sched.add_argument("--no-swap", action="store_true", help="preempt by recompute instead of swap")
+    tiers = sim.add_argument_group("tiers under the KV pool (models without SSM layers, e.g. small-attention)")
+    tiers.add_argument(
+        "--host-tier-mb",
+        type=_count(0),
+        default=0,
+        metavar="MB",
+        help="host memory keeping evicted prefix-cache blocks, promoted back at admission (default: none)",
+    )
+    tiers.add_argument(
+        "--store", metavar="URL", help="a Redis / Valkey URL shared by engines, written behind the host tier"
+    )
     sched.add_argument(
         "--check-every",
         type=_count(0),
@@ -284,6 +295,9 @@ def _memory_needs(args: argparse.Namespace, config: ModelConfig, trace_bytes: in
         needs.append(
             _Need("--swap-host-mb", f"{args.swap_host_mb:,} MiB of swap space", args.swap_host_mb << 20, False)
         )
+    if args.host_tier_mb:
+        tier = f"a host tier of {args.host_tier_mb:,} MiB"
+        needs.append(_Need("--host-tier-mb", tier, args.host_tier_mb << 20, False))
     return needs
 
 
@@ -380,7 +394,15 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             trace = trace_for_model(config, seed=args.seed, num_requests=args.requests, turns=args.turns)
         except ConfigError as exc:
             parser.error(f"argument {_kv_option(args)}: {exc}")
-        model = simulation_model(config, device)  # its device times copies apart from bookkeeping
+        host_blocks = (args.host_tier_mb << 20) // max(config.kv_block_bytes(), 1) if args.host_tier_mb else 0
+        if args.host_tier_mb and host_blocks == 0:
+            parser.error(
+                f"argument --host-tier-mb: {args.host_tier_mb} MiB holds no block of {config.kv_block_bytes()} bytes"
+            )
+        try:  # its device times copies apart from bookkeeping
+            model = simulation_model(config, device, host_tier_blocks=host_blocks, store=args.store)
+        except ConfigError as exc:
+            parser.error(f"argument --host-tier-mb/--store: {exc}")
         if show_progress:
             result = _with_progress(
                 lambda done: simulate(model, trace, options, seed=args.seed, on_request_done=done), len(trace)

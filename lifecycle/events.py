@@ -38,6 +38,7 @@ from typing import Any, Final, TypeAlias
 
 import numpy as np
 
+from lifecycle._kvcache import REMOVED, STORED, RawEvents
 from lifecycle.errors import ConfigError, MalformedEvent, TornDown
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "RawEvent",
     "ZmqEventPublisher",
     "encode_batch",
+    "raw_entries",
 ]
 
 _log = logging.getLogger("lifecycle.events")
@@ -137,6 +139,29 @@ def _no_adapter(adapter_key: int) -> tuple[int, str] | None:
     return None
 
 
+def raw_entries(raw: RawEvents) -> list[RawEvent]:
+    """The core's drained log as tuple entries: ``("stored", hashes, parent_hash | None, tokens,
+    adapter_key)``, ``("removed", hashes)``, ``("cleared",)`` (slices of its arrays, no copy)."""
+    entries = raw.entries
+    if not len(entries):
+        return []
+    hashes, tokens = raw.hashes, raw.tokens
+    hash_ends = np.cumsum(entries["count"], dtype=np.int64).tolist()
+    token_ends = np.cumsum(entries["num_tokens"], dtype=np.int64).tolist()
+    out: list[RawEvent] = []
+    h = t = 0
+    for row, h_end, t_end in zip(entries.tolist(), hash_ends, token_ends):
+        adapter, parent, _, _, kind, has_parent, _ = row
+        if kind == STORED:
+            out.append(("stored", hashes[h:h_end], parent if has_parent else None, tokens[t:t_end], adapter))
+        elif kind == REMOVED:
+            out.append(("removed", hashes[h:h_end]))
+        else:
+            out.append(("cleared",))
+        h, t = h_end, t_end
+    return out
+
+
 def _hashes(what: str, values: object) -> tuple[int, ...]:
     """Content hashes as Python ints in ``[0, 2**64)``, from a uint64 array or any int sequence."""
     if isinstance(values, np.ndarray) and values.dtype == np.uint64:
@@ -196,10 +221,26 @@ class KVEventTranslator:
         """The tier named in every event."""
         return self._medium
 
-    def events(self, raw_log: Iterable[RawEvent]) -> list[KVEvent]:
-        """The events of ``raw_log``, one per entry, in its order. A malformed entry raises
+    def events(self, raw_log: Iterable[RawEvent] | RawEvents) -> list[KVEvent]:
+        """The events of ``raw_log`` (the core's :class:`~lifecycle._kvcache.RawEvents`, or
+        entries as tuples), one per entry, in its order. A malformed entry raises
         :class:`~lifecycle.errors.MalformedEvent` naming it, and nothing is returned."""
+        if isinstance(raw_log, RawEvents):
+            raw_log = raw_entries(raw_log)
         return [self._event(index, entry) for index, entry in enumerate(raw_log)]
+
+    def host_stored(self, hashes: Sequence[int]) -> BlockStored:
+        """Blocks that entered a tier below the pool by content hash alone (their tokens stay in
+        the tier): ``token_ids`` is empty and the parent unknown."""
+        return BlockStored(
+            block_hashes=_hashes("host_stored", list(hashes)),
+            parent_block_hash=None,
+            token_ids=(),
+            block_size=self._block_size,
+            lora_id=None,
+            medium=self._medium,
+            lora_name=None,
+        )
 
     def batch(self, raw_log: Iterable[RawEvent], *, data_parallel_rank: int | None = None) -> KVEventBatch:
         """The events of ``raw_log`` as one batch stamped now (possibly with no events)."""

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from typing import BinaryIO, Final
 
@@ -49,8 +49,12 @@ from lifecycle.pools import KVPool, SSMPool
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.snapshots import cache_sequence, snapshot_point
+from lifecycle.cache_keys import MMKey, identity_tokens, salted_key
+from lifecycle.events import KVEventBatch
 from lifecycle.stats import Stats, TeardownReport
 from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
+from lifecycle.tiering import ModelTiers
+from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
 
@@ -76,9 +80,23 @@ class _DeviceCounters:
 class HybridModel(LifecycleDefaults):
     """The memory lifecycle of one hybrid (attention + SSM) model; pure-attention and pure-SSM
     configurations work too. ``device`` is a :class:`~lifecycle.device.Device` or a kind for
-    :func:`~lifecycle.device.open_device` (a device opened here is closed by ``teardown``)."""
+    :func:`~lifecycle.device.open_device` (a device opened here is closed by ``teardown``).
 
-    def __init__(self, config: ModelConfig, device: Device | str = "auto", *, ordinal: int = 0) -> None:
+    ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
+    evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
+    Redis / Valkey URL shared by engines, written behind the host tier (see
+    :mod:`lifecycle.tiering`). Tiers need a model without SSM layers (its reuse needs snapshots)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: Device | str = "auto",
+        *,
+        ordinal: int = 0,
+        events: bool = False,
+        host_tier_blocks: int = 0,
+        store: str | None = None,
+    ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
         self._config = config
@@ -116,6 +134,26 @@ class HybridModel(LifecycleDefaults):
         self._swap_ctx = SwapContext(
             config, self._device, self._kv, self._ssm, staging=self._memory.staging, adapters=self._adapters
         )
+        self._salted: dict[int, int] = {}  # salted cache key -> the key it was salted from
+        self._stats_base: Stats | None = None
+        self._tiers: ModelTiers | None = None
+        if events or host_tier_blocks or store is not None:
+            try:
+                if host_tier_blocks and self._ssm is not None:
+                    raise ConfigError(
+                        "a host tier holds KV blocks only; a model with SSM layers reuses through snapshots"
+                    )
+                self._tiers = ModelTiers(
+                    self._core, self._device, self._kv, config, host_blocks=host_tier_blocks, store_url=store,
+                    events=events, adapter_of=self._adapter_of,
+                )
+            except BaseException:
+                self._core.close()
+                self._memory.release()
+                if self._owns_device:
+                    self._device.close()
+                raise
+        self._demoting = self._tiers is not None and self._tiers.host is not None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -300,6 +338,8 @@ class HybridModel(LifecycleDefaults):
             if self._torn_down:
                 return
             self._reap_dropped()
+            if self._tiers is not None:
+                self._tiers.close()
             live, blocks, cached = self._core.close()
             report = TeardownReport(
                 live_sequences=live,
@@ -393,7 +433,10 @@ class HybridModel(LifecycleDefaults):
             raise InvalidId(f"reclaim_prefix_blocks: num_blocks={num_blocks!r} must be an int >= 0")
         with self._lock:
             self._enter()
-            return int(self._core.evict(min(num_blocks, self._pool.num_total)))
+            try:
+                return int(self._core.evict(min(num_blocks, self._pool.num_total)))
+            finally:
+                self._drained()
 
     def reclaim_prefix_blocks_for(
         self, prompt: Sequence[int] | npt.NDArray[np.integer], adapter_slot: int, blocks_needed: int
@@ -405,8 +448,21 @@ class HybridModel(LifecycleDefaults):
             raise InvalidId(f"reclaim_prefix_blocks_for: blocks_needed={blocks_needed!r} must be an int >= 0")
         with self._lock:
             self._enter()
-            target, free = self._core.reclaim_for(prompt, self._root_of(adapter_slot), blocks_needed)
-            return PrefixReclaim(target, free)
+            key = self._root_of(adapter_slot)
+            try:
+                target, free = self._core.reclaim_for(prompt, key, blocks_needed)
+            finally:
+                self._drained()
+            host = self._tiers.host if self._tiers is not None else None
+            if host is None or target == 0:
+                return PrefixReclaim(target, free)
+            # The host tier's leading run past the device match: promoted at attach, not prefilled.
+            tokens = np.asarray(prompt, dtype=np.int32)
+            limit = min((len(tokens) - 1) // self._block_size, blocks_needed)
+            reused = blocks_needed - target
+            hashes = self._core.content_hashes(tokens[: limit * self._block_size], key)[reused:]
+            found = host.lookup(hashes, tokens[reused * self._block_size : limit * self._block_size])
+            return PrefixReclaim(target, free, host_blocks=found)
 
     # ------------------------------------------------------------------ companions
 
@@ -416,7 +472,13 @@ class HybridModel(LifecycleDefaults):
         self._core.retire(self._handle(seq))
 
     def attach_prefix(
-        self, seq: SequenceState, prompt: Sequence[int] | npt.NDArray[np.integer], *, grow_to: int | None = None
+        self,
+        seq: SequenceState,
+        prompt: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        grow_to: int | None = None,
+        cache_salt: bytes | str | int | None = None,
+        mm_keys: Sequence[MMKey] | None = None,
     ) -> int:
         """Record ``prompt`` as the sequence's tokens, find its longest cached prefix under the
         sequence's adapter (whole blocks, never the prompt's last token; for a hybrid model only up
@@ -427,11 +489,20 @@ class HybridModel(LifecycleDefaults):
         ``grow_to``: then grow the block table to cover that many tokens, as ``grow(seq, grow_to)``
         would, in the same call. It ends as the two calls would: when the growth raises
         ``OutOfBlocks``, the prefix stays attached. A ``grow_to`` that ``grow`` would refuse is
-        refused first, before anything is attached or recorded."""
+        refused first, before anything is attached or recorded.
+
+        ``cache_salt`` and ``mm_keys`` (multimodal inputs as ``(content_hash, start, end)``) are
+        part of the blocks' identity (:mod:`lifecycle.cache_keys`): the same tokens under another
+        salt or image never match. With a host tier, the lookup continues past the device match
+        into the tiers, and blocks found there are copied into the table and count as reused."""
+        if cache_salt is not None or mm_keys:
+            prompt = self._keyed(seq, prompt, cache_salt, mm_keys)
         if self._ssm is None:
             if self._drop_queue:
                 self._reap_dropped()
-            return self._core.attach_seq(seq, prompt, grow_to)
+            if not self._demoting:
+                return self._core.attach_seq(seq, prompt, grow_to)
+            return self._attach_tiered(seq, prompt, grow_to)
         self._handle(seq)
         with self._lock, self._device_work():
             self._enter()
@@ -444,12 +515,67 @@ class HybridModel(LifecycleDefaults):
                     self._snapshots.restore_prefix(self._core, seq)
             return reused
 
+    def _attach_tiered(
+        self, seq: SequenceState, prompt: Sequence[int] | npt.NDArray[np.integer], grow_to: int | None
+    ) -> int:
+        assert self._tiers is not None
+        with self._lock, self._device_work():
+            self._enter()
+            try:
+                reused: int = self._core.attach_seq(seq, prompt, grow_to)
+            finally:
+                self._tiers.drain()  # what it evicted goes down before anything reuses the blocks
+            tokens = np.asarray(prompt, dtype=np.int32)
+            return reused + self._tiers.promote(seq.handle, tokens, reused // self._block_size) * self._block_size
+
+    def _keyed(
+        self,
+        seq: SequenceState,
+        prompt: Sequence[int] | npt.NDArray[np.integer],
+        cache_salt: bytes | str | int | None,
+        mm_keys: Sequence[MMKey] | None,
+    ) -> npt.NDArray[np.int32] | Sequence[int] | npt.NDArray[np.integer]:
+        """The prompt as matched (multimodal spans as identity tokens), with the record's cache
+        key salted before its first attach (a retried attach must bring the same salt)."""
+        handle = self._handle(seq)
+        if mm_keys:
+            prompt = identity_tokens(prompt, mm_keys)
+        if cache_salt is not None:
+            key = self._core.cache_key(handle)
+            if self._core.num_tokens(handle) == 0:
+                salted = salted_key(key, cache_salt)
+                self._core.set_cache_key(handle, salted)
+                self._salted[salted] = key
+                if len(self._salted) > 65536:  # keys of long-gone salts name no adapter any more
+                    del self._salted[next(iter(self._salted))]
+            elif key not in self._salted or salted_key(self._salted[key], cache_salt) != key:
+                raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} was attached with another cache salt")
+        return prompt
+
+    def _adapter_of(self, key: int) -> tuple[int, str] | None:
+        """``(lora_id, lora_name)`` of a cache key, for KV events: the adapter's key and name."""
+        base = self._salted.get(key, key)
+        named = self._adapters.named(base)
+        return None if named is None else (base, named[0])
+
+    def _drained(self) -> None:
+        """After a core call that may have evicted: demote what it evicted (host tier)."""
+        if self._demoting:
+            assert self._tiers is not None
+            with self._lock:
+                self._tiers.drain()
+
     def grow(self, seq: SequenceState, num_tokens: int) -> int:
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
         prefix blocks when the free list runs short. Returns the number of blocks added."""
         if self._drop_queue:
             self._reap_dropped()
-        return self._core.grow_seq(seq, num_tokens)
+        if not self._demoting:
+            return self._core.grow_seq(seq, num_tokens)
+        try:
+            return self._core.grow_seq(seq, num_tokens)
+        finally:
+            self._drained()
 
     def step(
         self,
@@ -482,7 +608,12 @@ class HybridModel(LifecycleDefaults):
             cache = self._ssm is None and self._config.enable_prefix_cache
         if self._torn_down or self._drop_queue:
             self._enter()
-        return self._core.step(handles, tokens, counts, table, rows, cache)
+        if not self._demoting:
+            return self._core.step(handles, tokens, counts, table, rows, cache)
+        try:
+            return self._core.step(handles, tokens, counts, table, rows, cache)
+        finally:
+            self._drained()
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
@@ -550,15 +681,87 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             self._device.wait_stream(stream)
 
-    def stats(self) -> Stats:
-        """A snapshot of the counters: the core's (requests, blocks, prefix cache, snapshots)
-        and the model's own (compactions, detaches, swaps)."""
+    def use_stream(self, stream: object) -> AbstractContextManager[None]:
+        """Within the block, the library's copies on this thread run on the engine's ``stream``
+        (ordered with its kernels, no device-wide sync); see ``Device.use_stream``."""
+        return self._device.use_stream(stream)
+
+    def record_event(self, event: object) -> None:
+        """Record ``event`` (a CUDA event handle or an object carrying one) after the library's
+        copies issued so far, for the engine's stream to wait on."""
+        with self._lock:
+            self._enter()
+            self._device.record_event(event)
+
+    def wait_event(self, event: object) -> None:
+        """Order the library's later copies after ``event`` (recorded by the engine)."""
+        with self._lock:
+            self._enter()
+            self._device.wait_event(event)
+
+    # ------------------------------------------------------------------ engine integration
+
+    def take_events(self, data_parallel_rank: int | None = None) -> KVEventBatch:
+        """The KV events since the last call (blocks the prefix cache stored and removed, a reset;
+        the host tier's blocks), as a batch in vLLM's layout (:mod:`lifecycle.events`). Empty when
+        the model was built without ``events=True``."""
+        with self._lock:
+            self._enter()
+            if self._tiers is None or not self._tiers.events:
+                return KVEventBatch(ts=time.time(), events=(), data_parallel_rank=data_parallel_rank)
+            return self._tiers.take_events(data_parallel_rank)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block, and the host tier's, if no running sequence holds a cached
+        prefix; returns whether it did (False leaves everything as it was), as vLLM's does."""
+        with self._lock:
+            self._enter()
+            done: bool = self._core.reset()
+            if done and self._tiers is not None:
+                self._tiers.clear()
+            return done
+
+    def evict_blocks(self, block_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int32]:
+        """Drop the given cached blocks (their KV turned out invalid) and everything cached after
+        them from the prefix cache, never demoting them; blocks on a running sequence's path stay.
+        Returns the ids that left the cache."""
+        with self._lock:
+            self._enter()
+            return self._core.evict_blocks(block_ids)
+
+    def num_common_prefix_blocks(self, seqs: Sequence[SequenceState]) -> int:
+        """How many leading blocks all of ``seqs`` share (cascade attention's common prefix)."""
+        return int(self._core.num_common_prefix_blocks([self._handle(seq) for seq in seqs]))
+
+    def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None) -> int:
+        """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer the engine
+        owns (a numpy row, anything with the buffer protocol, a CPU tensor through DLPack), the
+        rest padded with ``pad`` (the null block) if given; returns the ids written."""
+        return int(self._core.write_table(self._handle(seq), out, pad))
+
+    def flush_store(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the blocks queued for the shared store are written (True; False when
+        ``timeout_s`` passed first). Without a store: True."""
+        with self._lock:
+            self._enter()
+            return self._tiers.flush(timeout_s) if self._tiers is not None else True
+
+    def stats(self, *, reset: bool = False) -> Stats:
+        """The counters: the core's (requests, blocks, prefix cache, snapshots), the model's own
+        (compactions, detaches, swaps) and the tiers'. Since the model was built, or with
+        ``reset=True`` since the last such call (what a metrics exporter reads)."""
         with self._lock:
             self._enter()
             counts = self._core.counters()
             own = asdict(self._counters)
             counts["time_in_library_ns"] += own.pop("device_ns")
-            return Stats(**counts, **own)
+            tiers = self._tiers.stats() if self._tiers is not None else {}
+            counts["time_in_library_ns"] += tiers.pop("tier_ns", 0)
+            total = Stats(**counts, **own, **tiers)
+            since = total.minus(self._stats_base) if self._stats_base is not None else total
+            if reset:
+                self._stats_base = total
+            return since
 
     @property
     def config(self) -> ModelConfig:
@@ -593,6 +796,11 @@ class HybridModel(LifecycleDefaults):
         return self._ssm
 
     @property
+    def host_tier(self) -> HostTier | None:
+        """The host tier under the KV pool (None without one)."""
+        return self._tiers.host if self._tiers is not None else None
+
+    @property
     def num_live_sequences(self) -> int:
         with self._lock:
             self._enter()
@@ -614,3 +822,5 @@ class HybridModel(LifecycleDefaults):
                 raise InvariantViolation(
                     f"adapter refcounts {self._adapters.refcounts()} but sequences hold {adapter_refs}"
                 )
+            if self._tiers is not None:
+                self._tiers.check_invariants()

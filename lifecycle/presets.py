@@ -86,11 +86,25 @@ def _llama_like() -> ModelConfig:
     )
 
 
+def _small_attention() -> ModelConfig:
+    """Eight attention layers of 2 KV heads of dim 64, float16 (64 KiB a block of 16 tokens), 32 MiB
+    of KV: a pure-attention model small enough to run anywhere, with tiers under its pool."""
+    attention = AttentionLayer(num_kv_heads=2, head_dim=64)
+    return ModelConfig(
+        layers=(attention,) * 8,
+        block_size=16,
+        kv_budget_bytes=32 << 20,
+        max_seqs=64,
+        name="small-attention",
+    )
+
+
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-hybrid": _tiny_hybrid,
     "small-hybrid": _small_hybrid,
     "qwen3-next-like": _qwen3_next_like,
     "llama-like": _llama_like,
+    "small-attention": _small_attention,
 }
 
 

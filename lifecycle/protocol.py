@@ -26,11 +26,14 @@ class PrefixReclaim:
 
     ``target`` is how many new blocks the prefill still has to allocate once it reuses the cached
     prefix (``blocks_needed`` minus the reusable blocks, never below 0); ``free`` is the pool's
-    free block count after reclaiming. ``free >= target`` means the prefill fits.
+    free block count after reclaiming. ``free >= target`` means the prefill fits. ``host_blocks``:
+    of the blocks still to allocate, the leading ones a host tier holds (copied in at attach
+    rather than computed; 0 without a tier).
     """
 
     target: int
     free: int
+    host_blocks: int = 0
 
     @property
     def fits(self) -> bool:

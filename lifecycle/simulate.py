@@ -461,17 +461,21 @@ class CopyTimingDevice:
         return f"CopyTimingDevice({self.inner!r})"
 
 
-def simulation_model(config: ModelConfig, device: Device | str = "host") -> HybridModel:
+def simulation_model(
+    config: ModelConfig, device: Device | str = "host", *, host_tier_blocks: int = 0, store: str | None = None
+) -> HybridModel:
     """A model for :func:`simulate` on a :class:`CopyTimingDevice` over ``device`` (or over
     ``open_device(device)`` for a kind, which :func:`simulate` then closes after its teardown), so
-    that the summary can tell device copies from bookkeeping."""
+    that the summary can tell device copies from bookkeeping; with a host tier of
+    ``host_tier_blocks`` blocks and a ``store`` URL under it if given."""
+    tiers = {"host_tier_blocks": host_tier_blocks, "store": store}
     if not isinstance(device, str):
-        return HybridModel(config, CopyTimingDevice(device))
+        return HybridModel(config, CopyTimingDevice(device), **tiers)  # type: ignore[arg-type]
     if device not in ("auto", "host", "cuda"):
         raise ConfigError(f"device={device!r} must be 'auto', 'host' or 'cuda'")
     timed = CopyTimingDevice(open_device(cast(Literal["auto", "host", "cuda"], device)), close_with_simulation=True)
     try:
-        return HybridModel(config, timed)
+        return HybridModel(config, timed, **tiers)  # type: ignore[arg-type]
     except BaseException:
         timed.close()
         raise
@@ -530,6 +534,9 @@ class Summary:
     generated_tokens: int
     prefix_hit_rate: float
     prefix_hit_tokens: int
+    host_hit_tokens: int
+    store_hit_tokens: int
+    hit_rate_with_tiers: float
     evicted_blocks: int
     preemptions: int
     swaps_out: int
@@ -577,6 +584,7 @@ class TimeSeries:
     swaps_out: list[int] = field(default_factory=list)
     recomputes: list[int] = field(default_factory=list)
     swaps_in: list[int] = field(default_factory=list)
+    tier_hit_tokens: list[int] = field(default_factory=list)  # of hit_tokens, from the host / store tiers
     total_blocks: int = 0
 
     def hit_rate(self, window: int = 0) -> list[float]:
@@ -638,6 +646,7 @@ class _Simulation:
         self.on_request_done = on_request_done
         self.block_size = model.config.block_size
         self.hybrid = model.ssm_pool is not None
+        self.tiered = model.host_tier is not None
         self.total_blocks = model.num_total_blocks()
         self.watermark_blocks = int(options.watermark * self.total_blocks)
         self.max_live = min(options.max_live, model.config.max_seqs)
@@ -769,6 +778,9 @@ class _Simulation:
         series.running.append(len(self.running))
         series.lookup_tokens.append(self.lookup_tokens)
         series.hit_tokens.append(self.hit_tokens)
+        if self.tiered:
+            stats = self.model.stats()
+            series.tier_hit_tokens.append((stats.host_hit_blocks + stats.store_hit_blocks) * self.block_size)
         events = self.step_events
         series.swaps_out.append(events["swaps_out"])
         series.recomputes.append(events["recomputes"])
@@ -1004,6 +1016,7 @@ def _pools(model: HybridModel, options: SimulationOptions) -> dict[str, int]:
         "adapter_slots": config.num_adapter_slots,
         "max_live": min(options.max_live, config.max_seqs),
         "swap_host_bytes": options.swap_host_bytes if options.swap else 0,
+        "host_tier_blocks": model.host_tier.capacity_blocks if model.host_tier is not None else 0,
     }
 
 
@@ -1069,6 +1082,11 @@ def simulate(
         generated_tokens=sim.generated_tokens,
         prefix_hit_rate=stats.hit_rate,
         prefix_hit_tokens=stats.prefix_hit_tokens,
+        host_hit_tokens=stats.host_hit_blocks * model.config.block_size,
+        store_hit_tokens=stats.store_hit_blocks * model.config.block_size,
+        hit_rate_with_tiers=(
+            stats.prefix_hit_tokens + stats.blocks_promoted * model.config.block_size
+        ) / stats.prefix_lookup_tokens if stats.prefix_lookup_tokens else 0.0,
         evicted_blocks=stats.blocks_evicted,
         preemptions=sim.preemptions,
         swaps_out=stats.swaps_out,
@@ -1154,6 +1172,14 @@ def summary_rows(result: SimulationResult) -> list[tuple[str, str]]:
         ("prompt tokens", f"{s.prompt_tokens:,}"),
         ("generated tokens", f"{s.generated_tokens:,}"),
         ("prefix hit rate", f"{s.prefix_hit_rate:.1%} ({s.prefix_hit_tokens:,} tokens)"),
+        *(
+            [(
+                "  with the host / store tiers",
+                f"{s.hit_rate_with_tiers:.1%} (+{s.host_hit_tokens:,} host, +{s.store_hit_tokens:,} store tokens)",
+            )]
+            if "host_tier_blocks" in pools and pools["host_tier_blocks"]
+            else []
+        ),
         ("SSM snapshots (saved / hits)", f"{s.snapshots_saved:,} / {s.snapshot_hits:,}"),
         ("evicted blocks", f"{s.evicted_blocks:,}"),
         ("preemptions (swap / recompute)", f"{s.preemptions:,} ({s.swaps_out:,} / {s.recomputes:,})"),
@@ -1221,6 +1247,10 @@ def figure(result: SimulationResult) -> Figure:
         linewidth=0.7,
         label=f"last {window} steps",
     )
+    if series.tier_hit_tokens:
+        looked_up = series.lookup_tokens
+        tiers = [100.0 * t / looked if looked else 0.0 for t, looked in zip(series.tier_hit_tokens, looked_up)]
+        hit_axes.plot(steps, tiers, color="tab:brown", label="of which from the host / store tiers")
     hit_axes.set_ylabel("prefix hit rate (%)")
     hit_axes.set_ylim(0, 100)
     hit_axes.set_xlabel("scheduler step")

@@ -23,9 +23,13 @@ class TeardownReport:
 
 @dataclass(slots=True)
 class Stats:
-    """Monotonic counters since the model was built. ``time_in_library_ns`` sums the wall time
-    spent inside the public methods that mutate state. ``snapshots_evicted`` counts every snapshot
-    dropped: with its node, reused by the pool's LRU, or replaced by a rolling save."""
+    """Monotonic counters since the model was built (or since the last ``stats(reset=True)``).
+    ``time_in_library_ns`` sums the wall time spent inside the public methods that mutate state.
+    ``snapshots_evicted`` counts every snapshot dropped: with its node, reused by the pool's LRU,
+    or replaced by a rolling save. The tier counters (``tier_lookups``: admissions that looked
+    past the device; ``host_hit_blocks``, ``store_hit_blocks``; ``blocks_demoted``,
+    ``blocks_promoted``) stay 0 without a host tier: ``prefix_hit_tokens`` counts the device's hits
+    only, and ``blocks_promoted * block_size`` more tokens came from the tiers."""
 
     sequences_allocated: int = 0
     sequences_freed: int = 0
@@ -49,6 +53,11 @@ class Stats:
     swap_failures: int = 0
     bytes_swapped_out: int = 0
     bytes_swapped_in: int = 0
+    tier_lookups: int = 0
+    host_hit_blocks: int = 0
+    store_hit_blocks: int = 0
+    blocks_demoted: int = 0
+    blocks_promoted: int = 0
     time_in_library_ns: int = 0
 
     @property
@@ -63,6 +72,11 @@ class Stats:
 
     def copy(self) -> Stats:
         return Stats(**asdict(self))
+
+    def minus(self, earlier: Stats) -> Stats:
+        """The counts since ``earlier`` (a snapshot of the same model)."""
+        before = asdict(earlier)
+        return Stats(**{name: value - before[name] for name, value in asdict(self).items()})
 
 
 def human_bytes(nbytes: int) -> str:

@@ -1520,6 +1520,26 @@ cdef class KVCacheCore:
         self._raise(&f, "mark_computed")
         return taken
 
+    def content_hashes(self, tokens, adapter=0):
+        """The content hashes of the whole blocks of ``tokens`` under prefix-cache key
+        ``adapter`` (uint64, docs/content-hashes.md), without a record: what a tier below the
+        device is asked for before admission."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, full
+        cdef int64_t key = _adapter_key(adapter)
+        cdef Py_ssize_t i
+        tokens = _token_vector(tokens, &data, &n)
+        for i in range(n):
+            if data[i] < 0:
+                raise _first_negative(data, n)
+        full = n // self._block_size
+        cdef cnp.ndarray out = np.empty(full, dtype=np.uint64)
+        cdef uint64_t *dest = <uint64_t *>cnp.PyArray_DATA(out)
+        if full:
+            with nogil:
+                lc_content_hashes(lc_root_hash(key), data, full, self._block_size, self._trie._keys, dest)
+        return out
+
     def cache_key(self, handle):
         """The prefix-cache key (trie root) the record's blocks are matched and cached under."""
         cdef int64_t h = _handle_arg(handle, "cache_key")
@@ -2469,7 +2489,7 @@ cdef class KVCacheCore:
                     if trie._reserve(1):
                         raise MemoryError("evict_blocks: out of host memory")
                     trie._split(top, <int32_t>j)  # the head keeps the blocks before the marked one
-                keep_tokens = self._demote
+                keep_tokens = False  # their KV is invalid: logged as removed, never demoted
                 if self._reserve_scratch(trie._lru_blocks) or (
                     keep_tokens and self._reserve_token_scratch(trie._lru_blocks)
                 ):

@@ -123,6 +123,7 @@ class HostTier:
              "bytes_demoted", "bytes_promoted"), 0,
         )
         self._listeners: tuple[Callable[[list[int]], object], ...] = ()
+        self._evicted: list[int] | None = None  # hashes evicted since take_evicted, when recorded
         self._lock = threading.Lock()
         self._closed = False
 
@@ -162,6 +163,28 @@ class HostTier:
         writes every block entering the tier behind it. A listener must not raise."""
         with self._lock:
             self._listeners = (*self._listeners, listener)
+
+    def clear(self) -> None:
+        """Drop every entry (after the prefix cache was reset: what the tier holds was computed
+        with what the reset discards). Evictions are not recorded for it."""
+        with self._lock:
+            self._check_open("clear")
+            self._index.clear()
+            self._free = list(range(self._capacity - 1, -1, -1))
+            if self._evicted is not None:
+                self._evicted.clear()
+
+    def record_evictions(self, on: bool = True) -> None:
+        """Keep the content hashes of the entries the tier evicts, for :meth:`take_evicted` (KV
+        events of the host tier)."""
+        with self._lock:
+            self._evicted = [] if on else None
+
+    def take_evicted(self) -> list[int]:
+        """The content hashes evicted since the last call (empty unless recorded)."""
+        with self._lock:
+            taken, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+            return taken
 
     # -- argument checks ------------------------------------------------------------------------
 
@@ -233,8 +256,11 @@ class HostTier:
         """``count`` free slots, evicting the least recently used entries for the missing ones."""
         free, index = self._free, self._index
         for _ in range(count - len(free)):
-            free.append(index.popitem(last=False)[1])
+            key, slot = index.popitem(last=False)
+            free.append(slot)
             self._counts["evicted"] += 1
+            if self._evicted is not None:
+                self._evicted.append(key)
         slots = free[len(free) - count :]
         del free[len(free) - count :]
         return slots
