@@ -85,7 +85,9 @@ class HybridModel(LifecycleDefaults):
     ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
     evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
     Redis / Valkey URL shared by engines, written behind the host tier (see
-    :mod:`lifecycle.tiering`). Tiers need a model without SSM layers (its reuse needs snapshots)."""
+    :mod:`lifecycle.tiering`). Tiers need a model without SSM layers (its reuse needs snapshots).
+    ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
+    tables with it (vLLM's null block)."""
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class HybridModel(LifecycleDefaults):
         events: bool = False,
         host_tier_blocks: int = 0,
         store: str | None = None,
+        null_block: bool = False,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -123,6 +126,7 @@ class HybridModel(LifecycleDefaults):
             max_blocks_per_seq=config.max_blocks_per_seq_resolved,
             # Without attention layers a sequence holds no blocks, and its tokens are not bounded by them.
             max_tokens_per_seq=None if self._kv is not None else 2**31 - 1,
+            null_block=null_block,
         )
         self._slots = SlotPool(config.max_seqs)
         self._adapters = AdapterTable(config.num_adapter_slots)
@@ -794,6 +798,11 @@ class HybridModel(LifecycleDefaults):
     @property
     def ssm_pool(self) -> SSMPool | None:
         return self._ssm
+
+    @property
+    def null_block(self) -> int:
+        """The block held for padding tables (0), -1 without one."""
+        return int(self._core.null_block)
 
     @property
     def host_tier(self) -> HostTier | None:

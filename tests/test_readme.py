@@ -19,6 +19,12 @@ def test_api_tour_runs() -> None:
     exec(compile(match.group(1), "README.md (API tour)", "exec"), {"__name__": "readme_tour"})
 
 
+def test_engine_integration_tour_runs() -> None:
+    match = re.search(r"### Engine integration\n.*?```python\n(.*?)```", README, re.S)
+    assert match is not None, "README has no engine integration code block"
+    exec(compile(match.group(1), "README.md (engine integration)", "exec"), {"__name__": "readme_engine"})
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     quick = re.search(r"## Quick start\n\n```bash\n(.*?)```", README, re.S)
     assert quick is not None
