@@ -39,7 +39,6 @@ from lifecycle._hash cimport (
     lc_content_hashes,
     lc_copy_tokens_checked,
     lc_fmix64,
-    lc_hash_blocks_by_id,
     lc_nh_block,
     lc_root_hash,
     lc_stream_tokens_checked,
@@ -173,6 +172,21 @@ cdef inline int _grow_array(void **array, Py_ssize_t *capacity, Py_ssize_t neede
     return 0
 
 
+cdef inline uint64_t *_chunk_hashes(Chunk *chunk) noexcept nogil:
+    """The chunk's content-hash array (one slot per block position), made on first use; NULL when
+    out of memory."""
+    if chunk.hashes == NULL:
+        chunk.hashes = <uint64_t *>calloc(max(<Py_ssize_t>chunk.block_capacity, <Py_ssize_t>1), sizeof(uint64_t))
+    return chunk.hashes
+
+
+cdef inline uint64_t _last_hash(RNode *node) noexcept nogil:
+    """The content hash of a node's last block (0 if its chunk keeps none: out of memory)."""
+    if node.chunk.hashes == NULL:
+        return 0
+    return node.chunk.hashes[node.start + node.length - 1]
+
+
 cdef inline int64_t _handle_arg(object handle, str call) except? -1:
     """A record handle as given to ``call``: an exact int in [0, 2**63) costs one inline
     conversion; numpy integers pass through ``__index__``; anything else (a float, a string,
@@ -291,7 +305,7 @@ cdef class KVCacheCore:
         free(self._recs)
         free(self._scratch)
         free(self._token_scratch)
-        free(self._block_hash)
+        free(self._hash_scratch)
         _free_log(&self._log)
         _free_log(&self._spare)
         free(self._snap_node)
@@ -588,23 +602,29 @@ cdef class KVCacheCore:
         returns how many became free. A block a request still holds loses the cache's reference
         but frees nothing, so the next round trims more."""
         cdef Py_ssize_t freed = 0, want, count
-        cdef bint keep_tokens
+        cdef bint keep_tokens, logging
         while freed < n:
             want = min(n - freed, self._trie._lru_blocks)
             if want <= 0:
                 break
             keep_tokens = self._demote and not self._quiet
-            if self._reserve_scratch(want) or (keep_tokens and self._reserve_token_scratch(want)):
+            logging = (self._events or self._demote) and not self._quiet
+            if self._reserve_scratch(want) or (logging and self._reserve_token_scratch(want, keep_tokens)):
                 f.code = E_NO_MEMORY
                 break
-            count = self._trie._trim(want, self._scratch, self._token_scratch if keep_tokens else NULL)
+            count = self._trie._trim(
+                want, self._scratch, self._token_scratch if keep_tokens else NULL,
+                self._hash_scratch if logging else NULL,
+            )
             if count < 0:
                 f.code = E_INVARIANT
                 f.value = self._trie._lru_head
                 break
             self._counters.blocks_evicted += count
-            if (self._events or self._demote) and not self._quiet and count > 0:
-                self._log_removed(self._scratch, self._token_scratch if keep_tokens else NULL, count)
+            if logging and count > 0:
+                self._log_removed(
+                    self._scratch, self._token_scratch if keep_tokens else NULL, self._hash_scratch, count
+                )
             freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
             if f.batch.failed_at >= 0:
                 f.code = E_INVARIANT
@@ -616,16 +636,14 @@ cdef class KVCacheCore:
         self._counters.blocks_freed += freed
         return freed
 
-    cdef int _reserve_token_scratch(self, Py_ssize_t blocks) noexcept nogil:
-        cdef Py_ssize_t n = blocks * self._block_size
-        cdef int32_t *grown
-        if n <= self._token_scratch_capacity:
-            return 0
-        grown = <int32_t *>realloc(self._token_scratch, n * sizeof(int32_t))
-        if grown == NULL:
+    cdef int _reserve_token_scratch(self, Py_ssize_t blocks, bint tokens) noexcept nogil:
+        """Room for the hashes (and, with ``tokens``, the tokens) of ``blocks`` removed blocks."""
+        if _grow_array(<void **>&self._hash_scratch, &self._hash_scratch_capacity, blocks, sizeof(uint64_t)):
             return 1
-        self._token_scratch = grown
-        self._token_scratch_capacity = n
+        if tokens and _grow_array(
+            <void **>&self._token_scratch, &self._token_scratch_capacity, blocks * self._block_size, sizeof(int32_t)
+        ):
+            return 1
         return 0
 
     # -- content hashes of cached blocks and the event log (lock held) -------------------------------
@@ -649,8 +667,9 @@ cdef class KVCacheCore:
         return &log.entries[log.num_entries - 1]
 
     cdef void _log_stored(self, int32_t v, Py_ssize_t count) noexcept nogil:
-        """The last ``count`` blocks of node ``v`` were just cached: record their content hashes
-        by block id (chained from the block before them) and, with events on, log them."""
+        """The last ``count`` blocks of node ``v`` were just cached: keep their content hashes in
+        the node's chunk, at the blocks' positions (chained from the block before them), and, with
+        events on, log them."""
         cdef RNode *node = &self._trie._nodes[v]
         cdef RNode *up
         cdef Py_ssize_t bs = self._block_size, first = node.start + node.length - count
@@ -658,45 +677,51 @@ cdef class KVCacheCore:
         cdef int64_t key
         cdef bint has_parent = True
         cdef const int32_t *tokens = node.chunk.tokens + first * bs
-        cdef uint64_t *out = NULL
-        cdef EvEntry *entry = NULL
-        if self._block_hash == NULL or count <= 0:
+        cdef uint64_t *hashes
+        cdef EvEntry *entry
+        if not self._track or count <= 0:
+            return
+        hashes = _chunk_hashes(node.chunk)
+        if hashes == NULL:
+            self._log.dropped += 1  # out of memory: these blocks' removals will name hash 0
             return
         up = node
         while up.parent >= 0:
             up = &self._trie._nodes[up.parent]
         key = <int64_t>up.key
         if count < node.length:
-            parent = self._block_hash[node.chunk.blocks[first - 1]]
+            parent = hashes[first - 1]
         else:
             up = &self._trie._nodes[node.parent]
             if up.parent < 0:
                 parent = lc_root_hash(key)
                 has_parent = False
             else:
-                parent = self._block_hash[up.chunk.blocks[up.start + up.length - 1]]
-        if self._events:
-            entry = self._log_entry(count, count * bs, 0)
-        if entry != NULL:
-            entry.kind = 1
-            entry.adapter = key
-            entry.parent = parent
-            entry.has_parent = has_parent
-            entry.has_ids = 0
-            entry.count = <int32_t>count
-            entry.num_tokens = <int32_t>(count * bs)
-            out = self._log.hashes + self._log.num_hashes
-            self._log.num_hashes += count
-            memcpy(self._log.tokens + self._log.num_tokens, tokens, count * bs * sizeof(int32_t))
-            self._log.num_tokens += count * bs
-        lc_hash_blocks_by_id(
-            parent, tokens, count, bs, self._trie._keys, node.chunk.blocks + first, self._block_hash, out
-        )
+                parent = _last_hash(up)
+        lc_content_hashes(parent, tokens, count, bs, self._trie._keys, hashes + first)
+        if not self._events:
+            return
+        entry = self._log_entry(count, count * bs, 0)
+        if entry == NULL:
+            return
+        entry.kind = 1
+        entry.adapter = key
+        entry.parent = parent
+        entry.has_parent = has_parent
+        entry.has_ids = 0
+        entry.count = <int32_t>count
+        entry.num_tokens = <int32_t>(count * bs)
+        memcpy(self._log.hashes + self._log.num_hashes, hashes + first, count * sizeof(uint64_t))
+        self._log.num_hashes += count
+        memcpy(self._log.tokens + self._log.num_tokens, tokens, count * bs * sizeof(int32_t))
+        self._log.num_tokens += count * bs
 
-    cdef void _log_removed(self, const int32_t *ids, const int32_t *tokens, Py_ssize_t count) noexcept nogil:
-        """``count`` cached blocks left the cache: log their hashes (with demotion, their ids and
-        tokens too)."""
-        cdef Py_ssize_t i, bs = self._block_size
+    cdef void _log_removed(
+        self, const int32_t *ids, const int32_t *tokens, const uint64_t *hashes, Py_ssize_t count
+    ) noexcept nogil:
+        """``count`` cached blocks left the cache: log their ``hashes`` (with demotion, their
+        ids and tokens too)."""
+        cdef Py_ssize_t bs = self._block_size
         cdef bint with_tokens = tokens != NULL
         cdef EvEntry *entry = self._log_entry(count, count * bs if with_tokens else 0, count if with_tokens else 0)
         if entry == NULL:
@@ -708,8 +733,7 @@ cdef class KVCacheCore:
         entry.has_ids = with_tokens
         entry.count = <int32_t>count
         entry.num_tokens = <int32_t>(count * bs if with_tokens else 0)
-        for i in range(count):
-            self._log.hashes[self._log.num_hashes + i] = self._block_hash[ids[i]]
+        memcpy(self._log.hashes + self._log.num_hashes, hashes, count * sizeof(uint64_t))
         self._log.num_hashes += count
         if with_tokens:
             memcpy(self._log.ids + self._log.num_ids, ids, count * sizeof(int32_t))
@@ -932,7 +956,7 @@ cdef class KVCacheCore:
                 f.code = E_REFUSED
                 return -1
             self._trie._extend(start, <int32_t>(full - d))
-            if self._block_hash != NULL:
+            if self._track:
                 self._log_stored(start, full - d)
             taken[0] = full - d
             self._counters.blocks_cached += full - d
@@ -947,7 +971,7 @@ cdef class KVCacheCore:
                 f.code = E_REFUSED
                 return -1
             end = self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>(full - pos))
-            if self._block_hash != NULL:
+            if self._track:
                 self._log_stored(end, full - pos)
             taken[0] = full - pos
             self._counters.blocks_cached += full - pos
@@ -1021,7 +1045,7 @@ cdef class KVCacheCore:
                     chunk_decref(&self._trie._chunks, copy)
                 if length > 0:
                     self._counters.blocks_cached += length
-                    if self._block_hash != NULL:
+                    if self._track:
                         self._log_stored(leaf, length)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
@@ -2323,33 +2347,26 @@ cdef class KVCacheCore:
         are logged with their block ids and tokens, for a tier below to copy them before the block
         is reused (taken with ``take_events`` right after the call that evicted them).
 
-        While either is on, the content hash of every cached block is kept by block id (8 bytes a
-        block); turning one on hashes what is cached already. Off (the default) costs nothing.
+        While either is on, the content hash of every cached block is kept beside its tokens (8
+        bytes a block); turning one on hashes what is cached already. Off (the default) costs
+        nothing.
         Turning both off drops pending entries. An entry that would take the tokens pending
         past ``max_pending_tokens`` (an engine that stopped draining) is dropped and counted
         (``RawEvents.dropped``)."""
         cdef bint track = events or demote
         cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
-        if track and self._block_hash == NULL:
-            hashes = <uint64_t *>calloc(self._pool._num_blocks + 1, sizeof(uint64_t))
-            if hashes == NULL:
-                raise MemoryError(f"set_events: cannot allocate hashes for {self._pool._num_blocks} blocks")
-            with nogil:
-                self._lock()
-            try:
-                self._block_hash = hashes
-                self._hash_all_cached()
-            finally:
-                self._unlock()
         with nogil:
             self._lock()
+        try:
+            if track and not self._track:
+                self._hash_all_cached()
+            self._track = track
             self._events = events
             self._demote = demote
             self._max_pending_tokens = cap
             if not track:
-                free(self._block_hash)
-                self._block_hash = NULL
                 self._log.num_entries = self._log.num_hashes = self._log.num_tokens = self._log.num_ids = 0
+        finally:
             self._unlock()
 
     @property
@@ -2357,26 +2374,26 @@ cdef class KVCacheCore:
         """``(events, demote)`` as set."""
         return bool(self._events), bool(self._demote)
 
-    cdef void _hash_all_cached(self):
+    cdef void _hash_all_cached(self) except *:
         """(Lock held) the content hash of every cached block, parents before children."""
         cdef RadixTrie trie = self._trie
-        cdef Py_ssize_t i, j, bs = self._block_size
+        cdef Py_ssize_t i, bs = self._block_size
         cdef RNode *node
         cdef RNode *up
         cdef uint64_t parent
+        cdef uint64_t *hashes
         order = sorted(
             (trie._nodes[i].depth, i) for i in range(trie._high_water) if trie._nodes[i].parent >= 0
         )
         for _, i in order:
             node = &trie._nodes[i]
+            hashes = _chunk_hashes(node.chunk)
+            if hashes == NULL:
+                raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
             up = &trie._nodes[node.parent]
-            if up.parent < 0:
-                parent = lc_root_hash(<int64_t>up.key)
-            else:
-                parent = self._block_hash[up.chunk.blocks[up.start + up.length - 1]]
-            for j in range(node.start, node.start + node.length):
-                parent = lc_fmix64(lc_nh_block(node.chunk.tokens + j * bs, bs, trie._keys)) + parent * LC_GOLDEN
-                self._block_hash[node.chunk.blocks[j]] = parent
+            parent = lc_root_hash(<int64_t>up.key) if up.parent < 0 else _last_hash(up)
+            lc_content_hashes(parent, node.chunk.tokens + node.start * bs, node.length, bs, trie._keys,
+                              hashes + node.start)
 
     def take_events(self):
         """Drain the event log into a ``RawEvents`` (entries in the order things happened: see
@@ -2422,23 +2439,6 @@ cdef class KVCacheCore:
         """The block held for padding tables (0), or -1 when there is none."""
         return self._null_block
 
-    def cached_hashes(self, ids):
-        """The content hashes kept for cached blocks ``ids`` (uint64; needs events or demotion on;
-        a block that is not cached reads as whatever it last held)."""
-        cdef cnp.ndarray wanted = _block_ids(ids, self._pool._num_blocks, "cached_hashes")
-        cdef const int32_t *data = <const int32_t *>cnp.PyArray_DATA(wanted)
-        cdef Py_ssize_t i, n = cnp.PyArray_DIM(wanted, 0)
-        cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
-        cdef uint64_t *dest = <uint64_t *>cnp.PyArray_DATA(out)
-        if self._block_hash == NULL:
-            raise ConfigError("cached_hashes: content hashes are kept only while events or demotion are on")
-        with nogil:
-            self._lock()
-            for i in range(n):
-                dest[i] = self._block_hash[data[i]]
-            self._unlock()
-        return out
-
     def evict_blocks(self, ids):
         """Drop the given cached blocks from the prefix cache, with every block cached after them
         on their paths (a prefix cache has no holes), as an engine does when their KV turned out
@@ -2451,7 +2451,6 @@ cdef class KVCacheCore:
         cdef RadixTrie trie = self._trie
         cdef RNode *node
         cdef int32_t top
-        cdef bint keep_tokens
         cdef Failure f
         _ok(&f)
         marked = np.zeros(nb + 1, dtype=np.bool_)
@@ -2489,18 +2488,16 @@ cdef class KVCacheCore:
                     if trie._reserve(1):
                         raise MemoryError("evict_blocks: out of host memory")
                     trie._split(top, <int32_t>j)  # the head keeps the blocks before the marked one
-                keep_tokens = False  # their KV is invalid: logged as removed, never demoted
-                if self._reserve_scratch(trie._lru_blocks) or (
-                    keep_tokens and self._reserve_token_scratch(trie._lru_blocks)
-                ):
+                # Their KV is invalid: logged as removed (hashes only), never demoted.
+                if self._reserve_scratch(trie._lru_blocks) or self._reserve_token_scratch(trie._lru_blocks, False):
                     raise MemoryError("evict_blocks: out of host memory")
-                count = trie._drop_subtree(top, self._scratch, self._token_scratch if keep_tokens else NULL)
+                count = trie._drop_subtree(top, self._scratch, NULL, self._hash_scratch if self._track else NULL)
                 if count < 0:
                     raise MemoryError("evict_blocks: out of host memory")
                 if trie._num_evicted_tags:
                     self._drain_tags()
-                if (self._events or self._demote) and count > 0:
-                    self._log_removed(self._scratch, self._token_scratch if keep_tokens else NULL, count)
+                if self._track and count > 0:
+                    self._log_removed(self._scratch, NULL, self._hash_scratch, count)
                 self._counters.blocks_evicted += count
                 dropped.append(np.asarray(<int32_t[:count]>self._scratch).copy() if count else np.empty(0, np.int32))
                 self._counters.blocks_freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
@@ -2692,8 +2689,21 @@ cdef class KVCacheCore:
         cdef RNode *node
         cdef RNode *up
         cdef uint64_t parent
-        if self._block_hash == NULL:
+        if not self._track:
             return None
+        for i in range(trie._high_water):
+            node = &trie._nodes[i]
+            if node.parent < 0:
+                continue
+            if node.chunk.hashes == NULL:
+                return f"node {i} keeps no content hashes"
+            up = &trie._nodes[node.parent]
+            parent = lc_root_hash(<int64_t>up.key) if up.parent < 0 else _last_hash(up)
+            for j in range(node.start, node.start + node.length):
+                parent = lc_fmix64(lc_nh_block(node.chunk.tokens + j * bs, bs, trie._keys)) + parent * LC_GOLDEN
+                if node.chunk.hashes[j] != parent:
+                    return f"cached block {node.chunk.blocks[j]} (node {i}) has a stale content hash"
+        return None
         for i in range(trie._high_water):
             node = &trie._nodes[i]
             if node.parent < 0:

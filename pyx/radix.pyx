@@ -183,6 +183,13 @@ cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ss
 
 # -- node helpers (lock held) --------------------------------------------------------------------
 
+cdef inline void _copy_hashes(uint64_t *dest, Chunk *chunk, Py_ssize_t start, Py_ssize_t count) noexcept nogil:
+    if chunk.hashes != NULL:
+        memcpy(dest, chunk.hashes + start, count * sizeof(uint64_t))
+    else:
+        memset(dest, 0, count * sizeof(uint64_t))
+
+
 cdef inline const int32_t *_run_tokens(RadixTrie t, RNode *node) noexcept nogil:
     return node.chunk.tokens + <Py_ssize_t>node.start * t._block_size
 
@@ -649,11 +656,12 @@ cdef class RadixTrie:
                 memcpy(dest + node.depth * bs, _run_tokens(self, node), (end - node.depth) * bs * sizeof(int32_t))
             node = &self._nodes[node.parent]
 
-    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest) noexcept nogil:
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest) noexcept nogil:
         """Drop up to ``n`` blocks, least recently used first, from the tails of leaf runs; write
-        their ids to ``dest`` (and, unless NULL, their tokens to ``token_dest``) and return how
-        many (-1: the LRU head was not a leaf, an invariant broke). Tags at trimmed ends go to the
-        evicted tags."""
+        their ids to ``dest`` (and, unless NULL, their tokens to ``token_dest`` and the content
+        hashes their chunk keeps to ``hash_dest``, 0 where it keeps none) and return how many (-1:
+        the LRU head was not a leaf, an invariant broke). Tags at trimmed ends go to the evicted
+        tags."""
         cdef Py_ssize_t count = 0, take, bs = self._block_size
         cdef int32_t v
         cdef RNode *node
@@ -669,6 +677,8 @@ cdef class RadixTrie:
                     token_dest + count * bs, node.chunk.tokens + (node.start + node.length - take) * bs,
                     take * bs * sizeof(int32_t),
                 )
+            if hash_dest != NULL:
+                _copy_hashes(hash_dest + count, node.chunk, node.start + node.length - take, take)
             count += take
             if node.tag >= 0:
                 self._evicted_tags[self._num_evicted_tags] = node.tag
@@ -683,7 +693,9 @@ cdef class RadixTrie:
                 self._num_blocks -= take
         return count
 
-    cdef Py_ssize_t _drop_subtree(self, int32_t top, int32_t *dest, int32_t *token_dest) noexcept nogil:
+    cdef Py_ssize_t _drop_subtree(
+        self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
+    ) noexcept nogil:
         """Drop ``top`` and every node below it (none of them may be protected: ``top``'s lock
         count is 0), writing their block ids to ``dest`` (and tokens to ``token_dest`` unless NULL),
         deepest first; returns how many blocks (-1: out of memory, nothing dropped). The LRU list
@@ -713,6 +725,8 @@ cdef class RadixTrie:
                 memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
                 if token_dest != NULL:
                     memcpy(token_dest + count * bs, _run_tokens(self, node), node.length * bs * sizeof(int32_t))
+                if hash_dest != NULL:
+                    _copy_hashes(hash_dest + count, node.chunk, node.start, node.length)
                 count += node.length
                 _lru_remove(self, v)
                 _remove_leaf(self, v)

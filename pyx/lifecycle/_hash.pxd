@@ -90,20 +90,6 @@ cdef extern from *:
         }
     }
 
-    /* The same, also storing each hash at its block's id in by_id (the hashes of cached blocks),
-     * and in out unless NULL; returns the last hash. */
-    static inline uint64_t lc_hash_blocks_by_id(uint64_t parent, const int32_t *tokens, Py_ssize_t n,
-                                                Py_ssize_t block_size, const uint32_t *keys, const int32_t *ids,
-                                                uint64_t *by_id, uint64_t *out) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            parent = lc_fmix64(lc_nh_block(tokens + i * block_size, block_size, keys)) + parent * LC_GOLDEN;
-            by_id[ids[i]] = parent;
-            if (out)
-                out[i] = parent;
-        }
-        return parent;
-    }
-
     /* Whether two blocks are equal; 16 tokens as four vector compares. */
     static inline int lc_block_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) {
     #if LC_SSE2
@@ -193,9 +179,6 @@ cdef extern from *:
     uint64_t lc_root_hash(int64_t adapter) noexcept nogil
     void lc_content_hashes(uint64_t parent, const int32_t *tokens, Py_ssize_t n, Py_ssize_t block_size,
                            const uint32_t *keys, uint64_t *out) noexcept nogil
-    uint64_t lc_hash_blocks_by_id(uint64_t parent, const int32_t *tokens, Py_ssize_t n, Py_ssize_t block_size,
-                                  const uint32_t *keys, const int32_t *ids, uint64_t *by_id,
-                                  uint64_t *out) noexcept nogil
     bint lc_block_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil
     Py_ssize_t lc_equal_blocks(const int32_t *a, const int32_t *b, Py_ssize_t n, Py_ssize_t block_size) noexcept nogil
     bint lc_copy_tokens_checked(int32_t *dst, const int32_t *src, Py_ssize_t n) noexcept nogil

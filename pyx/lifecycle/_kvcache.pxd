@@ -129,14 +129,15 @@ cdef class KVCacheCore:
     cdef int32_t _snaps_used
     cdef Counters _counters
     cdef uint64_t _entered          # clock when the lock was last taken
-    # Content hashes of cached blocks by block id (kept while events or demotion are on).
-    cdef uint64_t *_block_hash
+    cdef bint _track                # content hashes of cached blocks kept (events or demotion on)
     cdef bint _events               # log stored / removed / cleared entries
     cdef bint _demote               # removed entries also carry block ids and tokens
     cdef bint _quiet                # (reset) evictions are not logged one by one
     cdef int32_t _null_block        # a block held for good, never handed out (-1: none)
     cdef int32_t *_token_scratch
     cdef Py_ssize_t _token_scratch_capacity
+    cdef uint64_t *_hash_scratch
+    cdef Py_ssize_t _hash_scratch_capacity
     cdef Py_ssize_t _max_pending_tokens
     cdef uint32_t _step_stamp
     cdef EvLog _log
@@ -158,7 +159,7 @@ cdef class KVCacheCore:
     cdef void _drain_tags(self) noexcept nogil
     cdef int32_t _snap_take(self) noexcept nogil
     cdef int _reserve_scratch(self, Py_ssize_t n) noexcept nogil
-    cdef int _reserve_token_scratch(self, Py_ssize_t blocks) noexcept nogil
+    cdef int _reserve_token_scratch(self, Py_ssize_t blocks, bint tokens) noexcept nogil
     cdef Py_ssize_t _evict_locked(self, Py_ssize_t n, Failure *f) noexcept nogil
     cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
     cdef int32_t _match(self, int64_t adapter, const int32_t *tokens, Py_ssize_t limit, Py_ssize_t *matched,
@@ -189,9 +190,11 @@ cdef class KVCacheCore:
     cdef str _recount(self)
     cdef str _recount_hashes(self)
     cdef void _log_stored(self, int32_t v, Py_ssize_t count) noexcept nogil
-    cdef void _log_removed(self, const int32_t *ids, const int32_t *tokens, Py_ssize_t count) noexcept nogil
+    cdef void _log_removed(
+        self, const int32_t *ids, const int32_t *tokens, const uint64_t *hashes, Py_ssize_t count
+    ) noexcept nogil
     cdef EvEntry *_log_entry(self, Py_ssize_t hashes, Py_ssize_t tokens, Py_ssize_t ids) noexcept nogil
-    cdef void _hash_all_cached(self)
+    cdef void _hash_all_cached(self) except *
     cdef void _recycle(self, EvLog *log) noexcept
     cdef int _append(self, int64_t h, object tokens) except -1
     cdef Py_ssize_t _step_check(

@@ -112,8 +112,10 @@ cdef class RadixTrie:
     cdef void _touch(self, int32_t v) noexcept nogil
     cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil
     cdef void _path_tokens(self, int32_t v, int32_t *dest, Py_ssize_t blocks) noexcept nogil
-    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest) noexcept nogil
-    cdef Py_ssize_t _drop_subtree(self, int32_t top, int32_t *dest, int32_t *token_dest) noexcept nogil
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest) noexcept nogil
+    cdef Py_ssize_t _drop_subtree(
+        self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
+    ) noexcept nogil
     cdef void _clear(self) noexcept nogil
     cdef str _problem(self)
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos)
