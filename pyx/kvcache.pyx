@@ -69,7 +69,7 @@ from lifecycle.errors import (
 
 cnp.import_array()
 
-from lifecycle._args cimport ssize_arg as _as_count
+from lifecycle._args cimport _ssize_arg_other, ssize_arg as _as_count
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key,
     int32_vector as _int32_vector_in,
@@ -190,29 +190,15 @@ cdef inline uint64_t _last_hash(RNode *node) noexcept nogil:
 cdef inline int64_t _handle_arg(object handle, str call) except? -1:
     """A record handle as given to ``call``: an exact int in [0, 2**63) costs one inline
     conversion; numpy integers pass through ``__index__``; anything else (a float, a string,
-    None, a bool, an int out of range) is refused by name rather than truncated or converted."""
+    None, a bool, an int out of range) is refused by name rather than truncated or converted.
+    (Handles fit a Py_ssize_t: 64-bit platforms only, as the build requires.)"""
     cdef int overflow = 0
     cdef long long value
     if PyLong_CheckExact(handle):
         value = PyLong_AsLongLongAndOverflow(handle, &overflow)
         if not overflow and value >= 0:
             return <int64_t>value
-    return _handle_arg_other(handle, call)
-
-
-cdef int64_t _handle_arg_other(object handle, str call) except? -1:
-    import operator
-    number = None
-    if not isinstance(handle, bool):
-        try:
-            number = operator.index(handle)
-        except TypeError:
-            pass
-    if number is None:
-        raise InvalidId(f"{call}: a handle must be an int (the record's handle), got {handle!r}")
-    if not 0 <= number < 2**63:
-        raise InvalidId(f"{call}: handle {number} is outside [0, 2**63 - 1]")
-    return <int64_t>number
+    return _ssize_arg_other(handle, f"{call}: handle", 0, PY_SSIZE_T_MAX)  # names the value and the range
 
 
 @cython.final
