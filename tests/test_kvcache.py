@@ -12,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -816,15 +816,16 @@ def test_bad_token_ids_are_refused_and_change_nothing(core: Core, tokens: ArrayL
     cache_prompt(core, blocks(1, 2, 3))
     handle = core.open()
     before = _state(core)
+    bad = cast(Any, tokens)  # what the stubs refuse, given all the same
     with pytest.raises(InvalidId):
         if call == "admit":
-            core.admit(tokens, 2)
+            core.admit(bad, 2)
         elif call == "attach":
-            core.attach(handle, tokens, grow_to=2)
+            core.attach(handle, bad, grow_to=2)
         elif call == "append":
-            core.append(handle, tokens)
+            core.append(handle, bad)
         else:
-            core.reclaim_for(tokens, 0, 2)
+            core.reclaim_for(bad, 0, 2)
     assert _state(core) == before
     assert core.num_tokens(handle) == 0
     core.check_invariants()
