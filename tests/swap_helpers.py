@@ -3,12 +3,16 @@ zero) KV and SSM state, and byte images of what a sequence holds, read back from
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 import numpy as np
 import numpy.typing as npt
 
 from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
+from lifecycle.device import Device
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES
@@ -34,6 +38,15 @@ def swap_config(**overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+@pytest.fixture
+def model(device: Device) -> Iterator[HybridModel]:
+    """A model of :func:`swap_config` on the test's device (the ``device`` fixture), torn down
+    after the test."""
+    m = HybridModel(swap_config(), device)
+    yield m
+    m.teardown()
 
 
 def random_bytes(rng: np.random.Generator, nbytes: int) -> npt.NDArray[np.uint8]:

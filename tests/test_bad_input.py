@@ -59,7 +59,7 @@ from lifecycle.swap import HEADER_BYTES, MAX_RECORD_TOKENS, parse_header
 from lifecycle.swap_tier import SwapHandle, SwapTier
 from devices import device  # noqa: F401  (shared fixture)
 from reliability_driver import BrokenReader, BrokenWriter, forged_header
-from swap_helpers import BS, fill_sequence, swap_config
+from swap_helpers import BS, model, fill_sequence, swap_config  # noqa: F401  (model: a fixture)
 
 #: Marks a test of a defect the core rewrite fixes (issue #13 carries that work).
 CORE = "core (#13): "
@@ -69,13 +69,6 @@ SHARED_MODEL = settings(suppress_health_check=[HealthCheck.function_scoped_fixtu
 #: Per-sequence limits of ``swap_config()``: 48 blocks of 4 tokens.
 MAX_BLOCKS = 48
 MAX_TOKENS = MAX_BLOCKS * BS
-
-
-@pytest.fixture
-def model(device: Device) -> Iterator[HybridModel]:
-    m = HybridModel(swap_config(), device)
-    yield m
-    m.teardown()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,14 +32,7 @@ from lifecycle.swap import (
     save,
 )
 from devices import device, live_allocations  # noqa: F401  (the shared device fixture)
-from swap_helpers import BS, fill_sequence, kv_image, slot_image, swap_config
-
-
-@pytest.fixture
-def model(device: Device) -> Iterator[HybridModel]:
-    m = HybridModel(swap_config(), device)
-    yield m
-    m.teardown()
+from swap_helpers import BS, model, fill_sequence, kv_image, slot_image, swap_config  # noqa: F401  (model: a fixture)
 
 
 @pytest.fixture

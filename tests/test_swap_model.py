@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,14 +32,7 @@ from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header, record_nbytes
 from lifecycle.swap_tier import _ViewReader, _ViewWriter
 from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu, write_device  # noqa: F401  (fixtures)
-from swap_helpers import BS, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config
-
-
-@pytest.fixture
-def model(device: Device) -> Iterator[HybridModel]:
-    m = HybridModel(swap_config(), device)
-    yield m
-    m.teardown()
+from swap_helpers import BS, model, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config  # noqa: F401  (model: a fixture)
 
 
 @pytest.fixture

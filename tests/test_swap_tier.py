@@ -7,13 +7,11 @@ Every test ends with the model's free blocks and live sequences back where they 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lifecycle.device.base import Device
 from lifecycle.errors import (
     CudaError,
     InvalidId,
@@ -30,14 +28,7 @@ from lifecycle.sequence import SequenceState
 from lifecycle.swap import record_nbytes
 from lifecycle.swap_tier import SwapTier
 from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu  # noqa: F401  (shared fixtures)
-from swap_helpers import BS, fill_sequence, kv_image, slot_image, swap_config
-
-
-@pytest.fixture
-def model(device: Device) -> Iterator[HybridModel]:
-    m = HybridModel(swap_config(), device)
-    yield m
-    m.teardown()
+from swap_helpers import BS, model, fill_sequence, kv_image, slot_image, swap_config  # noqa: F401  (model: a fixture)
 
 
 @pytest.fixture
