@@ -67,7 +67,10 @@ class CudaTable:
                                 f"{(width * _ID_BYTES, _ID_BYTES)}")
         if interface.get("mask") is not None:
             raise InvalidId(f"{_CALL}: a masked table cannot be written")
-        ptr, read_only = interface["data"]
+        data = interface.get("data")
+        if not isinstance(data, tuple) or len(data) != 2:
+            raise InvalidId(f"{_CALL}: __cuda_array_interface__ data {data!r} is not a (pointer, read-only) pair")
+        ptr, read_only = data
         if read_only:
             raise InvalidId(f"{_CALL}: the table at {int(ptr):#x} is read-only")
         stream = interface.get("stream")
