@@ -1,11 +1,13 @@
-"""The device memory of one model: the KV pool, the SSM pool, the SSM snapshots and the swap
-staging buffer, allocated together and released together, newest first, exactly once."""
+"""The device memory of one model: the KV pool, the SSM pool, the SSM snapshots, the swap staging
+buffer and the block-table staging, allocated together and released together, newest first,
+exactly once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import final
 
+from lifecycle.block_tables import TableStaging
 from lifecycle.config import ModelConfig
 from lifecycle.device.base import Device
 from lifecycle.errors import LifecycleError
@@ -20,7 +22,8 @@ __all__ = ["ModelMemory"]
 class ModelMemory:
     """What ``config`` needs on ``device``: ``kv`` (None without attention layers), ``ssm`` (None
     without SSM layers), ``snapshots`` (None without snapshots), ``staging`` (pinned on CUDA,
-    allocated on first use) and, per SSM slot, its layers' (h, conv) addresses. A failure while
+    allocated on first use), ``tables`` (the pinned rows CUDA block tables are sent from, allocated
+    on first use) and, per SSM slot, its layers' (h, conv) addresses. A failure while
     allocating releases what was allocated before it."""
 
     def __init__(self, device: Device, config: ModelConfig) -> None:
@@ -44,6 +47,8 @@ class ModelMemory:
             raise
         self.staging = StagingBuffer(device)
         self._releases.append(self.staging.release)
+        self.tables = TableStaging(device)
+        self._releases.append(self.tables.release)
         ssm = self.ssm
         #: Per slot, the (h, conv) addresses of every SSM layer: what a sequence in that slot holds.
         self.addrs_by_slot: list[tuple[tuple[int, int], ...]] = [

@@ -32,6 +32,7 @@ from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._slots import SlotPool
 from lifecycle.adapters import AdapterInfo, AdapterTable
+from lifecycle.block_tables import write_block_tables
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
 from lifecycle.errors import (
@@ -742,6 +743,31 @@ class HybridModel(LifecycleDefaults):
         owns (a numpy row, anything with the buffer protocol, a CPU tensor through DLPack), the
         rest padded with ``pad`` (the null block) if given; returns the ids written."""
         return int(self._core.write_table(self._handle(seq), out, pad))
+
+    def write_block_tables(
+        self,
+        seqs: Sequence[SequenceState],
+        table: object,
+        *,
+        rows: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        pad: int | None = None,
+    ) -> None:
+        """Write each sequence's block ids into row ``rows[i]`` (default ``i``) of ``table``, a 2-D
+        int32 block table the engine owns. Everything is checked before anything is written.
+
+        A host table (a numpy array, anything with the buffer protocol, a CPU tensor through
+        DLPack) is written in place; with ``pad``, each row's columns past its blocks get that id.
+        A CUDA table (``__cuda_array_interface__``, C-contiguous; a model on a CUDA device) is
+        written in whole rows, so ``pad`` is required and ``rows`` must cover one span of rows: the
+        span goes in ONE host-to-device copy from the model's pinned staging, on the calling
+        thread's copy stream (inside ``use_stream(engine_stream)``, in order with the engine's
+        kernels; otherwise ``record_event`` orders them after it). The call does not wait for
+        the copy; the next one waits for it before reusing the staging."""
+        seqs = list(seqs)
+        handles = [self._handle(seq) for seq in seqs]
+        with self._lock, self._device_work():
+            self._enter()
+            write_block_tables(self._core, self._device, self._memory.tables, seqs, handles, table, rows, pad)
 
     def flush_store(self, timeout_s: float = 10.0) -> bool:
         """Wait until the blocks queued for the shared store are written (True; False when

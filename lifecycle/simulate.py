@@ -421,6 +421,13 @@ class CopyTimingDevice:
         finally:
             self._add(started)
 
+    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.inner.copy_htod_to(dst, src_host, nbytes)
+        finally:
+            self._add(started)
+
     def copy_batch(self, copies: Sequence[Copy] | npt.NDArray[np.int64]) -> None:
         started = time.perf_counter_ns()
         try:

@@ -205,6 +205,8 @@ class Emulator:
         lib.emu_fail_at_sync.argtypes = [ctypes.c_int]
         lib.emu_engine_write.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
         lib.emu_hold_call.argtypes = [ctypes.c_char_p]
+        lib.emu_count_calls.argtypes = [ctypes.c_char_p]
+        lib.emu_counted_calls.restype = ctypes.c_longlong
         for name in ("emu_live_allocations", "emu_live_bytes", "emu_pending_ops", "emu_calls_during_hold"):
             getattr(lib, name).restype = ctypes.c_longlong
         lib.emu_call_count.restype = ctypes.c_ulonglong
@@ -244,6 +246,15 @@ class Emulator:
     def hold_call(self, name: str) -> None:
         """The next call of entry point ``name`` waits inside the driver until :meth:`release_hold`."""
         self._lib.emu_hold_call(name.encode())
+
+    def count_calls(self, name: str) -> None:
+        """Count the calls of entry point ``name`` from now on (read :attr:`counted_calls`)."""
+        self._lib.emu_count_calls(name.encode())
+
+    @property
+    def counted_calls(self) -> int:
+        """Calls of the entry point named by :meth:`count_calls` since then."""
+        return int(self._lib.emu_counted_calls())
 
     def release_hold(self) -> None:
         self._lib.emu_release_hold()

@@ -42,6 +42,7 @@ EMULATED_SUITES: list[str] = [
     "tests/test_fuzz_restore.py",
     "tests/test_threads.py",
     "tests/test_bad_input.py",
+    "tests/test_device_tables.py",
 ]
 
 #: Driver versions (cuDriverGetVersion) the suites run at.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right, insort
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -263,6 +263,7 @@ class TrackedDevice:
 
     _device: AllocationTable
     _pinned: AllocationTable
+    _events: Sized
     _closed: bool
     _lock: threading.Lock
 
@@ -279,6 +280,11 @@ class TrackedDevice:
     def live_allocations(self) -> int:
         """Live ``alloc`` plus ``alloc_pinned`` allocations (tests assert nothing leaked)."""
         return self._device.count + self._pinned.count
+
+    @property
+    def live_events(self) -> int:
+        """Events from ``create_event`` not yet destroyed (tests assert none leaked)."""
+        return len(self._events)
 
     @property
     def live_bytes(self) -> int:

@@ -81,6 +81,14 @@ class Device(Protocol):
         """Device to host copy, asynchronous on the device's stream."""
         ...
 
+    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
+        """Host to device copy into memory the device did not allocate (an engine's tensor),
+        asynchronous like :meth:`copy_htod`. ``dst`` is checked as far as the memory allows: on
+        CUDA the driver must know it as device memory of this GPU with ``nbytes`` inside its
+        allocation; on the host device it is host memory, which cannot be checked (a null address
+        is refused)."""
+        ...
+
     def copy_batch(self, copies: Sequence[Copy] | npt.NDArray[np.int64]) -> None:
         """Copies in one call; copies within one batch are unordered.
 
@@ -131,6 +139,23 @@ class Device(Protocol):
         """Order the calling thread's later copies and memsets after ``event`` (recorded by an
         engine on its stream), on the GPU, without blocking the caller. A no-op on the host
         device, once ``event`` is checked."""
+        ...
+
+    def create_event(self) -> int:
+        """A new event of the device's own, for :meth:`record_event` and
+        :meth:`synchronize_event`: a ``CUevent`` handle on CUDA, a token on the host device.
+        Destroy it with :meth:`destroy_event`; ``close`` destroys those left."""
+        ...
+
+    def destroy_event(self, event: int) -> None:
+        """Destroy an event from :meth:`create_event`; any other value raises InvalidId."""
+        ...
+
+    def synchronize_event(self, event: int) -> None:
+        """Block the caller until the copies and memsets ``event`` (from :meth:`create_event`)
+        was last recorded after are done; at once if it was never recorded. Unlike
+        :meth:`synchronize`, work issued after the record (an engine's kernels on the same
+        stream) is not waited for."""
         ...
 
     def mem_info(self) -> tuple[int, int]:

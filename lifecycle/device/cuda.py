@@ -60,6 +60,9 @@ CUDA_ERROR_INVALID_VALUE = 1
 #: The handle of the legacy default stream, as DLPack names it.
 CU_STREAM_LEGACY = 1
 CUDA_ERROR_NOT_SUPPORTED = 801
+#: ``CUmemorytype`` values ``cuPointerGetAttributes`` reports.
+CU_MEMORYTYPE_HOST = 1
+CU_MEMORYTYPE_DEVICE = 2
 _UNKNOWN_RESULT = re.compile(r"^(-?\d+) is not a valid CUresult")
 
 
@@ -313,6 +316,8 @@ class CudaDevice(TrackedDevice):
         self._ctx_handle = 0
         self._stream: Any = None
         self._event: Any = None  # created when first needed to order one stream after another
+        self._events: dict[int, Any] = {}  # create_event's events by handle
+        self._pointer_attrs: list[Any] | None = None  # what copy_htod_to asks cuPointerGetAttributes
         self._pending = False  # work issued on the device's stream since the last synchronize
         self._thread_scope = threading.local()  # .scope: the thread's innermost use_stream block
         self._scopes: set[_StreamScope] = set()  # the use_stream blocks open on any thread
@@ -529,6 +534,41 @@ class CudaDevice(TrackedDevice):
                 call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
                 self._issued()
 
+    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
+        """``cuMemcpyHtoDAsync`` into device memory the device did not allocate (an engine's
+        tensor). ``cuPointerGetAttributes`` must report ``dst`` as device memory of this GPU, and
+        ``[dst, dst + nbytes)`` inside the driver's allocation holding it (InvalidId otherwise,
+        before any copy)."""
+        with self._lock:
+            self._check_open("copy_htod_to")
+            check_nbytes("copy_htod_to", nbytes)
+            if nbytes:
+                self._check_foreign("copy_htod_to dst", dst, nbytes)
+                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
+                self._issued()
+
+    def _check_foreign(self, call_name: str, ptr: int, nbytes: int) -> None:
+        """Refuse a range the driver does not know as device memory of this GPU, or that runs past
+        the end of the allocation holding ``ptr``."""
+        if self._pointer_attrs is None:
+            kinds = self._drv.CUpointer_attribute
+            self._pointer_attrs = [kinds.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, kinds.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                   kinds.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, kinds.CU_POINTER_ATTRIBUTE_RANGE_SIZE]
+        attrs = self._pointer_attrs
+        memory_type, ordinal, start, size = call(self._drv.cuPointerGetAttributes, "cuPointerGetAttributes",
+                                                 len(attrs), attrs, ptr)
+        if int(memory_type) != CU_MEMORYTYPE_DEVICE:
+            where = "host memory" if int(memory_type) == CU_MEMORYTYPE_HOST else "no memory the driver knows"
+            raise InvalidId(f"{call_name}: address {ptr:#x} is {where}, not device memory (memory type "
+                            f"{int(memory_type)}, device is {CU_MEMORYTYPE_DEVICE})")
+        if int(ordinal) != self._ordinal:
+            raise InvalidId(f"{call_name}: address {ptr:#x} lies on GPU {int(ordinal)}, this device is GPU "
+                            f"{self._ordinal}")
+        start, size = int(start), int(size)
+        if size and ptr + nbytes > start + size:
+            raise InvalidId(f"{call_name}: range [{ptr:#x}, {ptr:#x} + {nbytes}) runs past the end of its "
+                            f"allocation [{start:#x}, {start:#x} + {size})")
+
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """``cuMemcpyDtoHAsync``: the destination holds the data only after synchronize."""
         with self._lock:
@@ -690,6 +730,39 @@ class CudaDevice(TrackedDevice):
             call(self._drv.cuStreamWaitEvent, "cuStreamWaitEvent", self._target(), handle, 0)
             self._issued()
 
+    def create_event(self) -> int:
+        """``cuEventCreate`` (timing disabled): an event of the device's own; its raw handle."""
+        with self._lock:
+            self._check_open("create_event")
+            flags = int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            with _InContext(self):
+                event = call(self._drv.cuEventCreate, "cuEventCreate", flags)
+            self._events[int(event)] = event
+            return int(event)
+
+    def destroy_event(self, event: int) -> None:
+        """``cuEventDestroy`` of an event from :meth:`create_event` (InvalidId for any other)."""
+        with self._lock:
+            self._check_open("destroy_event")
+            handle = self._own_event("destroy_event", event)
+            with _InContext(self):
+                call(self._drv.cuEventDestroy, "cuEventDestroy", handle)
+            del self._events[event]
+
+    def synchronize_event(self, event: int) -> None:
+        """``cuEventSynchronize`` of an event from :meth:`create_event`: the caller blocks until
+        the work recorded before it is done, not the work issued after it on the same stream."""
+        with self._lock:
+            self._check_open("synchronize_event")
+            call(self._drv.cuEventSynchronize, "cuEventSynchronize", self._own_event("synchronize_event", event))
+
+    def _own_event(self, call_name: str, event: int) -> Any:
+        handle = self._events.get(event) if isinstance(event, int) else None
+        if handle is None:
+            raise InvalidId(f"{call_name}: event {event!r} is not a live event of this device "
+                            f"({len(self._events)} live)")
+        return handle
+
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """uint8 numpy view of host memory (pinned or not); valid while that memory is."""
@@ -758,6 +831,9 @@ class CudaDevice(TrackedDevice):
                     self._pinned.remove("close", ptr)
             if self._event is not None and attempt(drv.cuEventDestroy, "cuEventDestroy", self._event)[0]:
                 self._event = None
+            for handle, event in list(self._events.items()):
+                if attempt(drv.cuEventDestroy, "cuEventDestroy", event)[0]:
+                    del self._events[handle]
             if self._stream is not None and attempt(drv.cuStreamDestroy, "cuStreamDestroy", self._stream)[0]:
                 self._stream = None
             if first_error is None and self._ctx is not None:

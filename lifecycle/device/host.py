@@ -133,6 +133,8 @@ class HostDevice(TrackedDevice):
         self._batch_checker = BatchChecker(self._device, self._pinned)
         # Aligned uint8 views that own the memory, by address; views handed out keep it alive.
         self._buffers: dict[int, npt.NDArray[np.uint8]] = {}
+        self._events: set[int] = set()
+        self._last_event = 0
         self._closed = False
         self._lock = threading.Lock()
 
@@ -250,12 +252,26 @@ class HostDevice(TrackedDevice):
             check_nbytes("copy_htod", nbytes)
             if nbytes:
                 self._device.locate("copy_htod dst", dst, nbytes)
-                if self._deferred and not self._is_pinned(src_host, nbytes):
-                    # pageable source: staged at the call like the CUDA driver does, so it may be reused
-                    staged = np.frombuffer(ctypes.string_at(src_host, nbytes), dtype=np.uint8)
-                    self._pending.append((0, dst, staged.ctypes.data, nbytes, staged))
-                else:
-                    self._move(dst, src_host, nbytes)
+                self._move_in(dst, src_host, nbytes)
+
+    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
+        """Copy host memory into an engine's host memory at ``dst`` (which the device cannot
+        check beyond refusing a null address)."""
+        with self._lock:
+            self._check_open("copy_htod_to")
+            check_nbytes("copy_htod_to", nbytes)
+            if nbytes:
+                if dst == 0:
+                    raise InvalidId(f"copy_htod_to: dst is a null address ({nbytes} bytes)")
+                self._move_in(dst, src_host, nbytes)
+
+    def _move_in(self, dst: int, src_host: int, nbytes: int) -> None:
+        if self._deferred and not self._is_pinned(src_host, nbytes):
+            # pageable source: staged at the call like the CUDA driver does, so it may be reused
+            staged = np.frombuffer(ctypes.string_at(src_host, nbytes), dtype=np.uint8)
+            self._pending.append((0, dst, staged.ctypes.data, nbytes, staged))
+        else:
+            self._move(dst, src_host, nbytes)
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
         """Copy device to host; the device range must lie in a live allocation."""
@@ -331,6 +347,32 @@ class HostDevice(TrackedDevice):
         with self._lock:
             self._check_open("wait_event")
 
+    def create_event(self) -> int:
+        """A token standing for an event (host memory has no streams to record it on)."""
+        with self._lock:
+            self._check_open("create_event")
+            self._last_event += 1
+            self._events.add(self._last_event)
+            return self._last_event
+
+    def destroy_event(self, event: int) -> None:
+        """Forget an event from :meth:`create_event`; any other value raises InvalidId."""
+        with self._lock:
+            self._check_open("destroy_event")
+            self._own_event("destroy_event", event)
+            self._events.discard(event)
+
+    def synchronize_event(self, event: int) -> None:
+        """Run the queued copies (deferred mode: the host device keeps no position per event)."""
+        with self._lock:
+            self._check_open("synchronize_event")
+            self._own_event("synchronize_event", event)
+        self.synchronize()
+
+    def _own_event(self, call: str, event: int) -> None:
+        if event not in self._events:
+            raise InvalidId(f"{call}: event {event!r} is not a live event of this device ({len(self._events)} live)")
+
     # -- views ----------------------------------------------------------------------------------
     def host_array(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """uint8 view of host memory; a view into this device's own memory keeps it alive."""
@@ -369,6 +411,7 @@ class HostDevice(TrackedDevice):
                 for ptr in table.addresses():
                     table.remove("close", ptr)
             self._buffers.clear()
+            self._events.clear()
             self._closed = True
 
     def __enter__(self) -> HostDevice:

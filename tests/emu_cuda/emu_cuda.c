@@ -32,6 +32,9 @@
  *    and cuMemcpyBatchAsync, which take unified addresses: a device or pinned allocation),
  *    otherwise the call fails with CUDA_ERROR_INVALID_VALUE and nothing is queued.
  *  - Allocation, copy and stream calls need a current context (cuCtxSetCurrent), per thread.
+ *  - cuPointerGetAttributes knows the emulator's own allocations only (memory type DEVICE or HOST,
+ *    ordinal, range start and size); any other address gets the driver's "not a CUDA pointer"
+ *    defaults (memory type 0), and an attribute it does not emulate is CUDA_ERROR_INVALID_VALUE.
  *
  * Fault injection and test hooks (C functions, called through ctypes; never counted as driver calls):
  *  emu_set_alloc_budget(bytes)       cuMemAlloc fails with CUDA_ERROR_OUT_OF_MEMORY past this many
@@ -50,6 +53,8 @@
  *  emu_hold_call(name)               the next call of `name` waits, outside the driver lock, until
  *                                    emu_release_hold(); emu_holding() tells whether one waits, and
  *                                    emu_calls_during_hold() counts driver calls made meanwhile
+ *  emu_count_calls(name)             count the calls of entry point `name` from now on (NULL: stop);
+ *                                    emu_counted_calls() reads the count
  *  emu_reset()                       clear every fault, hold and the budget (allocations stay)
  *  emu_live_allocations(), emu_live_bytes(), emu_pending_ops(), emu_call_count()
  *  emu_set_device_count(n)           0 makes cuInit fail with CUDA_ERROR_NO_DEVICE
@@ -200,6 +205,8 @@ static int deferred_code = 0;
 static char hold_name[128];
 static int hold_armed = 0, holding = 0, hold_released = 0;
 static long long calls_during_hold = 0;
+static char counted_name[128];
+static long long counted_calls = 0;
 
 static void load_config(void) {
     if (device_count >= 0) return;
@@ -252,6 +259,7 @@ static CUresult enter(const char *name) {
     pthread_mutex_lock(&lock);
     load_config();
     call_count++;
+    if (counted_name[0] && strcmp(name, counted_name) == 0) counted_calls++;
     if (initialized && getpid() != init_pid) return CUDA_ERROR_NOT_INITIALIZED;
     if (sticky_from && call_count >= sticky_from) return sticky_code;
     if (named_times != 0 && strcmp(name, named_fault) == 0) {
@@ -679,6 +687,16 @@ EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
     LEAVE(push_op(s, op) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY);
 }
 
+/* the caller waits until the event's ops have run (an event never recorded: at once) */
+EXPORT CUresult cuEventSynchronize(CUevent hEvent) {
+    ENTER("cuEventSynchronize");
+    struct emu_event *e = valid_event(hEvent);
+    if (!e) LEAVE(CUDA_ERROR_INVALID_HANDLE);
+    SYNC_POINT();
+    if (e->stream) drain_until(e->stream, e->position);
+    LEAVE(CUDA_SUCCESS);
+}
+
 /* Checks shared by the async calls: a valid stream. */
 #define NEED_STREAM(var, h)                              \
     struct emu_stream *var = valid_stream(h);            \
@@ -749,6 +767,50 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, 
     if (n == 0) LEAVE(CUDA_SUCCESS);
     struct op op = {OP_SET, (char *)(uintptr_t)dst, NULL, n, value, NULL, NULL, 0};
     LEAVE(push_op(s, op) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY);
+}
+
+/* CUpointer_attribute and CUmemorytype values */
+enum { ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9, ATTR_RANGE_START_ADDR = 11, ATTR_RANGE_SIZE = 12 };
+enum { MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2 };
+
+/* the live allocation (device or pinned) holding the byte at `p`, or NULL */
+static struct allocation *allocation_at(uintptr_t p) {
+    for (size_t i = 0; i < num_allocs; i++) {
+        uintptr_t start = (uintptr_t)allocs[i].ptr;
+        if (p >= start && p - start < allocs[i].size) return &allocs[i];
+    }
+    return NULL;
+}
+
+EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, const int *attributes, void **data,
+                                       CUdeviceptr ptr) {
+    ENTER("cuPointerGetAttributes");
+    NEED_CTX();
+    if (numAttributes == 0 || !attributes || !data) LEAVE(CUDA_ERROR_INVALID_VALUE);
+    for (unsigned int k = 0; k < numAttributes; k++) {
+        int a = attributes[k];
+        if (!data[k] || (a != ATTR_MEMORY_TYPE && a != ATTR_DEVICE_ORDINAL && a != ATTR_RANGE_START_ADDR &&
+                         a != ATTR_RANGE_SIZE))
+            LEAVE(CUDA_ERROR_INVALID_VALUE);
+    }
+    struct allocation *found = allocation_at((uintptr_t)ptr);
+    for (unsigned int k = 0; k < numAttributes; k++) {
+        switch (attributes[k]) {
+        case ATTR_MEMORY_TYPE:
+            *(unsigned int *)data[k] = !found ? 0u : found->kind == KIND_DEVICE ? MEMORYTYPE_DEVICE : MEMORYTYPE_HOST;
+            break;
+        case ATTR_DEVICE_ORDINAL:
+            *(int *)data[k] = found ? current_ctx->device : -2;
+            break;
+        case ATTR_RANGE_START_ADDR:
+            *(CUdeviceptr *)data[k] = found ? (CUdeviceptr)(uintptr_t)found->ptr : 0;
+            break;
+        default: /* ATTR_RANGE_SIZE */
+            *(size_t *)data[k] = found ? found->size : 0;
+            break;
+        }
+    }
+    LEAVE(CUDA_SUCCESS);
 }
 
 /* CUmemcpyAttributes (v1): {srcAccessOrder, srcLocHint {type, id}, dstLocHint {type, id}, flags} */
@@ -891,6 +953,8 @@ static const struct {
     {"cuEventCreate", 2000, (void *)cuEventCreate},
     {"cuEventDestroy", 4000, (void *)cuEventDestroy_v2},
     {"cuEventRecord", 2000, (void *)cuEventRecord},
+    {"cuEventSynchronize", 2000, (void *)cuEventSynchronize},
+    {"cuPointerGetAttributes", 7000, (void *)cuPointerGetAttributes},
     {"cuMemcpyAsync", 4000, (void *)cuMemcpyAsync},
     {"cuMemcpyDtoDAsync", 3020, (void *)cuMemcpyDtoDAsync_v2},
     {"cuMemcpyHtoDAsync", 3020, (void *)cuMemcpyHtoDAsync_v2},
@@ -1005,6 +1069,20 @@ EXPORT long long emu_calls_during_hold(void) {
     return n;
 }
 
+EXPORT void emu_count_calls(const char *name) {
+    pthread_mutex_lock(&lock);
+    snprintf(counted_name, sizeof counted_name, "%s", name ? name : "");
+    counted_calls = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+EXPORT long long emu_counted_calls(void) {
+    pthread_mutex_lock(&lock);
+    long long n = counted_calls;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
 EXPORT void emu_reset(void) {
     pthread_mutex_lock(&lock);
     alloc_budget = -1;
@@ -1015,6 +1093,8 @@ EXPORT void emu_reset(void) {
     deferred_code = 0;
     hold_armed = 0;
     hold_released = 1;
+    counted_name[0] = '\0';
+    counted_calls = 0;
     pthread_mutex_unlock(&lock);
 }
 
