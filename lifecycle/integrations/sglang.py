@@ -650,7 +650,7 @@ def allocator_class() -> type[Any]:
             self.pool = BlockPool(self.num_pages + 1)
             padding = self.pool.allocate(1)
             if int(padding[0]) != 0:
-                raise InvariantViolation(f"LifecyclePagedAllocator: a fresh pool gave page {int(padding[0])} first, not 0")
+                raise InvariantViolation(f"LifecyclePagedAllocator: a new pool gave page {int(padding[0])}, not 0")
             self._group = None
             self.free_group = None
 
