@@ -202,7 +202,7 @@ class PageTree:
             core.finish(handle, False)
             return self.root
         node = PageNode(self._generation, namespace, key[: matched * self._page_size + 1], core.block_table(handle))
-        self._probe, self._probe_node, self._probe_delta = handle, node, core.num_evictable_blocks - evictable
+        self._probe, self._probe_node, self._probe_delta = handle, node, evictable - core.num_evictable_blocks
         return node
 
     def insert(self, key: Int32Array, pages: int, values: Int64Array, namespace: int) -> tuple[int, PageNode]:
@@ -262,7 +262,7 @@ class PageTree:
                 raise SequenceStateError(
                     f"lock: the node's path of {node.num_pages} pages was evicted ({len(held)} of them are cached now)"
                 )
-            delta = core.num_evictable_blocks - evictable
+            delta = evictable - core.num_evictable_blocks
         end = int(node.slots[-1])
         handles = self._locks.get(end)
         if handles is None:
@@ -546,7 +546,7 @@ def radix_cache_class() -> type[Any]:
             if self.disable or node.num_pages == 0:
                 return IncLockRefResult(delta=0)
             handle, delta = self._tree.lock(node)
-            return IncLockRefResult(delta=delta * self.page_size, node_id=handle)
+            return IncLockRefResult(delta=-delta * self.page_size, node_id=handle)
 
         def dec_lock_ref(self, node: PageNode, params: Any = None) -> Any:
             if self.disable or node.num_pages == 0:
