@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from engine_suites import run_suite
@@ -27,7 +28,10 @@ class Tree:
 
     def __init__(self, num_pages: int = 16, page_size: int = PS, events: bool = False) -> None:
         self.freed: list[int] = []
-        self.tree = PageTree(num_pages, page_size, events=events, on_evict=lambda values: self.freed.extend(values.tolist()))
+        self.tree = PageTree(num_pages, page_size, events=events, on_evict=self._freed)
+
+    def _freed(self, values: npt.NDArray[np.int64]) -> None:
+        self.freed.extend(values.tolist())
 
     def insert(self, tokens: list[int], first_index: int, namespace: int = 0) -> tuple[int, PageNode]:
         key, pages = self.tree.key(np.array(tokens, dtype=np.int64), len(tokens))

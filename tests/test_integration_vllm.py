@@ -258,7 +258,7 @@ def test_allocate_slots_with_stale_computed_blocks_is_refused_by_name() -> None:
         ({"num_new_tokens": 4, "num_encoder_tokens": 4}, Unsupported),
     ],
 )
-def test_bad_allocations_are_refused_and_take_nothing(arguments: dict[str, int], error: type[Exception]) -> None:
+def test_bad_allocations_are_refused_and_take_nothing(arguments: dict[str, Any], error: type[Exception]) -> None:
     manager = make()
     with pytest.raises(error):
         manager.allocate_slots(FakeRequest("a", list(range(9))), **arguments)

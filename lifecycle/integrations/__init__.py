@@ -17,12 +17,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Hashable
 from types import ModuleType
+from typing import Generic, TypeVar
 
 from lifecycle._kvcache import CLEARED, REMOVED, STORED, RawEvents
 from lifecycle.errors import MalformedEvent
 from lifecycle.events import RawEvent
 
 __all__ = ["CacheNamespaces", "import_engine", "raw_event_log"]
+
+Namespace = TypeVar("Namespace", bound=Hashable)
 
 
 def import_engine(name: str, extra: str) -> ModuleType:
@@ -34,7 +37,7 @@ def import_engine(name: str, extra: str) -> ModuleType:
         raise ImportError(f"lifecycle.integrations needs {name} for this: {hint}") from error
 
 
-class CacheNamespaces:
+class CacheNamespaces(Generic[Namespace]):
     """Cache namespaces (a LoRA adapter, a cache salt, an engine's extra key) as the core's adapter
     keys: each distinct namespace gets its own trie root, so requests of two namespaces never share
     KV. ``None`` is key 0; every other namespace gets the next int, kept for the cache's life."""
@@ -42,10 +45,10 @@ class CacheNamespaces:
     __slots__ = ("_keys", "_namespaces")
 
     def __init__(self) -> None:
-        self._keys: dict[Hashable, int] = {}
-        self._namespaces: list[Hashable] = [None]
+        self._keys: dict[Namespace, int] = {}
+        self._namespaces: list[Namespace | None] = [None]
 
-    def key(self, namespace: Hashable) -> int:
+    def key(self, namespace: Namespace | None) -> int:
         """The adapter key of ``namespace`` (0 for None)."""
         if namespace is None:
             return 0
@@ -55,7 +58,7 @@ class CacheNamespaces:
             self._namespaces.append(namespace)
         return key
 
-    def namespace(self, key: int) -> Hashable:
+    def namespace(self, key: int) -> Namespace | None:
         """The namespace that ``key`` was given to."""
         return self._namespaces[key]
 

@@ -407,7 +407,7 @@ def radix_cache_class() -> type[Any]:
             self.disable = params.disable
             self.req_to_token_pool = params.req_to_token_pool
             self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-            self.page_size = params.page_size
+            self.page_size: int = params.page_size
             self.is_eagle = False
             self.eviction_policy = policy
             self.enable_kv_cache_events = bool(params.enable_kv_cache_events) and not params.disable
@@ -418,7 +418,7 @@ def radix_cache_class() -> type[Any]:
             if max_pages is None:
                 size = getattr(allocator, "size", None)
                 max_pages = size // self.page_size + 1 if isinstance(size, int) else DEFAULT_MAX_PAGES
-            self._namespaces = CacheNamespaces()
+            self._namespaces: CacheNamespaces[tuple[str | None, str | None]] = CacheNamespaces()
             self._tree = PageTree(
                 max_pages, self.page_size, events=self.enable_kv_cache_events, on_evict=self._free_evicted
             )
@@ -640,10 +640,12 @@ def allocator_class() -> type[Any]:
                 raise ConfigError(
                     f"LifecyclePagedAllocator: size={size!r} must hold at least one page of {page_size!r} tokens"
                 )
+            self.page_size: int = page_size
             self.num_pages = size // page_size
             self._offsets = np.arange(page_size, dtype=np.int64)
             self._on_cpu = torch.device(device).type == "cpu"
             self._group: list[Int32Array] | None = None
+            self.free_group: list[Any] | None = None
             self.clear()
 
         def clear(self) -> None:

@@ -246,7 +246,7 @@ class LifecycleKVCacheManager:
         )
         self.empty_kv_cache_blocks = KVCacheBlocks()
         self.prefix_cache_stats = self._new_stats() if self.log_stats else None
-        self._namespaces = CacheNamespaces()
+        self._namespaces: CacheNamespaces[tuple[tuple[int, str] | None, str | None]] = CacheNamespaces()
         self._live: dict[str, _Live] = {}
         self._probe = -1  # the record of the last lookup, until allocate_slots takes it over
         self._probe_request: str | None = None
@@ -506,10 +506,7 @@ class LifecycleKVCacheManager:
         for entry in raw_event_log(raw):
             if entry[0] == "stored":
                 _, hashes, parent, tokens, namespace = entry
-                lora = None
-                if namespace:
-                    lora_key, _salt = self._namespaces.namespace(int(namespace))  # type: ignore[misc]
-                    lora = lora_key
+                lora, _salt = self._namespaces.namespace(int(namespace)) or (None, None)
                 events.append(BlockStored(
                     block_hashes=hashes.tolist(), parent_block_hash=None if parent is None else int(parent),
                     token_ids=tokens.tolist(), block_size=self.block_size,

@@ -42,7 +42,8 @@ def engine_python(engine: str) -> Path:
         [str(python), "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True, timeout=60
     )
     if found.stdout.strip() != str(sys.version_info[:2]):
-        pytest.skip(f"the {engine} environment runs Python {found.stdout.strip()}; lifecycle is built for {sys.version_info[:2]}")
+        built = sys.version_info[:2]
+        pytest.skip(f"the {engine} environment runs Python {found.stdout.strip()}; lifecycle is built for {built}")
     return python
 
 

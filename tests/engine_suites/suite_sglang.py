@@ -16,6 +16,7 @@ the project's own run: its name does not start with ``test_``).
 
 from __future__ import annotations
 
+import importlib
 import random
 import sys
 import unittest.mock
@@ -27,11 +28,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from peer_common import stub_torchvision  # noqa: E402
-
 # sglang's config package imports torchvision (multimodal models), whose CUDA-linked wheels cannot
-# load beside CPU-only torch; neither the radix cache nor the allocators use it.
-stub_torchvision()
+# load beside CPU-only torch; neither the radix cache nor the allocators use it (bench/peer_common.py).
+importlib.import_module("peer_common").stub_torchvision()
 
 import torch  # noqa: E402
 

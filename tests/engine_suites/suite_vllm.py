@@ -50,7 +50,8 @@ def impl(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def config(block_size: int, num_blocks: int) -> KVCacheConfig:
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    groups = [KVCacheGroupSpec(["layer"], spec)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 class Managers:
@@ -93,7 +94,7 @@ def ids(blocks: Any) -> list[int]:
 
 def free_blocks(manager: Any, total: int) -> int:
     """Blocks a new request could take (free or cached and unused), from ``usage``."""
-    return round((1.0 - manager.usage) * (total - 1))
+    return int(round((1.0 - manager.usage) * (total - 1)))
 
 
 def prefill(manager: Any, request: Request) -> tuple[list[int], int, list[int] | None]:
