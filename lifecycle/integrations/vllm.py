@@ -1,0 +1,529 @@
+"""vLLM v1's ``KVCacheManager`` interface over lifecycle's KV cache core.
+
+:class:`LifecycleKVCacheManager` takes the constructor arguments of vLLM's ``KVCacheManager`` and
+answers the calls its scheduler makes: ``get_computed_blocks`` (the longest cached prefix in whole
+blocks, never the prompt's last token), ``allocate_slots`` (None when the blocks cannot be had,
+changing nothing), ``cache_blocks``, ``free``, ``reset_prefix_cache``, ``take_events`` (vLLM's own
+event types), ``usage``, ``make_prefix_cache_stats``, ``get_blocks`` / ``get_block_ids``,
+``get_num_common_prefix_blocks``, ``evict_blocks``. Block ids are the core's: block 0 is the null
+block, as in vLLM, and ids 1.. are handed out.
+
+What differs from vLLM's manager, by design: blocks are matched by their tokens (and the
+request's LoRA adapter and cache salt), so requests need no block hasher (``block_hasher=None``
+saves vLLM's per-block sha256); a multimodal request or one given by embeddings reuses and caches
+only the blocks before its first placeholder (tokens do not name an image); the returned blocks
+are :class:`Block` objects with a ``block_id`` (reference counts and hashes stay in the core);
+eviction order is the core's (least recently used leaves first, once no block is free), so which
+block id a request gets after an eviction may differ from vLLM's. One KV cache group of full
+attention only: sliding-window, Mamba and encoder-decoder groups, EAGLE, KV connectors and
+context parallelism are refused with ``Unsupported``.
+
+Importing this module loads neither vLLM nor torch: ``make_prefix_cache_stats`` and ``take_events``
+load vLLM to build its types; without vLLM :meth:`LifecycleKVCacheManager.from_blocks` makes a
+manager for tests and replays.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final, final, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from lifecycle._blockpool import BlockPool
+from lifecycle._kvcache import KVCacheCore
+from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, Unsupported
+from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
+
+__all__ = ["Block", "BlockList", "KVCacheBlocks", "LifecycleKVCacheManager"]
+
+_EXTRA: Final = "vllm"
+_EMPTY: Final = np.zeros(0, dtype=np.int32)
+_WAITING_STATES: Final = frozenset({"WAITING", "PREEMPTED"})
+
+
+@final
+class Block:
+    """One KV block as the scheduler sees it: its id (the null block is 0)."""
+
+    __slots__ = ("block_id",)
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Block) and other.block_id == self.block_id
+
+    def __hash__(self) -> int:
+        return hash(self.block_id)
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id})"
+
+
+@final
+class BlockList(Sequence[Block]):
+    """A group's blocks as a sequence of :class:`Block`, over an int32 array of ids (made into
+    objects only when read one by one)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: npt.NDArray[np.int32]) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, index: int) -> Block: ...
+    @overload
+    def __getitem__(self, index: slice) -> BlockList: ...
+    def __getitem__(self, index: int | slice) -> Block | BlockList:
+        if isinstance(index, slice):
+            return BlockList(self.ids[index])
+        return Block(int(self.ids[index]))
+
+    def __iter__(self) -> Iterator[Block]:
+        return map(Block, self.ids.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockList):
+            return bool(np.array_equal(self.ids, other.ids))
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BlockList({self.ids.tolist()})"
+
+
+@final
+class KVCacheBlocks:
+    """What ``get_computed_blocks`` and ``allocate_slots`` return, shaped like vLLM's
+    ``KVCacheBlocks``: ``blocks[0]`` is the one group's blocks."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: npt.NDArray[np.int32] = _EMPTY) -> None:
+        self.ids = ids
+
+    @property
+    def blocks(self) -> tuple[BlockList]:
+        return (BlockList(self.ids),)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(np.concatenate((self.ids, other.ids)))
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        """``([id, ...],)``; None for no blocks when ``allow_none``."""
+        if group_ids is not None and list(group_ids) != [0]:
+            raise InvalidId(f"get_block_ids: group_ids={list(group_ids)}; this manager has one group, 0")
+        if allow_none and len(self.ids) == 0:
+            return None
+        ids: list[int] = self.ids.tolist()
+        return (ids,)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Every block id (whether a block is cached stays in the core)."""
+        ids: list[int] = self.ids.tolist()
+        return ids
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheBlocks) and bool(np.array_equal(self.ids, other.ids))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.ids.tolist()})"
+
+
+@final
+class _Live:
+    """What the manager keeps of a request it allocated for: its core record, the tokens
+    recorded in it, its blocks cached so far, and how many of its blocks may be cached."""
+
+    __slots__ = ("handle", "recorded", "cached", "cacheable")
+
+    def __init__(self, handle: int, recorded: int, cached: int, cacheable: int) -> None:
+        self.handle = handle
+        self.recorded = recorded
+        self.cached = cached
+        self.cacheable = cacheable
+
+
+class LifecycleKVCacheManager:
+    """vLLM v1's ``KVCacheManager`` over a :class:`~lifecycle.KVCacheCore` (see the module's
+    docstring). The arguments are ``KVCacheManager``'s; the core gets ``kv_cache_config.num_blocks``
+    blocks (block 0 held as the null block) of the one group's ``block_size`` tokens."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
+        if len(groups) != 1:
+            raise Unsupported(f"LifecycleKVCacheManager: {len(groups)} KV cache groups; only one is supported")
+        spec = groups[0].kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in ("FullAttentionSpec", "MLAAttentionSpec") or getattr(spec, "sliding_window", None):
+            raise Unsupported(f"LifecycleKVCacheManager: a {kind} group; only full attention is supported")
+        if use_eagle or num_hash_lookahead_tokens:
+            raise Unsupported("LifecycleKVCacheManager: EAGLE (and hash lookahead) is not supported")
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise Unsupported(
+                f"LifecycleKVCacheManager: dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}; "
+                "context parallelism is not supported"
+            )
+        block_size = int(spec.block_size)
+        for name, value in (("scheduler_block_size", scheduler_block_size), ("hash_block_size", hash_block_size)):
+            if value is not None and value != block_size:
+                raise Unsupported(f"LifecycleKVCacheManager: {name}={value} differs from the block size {block_size}")
+        self._setup(int(kv_cache_config.num_blocks), block_size, max_model_len, enable_caching=enable_caching,
+                    log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events, watermark=watermark)
+        self.kv_cache_config = kv_cache_config
+        self.metrics_collector = metrics_collector
+
+    @classmethod
+    def from_blocks(
+        cls, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool = True,
+        log_stats: bool = False, enable_kv_cache_events: bool = False, watermark: float = 0.0,
+    ) -> LifecycleKVCacheManager:
+        """A manager of ``num_blocks`` blocks (block 0 the null block) of ``block_size`` tokens,
+        without a vLLM ``KVCacheConfig``."""
+        manager = cls.__new__(cls)
+        manager._setup(num_blocks, block_size, max_model_len, enable_caching=enable_caching, log_stats=log_stats,
+                       enable_kv_cache_events=enable_kv_cache_events, watermark=watermark)
+        manager.kv_cache_config = None
+        manager.metrics_collector = None
+        return manager
+
+    def _setup(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool, log_stats: bool,
+               enable_kv_cache_events: bool, watermark: float) -> None:
+        if type(max_model_len) is not int or max_model_len < 1:
+            raise ConfigError(f"LifecycleKVCacheManager: max_model_len={max_model_len!r} must be an int >= 1")
+        if not 0.0 <= watermark < 1.0:
+            raise ConfigError(f"LifecycleKVCacheManager: watermark={watermark!r} must lie in [0, 1)")
+        if type(num_blocks) is not int or num_blocks < 2:
+            raise ConfigError(
+                f"LifecycleKVCacheManager: num_blocks={num_blocks!r}; at least 2 are needed (one is the null block)"
+            )
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = bool(enable_caching)
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self.log_stats = bool(log_stats)
+        self.num_kv_cache_groups = 1
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.core = KVCacheCore(
+            BlockPool(num_blocks), block_size, enable_prefix_cache=self.enable_caching, null_block=True,
+            events=self.enable_kv_cache_events,
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks()
+        self.prefix_cache_stats = self._new_stats() if self.log_stats else None
+        self._namespaces: CacheNamespaces[tuple[tuple[int, str] | None, str | None]] = CacheNamespaces()
+        self._live: dict[str, _Live] = {}
+        self._probe = -1  # the record of the last lookup, until allocate_slots takes it over
+        self._probe_request: str | None = None
+
+    # -- lookups and allocation -------------------------------------------------------------------
+
+    def _namespace(self, request: Any) -> int:
+        lora = request.lora_request
+        salt = request.cache_salt
+        if lora is None and salt is None:
+            return 0
+        lora_key = None if lora is None else (lora.lora_int_id, lora.lora_name)
+        return self._namespaces.key((lora_key, salt))
+
+    def _cacheable_tokens(self, request: Any) -> int:
+        """Tokens whose blocks may be reused and cached: all, or those before the first
+        multimodal placeholder (its tokens do not name the image); none for embeddings."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return 0
+        features = request.mm_features
+        if features:
+            return min(int(feature.mm_position.offset) for feature in features)
+        return 1 << 62
+
+    @staticmethod
+    def _tokens(request: Any) -> Any:
+        """The request's token ids as a list the core converts in one C loop: the prompt's own
+        list while there are no outputs (no copy), else a copy of all of them."""
+        num_tokens = request.num_tokens
+        prompt = request.prompt_token_ids
+        if prompt is not None and len(prompt) == num_tokens:
+            return prompt
+        return request.all_token_ids[:num_tokens]
+
+    def _settle(self) -> None:
+        if self._probe >= 0:
+            handle, self._probe, self._probe_request = self._probe, -1, None
+            self.core.finish(handle, False)
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Whether a lookup may run for ``request`` (caching on, and the request reads the cache)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The request's longest cached prefix in whole blocks (at most ``max_cache_hit_length``
+        tokens, by default all but the last token): its blocks, its token count, and 0 (no
+        sparse-retention junction). Takes no block until ``allocate_slots``."""
+        self._settle()
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        num_tokens = request.num_tokens
+        limit = num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, num_tokens - 1)
+        limit = min(limit, self._cacheable_tokens(request))
+        if limit < self.block_size:
+            return self.empty_kv_cache_blocks, 0, 0
+        core = self.core
+        handle = core.admit(self._tokens(request), 0, limit // self.block_size, self._namespace(request))
+        reused = core.num_blocks(handle)
+        if not reused:
+            core.finish(handle, False)
+            return self.empty_kv_cache_blocks, 0, 0
+        self._probe, self._probe_request = handle, request.request_id
+        return KVCacheBlocks(core.block_table(handle)), reused * self.block_size, 0
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """Blocks for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` speculative
+        ones) after the request's computed tokens and the ``num_new_computed_tokens`` of its
+        cached prefix: the new blocks, or None, changing nothing, when they cannot be had (after
+        evicting what may be evicted, less ``reserved_blocks`` and the watermark). The blocks of
+        the tokens computed by then are cached (at most ``request.num_tokens``)."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidId("allocate_slots: num_new_tokens must be greater than 0 when there are no computed tokens")
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise Unsupported("allocate_slots: KV connectors and encoder tokens are not supported")
+        bs = self.block_size
+        core = self.core
+        request_id = request.request_id
+        live = self._live.get(request_id)
+        opened = -1
+        if live is None:
+            expected = num_new_computed_tokens // bs
+            if num_new_computed_tokens % bs or (expected and not self.enable_caching):
+                raise InvalidId(f"allocate_slots: {num_new_computed_tokens} computed tokens are not a cached prefix")
+            if self._probe >= 0 and self._probe_request == request_id and core.num_blocks(self._probe) == expected:
+                opened, self._probe, self._probe_request = self._probe, -1, None
+            else:
+                self._settle()
+                opened = core.admit(self._tokens(request), 0, expected, self._namespace(request))
+                if core.num_blocks(opened) != expected:
+                    held = core.num_blocks(opened)
+                    core.finish(opened, False)
+                    raise SequenceStateError(
+                        f"allocate_slots: request {request_id!r} was told of {expected} cached blocks, "
+                        f"but {held} are cached now"
+                    )
+            handle, have = opened, expected
+        else:
+            self._settle()
+            handle, have = live.handle, core.num_blocks(live.handle)
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        needed = -(-min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len) // bs)
+        available = core.pool.num_free + core.num_evictable_blocks - reserved_blocks
+        status = getattr(request.status, "name", None)
+        watermark = self.watermark_blocks if has_scheduled_reqs and status in _WAITING_STATES else 0
+        must_fit = -(-min(request.num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else 0
+        if max(needed, must_fit) - have + watermark > available:
+            if opened >= 0:
+                core.finish(opened, False)
+            return None
+        if needed > have:
+            core.grow(handle, needed)
+        if live is None:
+            live = _Live(handle, request.num_tokens, have, self._cacheable_tokens(request) // bs)
+            self._live[request_id] = live
+        if not delay_cache_blocks:
+            self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))
+        if needed <= have:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(core.block_table(handle)[have:needed])
+
+    def _cache(self, request: Any, live: _Live, num_tokens: int) -> None:
+        """Record the request's tokens up to ``num_tokens`` and cache their full blocks."""
+        if not self.enable_caching:
+            return
+        core = self.core
+        if num_tokens > live.recorded:
+            core.append(live.handle, request.all_token_ids[live.recorded : num_tokens])
+            live.recorded = num_tokens
+        full = min(num_tokens // self.block_size, live.cacheable, core.num_blocks(live.handle))
+        if full > live.cached:
+            core.cache(live.handle, full)
+            live.cached = full
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Cache the full blocks of the request's first ``num_computed_tokens`` tokens."""
+        live = self._live.get(request.request_id)
+        if live is not None:
+            self._settle()
+            self._cache(request, live, min(num_computed_tokens, request.num_tokens))
+
+    def free(self, request: Any) -> None:
+        """Release the request's blocks; the ones it cached stay cached. Unknown requests are
+        ignored, as vLLM does."""
+        if self._probe_request == request.request_id:
+            self._settle()
+        live = self._live.pop(request.request_id, None)
+        if live is not None:
+            self._settle()
+            self.core.finish(live.handle, False)
+
+    # -- the whole cache --------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """The share of blocks in use by requests (cached blocks no request holds count as free,
+        as in vLLM)."""
+        self._settle()
+        total = self.core.pool.num_total - 1
+        return 1.0 - (self.core.pool.num_free + self.core.num_evictable_blocks) / total
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False, changing nothing, while any request holds blocks."""
+        self._settle()
+        if self._live or not self.core.reset():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the given blocks (and those cached after them) from the prefix cache."""
+        self._settle()
+        self.core.evict_blocks(np.fromiter(block_ids, dtype=np.int32))
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        live = self._live.get(request_id)
+        if live is None:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(self.core.block_table(live.handle))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        ids: tuple[list[int], ...] = self.get_blocks(request_id).get_block_ids()
+        return ids
+
+    def get_num_common_prefix_blocks(self, running_request_id: str | None = None) -> list[int]:
+        """The leading blocks every live request shares (cascade attention's common prefix)."""
+        handles = [live.handle for live in self._live.values()]
+        return [self.core.num_common_prefix_blocks(handles) if handles else 0]
+
+    def new_step_starts(self) -> None:
+        """Nothing to do between steps."""
+
+    def take_new_block_ids(self) -> list[int]:
+        """Blocks to zero: none (full attention never reads a block before writing it)."""
+        return []
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Nothing to skip with full attention."""
+
+    def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
+        ids = np.fromiter((block.block_id for block in itertools.chain.from_iterable(blocks)), dtype=np.int32)
+        return KVCacheBlocks(ids) if len(ids) else self.empty_kv_cache_blocks
+
+    # -- statistics and events ----------------------------------------------------------------------
+
+    def _new_stats(self) -> Any:
+        import_engine("vllm", _EXTRA)
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        return PrefixCacheStats()
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Count a lookup (vLLM's scheduler calls this after ``get_computed_blocks``)."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def make_prefix_cache_stats(self) -> Any:
+        """vLLM's ``PrefixCacheStats`` since the last call (None unless ``log_stats``)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._new_stats()
+        return stats
+
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) since the
+        last call, oldest first, naming blocks by lifecycle's content hashes; empty unless
+        ``enable_kv_cache_events``."""
+        if not self.enable_kv_cache_events:
+            return []
+        self._settle()
+        raw = self.core.take_events()
+        if len(raw) == 0:
+            return []
+        import_engine("vllm", _EXTRA)
+        from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+
+        events: list[Any] = []
+        for entry in raw_event_log(raw):
+            if entry[0] == "stored":
+                _, hashes, parent, tokens, namespace = entry
+                lora, _salt = self._namespaces.namespace(int(namespace)) or (None, None)
+                events.append(BlockStored(
+                    block_hashes=hashes.tolist(), parent_block_hash=None if parent is None else int(parent),
+                    token_ids=tokens.tolist(), block_size=self.block_size,
+                    lora_id=None if lora is None else lora[0], medium=MEDIUM_GPU,
+                    lora_name=None if lora is None else lora[1], group_idx=0,
+                ))
+            elif entry[0] == "removed":
+                events.append(BlockRemoved(block_hashes=entry[1].tolist(), medium=MEDIUM_GPU, group_idx=0))
+            else:
+                events.append(AllBlocksCleared())
+        return events
+
+    def check_invariants(self) -> None:
+        """The core's recount, and one live core record per request holding blocks."""
+        self._settle()
+        self.core.check_invariants()
+        if self.core.num_live_sequences != len(self._live):
+            raise SequenceStateError(
+                f"{self.core.num_live_sequences} core records are live for {len(self._live)} requests"
+            )

@@ -1,0 +1,554 @@
+"""SGLang's own radix-cache unit tests, ported, run against SGLang's ``RadixCache`` and
+lifecycle's ``LifecycleRadixCache`` alike (each test is parametrized over both: a test that the
+engine's own cache fails is a wrong port, not a finding).
+
+Source: ``test/registered/radix_cache/test_radix_cache_unit.py`` of sgl-project/sglang (commit
+341ffe19c346fd8dbf184b2e19e5d5c996a0496d; SGLang is Apache License 2.0, Copyright 2023-2024 SGLang
+Team), re-expressed for the interface of the SGLang installed beside it (0.5.23: ``InsertParams``
+/ ``MatchPrefixParams`` / ``EvictParams``, ``device_prefix_len`` and ``path_device_indices``,
+``checkpoint`` in place of ``cache_finished_req``), plus the request path and the allocator that
+those tests reach only through a server. ``docs/integrations.md`` lists each source test and what
+became of it.
+
+Run inside the SGLang peer environment by ``tests/test_integration_sglang.py`` (not collected by
+the project's own run: its name does not start with ``test_``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import sys
+import unittest.mock
+from array import array
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+# sglang's config package imports torchvision (multimodal models), whose CUDA-linked wheels cannot
+# load beside CPU-only torch; neither the radix cache nor the allocators use it (bench/peer_common.py).
+importlib.import_module("peer_common").stub_torchvision()
+
+import torch  # noqa: E402
+
+from lifecycle.errors import DoubleFree, LifecycleError, SequenceStateError  # noqa: E402
+from lifecycle.integrations.sglang import allocator_class, radix_cache_class  # noqa: E402
+from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
+
+LifecycleRadixCache = radix_cache_class()
+LifecyclePagedAllocator = allocator_class()
+
+IMPLEMENTATIONS = {"sglang": RadixCache, "lifecycle": LifecycleRadixCache}
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def impl(request: pytest.FixtureRequest) -> Iterator[type[Any]]:
+    """The cache class under test; lifecycle's is checked for leaks and invariants afterwards."""
+    made: list[Any] = []
+    cls = IMPLEMENTATIONS[request.param]
+    original = cls.__init__
+
+    def tracking_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    with unittest.mock.patch.object(cls, "__init__", tracking_init):
+        yield cls
+    for cache in made:
+        if hasattr(cache, "check_invariants"):
+            cache.check_invariants()
+
+
+def key(tokens: list[int], extra_key: str | None = None) -> Any:
+    return RadixKey(array("q", tokens), extra_key)
+
+
+def values(*items: int) -> torch.Tensor:
+    return torch.tensor(items, dtype=torch.int64)
+
+
+def insert(cache: Any, tokens: list[int], value: torch.Tensor | None = None, extra_key: str | None = None) -> Any:
+    return cache.insert(InsertParams(key=key(tokens, extra_key), value=value))
+
+
+def match(cache: Any, tokens: list[int], extra_key: str | None = None) -> tuple[int, list[int], Any]:
+    """(matched tokens, their KV indices, the node) of a lookup."""
+    result = cache.match_prefix(MatchPrefixParams(key=key(tokens, extra_key)))
+    node = result.last_device_node
+    return result.device_prefix_len, cache.path_device_indices(node).tolist(), node
+
+
+def mock_allocator() -> Any:
+    allocator = unittest.mock.Mock()
+    allocator.device = torch.device("cpu")
+    return allocator
+
+
+def freed_by(allocator: Any) -> list[int]:
+    """Every KV index the cache handed back to a mock allocator, in any free call."""
+    out: list[int] = []
+    for call in allocator.free_segment.call_args_list + allocator.free.call_args_list:
+        out += call.args[0].tolist()
+    return sorted(out)
+
+
+# -- TestRadixCache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("page_size", "disable", "events"), [(1, False, False), (4, False, True), (1, True, False)])
+def test_init_variations(impl: type[Any], page_size: int, disable: bool, events: bool) -> None:
+    cache = impl.create_simulated(disable=disable, page_size=page_size, enable_kv_cache_events=events)
+    assert cache.page_size == page_size
+    assert cache.disable == disable
+    assert cache.device == torch.device("cpu")
+    assert cache.root_node is not None
+    assert cache.total_size() == 0
+
+
+def test_reset(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    assert cache.total_size() > 0
+    cache.reset()
+    assert (cache.total_size(), cache.evictable_size(), cache.protected_size()) == (0, 0, 0)
+    assert match(cache, [1, 2, 3])[0] == 0
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_insert_and_match_basic(impl: type[Any], disable: bool) -> None:
+    cache = impl.create_simulated(disable=disable)
+    assert insert(cache, [1, 2, 3], values(10, 20, 30)).prefix_len == 0
+    if disable:
+        assert cache.total_size() == 0
+        assert match(cache, [1, 2, 3])[0] == 0
+        return
+    assert cache.total_size() == 3
+    assert cache.evictable_size() == 3
+    assert match(cache, [1, 2, 3])[:2] == (3, [10, 20, 30])
+    assert match(cache, [1, 2])[:2] == (2, [10, 20])
+
+
+def test_insert_with_none_value(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    assert insert(cache, [1, 2, 3]).prefix_len == 0
+    assert cache.total_size() == 3
+    assert match(cache, [1, 2, 3])[:2] == (3, [1, 2, 3])  # the tokens themselves stand in for indices
+
+
+def test_total_size(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    assert cache.total_size() == 0
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    assert cache.total_size() == 3
+    insert(cache, [4, 5], values(40, 50))
+    assert cache.total_size() == 5
+
+
+def test_insert_reports_the_cached_prefix_and_keeps_the_first_indices(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    assert insert(cache, [1, 2, 3, 4], values(11, 21, 31, 41)).prefix_len == 3
+    assert match(cache, [1, 2, 3, 4])[:2] == (4, [10, 20, 30, 41])
+
+
+@pytest.mark.parametrize(("page_size", "events"), [(1, True), (2, True), (1, False)])
+def test_kv_cache_events(impl: type[Any], page_size: int, events: bool) -> None:
+    cache = impl.create_simulated(page_size=page_size, enable_kv_cache_events=events)
+    insert(cache, [1, 2, 3, 4, 5])
+    taken = cache.take_events()
+    if not events:
+        assert taken == []
+        return
+    stored = [event for event in taken if isinstance(event, BlockStored)]
+    assert stored
+    assert all(event.block_size == page_size for event in stored)
+    # The stored pages, in order, are the key's whole pages (SGLang coalesces a chain into one event).
+    assert [token for event in stored for token in event.token_ids] == [1, 2, 3, 4, 5][: 5 // page_size * page_size]
+    assert sum(len(event.block_hashes) for event in stored) == 5 // page_size
+
+
+def test_kv_cache_events_with_eviction(impl: type[Any]) -> None:
+    cache = impl.create_simulated(mock_allocator=mock_allocator(), enable_kv_cache_events=True)
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    cache.evict(EvictParams(num_tokens=3))
+    taken = cache.take_events()
+    stored = {h for event in taken if isinstance(event, BlockStored) for h in event.block_hashes}
+    removed = {h for event in taken if isinstance(event, BlockRemoved) for h in event.block_hashes}
+    assert stored and removed == stored
+
+
+def test_kv_cache_events_on_reset(impl: type[Any]) -> None:
+    cache = impl.create_simulated(enable_kv_cache_events=True)
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    cache.take_events()
+    cache.reset()
+    assert any(isinstance(event, AllBlocksCleared) for event in cache.take_events())
+
+
+def test_extra_key_isolation(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2, 3], values(10, 20, 30), "key1")
+    insert(cache, [1, 2, 3], values(40, 50, 60), "key2")
+    insert(cache, [1, 2, 3], values(70, 80, 90))
+    assert match(cache, [1, 2, 3], "key1")[:2] == (3, [10, 20, 30])
+    assert match(cache, [1, 2, 3], "key2")[:2] == (3, [40, 50, 60])
+    assert match(cache, [1, 2, 3])[:2] == (3, [70, 80, 90])
+    assert match(cache, [1, 2, 3], "nonexistent")[0] == 0
+
+
+def test_lock_ref_operations(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    node = match(cache, [1, 2, 3])[2]
+    evictable, protected = cache.evictable_size(), cache.protected_size()
+    assert cache.inc_lock_ref(node).delta == -3
+    assert (cache.protected_size(), cache.evictable_size()) == (protected + 3, evictable - 3)
+    assert cache.dec_lock_ref(node).delta == 3
+    assert (cache.protected_size(), cache.evictable_size()) == (protected, evictable)
+
+
+def test_a_locked_path_is_not_evicted(impl: type[Any]) -> None:
+    allocator = mock_allocator()
+    cache = impl.create_simulated(mock_allocator=allocator)
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    insert(cache, [7, 8], values(70, 80))
+    node = match(cache, [1, 2, 3])[2]
+    lock = cache.lock(node)
+    cache.evict(EvictParams(num_tokens=100))
+    assert freed_by(allocator) == [70, 80]
+    assert match(cache, [1, 2, 3])[:2] == (3, [10, 20, 30])
+    cache.unlock(lock)
+    cache.evict(EvictParams(num_tokens=100))
+    assert freed_by(allocator) == [10, 20, 30, 70, 80]
+    assert cache.total_size() == 0
+
+
+def test_lock_receipts_release_the_lock_they_took(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2, 3, 4], values(10, 20, 30, 40))
+    short = match(cache, [1, 2])[2]
+    long = match(cache, [1, 2, 3, 4])[2]
+    first, second = cache.lock(long), cache.lock(short)
+    assert cache.protected_size() == 4
+    cache.unlock(first)
+    assert (cache.protected_size(), cache.evictable_size()) == (2, 2)
+    cache.unlock(second)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 4)
+
+
+def test_evict_functionality(impl: type[Any]) -> None:
+    allocator = mock_allocator()
+    cache = impl.create_simulated(mock_allocator=allocator)
+    insert(cache, [1, 2], values(10, 20))
+    insert(cache, [3, 4], values(30, 40))
+    initial = cache.total_size()
+    evicted = cache.evict(EvictParams(num_tokens=2)).num_tokens_evicted
+    assert evicted >= 2
+    assert cache.total_size() == initial - evicted
+    assert len(freed_by(allocator)) == evicted
+
+
+def test_evicting_more_than_is_cached_empties_the_cache(impl: type[Any]) -> None:
+    allocator = mock_allocator()
+    cache = impl.create_simulated(mock_allocator=allocator)
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    insert(cache, [1, 2, 9], values(11, 21, 91))
+    assert cache.evict(EvictParams(num_tokens=1000)).num_tokens_evicted == 4
+    assert (cache.total_size(), cache.evictable_size()) == (0, 0)
+    assert freed_by(allocator) == [10, 20, 30, 91]
+
+
+def test_least_recently_used_goes_first(impl: type[Any]) -> None:
+    allocator = mock_allocator()
+    cache = impl.create_simulated(mock_allocator=allocator)
+    insert(cache, [1, 1], values(10, 11))
+    insert(cache, [2, 2], values(20, 21))
+    insert(cache, [3, 3], values(30, 31))
+    match(cache, [1, 1])  # now the most recently used
+    cache.evict(EvictParams(num_tokens=4))
+    assert match(cache, [1, 1])[0] == 2
+    assert freed_by(allocator) == [20, 21, 30, 31]
+
+
+@pytest.mark.parametrize(("page_size", "length"), [(1, 5), (2, 5), (4, 6)])
+def test_page_alignment_boundary(impl: type[Any], page_size: int, length: int) -> None:
+    cache = impl.create_simulated(page_size=page_size)
+    tokens = list(range(length))
+    insert(cache, tokens, torch.tensor(tokens, dtype=torch.int64))
+    matched, indices, _ = match(cache, tokens)
+    assert matched == length // page_size * page_size > 0
+    assert indices == tokens[:matched]
+
+
+def test_pretty_print_basic(impl: type[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    cache.pretty_print()
+    assert capsys.readouterr().out
+
+
+def test_all_values_flatten(impl: type[Any]) -> None:
+    cache = impl.create_simulated()
+    insert(cache, [1, 2], values(10, 20))
+    insert(cache, [3, 4], values(30, 40))
+    assert sorted(cache.all_values_flatten().tolist()) == [10, 20, 30, 40]
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_advanced_prefix_match_with_node_splits(impl: type[Any], page_size: int) -> None:
+    cache = impl.create_simulated(page_size=page_size)
+    seq1 = [1, 2, 3, 4, 5, 6, 7, 8]
+    val1 = [x * 10 for x in seq1]
+    insert(cache, seq1, values(*val1))
+    seq2 = [1, 2, 9, 10]
+    val2 = [x * 10 for x in seq2]
+    insert(cache, seq2, values(*val2))
+    assert cache.total_size() == 10
+    assert match(cache, [1, 2, 3, 4, 999, 1000])[1] == val1[:4]
+    assert cache.total_size() == 10  # a match that splits a node changes no data
+    assert match(cache, seq1)[1] == val1
+    assert match(cache, [1, 2, 3, 4, 5, 6, 777, 888])[1] == val1[:6]
+    assert match(cache, seq2)[1] == val2
+
+
+def test_hash_value_repeating_tokens(impl: type[Any]) -> None:
+    cache = impl.create_simulated(page_size=4, enable_kv_cache_events=True)
+    insert(cache, [1, 2, 3, 4, 1, 2, 3, 4])
+    stored = [event for event in cache.take_events() if isinstance(event, BlockStored)]
+    hashes = [h for event in stored for h in event.block_hashes]
+    assert len(hashes) == 2 and hashes[0] != hashes[1]  # the hash covers the position, not only the page
+    assert stored[0].parent_block_hash is None
+
+
+def test_hash_value_split(impl: type[Any]) -> None:
+    cache = impl.create_simulated(page_size=2, enable_kv_cache_events=True)
+    insert(cache, [1, 2, 3, 4])
+    first = [h for event in cache.take_events() if isinstance(event, BlockStored) for h in event.block_hashes]
+    insert(cache, [1, 2, 5, 6])
+    [event] = [event for event in cache.take_events() if isinstance(event, BlockStored)]
+    assert event.token_ids == [5, 6]
+    assert event.parent_block_hash == first[0]  # the split node's page keeps its hash
+
+
+# -- a differential run: the same random traffic through both caches gives the same answers ----------
+
+
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_random_traffic_matches_sglang_until_the_first_eviction(page_size: int) -> None:
+    rng = random.Random(page_size)
+    ours = LifecycleRadixCache.create_simulated(page_size=page_size)
+    theirs = RadixCache.create_simulated(page_size=page_size)
+    next_index = 1000
+    locks: list[tuple[Any, Any]] = []
+    for _ in range(400):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        action = rng.random()
+        if action < 0.45:
+            value = torch.arange(next_index, next_index + len(tokens), dtype=torch.int64)
+            next_index += len(tokens)
+            assert insert(ours, tokens, value).prefix_len == insert(theirs, tokens, value).prefix_len
+        elif action < 0.8:
+            mine, their = match(ours, tokens), match(theirs, tokens)
+            assert mine[:2] == their[:2], tokens
+            if mine[0] and rng.random() < 0.5:
+                locks.append((ours.lock(mine[2]), theirs.lock(their[2])))
+        elif locks:
+            mine_lock, their_lock = locks.pop(rng.randrange(len(locks)))
+            ours.unlock(mine_lock)
+            theirs.unlock(their_lock)
+        assert (ours.total_size(), ours.evictable_size(), ours.protected_size()) == (
+            theirs.total_size(), theirs.evictable_size(), theirs.protected_size()
+        )
+        ours.check_invariants()
+
+
+# -- the request path: checkpoint, then release ---------------------------------------------------------
+
+
+class Kv:
+    """What ``checkpoint`` and ``free_kv_row`` read of a request's KV record (SGLang's
+    ``ReqKvInfo`` lives in the scheduler module, which needs the server's dependencies)."""
+
+    def __init__(self, req_pool_idx: int) -> None:
+        self.req_pool_idx = req_pool_idx
+        self.cache_protected_len = 0
+        self.cache_inserted_len = 0
+        self.swa_evict_floor = 0
+
+    def get_evicted_seqlen(self, component_type: ComponentType) -> int:
+        return 0
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        return self.cache_protected_len
+
+
+class Request:
+    """The fields of SGLang's ``Req`` that the cache reads."""
+
+    def __init__(self, row: int, tokens: list[int]) -> None:
+        self.kv = Kv(row)
+        self.full_untruncated_fill_ids = array("q", tokens)
+        self.origin_input_ids = array("q", tokens)
+        self.extra_key: str | None = None
+        self.cache_salt: str | None = None
+        self.priority = 0
+        self.lock: Any = None
+        self.last_node: Any = None
+
+
+ALLOCATORS: dict[str, Callable[[int, int], Any]] = {
+    "sglang": lambda size, ps: (PagedTokenToKVPoolAllocator if ps > 1 else _token_allocator)(
+        size, ps, torch.float16, "cpu", None, need_sort=False
+    ),
+    "lifecycle": lambda size, ps: LifecyclePagedAllocator(size, ps, torch.float16, "cpu", None, need_sort=False),
+}
+
+
+def _token_allocator(size: int, page_size: int, dtype: Any, device: str, kvcache: Any, need_sort: bool) -> Any:
+    return TokenToKVPoolAllocator(size, dtype, device, kvcache, need_sort)
+
+
+def serve(cache: Any, allocator: Any, pool: Any, row: int, tokens: list[int]) -> int:
+    """One request as SGLang's scheduler runs it: match (all but the last token), lock, allocate
+    the rest, write the row, then release it with a checkpoint. Returns the matched tokens."""
+    ps = allocator.page_size
+    req = Request(row, tokens)
+    result = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), limit=len(tokens) - 1)))
+    req.last_node = result.last_device_node
+    req.lock = cache.lock(req.last_node)
+    matched = result.device_prefix_len
+    prefix = cache.path_device_indices(req.last_node)[:matched]
+    need = len(tokens) - matched
+    if allocator.available_size() < -(-need // ps) * ps:
+        cache.evict(EvictParams(num_tokens=-(-need // ps) * ps - allocator.available_size()))
+    new = allocator.alloc(-(-need // ps) * ps)
+    assert new is not None
+    pool.write((row, slice(0, len(tokens))), torch.cat([prefix, new])[: len(tokens)])
+    req.kv.cache_protected_len = matched
+    cache.checkpoint(req, up_to=len(tokens))
+    # What release_kv_cache does after the checkpoint: free the row past the cache's part, unlock.
+    # (The last page's unused slots go with it: nothing is over-allocated past that page.)
+    cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, len(tokens))])
+    cache.unlock(req.lock)
+    return int(matched)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("allocator_kind", sorted(ALLOCATORS))
+def test_requests_served_through_checkpoint_share_prefixes_and_leak_nothing(
+    impl: type[Any], allocator_kind: str, page_size: int
+) -> None:
+    pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    allocator = ALLOCATORS[allocator_kind](64 * page_size, page_size)
+    cache = impl(CacheInitParams(
+        disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=allocator, page_size=page_size
+    ))
+    capacity = allocator.available_size()
+    system = list(range(1, 21))
+    assert serve(cache, allocator, pool, 1, system + [50, 51, 52]) == 0
+    assert serve(cache, allocator, pool, 2, system + [60, 61]) == 20 // page_size * page_size
+    assert serve(cache, allocator, pool, 1, system + [50, 51, 52, 53]) == 23 // page_size * page_size
+    assert cache.protected_size() == 0
+    # Every index is free or cached; evicting everything gives them all back.
+    assert allocator.available_size() + cache.total_size() == capacity
+    cache.evict(EvictParams(num_tokens=capacity))
+    assert (allocator.available_size(), cache.total_size()) == (capacity, 0)
+
+
+def test_requests_evict_under_pressure_and_still_leak_nothing(impl: type[Any]) -> None:
+    page_size = 2
+    pool = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    allocator = ALLOCATORS["lifecycle"](24 * page_size, page_size)
+    cache = impl(CacheInitParams(
+        disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=allocator, page_size=page_size
+    ))
+    capacity = allocator.available_size()
+    rng = random.Random(5)
+    for i in range(60):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(4, 30))]
+        serve(cache, allocator, pool, 1 + i % 3, tokens)
+        assert allocator.available_size() + cache.total_size() == capacity
+        allocator.check_invariants()
+
+
+# -- the allocator --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(ALLOCATORS))
+def test_the_allocator_hands_out_whole_pages_never_page_zero_and_none_when_short(kind: str) -> None:
+    allocator = ALLOCATORS[kind](8 * 4, 4)
+    assert allocator.available_size() == 32
+    first = allocator.alloc(12)
+    assert first is not None and len(first) == 12
+    pages = {index // 4 for index in first.tolist()}
+    assert len(pages) == 3 and 0 not in pages
+    assert all(first[i].item() % 4 == i % 4 for i in range(12))
+    assert allocator.alloc(24) is None and allocator.available_size() == 20
+    allocator.free(first)
+    assert allocator.available_size() == 32
+
+
+def test_the_allocator_refuses_a_double_free_and_changes_nothing() -> None:
+    allocator = ALLOCATORS["lifecycle"](8 * 4, 4)
+    held = allocator.alloc(8)
+    allocator.free(held)
+    with pytest.raises(DoubleFree):
+        allocator.free(held)
+    assert allocator.available_size() == 32
+    allocator.check_invariants()
+
+
+def test_the_allocator_batches_frees_in_a_group() -> None:
+    allocator = ALLOCATORS["lifecycle"](8 * 4, 4)
+    a, b = allocator.alloc(4), allocator.alloc(8)
+    allocator.free_group_begin()
+    allocator.free(a)
+    allocator.free_segment(b, start_pos=0)
+    assert allocator.available_size() == 20
+    allocator.free_group_end()
+    assert allocator.available_size() == 32
+
+
+@pytest.mark.parametrize("kind", sorted(ALLOCATORS))
+def test_alloc_extend_continues_partial_pages_then_takes_new_ones(kind: str) -> None:
+    allocator = ALLOCATORS[kind](16 * 4, 4)
+    first = allocator.alloc(8)  # a page for each of two requests' prefixes
+    assert first is not None
+    last_loc = torch.tensor([first[2].item(), first[7].item()])  # prefixes of 3 and 4 tokens
+    prefix_lens = torch.tensor([3, 4])
+    seq_lens = torch.tensor([9, 6])
+    out = allocator.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last_loc, 8)
+    assert out is not None and len(out) == 8
+    assert out[0].item() == first[3].item()  # fills the rest of the first request's page
+    new_pages = {index // 4 for index in out.tolist()} - {index // 4 for index in first.tolist()}
+    assert len(new_pages) == 3  # 5 more tokens of request 0 (2 pages), 2 of request 1 (1 page)
+    assert allocator.available_size() == (16 - 2 - 3) * 4
+
+
+def test_a_lock_on_an_evicted_path_is_refused_by_name() -> None:
+    cache = LifecycleRadixCache.create_simulated(mock_allocator=mock_allocator())
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    node = match(cache, [1, 2, 3])[2]
+    cache.evict(EvictParams(num_tokens=3))
+    with pytest.raises(SequenceStateError, match="evicted"):
+        cache.inc_lock_ref(node)
+    cache.check_invariants()
+
+
+def test_an_unlock_without_a_lock_is_refused_by_name() -> None:
+    cache = LifecycleRadixCache.create_simulated()
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    node = match(cache, [1, 2, 3])[2]
+    with pytest.raises(LifecycleError, match="no lock"):
+        cache.dec_lock_ref(node)
+    cache.check_invariants()

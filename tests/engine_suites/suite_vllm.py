@@ -1,0 +1,446 @@
+"""vLLM's own prefix-caching tests of the KV cache manager, ported, run against vLLM's
+``KVCacheManager`` and lifecycle's ``LifecycleKVCacheManager`` alike (each parametrized test runs
+on both: one that vLLM's own manager fails is a wrong port, not a finding).
+
+Source: ``tests/v1/core/test_prefix_caching.py`` of vllm-project/vllm (commit
+003df2961dd8830c317a61f9745ccd557da9fa06; vLLM is Apache License 2.0, Copyright contributors to the
+vLLM project), the tests that drive the manager through its interface with one full-attention
+group, re-expressed for the vLLM installed beside it (0.33.0). Assertions on vLLM's internals
+(``block_pool.free_block_queue`` order, ``ref_cnt``, ``block_hash`` of a block, the hash functions)
+become assertions on what the scheduler sees: hit lengths, which block ids are reused, free
+capacity (``usage``), events. ``docs/integrations.md`` lists each source test and what became of
+it.
+
+Run inside the vLLM peer environment by ``tests/test_integration_vllm.py`` (not collected by the
+project's own run: its name does not start with ``test_``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from lifecycle.integrations.vllm import LifecycleKVCacheManager
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.request import Request
+
+IMPLEMENTATIONS = {"vllm": KVCacheManager, "lifecycle": LifecycleKVCacheManager}
+
+
+@pytest.fixture(autouse=True)
+def _hash_seed() -> None:
+    init_none_hash(sha256)
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield request.param
+
+
+def config(block_size: int, num_blocks: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["layer"], spec)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+class Managers:
+    """Builds managers of one implementation and checks lifecycle's after every test."""
+
+    def __init__(self, impl: str) -> None:
+        self.impl = impl
+        self.made: list[Any] = []
+
+    def __call__(self, block_size: int, num_blocks: int, **kwargs: Any) -> Any:
+        manager = IMPLEMENTATIONS[self.impl](
+            config(block_size, num_blocks), max_model_len=8192, scheduler_block_size=block_size,
+            hash_block_size=block_size, **{"enable_caching": True, **kwargs},
+        )
+        self.made.append(manager)
+        return manager
+
+    def request(self, request_id: str, tokens: list[int], block_size: int, **kwargs: Any) -> Request:
+        """vLLM's test requests; lifecycle's manager needs no block hasher (it matches tokens)."""
+        params = SamplingParams(max_tokens=17, prompt_logprobs=kwargs.pop("prompt_logprobs", None))
+        params.update_from_generation_config({}, eos_token_id=100)
+        hasher = get_request_block_hasher(block_size, sha256) if self.impl == "vllm" else None
+        return Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
+                       block_hasher=hasher, **kwargs)
+
+
+@pytest.fixture
+def make(impl: str) -> Iterator[Managers]:
+    managers = Managers(impl)
+    yield managers
+    for manager in managers.made:
+        if isinstance(manager, LifecycleKVCacheManager):
+            manager.check_invariants()
+
+
+def ids(blocks: Any) -> list[int]:
+    [group] = blocks.get_block_ids()
+    return list(group)
+
+
+def free_blocks(manager: Any, total: int) -> int:
+    """Blocks a new request could take (free or cached and unused), from ``usage``."""
+    return int(round((1.0 - manager.usage) * (total - 1)))
+
+
+def prefill(manager: Any, request: Request) -> tuple[list[int], int, list[int] | None]:
+    """What the scheduler does for a waiting request: lookup, then allocate the rest of its prompt."""
+    computed, num_computed, _ = manager.get_computed_blocks(request)
+    blocks = manager.allocate_slots(request, request.num_tokens - num_computed, num_computed, computed)
+    return ids(computed), num_computed, None if blocks is None else ids(blocks)
+
+
+# -- ported tests ------------------------------------------------------------------------------------
+
+
+def test_prefill(make: Managers) -> None:
+    manager = make(16, 11)
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16)
+    assert prefill(manager, req0) == ([], 0, [1, 2, 3, 4])
+    # A hit on the common prefix while the first request still holds it.
+    req1 = make.request("1", common + [3] * 5, 16)
+    hit, num_computed, new = prefill(manager, req1)
+    assert (hit, num_computed) == ([1, 2, 3], 48)
+    assert new is not None and len(new) == 1 and new[0] not in (1, 2, 3, 4)
+    assert free_blocks(manager, 11) == 5
+    manager.free(req0)
+    manager.free(req1)
+    assert free_blocks(manager, 11) == 10
+    # A hit on the common prefix once nobody holds it.
+    req2 = make.request("2", common + [3] * 6, 16)
+    hit, num_computed, new = prefill(manager, req2)
+    assert (hit, num_computed) == ([1, 2, 3], 48) and new is not None and len(new) == 1
+    manager.free(req2)
+    # A miss that needs every block evicts the cached ones.
+    req3 = make.request("3", [99] * 160, 16)
+    hit, num_computed, new = prefill(manager, req3)
+    assert (hit, num_computed) == ([], 0)
+    assert new is not None and sorted(new) == list(range(1, 11))
+    assert free_blocks(manager, 11) == 0
+    manager.free(req3)
+    assert prefill(manager, make.request("4", common + [3], 16))[1] == 0
+
+
+def test_prefill_plp(make: Managers) -> None:
+    manager = make(16, 11)
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16, prompt_logprobs=5)
+    assert prefill(manager, req0) == ([], 0, [1, 2, 3, 4])
+    req1 = make.request("1", common + [3] * 5, 16)
+    hit, num_computed, _ = prefill(manager, req1)
+    assert (hit, num_computed) == ([1, 2, 3], 48)  # a prompt-logprobs request still caches its blocks
+    manager.free(req0)
+    manager.free(req1)
+    req2 = make.request("2", common + [3] * 6, 16, prompt_logprobs=5)
+    hit, num_computed, new = prefill(manager, req2)
+    assert (hit, num_computed) == ([], 0)  # ... but never reads the cache
+    assert new is not None and len(new) == 4 and new != [1, 2, 3, 4]
+    manager.free(req2)
+
+
+def test_decode(make: Managers) -> None:
+    manager = make(16, 11)
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16)
+    assert prefill(manager, req0) == ([], 0, [1, 2, 3, 4])
+    req0.num_computed_tokens = 55
+    for _ in range(4):
+        req0.append_output_token_ids(8)
+    new = manager.allocate_slots(req0, 4)
+    assert new is not None and ids(new) == []  # the partial block has room
+    req0.num_computed_tokens = 59
+    for _ in range(9 + 10):
+        req0.append_output_token_ids(7)
+    new = manager.allocate_slots(req0, 19)
+    assert new is not None and len(ids(new)) == 1
+    # The block the decode filled was cached: a request sharing those 64 tokens hits 4 blocks.
+    tokens = list(req0.all_token_ids[:64]) + [1]
+    hit, num_computed, _ = prefill(manager, make.request("1", tokens, 16))
+    assert (hit, num_computed) == ([1, 2, 3, 4], 64)
+
+
+def test_evict(make: Managers) -> None:
+    manager = make(16, 11)
+    last = 5 * 16 + 7
+    req0 = make.request("0", list(range(last)), 16)
+    assert prefill(manager, req0) == ([], 0, [1, 2, 3, 4, 5, 6])
+    req1 = make.request("1", list(range(last, last + 3 * 16)), 16)
+    _, _, new = prefill(manager, req1)
+    assert new is not None and len(new) == 3
+    assert free_blocks(manager, 11) == 1
+    manager.free(req0)
+    manager.free(req1)
+    assert free_blocks(manager, 11) == 10
+    req2 = make.request("2", list(range(2 * 16 + 3)), 16)
+    hit, num_computed, new = prefill(manager, req2)
+    assert (hit, num_computed) == ([1, 2], 32)
+    assert new is not None and len(new) == 1 and new[0] not in (1, 2)
+    assert free_blocks(manager, 11) == 7
+
+
+def test_hash_block_correct_reuse(make: Managers) -> None:
+    manager = make(16, 2)
+    req = make.request("0", list(range(16)), 16)
+    assert prefill(manager, req) == ([], 0, [1])
+    manager.free(req)
+    # The only block is cached; a 15-token request takes it over (evicting it) ...
+    req = make.request("1", list(range(15)), 16)
+    assert prefill(manager, req) == ([], 0, [1])
+    manager.free(req)
+    # ... so the first prompt no longer hits.
+    assert prefill(manager, make.request("2", list(range(17)), 16))[1] == 0
+
+
+def test_computed_blocks_not_evicted(make: Managers) -> None:
+    manager = make(16, 3)
+    req0 = make.request("0", list(range(16)), 16)
+    assert prefill(manager, req0) == ([], 0, [1])
+    req1 = make.request("1", list(range(16, 32)), 16)
+    assert prefill(manager, req1) == ([], 0, [2])
+    manager.free(req0)
+    manager.free(req1)
+    # A hit on the first block evicts the other cached block, never the one it hit.
+    assert prefill(manager, make.request("2", list(range(32)), 16)) == ([1], 16, [2])
+
+
+def test_basic_prefix_caching_disabled(make: Managers) -> None:
+    manager = make(4, 5, enable_caching=False)
+    req1 = make.request("1", list(range(10)), 4)
+    assert prefill(manager, req1)[1:] == (0, [1, 2, 3])
+    manager.free(req1)
+    req2 = make.request("2", list(range(16)), 4)
+    _, num_computed, new = prefill(manager, req2)
+    assert num_computed == 0 and new is not None and len(new) == 4
+    assert prefill(manager, make.request("3", list(range(4)), 4)) == ([], 0, None)
+
+
+def test_cache_key_salting(make: Managers) -> None:
+    manager = make(16, 11)
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 11, 16, cache_salt="salt1")
+    assert prefill(manager, req0) == ([], 0, [1, 2, 3, 4])
+    assert prefill(manager, make.request("1", common + [4] * 11, 16, cache_salt="salt1"))[1] == 48
+    assert prefill(manager, make.request("2", common + [4] * 11, 16, cache_salt="salt2"))[1] == 0
+    assert prefill(manager, make.request("3", common + [4] * 11, 16))[1] == 0
+
+
+def test_lora_requests_share_only_with_the_same_adapter(make: Managers) -> None:
+    manager = make(16, 20)
+    common = [i for i in range(3) for _ in range(16)]
+    lora = LoRARequest(lora_name="a", lora_int_id=1, lora_path="/a")
+    other = LoRARequest(lora_name="b", lora_int_id=2, lora_path="/b")
+    prefill(manager, make.request("0", common + [5], 16, lora_request=lora))
+    assert prefill(manager, make.request("1", common + [6], 16, lora_request=lora))[1] == 48
+    assert prefill(manager, make.request("2", common + [7], 16, lora_request=other))[1] == 0
+    assert prefill(manager, make.request("3", common + [8], 16))[1] == 0
+
+
+def test_prefill_not_enough_free_blocks_with_computed_blocks(make: Managers) -> None:
+    manager = make(16, 11)
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common, 16)
+    _, _, part0 = prefill(manager, req0)
+    req1 = make.request("1", common * 2, 16)
+    hit, num_computed, new = prefill(manager, req1)
+    assert (hit, num_computed) == (part0, 48) and new is not None
+    part1 = hit + new
+    manager.free(req1)
+    req2 = make.request("2", [7] * 32, 16)
+    prefill(manager, req2)
+    assert free_blocks(manager, 11) == 5
+    # Req3 hits all 6 blocks of req1 but cannot get 3 more: nothing it hit is taken.
+    req3 = make.request("3", common * 3, 16)
+    computed, num_computed, _ = manager.get_computed_blocks(req3)
+    assert (ids(computed), num_computed) == (part1, 96)
+    assert manager.allocate_slots(req3, 48, num_computed, computed) is None
+    assert free_blocks(manager, 11) == 5
+    assert manager.get_computed_blocks(make.request("4", common * 3, 16))[1] == 96
+
+
+def test_reset_prefix_cache(make: Managers) -> None:
+    manager = make(16, 11)
+    full = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", full + [3] * 7, 16)
+    blocks = manager.allocate_slots(req0, 55)
+    assert blocks is not None and ids(blocks) == [1, 2, 3, 4]
+    req1 = make.request("1", full + [4] * 7, 16)
+    hit, _, new = prefill(manager, req1)
+    assert hit == [1, 2, 3] and new is not None and len(new) == 1
+    assert not manager.reset_prefix_cache()  # blocks in use
+    manager.free(req0)
+    manager.free(req1)
+    assert manager.reset_prefix_cache()
+    assert prefill(manager, make.request("2", full + [3] * 7, 16))[1] == 0
+
+
+def test_prefix_cache_stats_disabled(make: Managers) -> None:
+    manager = make(16, 11, log_stats=False)
+    assert manager.prefix_cache_stats is None
+    prefill(manager, make.request("0", list(range(16)), 16))
+    manager.reset_prefix_cache()
+    assert manager.prefix_cache_stats is None
+    assert manager.make_prefix_cache_stats() is None
+
+
+def test_prefix_cache_stats_count_requests_queries_and_hits(make: Managers) -> None:
+    manager = make(16, 11, log_stats=True)
+    common = [i for i in range(3) for _ in range(16)]
+    for number, tokens in enumerate((common + [1], common + [2])):
+        request = make.request(str(number), tokens, 16)
+        computed, num_computed, _ = manager.get_computed_blocks(request)
+        manager.record_prefix_cache_stats(request, num_computed)
+        manager.allocate_slots(request, request.num_tokens - num_computed, num_computed, computed)
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (2, 98, 48)
+    assert manager.make_prefix_cache_stats().requests == 0
+
+
+@pytest.mark.parametrize("blocks_to_cache", [2, 3, 10])
+def test_kv_cache_events(make: Managers, blocks_to_cache: int) -> None:
+    manager = make(16, blocks_to_cache + 1, enable_kv_cache_events=True)
+    num_tokens = 16 * blocks_to_cache
+    req0 = make.request("0", list(range(num_tokens)), 16)
+    manager.allocate_slots(req0, num_tokens)
+    events = manager.take_events()
+    stored = events[-1]
+    assert isinstance(stored, BlockStored)
+    assert len(stored.block_hashes) == blocks_to_cache
+    assert stored.token_ids == list(range(num_tokens)) and stored.block_size == 16
+    assert manager.take_events() == []
+    # The same tokens without a lookup: every cached block is evicted (removed), then stored again.
+    manager.free(req0)
+    req1 = make.request("1", list(range(num_tokens)), 16)
+    manager.allocate_slots(req1, num_tokens)
+    events = manager.take_events()
+    removed = {h for event in events if isinstance(event, BlockRemoved) for h in event.block_hashes}
+    assert removed == set(stored.block_hashes)
+    assert isinstance(events[-1], BlockStored) and len(events[-1].block_hashes) == blocks_to_cache
+    manager.free(req1)
+    assert manager.reset_prefix_cache()
+    assert isinstance(manager.take_events()[-1], AllBlocksCleared)
+
+
+@pytest.mark.parametrize("blocks_to_cache", [2, 3, 10])
+def test_kv_cache_events_with_lora(make: Managers, blocks_to_cache: int) -> None:
+    manager = make(16, blocks_to_cache + 1, enable_kv_cache_events=True)
+    num_tokens = 16 * blocks_to_cache
+    lora = LoRARequest(lora_name="test_lora", lora_int_id=42, lora_path="/test/path")
+    with_lora = make.request("lora_req", list(range(num_tokens)), 16, lora_request=lora)
+    manager.allocate_slots(with_lora, num_tokens)
+    event = manager.take_events()[-1]
+    assert isinstance(event, BlockStored)
+    assert (event.lora_id, len(event.block_hashes), event.block_size) == (42, blocks_to_cache, 16)
+    manager.free(with_lora)
+    without = make.request("no_lora_req", list(range(num_tokens)), 16)
+    manager.allocate_slots(without, num_tokens)
+    event = manager.take_events()[-1]
+    assert isinstance(event, BlockStored) and event.lora_id is None and len(event.block_hashes) == blocks_to_cache
+
+
+def test_allocate_slots_with_lookahead_reserves_the_speculative_blocks(make: Managers) -> None:
+    manager = make(16, 11)
+    req = make.request("0", list(range(20)), 16)
+    computed, num_computed, _ = manager.get_computed_blocks(req)
+    blocks = manager.allocate_slots(req, 20, num_computed, computed, num_lookahead_tokens=30)
+    assert blocks is not None and len(ids(blocks)) == 4  # ceil(50 / 16)
+    assert manager.get_block_ids("0") == (ids(blocks),)
+
+
+def test_a_request_that_does_not_fit_takes_nothing(make: Managers) -> None:
+    manager = make(16, 5)
+    held = make.request("0", list(range(40)), 16)
+    assert prefill(manager, held)[2] is not None  # 3 of the 4 blocks
+    assert prefill(manager, make.request("1", list(range(100, 140)), 16)) == ([], 0, None)
+    assert free_blocks(manager, 5) == 1
+    manager.free(held)
+    assert free_blocks(manager, 5) == 4
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_traffic_hits_the_same_tokens_as_vllm(seed: int) -> None:
+    """Both managers, the same requests, a pool that never evicts: the same hit lengths."""
+    init_none_hash(sha256)
+    made = {impl: Managers(impl) for impl in IMPLEMENTATIONS}
+    managers = {impl: managers(16, 400) for impl, managers in made.items()}
+    rng = random.Random(seed)
+    live: list[str] = []
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(16, 64))] for _ in range(4)]
+    for number in range(120):
+        if len(live) > 6 or (live and rng.random() < 0.3):
+            request_id = live.pop(rng.randrange(len(live)))
+            for manager in managers.values():
+                manager.free(_Lookup(request_id))
+            continue
+        tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+        hits = set()
+        for impl, manager in managers.items():
+            _, num_computed, new = prefill(manager, made[impl].request(str(number), tokens, 16))
+            assert new is not None
+            hits.add(num_computed)
+        assert len(hits) == 1, hits
+        live.append(str(number))
+    managers["lifecycle"].check_invariants()
+
+
+class _Lookup:
+    """What ``free`` reads of a request."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+# -- lifecycle's own behaviour where it differs from vLLM's by design ------------------------------------
+
+
+def test_common_prefix_blocks_are_counted_for_cascade_attention() -> None:
+    manager = Managers("lifecycle")(16, 20)
+    make = Managers("lifecycle")
+    common = [i for i in range(3) for _ in range(16)]
+    for number in range(3):
+        prefill(manager, make.request(str(number), common + [number] * 20, 16))
+    assert manager.get_num_common_prefix_blocks("0") == [3]
+    manager.check_invariants()
+
+
+def test_a_multimodal_request_reuses_and_caches_only_the_blocks_before_its_first_image() -> None:
+    manager = Managers("lifecycle")(16, 20)
+    make = Managers("lifecycle")
+    tokens = list(range(64))
+    feature = MultiModalFeatureSpec(
+        data=MultiModalKwargsItem.dummy(), mm_position=PlaceholderRange(offset=40, length=10),
+        identifier="image-a", modality="image",
+    )
+    first = make.request("0", tokens, 16, mm_features=[feature])
+    prefill(manager, first)
+    # Blocks 0 and 1 end before the image (token 40); block 2 holds image tokens and is not cached.
+    assert manager.get_computed_blocks(make.request("1", tokens, 16))[1] == 32
+    other = MultiModalFeatureSpec(
+        data=MultiModalKwargsItem.dummy(), mm_position=PlaceholderRange(offset=40, length=10),
+        identifier="image-b", modality="image",
+    )
+    assert manager.get_computed_blocks(make.request("2", tokens, 16, mm_features=[other]))[1] == 32
+    manager.check_invariants()
+
+
+def test_hybrid_and_sliding_window_groups_are_refused_by_name() -> None:
+    spec = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=32)
+    window = KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    with pytest.raises(NotImplementedError, match="SlidingWindowSpec"):
+        LifecycleKVCacheManager(window, max_model_len=8192, hash_block_size=16)
+    with pytest.raises(NotImplementedError, match="EAGLE"):
+        LifecycleKVCacheManager(config(16, 10), max_model_len=8192, use_eagle=True)

@@ -1,0 +1,280 @@
+"""lifecycle.integrations.sglang: the page tree under ``LifecycleRadixCache`` (engine-free, here),
+and SGLang's own radix-cache tests against the adapter (in SGLang's peer environment, skipped
+without it: ``tests/engine_suites/suite_sglang.py``).
+
+Every stateful test ends with the tree's ``check_invariants`` and a recount of who holds which KV
+index: each index given to the tree is either still cached or was handed back exactly once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from engine_suites import run_suite
+from lifecycle.errors import ConfigError, InvalidId, LifecycleError, SequenceStateError
+from lifecycle.integrations.sglang import PageNode, PageTree
+
+PS = 4
+
+
+class Tree:
+    """A page tree with the indices it evicted collected, as an allocator would receive them."""
+
+    def __init__(self, num_pages: int = 16, page_size: int = PS, events: bool = False) -> None:
+        self.freed: list[int] = []
+        self.tree = PageTree(num_pages, page_size, events=events, on_evict=self._freed)
+
+    def _freed(self, values: npt.NDArray[np.int64]) -> None:
+        self.freed.extend(values.tolist())
+
+    def insert(self, tokens: list[int], first_index: int, namespace: int = 0) -> tuple[int, PageNode]:
+        key, pages = self.tree.key(np.array(tokens, dtype=np.int64), len(tokens))
+        values = np.arange(first_index, first_index + pages * self.tree.page_size, dtype=np.int64)
+        return self.tree.insert(key, pages, values, namespace)
+
+    def match(self, tokens: list[int], namespace: int = 0) -> tuple[list[int], PageNode]:
+        key, pages = self.tree.key(np.array(tokens, dtype=np.int64), len(tokens))
+        node = self.tree.match(key, pages, namespace)
+        return self.tree.values(node).tolist(), node
+
+    def settled(self) -> None:
+        self.tree.check_invariants()
+        cached = sorted(self.tree.all_values().tolist())
+        assert len(cached) == self.tree.cached_pages * self.tree.page_size
+        assert not set(cached) & set(self.freed) and len(set(self.freed)) == len(self.freed)
+
+
+def run(*values: int) -> list[int]:
+    return [v for value in values for v in range(value, value + PS)]
+
+
+def test_an_inserted_key_matches_with_its_indices_in_whole_pages() -> None:
+    t = Tree()
+    assert t.insert(list(range(10)), 100)[0] == 0  # two whole pages; the last 2 tokens are not a page
+    assert t.match(list(range(10)))[0] == run(100, 104)
+    assert t.match(list(range(6)))[0] == run(100)
+    assert t.match([0, 1, 2, 9])[0] == []
+    t.settled()
+
+
+def test_the_first_indices_stay_cached_and_the_duplicates_are_reported() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    cached, _ = t.insert(list(range(12)), 200)
+    assert cached == 2  # pages 200.. and 204.. duplicate what is cached: the caller frees them
+    assert t.match(list(range(12)))[0] == run(100, 104, 208)
+    t.settled()
+
+
+def test_namespaces_never_share_pages() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100, namespace=1)
+    assert t.match(list(range(8)), namespace=2)[0] == []
+    assert t.match(list(range(8)), namespace=1)[0] == run(100, 104)
+    t.settled()
+
+
+def test_a_lock_keeps_its_path_from_eviction_until_unlocked() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    t.insert([9] * 8, 200)
+    _, node = t.match(list(range(8)))
+    handle, taken = t.tree.lock(node)
+    assert taken == 2 and t.tree.protected_pages == 2 and t.tree.evictable_pages == 2
+    assert t.tree.evict(10) == 2
+    assert sorted(t.freed) == run(200, 204)
+    assert t.tree.unlock(node, handle) == 2
+    assert t.tree.evict(10) == 2
+    assert sorted(t.freed) == run(100, 104, 200, 204)
+    t.settled()
+
+
+def test_locks_count_per_path_whichever_node_took_them() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    first = t.match(list(range(8)))[1]
+    second = t.match(list(range(8)))[1]
+    t.tree.lock(first)
+    t.tree.unlock(second)
+    assert t.tree.protected_pages == 0
+    t.settled()
+
+
+def test_a_match_that_nobody_locks_holds_nothing() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    t.match(list(range(8)))
+    assert t.tree.evictable_pages == 2
+    assert t.tree.evict(2) == 2
+    t.settled()
+
+
+def test_a_lock_on_an_evicted_path_is_refused_and_holds_nothing() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    _, node = t.match(list(range(8)))
+    t.tree.evict(2)
+    t.insert([5] * 8, 200)  # takes the freed slots
+    t.insert(list(range(8)), 300)  # the same key again, in other slots
+    with pytest.raises(SequenceStateError, match="evicted"):
+        t.tree.lock(node)
+    t.settled()
+
+
+def test_an_unlock_without_a_lock_is_refused_by_name() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    _, node = t.match(list(range(8)))
+    with pytest.raises(SequenceStateError, match="no lock"):
+        t.tree.unlock(node)
+    handle, _ = t.tree.lock(node)
+    with pytest.raises(SequenceStateError, match=f"lock {handle + 1}"):
+        t.tree.unlock(node, handle + 1)
+    t.tree.unlock(node, handle)
+    t.settled()
+
+
+def test_least_recently_used_pages_are_evicted_first_leaves_first() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    t.insert([7] * 8, 200)
+    t.match(list(range(8)))
+    assert t.tree.evict(3) == 3
+    assert sorted(t.freed) == run(104, 200, 204)  # the other key, then the matched key's leaf
+    assert t.match(list(range(8)))[0] == run(100)
+    t.settled()
+
+
+def test_a_full_tree_evicts_to_make_room_for_an_insert() -> None:
+    t = Tree(num_pages=4)
+    t.insert(list(range(8)), 100)
+    t.insert([7] * 8, 200)
+    t.insert([8] * 8, 300)
+    assert len(t.freed) == 2 * PS and t.tree.cached_pages == 4
+    assert t.match([8] * 8)[0] == run(300, 304)
+    t.settled()
+
+
+def test_reset_drops_every_page_and_lock_without_handing_indices_back() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    _, node = t.match(list(range(8)))
+    t.tree.lock(node)
+    t.tree.reset()
+    assert (t.tree.cached_pages, t.tree.num_locks, t.freed) == (0, 0, [])
+    with pytest.raises(SequenceStateError, match="reset"):
+        t.tree.lock(node)
+    assert t.match(list(range(8)))[0] == []
+    t.settled()
+
+
+def test_events_log_what_was_stored_evicted_and_cleared() -> None:
+    t = Tree(events=True)
+    t.insert(list(range(8)), 100)
+    t.tree.evict(1)
+    t.tree.reset()
+    kinds = [int(kind) for raw in t.tree.take_events() for kind in raw.entries["kind"]]
+    assert kinds == [1, 2, 3]
+    assert t.tree.take_events() == []
+    t.settled()
+
+
+def test_keys_are_whole_pages_plus_one_token_and_views_when_they_can_be() -> None:
+    tree = PageTree(4, PS)
+    tokens = np.arange(10, dtype=np.int32)
+    key, pages = tree.key(tokens, 9)
+    assert pages == 2 and len(key) == 9 and np.shares_memory(key, tokens)
+    key, pages = tree.key(np.arange(8, dtype=np.int64), 8)
+    assert pages == 2 and key.tolist() == [*range(8), 0] and key.dtype == np.int32
+
+
+def test_a_token_id_past_int32_is_refused_by_name() -> None:
+    tree = PageTree(4, PS)
+    with pytest.raises(InvalidId, match=str(1 << 32)):
+        tree.key(np.array([1, 2, 1 << 32, 4], dtype=np.int64), 4)
+
+
+def test_a_negative_token_id_is_refused_and_nothing_changes() -> None:
+    t = Tree()
+    with pytest.raises(InvalidId):
+        t.insert([1, 2, -3, 4], 100)
+    assert t.tree.cached_pages == 0
+    t.settled()
+
+
+def test_too_few_indices_for_the_key_are_refused() -> None:
+    t = Tree()
+    key, pages = t.tree.key(np.arange(8, dtype=np.int64), 8)
+    with pytest.raises(InvalidId, match="7 KV indices for a key of 2 pages"):
+        t.tree.insert(key, pages, np.arange(7, dtype=np.int64), 0)
+    t.settled()
+
+
+@pytest.mark.parametrize(("num_pages", "page_size"), [(0, 4), (4, 0), (4, 1 << 17)])
+def test_bad_sizes_are_refused_by_name(num_pages: int, page_size: int) -> None:
+    with pytest.raises(ConfigError):
+        PageTree(num_pages, page_size)
+
+
+def test_random_traffic_keeps_every_index_cached_or_freed_once() -> None:
+    rng = np.random.default_rng(7)
+    t = Tree(num_pages=12)
+    locks: list[tuple[PageNode, int]] = []
+    next_index = 0
+    for _ in range(300):
+        tokens = rng.integers(0, 3, int(rng.integers(4, 24))).tolist()
+        roll = rng.random()
+        if roll < 0.4:
+            cached, _ = t.insert(tokens, next_index)
+            t.freed.extend(range(next_index, next_index + cached * PS))  # the caller's duplicates
+            next_index += len(tokens) // PS * PS
+        elif roll < 0.7:
+            _, node = t.match(tokens)
+            if node.num_pages and rng.random() < 0.5:
+                locks.append((node, t.tree.lock(node)[0]))
+        elif roll < 0.85 and locks:
+            node, handle = locks.pop(int(rng.integers(len(locks))))
+            t.tree.unlock(node, handle)
+        else:
+            t.tree.evict(int(rng.integers(1, 4)))
+        t.settled()
+    assert sorted(t.freed + t.tree.all_values().tolist()) == list(range(next_index))
+
+
+# -- the engine boundary ---------------------------------------------------------------------------
+
+
+def test_importing_the_adapter_loads_neither_sglang_nor_torch() -> None:
+    code = (
+        "import sys, lifecycle.integrations.sglang\n"
+        "loaded = [m for m in ('sglang', 'torch') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
+def test_asking_for_the_cache_without_sglang_names_the_extra() -> None:
+    import lifecycle.integrations.sglang as adapter
+
+    with pytest.raises(ImportError, match=r"kv-lifecycle\[sglang\]"):
+        adapter.radix_cache_class()
+    with pytest.raises(ImportError, match=r"kv-lifecycle\[sglang\]"):
+        adapter.LifecyclePagedAllocator  # noqa: B018
+    with pytest.raises(AttributeError):
+        adapter.Nothing  # noqa: B018
+
+
+def test_errors_are_lifecycle_errors() -> None:
+    assert issubclass(SequenceStateError, LifecycleError) and issubclass(InvalidId, LifecycleError)
+
+
+def test_sglangs_own_radix_cache_tests_pass_against_the_adapter() -> None:
+    summary = run_suite("sglang", "suite_sglang.py")
+    assert "failed" not in summary and "error" not in summary
