@@ -3,6 +3,7 @@
     python bench/peers.py              # install the peers if needed, run, print one table
     python bench/peers.py --json       # one JSON line per (workload, library)
     python bench/peers.py --workloads w4   # W4 alone (any comma-separated subset of w1,w2,w3,w4)
+    python bench/peers.py --no-adapters    # without W2/W3 through lifecycle's drop-in adapters
 
 Each peer gets its own virtual environment under ``bench/.venv-peers/`` (ignored by git) with
 CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by a constraints file
@@ -13,7 +14,9 @@ modules import come next to it (listed below with the versions measured).
 The peers run from ``peer_vllm.py`` and ``peer_sglang.py`` inside their environments, replaying the
 same traces by the same rules as ``w2.py`` (hit tokens are checked against the reference there) and
 the same decode trace as ``w4.py`` (W4: the step's bookkeeping per step and per sequence-step, each
-peer's ratio to lifecycle's batched call from Python and to its core call).
+peer's ratio to lifecycle's batched call from Python and to its core call). With W2 or W3 chosen,
+each peer's environment also replays them through lifecycle's drop-in adapter for that engine
+beside the engine's own classes (``peer_adapters.py``), listed in a table of their own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import subprocess
 import sys
+import sysconfig
 import venv
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +135,50 @@ def run_peer(
     return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
 
 
+def run_adapters(
+    peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int, workloads: list[str]
+) -> list[dict[str, Any]]:
+    """W2/W3 through lifecycle's adapter for ``peer`` and through the engine's own classes, in the
+    peer's environment (lifecycle imported from the checkout, its dependencies from this
+    interpreter's site-packages)."""
+    chosen = [name for name in workloads if name in ("w2", "w3")]
+    if not chosen:
+        return []
+    paths = sysconfig.get_paths()
+    site = [arg for path in sorted({paths["purelib"], paths["platlib"]}) for arg in ("--site", path)]
+    completed = subprocess.run(
+        [
+            str(_python(env)), "-W", "ignore", str(HERE / "peer_adapters.py"), peer.name, str(trace), *site,
+            "--repeats", str(repeats), "--w3-repeats", str(w3_repeats), "--workloads", ",".join(chosen),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if completed.returncode != 0:
+        raise SystemExit(f"[peers] peer_adapters.py {peer.name} failed:\n{completed.stderr[-3000:]}")
+    return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+
+
+def adapters_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Each engine's own classes beside lifecycle's adapter for it: whole replay and time inside
+    the cache calls, best of the repeats, and the adapter's speedups."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"{'workload':<9} {'library':<17} {'us/request':>11} {'cache us/request':>17} {'hit tokens':>11}"
+        "  speedup (whole / cache calls)",
+    ]
+    for r in rows:
+        speedup = r.get("speedup")
+        ratio = f"{speedup['us_per_request']:.1f}x / {speedup['cache_us_per_request']:.1f}x" if speedup else ""
+        lines.append(
+            f"{r['workload']:<9} {r['library']:<17} {r['us_per_request']:>11} {r['cache_us_per_request']:>17} "
+            f"{r['hit_tokens']:>11}  {ratio}"
+        )
+    return lines
+
+
 def run_lifecycle_w1(trace: Path) -> list[dict[str, Any]]:
     """W1 for lifecycle (both forms) and its limit, a plain C free-list loop."""
     from w1 import run as run_w1
@@ -230,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w3-repeats", type=int, default=1, help="W3 replays per peer (each lasts seconds to minutes)")
     parser.add_argument("--w4-repeats", type=int, default=1, help="W4 replays per peer (each lasts a minute or more)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of w1,w2,w3,w4")
+    parser.add_argument("--no-adapters", action="store_true", help="skip W2/W3 through the drop-in adapters")
     args = parser.parse_args(argv)
     workloads = [name for name in args.workloads.split(",") if name]
     if not workloads or not set(workloads) <= set(WORKLOADS):
@@ -244,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     results = run_lifecycle_w1(args.trace) if "w1" in workloads else []
     windows = [run_lifecycle(args.trace, workloads)]
     peer_results: list[dict[str, Any]] = []
+    adapter_results: list[dict[str, Any]] = []
     for peer in chosen:
         peer_results += run_peer(
             peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, args.w4_repeats, workloads
         )
+        if not args.no_adapters:
+            adapter_results += run_adapters(peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, workloads)
         windows.append(run_lifecycle(args.trace, workloads))
     results += best_windows(windows) + peer_results
     for workload in ("W2", "W3", "W4"):
@@ -256,10 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         if any(r["hit_tokens"] < best_peer for r in ours):
             raise SystemExit(f"{workload}: lifecycle hit fewer tokens than a peer ({best_peer})")
     if args.json:
-        for record in results:
+        for record in results + adapter_results:
             print(json.dumps(record), flush=True)
     else:
-        print(table(results))
+        print("\n".join([table(results), *adapters_table(adapter_results)]))
     return 0
 
 
