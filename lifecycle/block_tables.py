@@ -26,7 +26,7 @@ import numpy.typing as npt
 from lifecycle._kvcache import KVCacheCore, SequenceState
 from lifecycle.device.base import Device
 from lifecycle.device.dlpack import KDL_CPU, KDL_CUDA
-from lifecycle.errors import InvalidId
+from lifecycle.errors import InvalidId, SequenceStateError
 
 __all__ = ["CudaTable", "TableStaging", "write_block_tables"]
 
@@ -208,6 +208,8 @@ def write_block_tables(core: KVCacheCore, device: Device, staging: TableStaging,
         num_rows, width = host.shape
     positions = _rows_of(rows, len(handles), num_rows)
     for seq in seqs:
+        if not seq._open:
+            raise SequenceStateError(f"{_CALL}: sequence {seq.seq_id} was freed")
         if seq.num_blocks > width:
             raise InvalidId(f"{_CALL}: sequence {seq.seq_id} holds {seq.num_blocks} blocks, the table has {width} "
                             "columns")

@@ -40,6 +40,7 @@ from lifecycle.errors import (
     ForeignSequence,
     InvalidId,
     InvariantViolation,
+    OutOfBlocks,
     SequenceStateError,
     SlotInUse,
     SlotOutOfRange,
@@ -515,10 +516,16 @@ class HybridModel(LifecycleDefaults):
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
             try:
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
-            finally:  # also after OutOfBlocks: the prefix is attached, its state is restored all the same
-                if seq._open and self._snapshots is not None:
-                    self._snapshots.restore_prefix(self._core, seq)
+            except OutOfBlocks:  # the growth failed; the prefix is attached: its state is restored all the same
+                self._restore_prefix(seq)
+                raise
+            # (any other error refused the call before anything changed: the slot keeps its state)
+            self._restore_prefix(seq)
             return reused
+
+    def _restore_prefix(self, seq: SequenceState) -> None:
+        if seq._open and self._snapshots is not None:
+            self._snapshots.restore_prefix(self._core, seq)
 
     def _attach_tiered(
         self, seq: SequenceState, prompt: Sequence[int] | npt.NDArray[np.integer], grow_to: int | None

@@ -203,6 +203,7 @@ cdef inline int64_t _handle_arg(object handle, str call) except? -1:
 
 @cython.final
 @cython.auto_pickle(False)
+@cython.no_gc_clear  # __dealloc__ returns its records' chunks to the trie: a cycle's clear must leave it
 cdef class KVCacheCore:
     """Block pool + prefix trie + per-request records, with one call per scheduler step.
 
@@ -284,7 +285,7 @@ cdef class KVCacheCore:
 
     def __dealloc__(self):
         cdef Py_ssize_t i
-        if self._recs != NULL:
+        if self._recs != NULL and self._trie is not None:
             for i in range(self._recs_high_water):
                 if self._recs[i].status != FREE:
                     chunk_decref(&self._trie._chunks, self._recs[i].chunk)

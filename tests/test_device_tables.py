@@ -29,7 +29,7 @@ from devices import (  # noqa: F401  (fixtures)
 from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
 from lifecycle.device.base import Device
 from lifecycle.device.host import HostDevice
-from lifecycle.errors import ForeignSequence, InvalidId
+from lifecycle.errors import ForeignSequence, InvalidId, SequenceStateError
 
 BS = 4
 WIDTH = 6
@@ -189,6 +189,16 @@ def test_a_sequence_of_another_model_is_refused_and_nothing_is_written(model: Hy
     free(model, seqs)
     free(other, stranger)
     other.teardown()
+
+
+def test_a_freed_sequence_is_refused_by_id_and_nothing_is_written(model: HybridModel) -> None:
+    seqs = serve(model, 5, 9, 3)
+    model.free_sequence(seqs[1])
+    table = host_table()
+    with pytest.raises(SequenceStateError, match=f"sequence {seqs[1].seq_id} was freed"):
+        model.write_block_tables(seqs, table, pad=0)
+    assert (table == UNTOUCHED).all()
+    free(model, [seqs[0], seqs[2]])
 
 
 def test_a_cuda_table_on_a_host_model_is_refused() -> None:

@@ -1003,3 +1003,25 @@ def test_clear_after_caching_mid_life_leaves_the_cached_blocks_intact(core: Core
     assert core.pool.refcount(cached[0]) == 1
     other = core.admit(blocks(1, 2, 3), 0)
     assert core.block_table(other).tolist() == cached[:2]
+
+
+def test_a_core_collected_in_a_cycle_with_live_records_returns_their_chunks_to_its_trie() -> None:
+    """The collector clears an object of a cycle before freeing it; the core must keep its trie
+    through that, since freeing its records hands their token chunks back to the trie."""
+    import gc
+
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._kvcache import KVCacheCore
+
+    pool = BlockPool(64)
+    core = KVCacheCore(pool, 16)
+    trie = core.trie
+    for _ in range(3):
+        core.attach(core.open(), list(range(40)), 3)
+    cycle: list[object] = [core]
+    cycle.append(cycle)
+    assert pool.num_free < 64
+    del core, cycle
+    gc.collect()
+    trie.check_invariants()
+    assert not any(type(obj) is KVCacheCore for obj in gc.get_objects())

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
 from lifecycle.device.base import Device
-from lifecycle.errors import OutOfBlocks
+from lifecycle.errors import LifecycleError, OutOfBlocks
 from lifecycle.model import HybridModel
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.stats import Stats
@@ -818,3 +818,22 @@ class SnapshotMachine(RuleBasedStateMachine):
 
 SnapshotMachine.TestCase.settings = settings(stateful_step_count=40)
 TestSnapshotsStateful = SnapshotMachine.TestCase
+
+
+def test_a_refused_attach_leaves_the_slot_state_the_engine_advanced(build: Build) -> None:
+    """Only a call that attached (or attached and then ran out of blocks to grow) restores the
+    prefix snapshot; a refused call changes nothing, the slot included."""
+    m = build()
+    cache_path(m, path(1, 2, 3))
+    tokens = path(1, 2, 3, extra=1)
+    seq, reused = admit(m, tokens)
+    assert reused == 3 * BS
+    compute(m, seq)
+    advanced = read_slot(m, seq.slot_idx)
+    for prompt, grow_to in ((tokens, -5), (tokens, 10**9), (path(7, 8, 9, extra=1), None)):
+        with pytest.raises(LifecycleError):
+            m.attach_prefix(seq, prompt, grow_to=grow_to)
+        assert read_slot(m, seq.slot_idx) == advanced
+        m.check_invariants()
+    m.free_sequence(seq)
+    assert_clean(m)

@@ -14,6 +14,7 @@ the vLLM facade loads vLLM only for the calls that return vLLM's own types (stat
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from collections.abc import Hashable
 from types import ModuleType
@@ -40,13 +41,17 @@ def import_engine(name: str, extra: str) -> ModuleType:
 class CacheNamespaces(Generic[Namespace]):
     """Cache namespaces (a LoRA adapter, a cache salt, an engine's extra key) as the core's adapter
     keys: each distinct namespace gets its own trie root, so requests of two namespaces never share
-    KV. ``None`` is key 0; every other namespace gets the next int, kept for the cache's life."""
+    KV. ``None`` is key 0; any other namespace's key is 63 bits of BLAKE2b over its ``repr`` (never
+    0), the same in every process, so content hashes and KV events agree across engines. The
+    table remembers the latest ``capacity`` namespaces (for :meth:`namespace`, and to skip the
+    hash), so per-user salts do not grow it without bound."""
 
-    __slots__ = ("_keys", "_namespaces")
+    __slots__ = ("_keys", "_namespaces", "_capacity")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1 << 16) -> None:
         self._keys: dict[Namespace, int] = {}
-        self._namespaces: list[Namespace | None] = [None]
+        self._namespaces: dict[int, Namespace] = {}
+        self._capacity = capacity
 
     def key(self, namespace: Namespace | None) -> int:
         """The adapter key of ``namespace`` (0 for None)."""
@@ -54,16 +59,22 @@ class CacheNamespaces(Generic[Namespace]):
             return 0
         key = self._keys.get(namespace)
         if key is None:
-            key = self._keys[namespace] = len(self._namespaces)
-            self._namespaces.append(namespace)
+            digest = hashlib.blake2b(repr(namespace).encode(), digest_size=8, person=b"lc-namespace").digest()
+            key = (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
+            if len(self._keys) >= self._capacity:
+                oldest = next(iter(self._keys))
+                self._namespaces.pop(self._keys.pop(oldest), None)
+            self._keys[namespace] = key
+            self._namespaces[key] = namespace
         return key
 
     def namespace(self, key: int) -> Namespace | None:
-        """The namespace that ``key`` was given to."""
-        return self._namespaces[key]
+        """The namespace that ``key`` stands for; None for key 0 and for one forgotten since."""
+        return self._namespaces.get(key)
 
     def __len__(self) -> int:
-        return len(self._namespaces)
+        """Namespaces remembered, ``None``'s included."""
+        return len(self._keys) + 1
 
 
 def raw_event_log(raw: RawEvents) -> list[RawEvent]:

@@ -401,6 +401,15 @@ def radix_cache_class() -> type[Any]:
         def __init__(self, params: Any, *, max_pages: int | None = None) -> None:
             if params.is_eagle:
                 raise Unsupported("LifecycleRadixCache: EAGLE bigram keys are not supported")
+            if getattr(params, "sliding_window_size", None) is not None:
+                raise Unsupported(f"LifecycleRadixCache: sliding_window_size={params.sliding_window_size}: "
+                                  "sliding-window trees are not supported")
+            components = getattr(params, "tree_components", None)
+            if components is not None and any(int(component) != 0 for component in components):
+                raise Unsupported(f"LifecycleRadixCache: tree_components={components!r}: only full attention "
+                                  "(ComponentType.FULL) is supported, not hybrid (Mamba, SWA) trees")
+            if getattr(params, "enable_mamba_extra_buffer", False):
+                raise Unsupported("LifecycleRadixCache: enable_mamba_extra_buffer: Mamba state is not supported")
             policy = str(params.eviction_policy).lower()
             if policy != "lru":
                 raise Unsupported(f"LifecycleRadixCache: eviction_policy={policy!r}; only 'lru' is supported")

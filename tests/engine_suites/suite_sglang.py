@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import re
 import sys
 import unittest.mock
 from array import array
@@ -551,4 +552,27 @@ def test_an_unlock_without_a_lock_is_refused_by_name() -> None:
     node = match(cache, [1, 2, 3])[2]
     with pytest.raises(LifecycleError, match="no lock"):
         cache.dec_lock_ref(node)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("option", "match_text"),
+    [
+        ({"sliding_window_size": 4096}, "sliding_window_size=4096"),
+        ({"tree_components": (ComponentType.FULL, ComponentType.MAMBA)}, "tree_components"),
+        ({"tree_components": (ComponentType.FULL, ComponentType.SWA)}, "tree_components"),
+        ({"enable_mamba_extra_buffer": True}, "enable_mamba_extra_buffer"),
+        ({"eviction_policy": "lfu"}, "eviction_policy='lfu'"),
+        ({"is_eagle": True}, "EAGLE"),
+    ],
+)
+def test_trees_it_cannot_hold_are_refused_at_construction_by_name(option: dict[str, Any], match_text: str) -> None:
+    with pytest.raises(LifecycleError, match=re.escape(match_text)):
+        LifecycleRadixCache.create_simulated(**option)
+
+
+def test_a_full_attention_tree_component_is_accepted() -> None:
+    cache = LifecycleRadixCache.create_simulated(tree_components=(ComponentType.FULL,))
+    insert(cache, [1, 2, 3], values(10, 20, 30))
+    assert match(cache, [1, 2, 3])[0] == 3
     cache.check_invariants()
