@@ -24,11 +24,11 @@ slots*, one per cached page, whose block ids index a table of the engine's KV in
 matches keys by their tokens (whole pages, exact compare), keeps the LRU order, pins locked paths
 and logs KV events; a lock is a core record holding the path. The slots are the core's own ids
 rather than SGLang's page ids because the core hands out block ids itself: it has no call that
-caches blocks an engine allocated elsewhere (``docs/integrations.md`` names the call that would
-let a slot be the page).
+caches blocks an engine allocated elsewhere.
 
 By design (refused with ``Unsupported`` at construction): EAGLE bigram keys, eviction policies
-other than LRU, sliding-window and hybrid (Mamba) trees, hierarchical caching.
+other than LRU, sliding-window and hybrid (Mamba, SWA) trees. Hierarchical caching is SGLang's
+``HiRadixCache``, not provided.
 """
 
 from __future__ import annotations

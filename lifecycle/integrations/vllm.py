@@ -455,6 +455,19 @@ class LifecycleKVCacheManager:
     def new_step_starts(self) -> None:
         """Nothing to do between steps."""
 
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of the request in cached blocks (hit at admission or cached since)."""
+        live = self._live.get(request.request_id)
+        return 0 if live is None else live.cached * self.block_size
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """Copy-on-write copies to run: none (full attention never writes a shared block)."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary states for a connector: none (full attention only)."""
+        return {}
+
     def take_new_block_ids(self) -> list[int]:
         """Blocks to zero: none (full attention never reads a block before writing it)."""
         return []

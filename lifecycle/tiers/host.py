@@ -5,10 +5,10 @@ driver on CUDA, plain memory on the host device). A slot holds one whole block: 
 layer's K and V, layer after layer, plus the block's tokens. Entries are indexed by the block's
 content hash (``docs/content-hashes.md``) and evicted least recently used first.
 
-The hash only finds an entry: :meth:`HostTier.lookup` compares the tokens before it counts a hit,
-so a hash collision costs a miss, never another block's KV. (The parent hash needs no check of its
-own: the chain ``hash = fmix64(NH(tokens)) + parent * odd`` fixes the parent once the hash and the
-tokens are equal.)
+The hash only finds an entry: :meth:`HostTier.lookup` compares the block's tokens before it counts
+a hit, so an accidental collision costs a miss. The chain ``hash = fmix64(NH(tokens)) + parent *
+odd`` then fixes the parent's hash, not the parent's tokens: a collision crafted on purpose
+earlier in the chain is not caught (``docs/tiers.md``, "Not a defence against a hostile tenant").
 
 Copies: :meth:`HostTier.demote` copies device blocks to host and :meth:`HostTier.promote` host
 entries to device blocks, each as one batched copy that has completed when the call returns (the

@@ -444,3 +444,24 @@ def test_hybrid_and_sliding_window_groups_are_refused_by_name() -> None:
         LifecycleKVCacheManager(window, max_model_len=8192, hash_block_size=16)
     with pytest.raises(NotImplementedError, match="EAGLE"):
         LifecycleKVCacheManager(config(16, 10), max_model_len=8192, use_eagle=True)
+
+
+def test_the_schedulers_per_step_calls_answer_as_vllms_do_for_full_attention(make: Managers) -> None:
+    """Scheduler.schedule() drains copy-on-write copies and boundary-state offloads every step and
+    asks for the cached tokens of a prefill: for full attention, no copies, no offloads, and the
+    tokens of the request's cached blocks."""
+    manager = make(16, 11)
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16)
+    prefill(manager, req0)
+    manager.cache_blocks(req0, req0.num_tokens)
+    req1 = make.request("1", common + [3] * 5, 16)
+    prefill(manager, req1)
+    assert manager.estimate_cached_tokens(req1) == 48
+    assert manager.estimate_cached_tokens(req0) == 48
+    assert manager.estimate_cached_tokens(make.request("9", [7] * 20, 16)) == 0
+    copies, retained = manager.take_kv_cache_block_copies()
+    assert (list(copies), list(retained)) == ([], [])
+    assert manager.take_boundary_state_offloads() == {}
+    manager.free(req0)
+    manager.free(req1)
