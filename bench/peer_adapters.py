@@ -2,7 +2,7 @@
 (run inside the engine's peer environment by ``peers.py``; lifecycle is imported from the checkout).
 
     <env>/bin/python bench/peer_adapters.py sglang TRACE --site HOST_SITE_PACKAGES [--repeats 3] [--w3-repeats 1]
-    <env>/bin/python bench/peer_adapters.py vllm TRACE --site HOST_SITE_PACKAGES
+    <env>/bin/python bench/peer_adapters.py vllm TRACE --site HOST_SITE_PACKAGES [--workloads w2,w3,w4]
 
 One replay per engine, the same for both implementations, makes the engine's own calls in its
 scheduler's order, following W2's rules (``w2.py``):
@@ -16,6 +16,10 @@ scheduler's order, following W2's rules (``w2.py``):
   facade needs none), ``get_computed_blocks``, ``allocate_slots`` of the prompt with the generated
   tokens as lookahead; at finish the generated tokens appended (hashed for vLLM),
   ``cache_blocks``, ``free``. Once with ``KVCacheManager``, once with ``LifecycleKVCacheManager``.
+
+W4, the decode step, is the peers' own W4 replay (``peer_sglang.replay_w4``, ``peer_vllm.replay_w4``:
+``alloc_decode`` with the ``req_to_token`` writes; ``allocate_slots(request, 1)`` per running
+request) once through the engine's classes and once through the adapters, per step.
 
 The two alternate, ``--repeats`` times each (``--w3-repeats`` for W3), so that a slow spell of a
 shared machine hits both. Building each request's input (token lists, ``Request`` objects) is left
@@ -200,6 +204,51 @@ def vllm_replays() -> Replay:
     return replay
 
 
+def w4_replay(engine: str) -> Callable[[Any, bool], Any]:
+    """W4 (the decode step) as the peers' own runners replay it (``peer_sglang.replay_w4``,
+    ``peer_vllm.replay_w4``), through the engine's classes or lifecycle's adapters."""
+    if engine == "sglang":
+        import peer_sglang
+
+        from lifecycle.integrations.sglang import allocator_class, radix_cache_class
+
+        def replay(trace: Any, lifecycle: bool) -> Any:
+            if lifecycle:
+                return peer_sglang.replay_w4(trace, radix_cache_class(), allocator_class())
+            return peer_sglang.replay_w4(trace)
+
+        return replay
+    import peer_vllm
+
+    from lifecycle.integrations.vllm import LifecycleKVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    def replay_vllm(trace: Any, lifecycle: bool) -> Any:
+        return peer_vllm.replay_w4(trace, LifecycleKVCacheManager if lifecycle else KVCacheManager)
+
+    return replay_vllm
+
+
+def w4_records(engine: str, repeats: int) -> list[dict[str, Any]]:
+    """W4's two records (engine's, adapter's), the adapter's with its speedup per step."""
+    from w2 import no_gc
+    from w4 import generate, record
+
+    trace = generate()
+    replay = w4_replay(engine)
+    runs: dict[bool, list[Any]] = {False: [], True: []}
+    for _ in range(repeats):
+        for lifecycle in (False, True):
+            with no_gc():
+                runs[lifecycle].append(replay(trace, lifecycle))
+    theirs = record(f"{engine}-own", runs[False], trace)
+    ours = record(f"lifecycle-{engine}", runs[True], trace)
+    if ours["hit_tokens"] != theirs["hit_tokens"]:
+        raise AssertionError(f"W4: the adapter hit {ours['hit_tokens']} tokens, {engine} {theirs['hit_tokens']}")
+    ours["speedup"] = {key: round(theirs[key] / ours[key], 2) for key in ("us_per_step", "median_us_per_step")}
+    return [theirs, ours]
+
+
 def records(
     workload: str, engine: str, runs: dict[bool, list[Run]], trace: Any, prompt_tokens: int
 ) -> list[dict[str, Any]]:
@@ -253,7 +302,8 @@ def main() -> int:
                         help="site-packages holding lifecycle's dependencies (searched after the environment's own)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--w3-repeats", type=int, default=1)
-    parser.add_argument("--workloads", default="w2,w3")
+    parser.add_argument("--w4-repeats", type=int, default=1)
+    parser.add_argument("--workloads", default="w2,w3,w4")
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT), str(HERE)]
     sys.path.extend(args.site)
@@ -264,8 +314,12 @@ def main() -> int:
 
     replay = sglang_replays() if args.engine == "sglang" else vllm_replays()
     wanted = args.workloads.split(",")
-    for workload in ("w2", "w3"):
+    for workload in ("w2", "w3", "w4"):
         if workload not in wanted:
+            continue
+        if workload == "w4":
+            for record in w4_records(args.engine, args.w4_repeats):
+                print(json.dumps(record), flush=True)
             continue
         trace = load_w2(args.trace) if workload == "w2" else load_w3(MOONCAKE_TRACE)
         runs: dict[bool, list[Run]] = {False: [], True: []}

@@ -155,10 +155,15 @@ def replay_w2(trace: W2Trace) -> tuple[float, int, int]:
     return seconds, hit_tokens, evicted_tokens // bs
 
 
-def replay_w4(trace: W4Trace) -> DecodeRun:
+def replay_w4(trace: W4Trace, cache_class: Any = RadixCache, allocator_class: Any = None) -> DecodeRun:
+    """W4 through ``cache_class`` and ``allocator_class`` (SGLang's own by default, or lifecycle's
+    adapters)."""
     bs = trace.block_size
-    allocator = make_allocator(trace.num_blocks, bs)
-    tree = RadixCache.create_simulated(mock_allocator=allocator, page_size=bs)
+    if allocator_class is None:
+        allocator = make_allocator(trace.num_blocks, bs)
+    else:
+        allocator = allocator_class((trace.num_blocks + 1) * bs, bs, torch.float16, "cpu", None, need_sort=False)
+    tree = cache_class.create_simulated(mock_allocator=allocator, page_size=bs)
     req_to_token_pool = ReqToTokenPool(trace.running, PROMPT_MAX + GEN_MAX + bs, "cpu", False)
     req_to_token = req_to_token_pool.req_to_token
     rows = req_to_token_pool.alloc_rows(trace.running)

@@ -124,7 +124,7 @@ def replay_w2(trace: W2Trace) -> tuple[float, int, int]:
     return seconds, hit_tokens, cached_in_all - still_cached
 
 
-def make_manager(num_blocks: int, block_size: int) -> KVCacheManager:
+def make_manager(num_blocks: int, block_size: int, manager_class: Any = KVCacheManager) -> KVCacheManager:
     # One extra block: vLLM reserves block 0 as its null block.
     config = KVCacheConfig(
         num_blocks=num_blocks + 1,
@@ -135,19 +135,22 @@ def make_manager(num_blocks: int, block_size: int) -> KVCacheManager:
             )
         ],
     )
-    return KVCacheManager(
+    manager: KVCacheManager = manager_class(
         config,
         max_model_len=PROMPT_MAX + GEN_MAX + block_size,
         scheduler_block_size=block_size,
         hash_block_size=block_size,
         enable_caching=True,
     )
+    return manager
 
 
-def replay_w4(trace: W4Trace) -> DecodeRun:
+def replay_w4(trace: W4Trace, manager_class: Any = KVCacheManager) -> DecodeRun:
+    """W4 through ``manager_class`` (vLLM's ``KVCacheManager``, or lifecycle's facade, which
+    needs no block hashes: its requests get no hasher)."""
     bs = trace.block_size
-    manager = make_manager(trace.num_blocks, bs)
-    hasher = kv_cache_utils.get_request_block_hasher(bs, HASH_FN)
+    manager = make_manager(trace.num_blocks, bs, manager_class)
+    hasher = kv_cache_utils.get_request_block_hasher(bs, HASH_FN) if manager_class is KVCacheManager else None
     step_tokens = trace.step_tokens()
     running: list[Request | None] = [None] * trace.running
     allocate_slots = manager.allocate_slots

@@ -136,12 +136,12 @@ def run_peer(
 
 
 def run_adapters(
-    peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int, workloads: list[str]
+    peer: Peer, env: Path, trace: Path, repeats: int, w3_repeats: int, w4_repeats: int, workloads: list[str]
 ) -> list[dict[str, Any]]:
-    """W2/W3 through lifecycle's adapter for ``peer`` and through the engine's own classes, in the
+    """W2/W3/W4 through lifecycle's adapter for ``peer`` and through the engine's own classes, in the
     peer's environment (lifecycle imported from the checkout, its dependencies from this
     interpreter's site-packages)."""
-    chosen = [name for name in workloads if name in ("w2", "w3")]
+    chosen = [name for name in workloads if name in ("w2", "w3", "w4")]
     if not chosen:
         return []
     paths = sysconfig.get_paths()
@@ -149,7 +149,8 @@ def run_adapters(
     completed = subprocess.run(
         [
             str(_python(env)), "-W", "ignore", str(HERE / "peer_adapters.py"), peer.name, str(trace), *site,
-            "--repeats", str(repeats), "--w3-repeats", str(w3_repeats), "--workloads", ",".join(chosen),
+            "--repeats", str(repeats), "--w3-repeats", str(w3_repeats), "--w4-repeats", str(w4_repeats),
+            "--workloads", ",".join(chosen),
         ],
         capture_output=True,
         text=True,
@@ -160,22 +161,29 @@ def run_adapters(
 
 
 def adapters_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Each engine's own classes beside lifecycle's adapter for it: whole replay and time inside
-    the cache calls, best of the repeats, and the adapter's speedups."""
-    if not rows:
-        return []
-    lines = [
-        "",
-        f"{'workload':<9} {'library':<17} {'us/request':>11} {'cache us/request':>17} {'hit tokens':>11}"
-        "  speedup (whole / cache calls)",
-    ]
-    for r in rows:
-        speedup = r.get("speedup")
-        ratio = f"{speedup['us_per_request']:.1f}x / {speedup['cache_us_per_request']:.1f}x" if speedup else ""
-        lines.append(
-            f"{r['workload']:<9} {r['library']:<17} {r['us_per_request']:>11} {r['cache_us_per_request']:>17} "
-            f"{r['hit_tokens']:>11}  {ratio}"
-        )
+    """Each engine's own classes beside lifecycle's adapter for it: W2/W3 per request (whole replay
+    and time inside the cache calls), W4 per step; best of the repeats, and the adapter's speedups."""
+    lines: list[str] = []
+    requests = [r for r in rows if r["workload"] != "W4"]
+    if requests:
+        lines += [
+            "",
+            f"{'workload':<9} {'library':<17} {'us/request':>11} {'cache us/request':>17} {'hit tokens':>11}"
+            "  speedup (whole / cache calls)",
+        ]
+        for r in requests:
+            speedup = r.get("speedup")
+            ratio = f"{speedup['us_per_request']:.1f}x / {speedup['cache_us_per_request']:.1f}x" if speedup else ""
+            lines.append(
+                f"{r['workload']:<9} {r['library']:<17} {r['us_per_request']:>11} {r['cache_us_per_request']:>17} "
+                f"{r['hit_tokens']:>11}  {ratio}"
+            )
+    steps = [r for r in rows if r["workload"] == "W4"]
+    if steps:
+        lines += ["", f"{'workload':<9} {'library':<17} {'us/step':>11} {'hit tokens':>11}  speedup"]
+        for r in steps:
+            ratio = f"{r['speedup']['us_per_step']:.1f}x" if "speedup" in r else ""
+            lines.append(f"{r['workload']:<9} {r['library']:<17} {r['us_per_step']:>11} {r['hit_tokens']:>11}  {ratio}")
     return lines
 
 
@@ -299,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, args.w4_repeats, workloads
         )
         if not args.no_adapters:
-            adapter_results += run_adapters(peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, workloads)
+            adapter_results += run_adapters(
+                peer, envs[peer.name], args.trace, args.repeats, args.w3_repeats, args.w4_repeats, workloads
+            )
         windows.append(run_lifecycle(args.trace, workloads))
     results += best_windows(windows) + peer_results
     for workload in ("W2", "W3", "W4"):
