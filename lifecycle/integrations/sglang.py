@@ -761,7 +761,9 @@ def allocator_class() -> type[Any]:
             group, self._group = self._group or [], None
             self.free_group = None
             if group:
-                self.pool.dec_ref(np.concatenate(group))
+                # Each page once: a page listed twice in a group (its slots freed in two calls) must
+                # not make the pool refuse, and so keep, the whole group.
+                self.pool.dec_ref(np.unique(np.concatenate(group)))
 
         def merge_and_sort_free(self) -> None:
             """Nothing to merge: freed pages go straight back to the pool's free list."""

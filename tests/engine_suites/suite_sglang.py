@@ -521,6 +521,17 @@ def test_the_allocator_batches_frees_in_a_group() -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(ALLOCATORS))
+def test_a_page_freed_in_two_calls_of_one_group_is_freed_once(kind: str) -> None:
+    allocator = ALLOCATORS[kind](8 * 4, 4)
+    a = allocator.alloc(8)
+    allocator.free_group_begin()
+    allocator.free(a[:2])  # two slots of the first page
+    allocator.free(a[2:])  # the rest of it, and the second page
+    allocator.free_group_end()
+    assert allocator.available_size() == 32
+
+
+@pytest.mark.parametrize("kind", sorted(ALLOCATORS))
 def test_alloc_extend_continues_partial_pages_then_takes_new_ones(kind: str) -> None:
     allocator = ALLOCATORS[kind](16 * 4, 4)
     first = allocator.alloc(8)  # a page for each of two requests' prefixes
