@@ -7,10 +7,8 @@ block counts, live sequences, the cache's counters, the sequence's own fields, a
 ``check_invariants()``. Hypothesis draws the members of a class (dtypes, huge ints, stream return
 values) where there is a class.
 
-The tests of defects whose fix belongs to the core rewrite (token ids, setter validation, restore
-never evicting, calls after teardown, the prefix cache's recount under concurrent fused calls) fail
-today and are marked ``xfail(strict=True)``: they turn into failures once the core lands, and then
-their marker goes.
+The defects whose fix came with the core rewrite (token ids, setter validation, restore never
+evicting, calls after teardown, the recount under concurrent calls) are tested here like the rest.
 """
 
 from __future__ import annotations
@@ -61,8 +59,6 @@ from devices import device  # noqa: F401  (shared fixture)
 from reliability_driver import BrokenReader, BrokenWriter, forged_header
 from swap_helpers import BS, model, fill_sequence, swap_config  # noqa: F401  (model: a fixture)
 
-#: Marks a test of a defect the core rewrite fixes (issue #13 carries that work).
-CORE = "core (#13): "
 #: Examples for a function-scoped model: every example is refused, so the model stays as it was.
 SHARED_MODEL = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
