@@ -11,13 +11,17 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from array import array
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from engine_suites import run_suite
-from lifecycle.errors import ConfigError, InvalidId, LifecycleError, SequenceStateError
+from lifecycle._blockpool import BlockPool
+from lifecycle._pagetree import page_indices, pages_of, release_indices
+from lifecycle.errors import ConfigError, DoubleFree, InvalidId, LifecycleError, SequenceStateError
 from lifecycle.integrations.sglang import PageNode, PageTree
 
 PS = 4
@@ -34,13 +38,12 @@ class Tree:
         self.freed.extend(values.tolist())
 
     def insert(self, tokens: list[int], first_index: int, namespace: int = 0) -> tuple[int, PageNode]:
-        key, pages = self.tree.key(np.array(tokens, dtype=np.int64), len(tokens))
+        pages = len(tokens) // self.tree.page_size
         values = np.arange(first_index, first_index + pages * self.tree.page_size, dtype=np.int64)
-        return self.tree.insert(key, pages, values, namespace)
+        return self.tree.insert(tokens, len(tokens), values, namespace)
 
     def match(self, tokens: list[int], namespace: int = 0) -> tuple[list[int], PageNode]:
-        key, pages = self.tree.key(np.array(tokens, dtype=np.int64), len(tokens))
-        node = self.tree.match(key, pages, namespace)
+        node = self.tree.match(tokens, len(tokens), namespace)
         return self.tree.values(node).tolist(), node
 
     def settled(self) -> None:
@@ -185,35 +188,154 @@ def test_events_log_what_was_stored_evicted_and_cleared() -> None:
     t.settled()
 
 
-def test_keys_are_whole_pages_plus_one_token_and_views_when_they_can_be() -> None:
-    tree = PageTree(4, PS)
-    tokens = np.arange(10, dtype=np.int32)
-    key, pages = tree.key(tokens, 9)
-    assert pages == 2 and len(key) == 9 and np.shares_memory(key, tokens)
-    key, pages = tree.key(np.arange(8, dtype=np.int64), 8)
-    assert pages == 2 and key.tolist() == [*range(8), 0] and key.dtype == np.int32
-
-
-def test_a_token_id_past_int32_is_refused_by_name() -> None:
-    tree = PageTree(4, PS)
-    with pytest.raises(InvalidId, match=str(1 << 32)):
-        tree.key(np.array([1, 2, 1 << 32, 4], dtype=np.int64), 4)
-
-
-def test_a_negative_token_id_is_refused_and_nothing_changes() -> None:
+@pytest.mark.parametrize(
+    "container",
+    [
+        list,
+        tuple,
+        lambda tokens: array("q", tokens),
+        lambda tokens: array("i", tokens),
+        lambda tokens: array("L", tokens),
+        lambda tokens: np.array(tokens, dtype=np.int64),
+        lambda tokens: np.array(tokens, dtype=np.int32),
+        lambda tokens: np.array(tokens, dtype=np.uint16),
+        lambda tokens: np.array([tokens, tokens], dtype=np.int64).T[:, 0],  # strided
+    ],
+)
+def test_keys_come_in_any_container_of_token_ids_and_match_alike(container: Any) -> None:
     t = Tree()
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    t.insert(tokens, 100)
+    key = container(tokens)
+    node = t.tree.match(key, len(key))
+    assert node.num_pages == len(key) // PS
+    assert t.tree.values(node).tolist() == run(100, 104)[: node.num_pages * PS]
+    head = node.num_pages * PS
+    assert node.tokens.dtype == np.int32 and node.tokens[:head].tolist() == tokens[:head]
+    t.settled()
+
+
+def test_a_key_on_a_strided_view_matches_like_its_copy() -> None:
+    t = Tree()
+    t.insert(list(range(8)), 100)
+    strided = np.repeat(np.arange(8, dtype=np.int64), 2)[::2]  # 0, 1, ..., 7 with a stride of 2
+    assert not strided.flags.c_contiguous
+    assert t.tree.match(strided, 8).num_pages == 2
+    assert t.tree.match(np.arange(16, dtype=np.int64)[::2], 8).num_pages == 0  # 0, 2, 4, ...
+    t.settled()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        np.array([1, 2, 1 << 32, 4], dtype=np.int64),
+        array("q", [1, 2, 1 << 32, 4]),
+        array("Q", [1, 2, 1 << 63, 4]),
+        [1, 2, 1 << 32, 4],
+        [1, 2, 1 << 70, 4],
+    ],
+)
+def test_a_token_id_past_int32_is_refused_by_name_and_nothing_changes(tokens: Any) -> None:
+    t = Tree()
+    with pytest.raises(InvalidId, match="index 2"):
+        t.tree.insert(tokens, 4, np.arange(4, dtype=np.int64))
+    with pytest.raises(InvalidId, match="index 2"):
+        t.tree.match(tokens, 4)
+    assert t.tree.cached_pages == 0
+    t.settled()
+
+
+@pytest.mark.parametrize("tokens", [[1, 2, -3, 4], np.array([1, 2, -3, 4]), array("i", [1, 2, -3, 4])])
+def test_a_negative_token_id_is_refused_and_nothing_changes(tokens: Any) -> None:
+    t = Tree()
+    with pytest.raises(InvalidId, match="-3"):
+        t.tree.insert(tokens, 4, np.arange(4, dtype=np.int64))
+    assert t.tree.cached_pages == 0
+    t.settled()
+
+
+@pytest.mark.parametrize("tokens", [["a", "b", "c", "d"], [1.5, 2, 3, 4], np.ones((2, 4), dtype=np.int64), None])
+def test_what_is_not_a_sequence_of_token_ids_is_refused(tokens: Any) -> None:
+    t = Tree()
+    with pytest.raises((InvalidId, TypeError)):
+        t.tree.match(tokens, 4)
+    t.settled()
+
+
+def test_a_length_past_the_tokens_is_refused_and_nothing_changes() -> None:
+    t = Tree()
+    with pytest.raises(InvalidId, match="longer than its 4 token ids"):
+        t.tree.insert([1, 2, 3, 4], 8, np.arange(8, dtype=np.int64))
+    with pytest.raises(InvalidId, match="longer than its 4 token ids"):
+        t.tree.match(array("q", [1, 2, 3, 4]), 8)
     with pytest.raises(InvalidId):
-        t.insert([1, 2, -3, 4], 100)
+        t.tree.match([1, 2, 3, 4], -4)
     assert t.tree.cached_pages == 0
     t.settled()
 
 
 def test_too_few_indices_for_the_key_are_refused() -> None:
     t = Tree()
-    key, pages = t.tree.key(np.arange(8, dtype=np.int64), 8)
     with pytest.raises(InvalidId, match="7 KV indices for a key of 2 pages"):
-        t.tree.insert(key, pages, np.arange(7, dtype=np.int64), 0)
+        t.tree.insert(list(range(8)), 8, np.arange(7, dtype=np.int64), 0)
     t.settled()
+
+
+def test_a_key_longer_than_the_tree_is_refused_on_insert_and_matched_in_part() -> None:
+    t = Tree(num_pages=2)
+    t.insert(list(range(8)), 100)
+    with pytest.raises(InvalidId, match="3 pages is longer than the tree's 2 pages"):
+        t.tree.insert(list(range(12)), 12, np.arange(12, dtype=np.int64))
+    assert t.match(list(range(12)))[0] == run(100, 104)
+    t.settled()
+
+
+# -- the allocator helpers -------------------------------------------------------------------------
+
+
+def test_page_indices_hand_out_whole_pages_in_order_or_nothing() -> None:
+    pool = BlockPool(4)
+    indices = page_indices(pool, 6, PS)
+    assert indices is not None and indices.dtype == np.int64 and len(indices) == 6
+    first, second = int(indices[0]), int(indices[4])
+    assert first % PS == 0 and second % PS == 0 and first != second
+    assert indices.tolist() == [*run(first), second, second + 1]  # each page's slots in order, the last in part
+    pages = [first // PS, second // PS]
+    assert pool.num_free == 2 and all(pool.refcounts()[pages] == 1)
+    assert page_indices(pool, 3 * PS, PS) is None and pool.num_free == 2  # too few: nothing taken
+    ones = page_indices(pool, 2, 1)
+    assert ones is not None and sorted(ones.tolist()) == sorted(set(range(4)) - set(pages))
+    assert page_indices(pool, 0, PS) is not None and pool.num_free == 0
+    pool.check_invariants()
+
+
+def test_release_indices_frees_each_listed_page_once() -> None:
+    pool = BlockPool(8)
+    indices = page_indices(pool, 3 * PS, PS)
+    assert indices is not None
+    assert release_indices(pool, indices, PS) == 3
+    assert pool.num_free == 8
+    indices = page_indices(pool, 2 * PS, PS)
+    assert indices is not None
+    assert release_indices(pool, indices[::PS].copy(), PS, first_of_page=False) == 2
+    pool.check_invariants()
+
+
+def test_release_indices_refuses_a_page_freed_twice_and_changes_nothing() -> None:
+    pool = BlockPool(8)
+    indices = page_indices(pool, 2 * PS, PS)
+    assert indices is not None
+    apart = np.concatenate([indices, indices[:1]])  # page of the first index listed again, apart
+    with pytest.raises(DoubleFree):
+        release_indices(pool, apart, PS)
+    assert pool.num_free == 6
+    assert pages_of(apart, PS, unique=True).tolist() == sorted({int(i) // PS for i in indices})
+    with pytest.raises(DoubleFree):
+        release_indices(pool, np.array([5, 5], dtype=np.int64), 1)  # one slot a page: a real double free
+    with pytest.raises(InvalidId, match="-1"):
+        release_indices(pool, np.array([-1], dtype=np.int64), PS)
+    assert pool.num_free == 6
+    pool.check_invariants()
 
 
 @pytest.mark.parametrize(("num_pages", "page_size"), [(0, 4), (4, 0), (4, 1 << 17)])

@@ -1,0 +1,780 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
+"""Engine page trees over the KV cache core (module lifecycle._pagetree).
+
+An engine whose prefix cache maps keys to KV indices of its own (SGLang's ``RadixCache``: a
+``match`` returns the indices of the cached prefix, an ``insert`` hands the tree a request's
+indices) needs a table beside the core: the core's trie matches keys by their tokens and hands
+out its own block ids (*tree slots* here), and the table gives each slot the engine's indices of
+that page. :class:`PageTree` is that pair, with each engine call one C call: the key is converted
+straight from the engine's token container (``array('q')``, a list, a numpy array), the match
+opens, pins and reads a core record under one lock, the indices of a path are gathered in one
+loop, eviction hands the evicted pages' indices back in one array.
+
+Module functions do the same for an engine's allocator of pages over a ``BlockPool``:
+:func:`page_indices` hands out the KV indices of fresh pages, :func:`release_indices` frees the
+pages a list of KV indices names (each page once).
+
+Threads: every call takes the core's lock; a tree serves one scheduler (the engine's own caches
+are not thread-safe either), so its probe and lock tables are not shared state to race on.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
+from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp, memcpy, memset
+
+from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
+from lifecycle._kvcache cimport Failure, KVCacheCore, SeqRec
+from lifecycle._args cimport ssize_arg as _as_count
+
+import numpy as np
+
+from lifecycle._blockpool import BlockPool as _BlockPool
+from lifecycle._kvcache import KVCacheCore as _KVCacheCore
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, SequenceStateError
+
+cnp.import_array()
+
+
+cdef inline cnp.ndarray _empty(Py_ssize_t n, int typenum):
+    cdef cnp.npy_intp dim = n
+    return cnp.PyArray_EMPTY(1, &dim, typenum, 0)
+
+
+cdef inline cnp.ndarray _shrink(cnp.ndarray array, Py_ssize_t n):
+    # Cut a fresh 1-D array nobody else has seen to its first n entries, in place.
+    cnp.PyArray_DIMS(array)[0] = n
+    return array
+
+
+cdef inline void _ok(Failure *f) noexcept nogil:
+    f.code = 0
+    f.batch.failed_at = -1
+
+
+# -- token keys -----------------------------------------------------------------------------------
+
+cdef int _bad_token(long long value, Py_ssize_t index) except -1:
+    raise InvalidId(f"token id {value} (at index {index}) is outside [0, {INT32_MAX}]")
+
+
+cdef extern from *:
+    """
+    /* Token ids from 8- or 4-byte integers into int32, in one pass the compiler vectorises;
+     * nonzero when any value is outside [0, 2**31) (the caller then names it). */
+    static inline int lc_narrow64(const int64_t *src, int32_t *dst, Py_ssize_t n) {
+        uint64_t bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            bad |= (uint64_t)src[i] >> 31;
+            dst[i] = (int32_t)src[i];
+        }
+        return bad != 0;
+    }
+    static inline int lc_copy32(const int32_t *src, int32_t *dst, Py_ssize_t n) {
+        uint32_t bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            bad |= (uint32_t)src[i] >> 31;
+            dst[i] = src[i];
+        }
+        return bad != 0;
+    }
+    """
+    bint _narrow64 "lc_narrow64" (const int64_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
+    bint _copy32 "lc_copy32" (const int32_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
+
+
+cdef int _copy_buffer(object tokens, int32_t *dest, Py_ssize_t n) except -1:
+    """Copy the first ``n`` items of a C-contiguous, native-order integer buffer of 4 or 8 bytes an
+    item into ``dest``, each checked to be a token id; 1 when ``tokens`` is no such buffer."""
+    cdef Py_buffer view
+    cdef Py_ssize_t i
+    cdef const int64_t *wide
+    cdef const int32_t *narrow
+    cdef const char *fmt
+    cdef char kind
+    cdef bint signed
+    try:
+        PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+    except (BufferError, ValueError, TypeError):
+        return 1  # strided, or no such buffer: the general path
+    try:
+        fmt = view.format
+        if view.ndim != 1 or fmt == NULL:
+            return 1
+        if fmt[0] == b'@' or fmt[0] == b'=' or fmt[0] == b'<':  # native order (little-endian hosts only build)
+            fmt += 1
+        kind = fmt[0]
+        if kind == 0 or fmt[1] != 0:
+            return 1
+        if kind == b'q' or kind == b'l' or kind == b'i':
+            signed = True
+        elif kind == b'Q' or kind == b'L' or kind == b'I':
+            signed = False
+        else:
+            return 1
+        if view.shape[0] < n:
+            raise InvalidId(f"a key of {n} tokens is longer than its {view.shape[0]} token ids")
+        # Convert first (a loop the compiler vectorises), look for the offender only if any.
+        if view.itemsize == 8:
+            wide = <const int64_t *>view.buf
+            if _narrow64(wide, dest, n):
+                for i in range(n):
+                    if <uint64_t>wide[i] > <uint64_t>INT32_MAX:
+                        if signed:
+                            _bad_token(wide[i], i)
+                        raise InvalidId(f"token id {<uint64_t>wide[i]} (at index {i}) is outside [0, {INT32_MAX}]")
+            return 0
+        if view.itemsize == 4:
+            narrow = <const int32_t *>view.buf
+            if _copy32(narrow, dest, n):
+                for i in range(n):
+                    if narrow[i] < 0:
+                        if signed:
+                            _bad_token(narrow[i], i)
+                        raise InvalidId(f"token id {<uint32_t>narrow[i]} (at index {i}) is outside [0, {INT32_MAX}]")
+            return 0
+        return 1
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef int _copy_list(list tokens, int32_t *dest, Py_ssize_t n) except -1:
+    """Copy the first ``n`` ints of a list into ``dest``, each checked; 1 when an item is not an
+    exact int (the general path then converts or names it)."""
+    cdef Py_ssize_t i
+    cdef long long value
+    cdef int overflow = 0
+    cdef object item
+    if PyList_GET_SIZE(tokens) < n:
+        raise InvalidId(f"a key of {n} tokens is longer than its {PyList_GET_SIZE(tokens)} token ids")
+    for i in range(n):
+        if i >= PyList_GET_SIZE(tokens):
+            return 1
+        item = <object>PyList_GET_ITEM(tokens, i)
+        if not PyLong_CheckExact(item):
+            return 1
+        value = PyLong_AsLongLongAndOverflow(item, &overflow)
+        if overflow or not 0 <= value <= INT32_MAX:
+            _bad_token(value if not overflow else -1, i)
+        dest[i] = <int32_t>value
+    return 0
+
+
+cdef cnp.ndarray _key(object tokens, Py_ssize_t aligned):
+    """The core's key for the first ``aligned`` (whole pages) of ``tokens``: those token ids as a
+    fresh int32 array and one token more (the core never reuses a key's last token)."""
+    cdef cnp.ndarray key = _empty(aligned + 1, cnp.NPY_INT32)
+    cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(key)
+    dest[aligned] = 0
+    if aligned == 0:
+        return key
+    if PyList_CheckExact(tokens):
+        if _copy_list(<list>tokens, dest, aligned) == 0:
+            return key
+    elif PyObject_CheckBuffer(tokens):
+        if _copy_buffer(tokens, dest, aligned) == 0:
+            return key
+    # Anything else (a tensor, a tuple, a strided or other-typed array): through numpy.
+    try:
+        array = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidId(f"token ids must be a 1-D sequence of ints, got {type(tokens).__name__}") from error
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidId(f"token ids must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
+    if len(array) < aligned:
+        raise InvalidId(f"a key of {aligned} tokens is longer than its {len(array)} token ids")
+    head = array[:aligned]
+    outside = np.flatnonzero((head < 0) | (head > INT32_MAX))
+    if outside.size:
+        _bad_token(int(head[outside[0]]), int(outside[0]))
+    key[:aligned] = head
+    return key
+
+
+cdef Py_ssize_t _pages_arg(object length, Py_ssize_t page_size, str call) except -1:
+    return _as_count(length, f"{call}: length", 0, INT32_MAX) // page_size
+
+
+cdef object _TORCH_INT64 = None
+
+
+cdef object _int64_values(object values, const int64_t **data, Py_ssize_t *n):
+    """``values`` (KV indices) as ``n`` int64s at ``data``; returns the object owning them. A
+    C-contiguous int64 numpy array or CPU torch tensor is read in place (a tensor through its data
+    pointer: no numpy view to build); anything else is converted (a device tensor copied to the
+    host first)."""
+    global _TORCH_INT64
+    cdef cnp.ndarray array
+    if not cnp.PyArray_Check(values) and type(values).__name__ == "Tensor":
+        if _TORCH_INT64 is None:
+            import torch
+            _TORCH_INT64 = torch.int64
+        if values.is_cpu and values.dtype is _TORCH_INT64 and values.dim() == 1 and values.is_contiguous():
+            n[0] = values.numel()
+            data[0] = <const int64_t *><size_t>values.data_ptr()
+            return values
+        values = values.cpu() if not values.is_cpu else values
+    if not (
+        cnp.PyArray_Check(values)
+        and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT64
+        and cnp.PyArray_NDIM(<cnp.ndarray>values) == 1
+        and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>values)
+    ):
+        converted = np.asarray(values)
+        if converted.ndim != 1 or (converted.size and converted.dtype.kind not in "iu"):
+            raise InvalidId(
+                f"KV indices must be a 1-D integer array, got {converted.dtype} of shape {converted.shape}"
+            )
+        values = np.ascontiguousarray(converted, dtype=np.int64)
+    array = <cnp.ndarray>values
+    data[0] = <const int64_t *>cnp.PyArray_DATA(array)
+    n[0] = cnp.PyArray_DIM(array, 0)
+    return array
+
+
+# -- the tree -------------------------------------------------------------------------------------
+
+@cython.final
+cdef class PageNode:
+    """The end of a cached path: what a match or an insert returns. ``tokens`` is the path's key
+    (whole pages) and one token more; ``slots`` the tree slots of its pages. Nodes are views: two
+    matches of one path give two nodes, and locks count per path, whichever node took them."""
+
+    cdef readonly int64_t generation
+    cdef readonly int64_t namespace
+    cdef readonly object tokens
+    cdef readonly object slots
+    cdef readonly Py_ssize_t num_pages
+
+    def __init__(self, generation, namespace, tokens, slots):
+        """A node of ``slots`` (int32 tree slots) ending the key ``tokens`` (int32, one token more
+        than its whole pages) in ``namespace``, taken at the tree's ``generation``."""
+        self.generation = generation
+        self.namespace = namespace
+        self.tokens = tokens
+        self.slots = slots
+        self.num_pages = len(slots)
+
+    @property
+    def evicted(self):
+        """Always False: a node is a view of the path when it was returned (see ``PageTree.lock``)."""
+        return False
+
+    def __repr__(self):
+        return f"PageNode(pages={self.num_pages}, namespace={self.namespace})"
+
+
+cdef inline PageNode _node(int64_t generation, int64_t namespace, object tokens, cnp.ndarray slots):
+    cdef PageNode node = PageNode.__new__(PageNode)
+    node.generation = generation
+    node.namespace = namespace
+    node.tokens = tokens
+    node.slots = slots
+    node.num_pages = cnp.PyArray_DIM(slots, 0)
+    return node
+
+
+@cython.final
+cdef class PageTree:
+    """A prefix tree of an engine's KV indices in whole pages over lifecycle's core: ``insert``
+    stores indices under a key, ``match`` finds the longest stored prefix of a key, ``lock`` keeps
+    a path from eviction, ``evict`` drops least recently used unlocked pages and hands their
+    indices to ``on_evict`` (also called when an ``insert`` into a full tree evicts).
+
+    ``num_pages`` tree slots (at most that many pages are cached), ``page_size`` tokens a page;
+    ``events``: log KV events for :meth:`take_events`. Keys are any container of token ids
+    (``array('q')``, a list, a numpy array) with a length in tokens (whole pages of it are used);
+    namespaces are ints (``CacheNamespaces`` keys), and keys of two namespaces never share pages.
+
+    A match holds its path with a core record (a *probe*) until the next call: the lock that
+    usually follows takes the probe over instead of walking the path again; any other call first
+    drops it, so the path is as evictable as if the match had held nothing.
+    """
+
+    cdef KVCacheCore _core
+    cdef BlockPool _pool
+    cdef Py_ssize_t _page_size
+    cdef Py_ssize_t _num_pages
+    cdef bint _events
+    cdef object _on_evict
+    cdef cnp.ndarray _values         # (num_pages, page_size) int64: each slot's KV indices
+    cdef int64_t *_values_data
+    cdef uint8_t *_in_tree           # 1 where the slot is a cached page
+    cdef dict _locks                 # end slot -> handles of the locks held on paths ending there
+    cdef Py_ssize_t _num_locks
+    cdef int64_t _generation
+    cdef list _pending
+    cdef int64_t _probe
+    cdef PageNode _probe_node
+    cdef Py_ssize_t _probe_delta
+    cdef readonly PageNode root
+
+    def __cinit__(self):
+        self._in_tree = NULL
+        self._probe = -1
+
+    def __init__(self, num_pages, page_size, *, events=False, on_evict=None):
+        """A tree of ``num_pages`` slots of ``page_size`` tokens (see the class docstring)."""
+        if type(page_size) is not int or not 1 <= page_size <= 1 << 16:
+            raise ConfigError(f"PageTree: page_size={page_size!r} must be an int in [1, 65536]")
+        if type(num_pages) is not int or not 1 <= num_pages <= INT32_MAX // page_size - 1:
+            raise ConfigError(
+                f"PageTree: num_pages={num_pages!r} must be an int in [1, {INT32_MAX // page_size - 1}]"
+            )
+        if on_evict is not None and not callable(on_evict):
+            raise ConfigError(f"PageTree: on_evict={on_evict!r} is not callable")
+        if self._in_tree != NULL:
+            raise ConfigError("PageTree: already initialised")
+        self._page_size = page_size
+        self._num_pages = num_pages
+        self._events = bool(events)
+        self._on_evict = on_evict
+        self._values = np.zeros((num_pages, page_size), dtype=np.int64)
+        self._values_data = <int64_t *>cnp.PyArray_DATA(self._values)
+        self._in_tree = <uint8_t *>malloc(num_pages)
+        if self._in_tree == NULL:
+            raise MemoryError("PageTree: out of memory for the slot table")
+        memset(self._in_tree, 0, num_pages)
+        self._pool = _BlockPool(num_pages)
+        self._core = _KVCacheCore(self._pool, page_size, events=self._events)
+        self._locks = {}
+        self._num_locks = 0
+        self._generation = 0
+        self._pending = []
+        self._probe = -1
+        self._probe_node = None
+        self._probe_delta = 0
+        self.root = _node(0, 0, np.zeros(1, dtype=np.int32), _empty(0, cnp.NPY_INT32))
+
+    def __dealloc__(self):
+        free(self._in_tree)
+
+    # -- the lock ---------------------------------------------------------------------------------
+
+    cdef inline void _enter(self):
+        if not self._core._lock_with_gil(0):
+            with nogil:
+                self._core._lock()
+
+    # -- sizes, in pages --------------------------------------------------------------------------
+
+    @property
+    def core(self):
+        """The KV cache core (for inspection and ``check_invariants``)."""
+        self._settle()
+        return self._core
+
+    @property
+    def page_size(self):
+        return self._page_size
+
+    @property
+    def num_pages(self):
+        return self._num_pages
+
+    @property
+    def cached_pages(self):
+        return self._core._trie._num_blocks
+
+    @property
+    def evictable_pages(self):
+        """Cached pages no lock holds (eviction may drop them)."""
+        self._settle()
+        return self._core._trie._lru_blocks
+
+    @property
+    def protected_pages(self):
+        """Cached pages on a locked path."""
+        self._settle()
+        return self._core._trie._num_blocks - self._core._trie._lru_blocks
+
+    @property
+    def num_locks(self):
+        return self._num_locks
+
+    @property
+    def generation(self):
+        """Bumped by :meth:`reset`: nodes from before it are void."""
+        return self._generation
+
+    # -- the calls --------------------------------------------------------------------------------
+
+    def match(self, tokens, length, int64_t namespace=0):
+        """The node ending the longest cached prefix of the first ``length`` of ``tokens`` (whole
+        pages), made the most recently used; the root when nothing matches."""
+        cdef Py_ssize_t pages = _pages_arg(length, self._page_size, "match")
+        cdef cnp.ndarray key, slots
+        cdef Failure f
+        cdef int64_t handle
+        cdef SeqRec *rec
+        cdef Py_ssize_t matched = 0, evictable
+        cdef KVCacheCore core = self._core
+        if self._probe >= 0:
+            self._settle()
+        pages = min(pages, self._num_pages)  # no longer path can be cached
+        if pages == 0:
+            return self.root
+        key = _key(tokens, pages * self._page_size)
+        slots = _empty(pages, cnp.NPY_INT32)
+        _ok(&f)
+        self._enter()
+        evictable = core._trie._lru_blocks
+        handle = core._admit_locked(namespace, <const int32_t *>cnp.PyArray_DATA(key), pages * self._page_size + 1,
+                                    pages, 0, &f)
+        if handle >= 0:
+            rec = core._rec(handle, &f)
+            matched = rec.num_blocks
+            memcpy(cnp.PyArray_DATA(slots), rec.chunk.blocks, matched * sizeof(int32_t))
+            if matched == 0:
+                core._finish_locked(rec, False, &f)
+            evictable -= core._trie._lru_blocks
+        core._unlock()
+        if f.code:
+            core._raise(&f, "match", key)
+        if matched == 0:
+            return self.root
+        node = _node(self._generation, namespace, _shrink(key, matched * self._page_size + 1), _shrink(slots, matched))
+        self._probe, self._probe_node, self._probe_delta = handle, node, evictable
+        return node
+
+    def insert(self, tokens, length, values, int64_t namespace=0):
+        """Store ``values`` (KV indices, one per token of the key's whole pages) under the first
+        ``length`` of ``tokens``; returns the pages that were cached already (the caller's
+        duplicates there stay the caller's) and the node ending the key. The tree owns the new
+        pages' indices from here on."""
+        cdef Py_ssize_t ps = self._page_size
+        cdef Py_ssize_t pages = _pages_arg(length, ps, "insert")
+        cdef cnp.ndarray key, slots
+        cdef Failure f
+        cdef int64_t handle
+        cdef SeqRec *rec
+        cdef Py_ssize_t cached = 0, i, short, num_values = 0
+        cdef int32_t slot
+        cdef const int64_t *source = NULL
+        cdef KVCacheCore core = self._core
+        if self._probe >= 0:
+            self._settle()
+        if pages == 0:
+            return 0, self.root
+        if pages > self._num_pages:
+            raise InvalidId(f"insert: a key of {pages} pages is longer than the tree's {self._num_pages} pages")
+        _owner = _int64_values(values, &source, &num_values)  # holds what ``source`` points into
+        if num_values < pages * ps:
+            raise InvalidId(f"insert: {num_values} KV indices for a key of {pages} pages of {ps}")
+        key = _key(tokens, pages * ps)
+        short = pages - self._pool._num_free
+        if short > 0:
+            self.evict(short)  # a full tree: room first, so no slot is reused unseen
+        slots = _empty(pages, cnp.NPY_INT32)
+        _ok(&f)
+        self._enter()
+        handle = core._admit_locked(namespace, <const int32_t *>cnp.PyArray_DATA(key), pages * ps + 1, pages, pages, &f)
+        if handle >= 0:
+            rec = core._rec(handle, &f)
+            memcpy(cnp.PyArray_DATA(slots), rec.chunk.blocks, pages * sizeof(int32_t))
+            if rec.num_blocks:
+                cached = rec.cached_tokens // ps
+            for i in range(cached, pages):
+                slot = rec.chunk.blocks[i]
+                memcpy(self._values_data + slot * ps, source + i * ps, ps * sizeof(int64_t))
+                self._in_tree[slot] = 1
+            core._finish_locked(rec, True, &f)
+        core._unlock()
+        if f.code:
+            core._raise(&f, "insert", key)
+        if self._events:
+            self._drain()
+        return cached, _node(self._generation, namespace, key, slots)
+
+    def values(self, PageNode node not None):
+        """The KV indices of ``node``'s path (a copy, int64)."""
+        return self._gather(<cnp.ndarray>node.slots)
+
+    cdef cnp.ndarray _gather(self, cnp.ndarray slots):
+        cdef Py_ssize_t n = cnp.PyArray_DIM(slots, 0), ps = self._page_size, i
+        cdef cnp.ndarray out = _empty(n * ps, cnp.NPY_INT64)
+        cdef int64_t *dest = <int64_t *>cnp.PyArray_DATA(out)
+        cdef const int32_t *ids = <const int32_t *>cnp.PyArray_DATA(slots)
+        for i in range(n):
+            memcpy(dest + i * ps, self._values_data + ids[i] * ps, ps * sizeof(int64_t))
+        return out
+
+    def all_values(self):
+        """The KV indices of every cached page, in no particular order."""
+        cdef Py_ssize_t i, count = 0
+        cdef cnp.ndarray slots = _empty(self._num_pages, cnp.NPY_INT32)
+        cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(slots)
+        for i in range(self._num_pages):
+            if self._in_tree[i]:
+                dest[count] = <int32_t>i
+                count += 1
+        return self._gather(_shrink(slots, count))
+
+    def lock(self, PageNode node not None):
+        """Keep ``node``'s path from eviction until :meth:`unlock`; returns the lock's handle and
+        how many pages it took from the evictable ones. A node whose path was evicted since it
+        was returned raises ``SequenceStateError``."""
+        cdef int64_t handle
+        cdef Py_ssize_t delta, held = 0, evictable
+        cdef Failure f
+        cdef SeqRec *rec
+        cdef bint same = False
+        cdef KVCacheCore core = self._core
+        cdef cnp.ndarray key, slots
+        if node.num_pages == 0:
+            return -1, 0
+        if node is self._probe_node:
+            handle, delta = self._probe, self._probe_delta
+            self._probe, self._probe_node = -1, None
+        else:
+            self._settle()
+            if node.generation != self._generation:
+                raise SequenceStateError(f"lock: the node is from before a reset (generation {node.generation}, "
+                                         f"now {self._generation})")
+            key, slots = node.tokens, node.slots
+            _ok(&f)
+            self._enter()
+            evictable = core._trie._lru_blocks
+            handle = core._admit_locked(node.namespace, <const int32_t *>cnp.PyArray_DATA(key),
+                                        cnp.PyArray_DIM(key, 0), node.num_pages, 0, &f)
+            if handle >= 0:
+                rec = core._rec(handle, &f)
+                held = rec.num_blocks
+                same = held == node.num_pages and not memcmp(
+                    rec.chunk.blocks, cnp.PyArray_DATA(slots), held * sizeof(int32_t))
+                if not same:
+                    core._finish_locked(rec, False, &f)
+            delta = evictable - core._trie._lru_blocks
+            core._unlock()
+            if f.code:
+                core._raise(&f, "lock", key)
+            if not same:
+                raise SequenceStateError(
+                    f"lock: the node's path of {node.num_pages} pages was evicted ({held} of them are cached now)"
+                )
+        end = int((<cnp.ndarray>node.slots)[node.num_pages - 1])
+        handles = self._locks.get(end)
+        if handles is None:
+            self._locks[end] = [handle]
+        else:
+            handles.append(handle)
+        self._num_locks += 1
+        return handle, delta
+
+    def unlock(self, PageNode node not None, handle=None):
+        """Release a lock on ``node``'s path: ``handle`` (from :meth:`lock`), or the latest one;
+        returns how many pages became evictable."""
+        cdef Py_ssize_t evictable
+        cdef KVCacheCore core = self._core
+        if node.num_pages == 0:
+            return 0
+        if self._probe >= 0:
+            self._settle()
+        end = int((<cnp.ndarray>node.slots)[node.num_pages - 1])
+        handles = self._locks.get(end)
+        if node.generation != self._generation or not handles or (handle is not None and handle not in handles):
+            raise SequenceStateError(
+                f"unlock: {'lock ' + str(handle) if handle is not None else 'no lock'} is held on the node ending at "
+                f"slot {end} (generation {node.generation}, now {self._generation}; {len(handles or ())} locks held)"
+            )
+        if handle is None:
+            handle = handles.pop()
+        else:
+            handles.remove(handle)
+        if not handles:
+            del self._locks[end]
+        self._num_locks -= 1
+        evictable = core._trie._lru_blocks
+        core._finish(handle, False)
+        return core._trie._lru_blocks - evictable
+
+    def evict(self, pages):
+        """Drop up to ``pages`` least recently used unlocked pages, handing their KV indices (one
+        int64 array) to ``on_evict``; returns how many were dropped."""
+        cdef Py_ssize_t n = _as_count(pages, "evict: pages", 0, INT32_MAX)
+        cdef Py_ssize_t freed = 0, i, ps = self._page_size, bad = -1
+        cdef Failure f
+        cdef KVCacheCore core = self._core
+        cdef const int32_t *slots
+        cdef cnp.ndarray out = None
+        cdef int64_t *dest
+        if self._probe >= 0:
+            self._settle()
+        if n == 0:
+            return 0
+        _ok(&f)
+        self._enter()
+        freed = core._evict_locked(n, &f)
+        if freed:
+            # The slots the core just freed are the top of its pool's free stack; each must have
+            # been a page of the tree, or this is not what happened and nothing is handed on.
+            slots = self._pool._free_stack + self._pool._num_free - freed
+            for i in range(freed):
+                if not self._in_tree[slots[i]]:
+                    bad = slots[i]
+                    break
+            if bad < 0:
+                out = _empty(freed * ps, cnp.NPY_INT64)
+                dest = <int64_t *>cnp.PyArray_DATA(out)
+                for i in range(freed):
+                    self._in_tree[slots[i]] = 0
+                    memcpy(dest + i * ps, self._values_data + slots[i] * ps, ps * sizeof(int64_t))
+        core._unlock()
+        if bad >= 0:
+            raise InvariantViolation(f"evict: slot {bad}, freed by the core, was not a page of the tree")
+        if out is not None:
+            if self._on_evict is not None:
+                self._on_evict(out)  # before any failure is raised: the freed pages' indices are not lost
+            if self._events:
+                self._drain()
+        if f.code:
+            core._raise(&f, "evict")
+        return freed
+
+    def reset(self):
+        """Drop every page and lock (the engine clears its allocator itself, as SGLang's flush
+        does, so the dropped indices are not handed to ``on_evict``); nodes taken before are void."""
+        self._settle()
+        core = self._core
+        for handles in self._locks.values():
+            for handle in handles:
+                core.finish(handle, False)
+        self._locks.clear()
+        self._num_locks = 0
+        self._drain()
+        if not core.reset():
+            raise InvariantViolation(f"reset: the core kept {core.num_cached_blocks} cached pages with no lock held")
+        memset(self._in_tree, 0, self._num_pages)
+        self._drain()
+        self._generation += 1
+        self.root = _node(self._generation, 0, np.zeros(1, dtype=np.int32), _empty(0, cnp.NPY_INT32))
+
+    def take_events(self):
+        """The raw logs (``RawEvents``) drained since the last call, oldest first."""
+        self._settle()
+        self._drain()
+        taken, self._pending = self._pending, []
+        return taken
+
+    def check_invariants(self):
+        """The core's recount, one live core record per lock held, one slot marked in the tree
+        per cached page."""
+        cdef Py_ssize_t i, marked = 0
+        self._settle()
+        self._core.check_invariants()
+        if self._core._num_live != self._num_locks:
+            raise InvariantViolation(
+                f"{self._core._num_live} core records are live but {self._num_locks} locks are held"
+            )
+        if self._num_locks != sum(len(handles) for handles in self._locks.values()):
+            raise InvariantViolation(f"{self._num_locks} locks are counted but the lock table holds others")
+        for i in range(self._num_pages):
+            marked += self._in_tree[i]
+        if marked != self._core._trie._num_blocks:
+            raise InvariantViolation(f"{marked} slots are marked as pages but the core caches "
+                                     f"{self._core._trie._num_blocks}")
+
+    cdef void _settle(self) except *:
+        """Drop the last match's probe (unless a lock took it over)."""
+        cdef int64_t handle
+        if self._probe >= 0:
+            handle, self._probe, self._probe_node = self._probe, -1, None
+            self._core._finish(handle, False)
+
+    cdef void _drain(self) except *:
+        raw = self._core.take_events()
+        if len(raw):
+            self._pending.append(raw)
+
+
+# -- an engine's page allocator over a BlockPool ----------------------------------------------------
+
+def page_indices(BlockPool pool not None, need_size, page_size):
+    """KV indices (int64) for ``need_size`` tokens on fresh pages of ``pool``: the pages' slots in
+    order (page ``p`` holds ``p * page_size`` to ``p * page_size + page_size - 1``), the last page
+    possibly in part; None, taking nothing, when too few pages are free."""
+    cdef Py_ssize_t need = _as_count(need_size, "page_indices: need_size", 0, INT32_MAX)
+    cdef Py_ssize_t ps = _as_count(page_size, "page_indices: page_size", 1, 1 << 16)
+    cdef Py_ssize_t pages = (need + ps - 1) // ps, i, j
+    cdef cnp.ndarray out
+    cdef int64_t *dest
+    cdef int32_t *ids
+    cdef int64_t base
+    cdef bint ok
+    if pages > pool._num_free:
+        return None
+    out = _empty(pages * ps, cnp.NPY_INT64)
+    dest = <int64_t *>cnp.PyArray_DATA(out)
+    # The page ids go into the tail of the output (int32 in the space of int64s), expanded from
+    # the front: slot k's ids are read before any write reaches them.
+    ids = <int32_t *>(dest + pages * ps) - pages
+    if not lc_mutex_trylock(&pool._lock):
+        with nogil:
+            lc_mutex_lock(&pool._lock)
+    ok = pool._allocate_locked(ids, pages)
+    lc_mutex_unlock(&pool._lock)
+    if not ok:
+        return None
+    for i in range(pages):
+        base = <int64_t>ids[i] * ps
+        for j in range(ps):
+            dest[i * ps + j] = base + j
+    return _shrink(out, need)
+
+
+def release_indices(BlockPool pool not None, indices, page_size, bint first_of_page=False):
+    """Free the pages that the KV indices ``indices`` (int64) lie on, each page once when its
+    slots are listed together (every ``page_size``-th index only, with ``first_of_page``);
+    returns how many became free. A page listed twice apart is refused by the pool
+    (``DoubleFree``), changing nothing: :func:`pages_of` with ``unique`` is then the caller's."""
+    cdef BatchResult result
+    cdef cnp.ndarray pages = pages_of(indices, page_size, first_of_page, False)
+    cdef Py_ssize_t n = cnp.PyArray_DIM(pages, 0), freed
+    if n == 0:
+        return 0
+    if not lc_mutex_trylock(&pool._lock):
+        with nogil:
+            lc_mutex_lock(&pool._lock)
+    freed = pool._dec_ref_locked(<const int32_t *>cnp.PyArray_DATA(pages), n, &result)
+    lc_mutex_unlock(&pool._lock)
+    if result.failed_at >= 0:
+        pool._raise_refused(&result, "free")
+    return freed
+
+
+def pages_of(indices, page_size, bint first_of_page=False, bint unique=False):
+    """The pages (int32) that the KV indices ``indices`` lie on, in order; a run of one page's
+    indices gives it once when pages hold more than one slot (``unique``: each page once, sorted).
+    With ``first_of_page`` every ``page_size``-th index only is read (a segment that starts on a
+    page boundary)."""
+    cdef const int64_t *data = NULL
+    cdef Py_ssize_t n = 0
+    _owner = _int64_values(indices, &data, &n)  # holds what ``data`` points into
+    cdef Py_ssize_t ps = _as_count(page_size, "pages_of: page_size", 1, 1 << 16)
+    cdef Py_ssize_t step = ps if first_of_page else 1, i, count = 0
+    cdef cnp.ndarray out = _empty((n + step - 1) // step, cnp.NPY_INT32)
+    cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(out)
+    cdef int64_t page
+    cdef int64_t low = 0, high = 0, value
+    i = 0
+    while i < n:  # (a range with a variable step would run as Python)
+        value = data[i]
+        i += step
+        if low <= value < high:
+            continue  # the page of the index before (a division saved)
+        if value < 0 or value // ps > INT32_MAX:
+            raise InvalidId(f"KV index {value} (at index {i - step}) is outside [0, {INT32_MAX * ps}]")
+        page = value // ps
+        dest[count] = <int32_t>page
+        count += 1
+        if ps > 1:  # one slot a page: a repeat is that page freed twice, never merged
+            low = page * ps
+            high = low + ps
+    out = _shrink(out, count)
+    if unique and count > 1:
+        return np.unique(out)
+    return out
