@@ -592,9 +592,11 @@ cdef class PageTree:
         core._finish(handle, False)
         return core._trie._lru_blocks - evictable
 
-    def evict(self, pages):
-        """Drop up to ``pages`` least recently used unlocked pages, handing their KV indices (one
-        int64 array) to ``on_evict``; returns how many were dropped."""
+    def evict(self, pages, BlockPool release=None):
+        """Drop up to ``pages`` least recently used unlocked pages; returns how many were dropped.
+        Their KV indices go to ``on_evict`` (one int64 array), or, given ``release`` (the engine
+        allocator's pool of pages of ``page_size`` slots), their pages are freed to it directly
+        (page = first index // page_size), with no array in between."""
         cdef Py_ssize_t n = _as_count(pages, "evict: pages", 0, INT32_MAX)
         cdef Py_ssize_t freed = 0, i, ps = self._page_size, bad = -1
         cdef Failure f
@@ -602,6 +604,9 @@ cdef class PageTree:
         cdef const int32_t *slots
         cdef cnp.ndarray out = None
         cdef int64_t *dest
+        cdef int32_t *page_ids
+        cdef int64_t first
+        cdef BatchResult result
         if self._probe >= 0:
             self._settle()
         if n == 0:
@@ -618,17 +623,34 @@ cdef class PageTree:
                     bad = slots[i]
                     break
             if bad < 0:
-                out = _empty(freed * ps, cnp.NPY_INT64)
-                dest = <int64_t *>cnp.PyArray_DATA(out)
+                if release is None:
+                    out = _empty(freed * ps, cnp.NPY_INT64)
+                    dest = <int64_t *>cnp.PyArray_DATA(out)
+                    for i in range(freed):
+                        memcpy(dest + i * ps, self._values_data + slots[i] * ps, ps * sizeof(int64_t))
+                else:
+                    out = _empty(freed, cnp.NPY_INT32)
+                    page_ids = <int32_t *>cnp.PyArray_DATA(out)
+                    for i in range(freed):
+                        first = self._values_data[slots[i] * ps]
+                        page_ids[i] = <int32_t>(first // ps) if 0 <= first // ps <= INT32_MAX else -1
                 for i in range(freed):
                     self._in_tree[slots[i]] = 0
-                    memcpy(dest + i * ps, self._values_data + slots[i] * ps, ps * sizeof(int64_t))
         core._unlock()
         if bad >= 0:
             raise InvariantViolation(f"evict: slot {bad}, freed by the core, was not a page of the tree")
         if out is not None:
-            if self._on_evict is not None:
-                self._on_evict(out)  # before any failure is raised: the freed pages' indices are not lost
+            # Before any failure of the core is raised: the freed pages are not lost.
+            if release is not None:
+                if not lc_mutex_trylock(&release._lock):
+                    with nogil:
+                        lc_mutex_lock(&release._lock)
+                release._dec_ref_locked(<const int32_t *>cnp.PyArray_DATA(out), freed, &result)
+                lc_mutex_unlock(&release._lock)
+                if result.failed_at >= 0:
+                    release._raise_refused(&result, "evict")
+            elif self._on_evict is not None:
+                self._on_evict(out)
             if self._events:
                 self._drain()
         if f.code:

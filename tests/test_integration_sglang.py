@@ -290,6 +290,33 @@ def test_a_key_longer_than_the_tree_is_refused_on_insert_and_matched_in_part() -
     t.settled()
 
 
+def test_eviction_can_free_the_pages_to_the_allocators_pool_directly() -> None:
+    pool = BlockPool(8)
+    handed: list[int] = []
+    tree = PageTree(8, PS, on_evict=lambda values: handed.extend(values.tolist()))
+    first = page_indices(pool, 2 * PS, PS)
+    second = page_indices(pool, 2 * PS, PS)
+    assert first is not None and second is not None
+    tree.insert(list(range(8)), 8, first)
+    tree.insert([9] * 8, 8, second)
+    assert pool.num_free == 4
+    assert tree.evict(3, pool) == 3  # straight to the pool, not through on_evict
+    assert pool.num_free == 7 and handed == [] and tree.cached_pages == 1
+    assert tree.evict(1) == 1 and len(handed) == PS  # without a pool: on_evict, as before
+    pool.check_invariants()
+    tree.check_invariants()
+
+
+def test_an_eviction_into_a_pool_that_refuses_the_pages_is_reported() -> None:
+    pool = BlockPool(8)
+    tree = PageTree(8, PS)
+    tree.insert(list(range(8)), 8, np.arange(8 * PS, 10 * PS, dtype=np.int64))  # pages 8, 9: not the pool's
+    with pytest.raises(LifecycleError):
+        tree.evict(2, pool)
+    assert pool.num_free == 8
+    pool.check_invariants()
+
+
 # -- the allocator helpers -------------------------------------------------------------------------
 
 

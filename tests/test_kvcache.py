@@ -1025,3 +1025,30 @@ def test_a_core_collected_in_a_cycle_with_live_records_returns_their_chunks_to_i
     gc.collect()
     trie.check_invariants()
     assert not any(type(obj) is KVCacheCore for obj in gc.get_objects())
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [0, 1, (1 << 15) - 1, 1 << 15, (1 << 30) - 1, 1 << 30, (1 << 31) - 1, 7],  # one digit and two
+        (5, 1 << 30, 0, (1 << 31) - 1),
+        [1, 2, 3, -1],
+        [1, 2, 1 << 31, 4],
+        [1, 2, 1 << 70, 4],
+        [1, 2, 3.0, 4],
+    ],
+)
+def test_token_lists_convert_exactly_or_are_refused_by_name(tokens: list[int]) -> None:
+    """The list fast path (small ints read from the objects) agrees with numpy's conversion, and
+    whatever it cannot take is named by the general path, nothing admitted."""
+    core = make_core(8, 4)
+    valid = all(type(t) is int and 0 <= t < 1 << 31 for t in tokens)
+    if valid:
+        handle = core.admit(tokens, 1)
+        assert core.tokens(handle).tolist() == list(tokens)
+        core.finish(handle)
+    else:
+        with pytest.raises(InvalidId):
+            core.admit(tokens, 1)
+        assert core.num_live_sequences == 0 and core.pool.num_free == 8
+    core.check_invariants()

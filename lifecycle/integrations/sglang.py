@@ -228,7 +228,13 @@ def radix_cache_class() -> type[Any]:
             if self.disable:
                 return EvictResult()
             pages = -(-params.num_tokens // self.page_size)
-            return EvictResult(num_tokens_evicted=self._tree.evict(pages) * self.page_size)
+            allocator = self.token_to_kv_pool_allocator
+            if isinstance(allocator, lifecycle_allocator) and allocator.page_size == self.page_size \
+                    and allocator.free_group is None:
+                evicted = self._tree.evict(pages, allocator.pool)  # pages freed in the same C call
+            else:
+                evicted = self._tree.evict(pages)
+            return EvictResult(num_tokens_evicted=evicted * self.page_size)
 
         def inc_lock_ref(self, node: PageNode) -> Any:
             if self.disable or node.num_pages == 0:

@@ -42,6 +42,7 @@ __all__ = ["Block", "BlockList", "KVCacheBlocks", "LifecycleKVCacheManager"]
 _EXTRA: Final = "vllm"
 _EMPTY: Final = np.zeros(0, dtype=np.int32)
 _WAITING_STATES: Final = frozenset({"WAITING", "PREEMPTED"})
+_ALL_BLOCKS: Final = 1 << 62
 
 
 @final
@@ -240,8 +241,9 @@ class LifecycleKVCacheManager:
         self.log_stats = bool(log_stats)
         self.num_kv_cache_groups = 1
         self.watermark_blocks = int(watermark * num_blocks)
+        self._pool = BlockPool(num_blocks)
         self.core = KVCacheCore(
-            BlockPool(num_blocks), block_size, enable_prefix_cache=self.enable_caching, null_block=True,
+            self._pool, block_size, enable_prefix_cache=self.enable_caching, null_block=True,
             events=self.enable_kv_cache_events,
         )
         self.empty_kv_cache_blocks = KVCacheBlocks()
@@ -296,22 +298,28 @@ class LifecycleKVCacheManager:
         """The request's longest cached prefix in whole blocks (at most ``max_cache_hit_length``
         tokens, by default all but the last token): its blocks, its token count, and 0 (no
         sparse-retention junction). Takes no block until ``allocate_slots``."""
-        self._settle()
-        if not self.prefix_cache_lookup_enabled(request):
+        if self._probe >= 0:
+            self._settle()
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
         num_tokens = request.num_tokens
         limit = num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, num_tokens - 1)
-        limit = min(limit, self._cacheable_tokens(request))
-        if limit < self.block_size:
+        if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
+            limit = min(limit, self._cacheable_tokens(request))
+        bs = self.block_size
+        if limit < bs:
             return self.empty_kv_cache_blocks, 0, 0
         core = self.core
-        handle = core.admit(self._tokens(request), 0, limit // self.block_size, self._namespace(request))
-        reused = core.num_blocks(handle)
-        if not reused:
+        prompt = request.prompt_token_ids
+        tokens = prompt if prompt is not None and len(prompt) == num_tokens else self._tokens(request)
+        namespace = 0 if request.lora_request is None and request.cache_salt is None else self._namespace(request)
+        handle = core.admit(tokens, 0, limit // bs, namespace)
+        table = core.block_table(handle)
+        if not len(table):
             core.finish(handle, False)
             return self.empty_kv_cache_blocks, 0, 0
         self._probe, self._probe_request = handle, request.request_id
-        return KVCacheBlocks(core.block_table(handle)), reused * self.block_size, 0
+        return KVCacheBlocks(table), len(table) * bs, 0
 
     def allocate_slots(
         self,
@@ -364,18 +372,25 @@ class LifecycleKVCacheManager:
             handle, have = live.handle, core.num_blocks(live.handle)
         computed = request.num_computed_tokens + num_new_computed_tokens
         needed = -(-min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len) // bs)
-        available = core.pool.num_free + core.num_evictable_blocks - reserved_blocks
-        status = getattr(request.status, "name", None)
-        watermark = self.watermark_blocks if has_scheduled_reqs and status in _WAITING_STATES else 0
-        must_fit = -(-min(request.num_tokens, self.max_model_len) // bs) if full_sequence_must_fit else 0
-        if max(needed, must_fit) - have + watermark > available:
+        available = self._pool.num_free + core.num_evictable_blocks - reserved_blocks
+        wanted = needed
+        if self.watermark_blocks and has_scheduled_reqs and getattr(request.status, "name", None) in _WAITING_STATES:
+            wanted += self.watermark_blocks
+        if full_sequence_must_fit:
+            wanted = max(wanted, -(-min(request.num_tokens, self.max_model_len) // bs))
+        if wanted - have > available:
             if opened >= 0:
                 core.finish(opened, False)
             return None
         if needed > have:
             core.grow(handle, needed)
         if live is None:
-            live = _Live(handle, request.num_tokens, have, self._cacheable_tokens(request) // bs)
+            cacheable = (
+                self._cacheable_tokens(request) // bs
+                if request.mm_features or getattr(request, "prompt_embeds", None) is not None
+                else _ALL_BLOCKS
+            )
+            live = _Live(handle, request.num_tokens, have, cacheable)
             self._live[request_id] = live
         if not delay_cache_blocks:
             self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))
@@ -391,7 +406,9 @@ class LifecycleKVCacheManager:
         if num_tokens > live.recorded:
             core.append(live.handle, request.all_token_ids[live.recorded : num_tokens])
             live.recorded = num_tokens
-        full = min(num_tokens // self.block_size, live.cacheable, core.num_blocks(live.handle))
+        full = min(num_tokens // self.block_size, live.cacheable)
+        if full > live.cached:
+            full = min(full, core.num_blocks(live.handle))
         if full > live.cached:
             core.cache(live.handle, full)
             live.cached = full

@@ -1,6 +1,7 @@
 # Inline helpers the Cython modules share (no module of its own: cimport only).
 cimport numpy as cnp
 from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport int32_t, int64_t
@@ -73,18 +74,45 @@ cdef inline object token_vector(object tokens, const int32_t **data, Py_ssize_t 
     return tokens
 
 
+cdef extern from *:
+    """
+    /* An exact int's value when it is small (one digit: below 2**30), read from the object
+     * itself instead of through the general conversion; 0 when it is not (the caller converts). */
+    static inline int lc_small_long(PyObject *o, long long *out) {
+        if (!PyLong_CheckExact(o)) return 0;
+    #if PY_VERSION_HEX >= 0x030C0000 && !defined(PYPY_VERSION) && !defined(Py_LIMITED_API)
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            return 1;
+        }
+        return 0;
+    #elif PY_VERSION_HEX >= 0x030B0000 && !defined(PYPY_VERSION) && !defined(Py_LIMITED_API)
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 1) { *out = (long long)((PyLongObject *)o)->ob_digit[0]; return 1; }
+        if (size == 0) { *out = 0; return 1; }
+        return 0;
+    #else
+        (void)o; (void)out;
+        return 0;
+    #endif
+    }
+    """
+    bint lc_small_long(PyObject *o, long long *out) noexcept
+
+
 cdef inline object _tokens_from_list(object tokens):
     """A list or tuple of exact ints in [0, 2**31) as a fresh int32 array, one C loop (what an
-    engine's token lists cost); None when any item is something else (the general path then
-    converts it or names the bad value)."""
+    engine's token lists cost: small ints are read from the objects themselves); None when any
+    item is something else (the general path then converts it or names the bad value)."""
     cdef Py_ssize_t i, size
     cdef cnp.npy_intp dim
     cdef cnp.ndarray out
     cdef int32_t *dest
     cdef long long value
     cdef int overflow = 0
-    cdef object item
-    if PyList_CheckExact(tokens):
+    cdef PyObject *item
+    cdef bint is_list = PyList_CheckExact(tokens)
+    if is_list:
         size = PyList_GET_SIZE(tokens)
     elif PyTuple_CheckExact(tokens):
         size = PyTuple_GET_SIZE(tokens)
@@ -93,17 +121,16 @@ cdef inline object _tokens_from_list(object tokens):
     dim = size
     out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
     dest = <int32_t *>cnp.PyArray_DATA(out)
+    # Items are borrowed: nothing in the loop runs Python code, so the list cannot change under it.
     for i in range(size):
-        if PyList_CheckExact(tokens):
-            if i >= PyList_GET_SIZE(tokens):
-                return None  # the list shrank under us (another thread): the general path decides
-            item = <object>PyList_GET_ITEM(tokens, i)
-        else:
-            item = <object>PyTuple_GET_ITEM(tokens, i)
-        if not PyLong_CheckExact(item):
-            return None
-        value = PyLong_AsLongLongAndOverflow(item, &overflow)
-        if overflow or not 0 <= value <= 0x7FFFFFFF:
+        item = PyList_GET_ITEM(tokens, i) if is_list else PyTuple_GET_ITEM(tokens, i)
+        if not lc_small_long(item, &value):
+            if not PyLong_CheckExact(<object>item):
+                return None
+            value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
+            if overflow:
+                return None
+        if not 0 <= value <= 0x7FFFFFFF:
             return None
         dest[i] = <int32_t>value
     return out
