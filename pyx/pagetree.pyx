@@ -30,6 +30,9 @@ from libc.string cimport memcmp, memcpy, memset
 from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._kvcache cimport Failure, KVCacheCore, SeqRec
 from lifecycle._args cimport ssize_arg as _as_count
+from lifecycle._int32 cimport adapter_key as _adapter_key
+
+import sys
 
 import numpy as np
 
@@ -58,7 +61,7 @@ cdef inline void _ok(Failure *f) noexcept nogil:
 
 # -- token keys -----------------------------------------------------------------------------------
 
-cdef int _bad_token(long long value, Py_ssize_t index) except -1:
+cdef int _bad_token(object value, Py_ssize_t index) except -1:
     raise InvalidId(f"token id {value} (at index {index}) is outside [0, {INT32_MAX}]")
 
 
@@ -74,6 +77,11 @@ cdef extern from *:
         }
         return bad != 0;
     }
+    static inline int lc_any_negative(const int64_t *src, Py_ssize_t n) {
+        uint64_t bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) bad |= (uint64_t)src[i];
+        return (bad >> 63) != 0;
+    }
     static inline int lc_copy32(const int32_t *src, int32_t *dst, Py_ssize_t n) {
         uint32_t bad = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -84,6 +92,7 @@ cdef extern from *:
     }
     """
     bint _narrow64 "lc_narrow64" (const int64_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
+    bint _any_negative "lc_any_negative" (const int64_t *src, Py_ssize_t n) noexcept nogil
     bint _copy32 "lc_copy32" (const int32_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
 
 
@@ -159,7 +168,7 @@ cdef int _copy_list(list tokens, int32_t *dest, Py_ssize_t n) except -1:
             return 1
         value = PyLong_AsLongLongAndOverflow(item, &overflow)
         if overflow or not 0 <= value <= INT32_MAX:
-            _bad_token(value if not overflow else -1, i)
+            _bad_token(item, i)
         dest[i] = <int32_t>value
     return 0
 
@@ -199,6 +208,7 @@ cdef Py_ssize_t _pages_arg(object length, Py_ssize_t page_size, str call) except
     return _as_count(length, f"{call}: length", 0, INT32_MAX) // page_size
 
 
+cdef object _TORCH_TENSOR = None
 cdef object _TORCH_INT64 = None
 
 
@@ -206,29 +216,36 @@ cdef object _int64_values(object values, const int64_t **data, Py_ssize_t *n):
     """``values`` (KV indices) as ``n`` int64s at ``data``; returns the object owning them. A
     C-contiguous int64 numpy array or CPU torch tensor is read in place (a tensor through its data
     pointer: no numpy view to build); anything else is converted (a device tensor copied to the
-    host first)."""
-    global _TORCH_INT64
+    host first), or refused with ``InvalidId``."""
+    global _TORCH_TENSOR, _TORCH_INT64
     cdef cnp.ndarray array
-    if not cnp.PyArray_Check(values) and type(values).__name__ == "Tensor":
-        if _TORCH_INT64 is None:
-            import torch
-            _TORCH_INT64 = torch.int64
-        if values.is_cpu and values.dtype is _TORCH_INT64 and values.dim() == 1 and values.is_contiguous():
-            n[0] = values.numel()
-            data[0] = <const int64_t *><size_t>values.data_ptr()
-            return values
-        values = values.cpu() if not values.is_cpu else values
+    if not cnp.PyArray_Check(values):
+        if _TORCH_TENSOR is None and "torch" in sys.modules:  # torch is never imported here
+            _TORCH_TENSOR = sys.modules["torch"].Tensor
+            _TORCH_INT64 = sys.modules["torch"].int64
+        if _TORCH_TENSOR is not None and isinstance(values, _TORCH_TENSOR):
+            if values.is_cpu and values.dtype is _TORCH_INT64 and values.dim() == 1 and values.is_contiguous():
+                n[0] = values.numel()
+                data[0] = <const int64_t *><size_t>values.data_ptr()
+                return values
+            values = values.detach().cpu()
     if not (
         cnp.PyArray_Check(values)
         and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT64
         and cnp.PyArray_NDIM(<cnp.ndarray>values) == 1
         and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>values)
     ):
-        converted = np.asarray(values)
+        try:
+            converted = np.asarray(values)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+            raise InvalidId(f"KV indices must be a 1-D integer array, got {type(values).__name__}") from error
         if converted.ndim != 1 or (converted.size and converted.dtype.kind not in "iu"):
             raise InvalidId(
                 f"KV indices must be a 1-D integer array, got {converted.dtype} of shape {converted.shape}"
             )
+        if converted.size and converted.dtype.kind == "u" and converted.dtype.itemsize == 8 \
+                and int(converted.max()) > 0x7FFFFFFFFFFFFFFF:
+            raise InvalidId(f"KV index {int(converted.max())} is outside the int64 range")
         values = np.ascontiguousarray(converted, dtype=np.int64)
     array = <cnp.ndarray>values
     data[0] = <const int64_t *>cnp.PyArray_DATA(array)
@@ -249,6 +266,7 @@ cdef class PageNode:
     cdef readonly object tokens
     cdef readonly object slots
     cdef readonly Py_ssize_t num_pages
+    cdef int64_t _tree               # the id of the tree that made it (0: none; no tree takes it)
 
     def __init__(self, generation, namespace, tokens, slots):
         """A node of ``slots`` (int32 tree slots) ending the key ``tokens`` (int32, one token more
@@ -268,8 +286,16 @@ cdef class PageNode:
         return f"PageNode(pages={self.num_pages}, namespace={self.namespace})"
 
 
-cdef inline PageNode _node(int64_t generation, int64_t namespace, object tokens, cnp.ndarray slots):
+cdef int64_t _last_tree_id = 0
+
+
+cdef inline PageNode _node(int64_t tree, int64_t generation, int64_t namespace, cnp.ndarray tokens,
+                           cnp.ndarray slots):
+    """A node of tree ``tree``; its arrays are made read-only (the tree reads them as they were)."""
     cdef PageNode node = PageNode.__new__(PageNode)
+    cnp.PyArray_CLEARFLAGS(tokens, cnp.NPY_ARRAY_WRITEABLE)
+    cnp.PyArray_CLEARFLAGS(slots, cnp.NPY_ARRAY_WRITEABLE)
+    node._tree = tree
     node.generation = generation
     node.namespace = namespace
     node.tokens = tokens
@@ -312,6 +338,7 @@ cdef class PageTree:
     cdef PageNode _probe_node
     cdef Py_ssize_t _probe_delta
     cdef readonly PageNode root
+    cdef int64_t _id
 
     def __cinit__(self):
         self._in_tree = NULL
@@ -348,7 +375,10 @@ cdef class PageTree:
         self._probe = -1
         self._probe_node = None
         self._probe_delta = 0
-        self.root = _node(0, 0, np.zeros(1, dtype=np.int32), _empty(0, cnp.NPY_INT32))
+        global _last_tree_id
+        _last_tree_id += 1
+        self._id = _last_tree_id
+        self.root = _node(self._id, 0, 0, np.zeros(1, dtype=np.int32), _empty(0, cnp.NPY_INT32))
 
     def __dealloc__(self):
         free(self._in_tree)
@@ -403,10 +433,11 @@ cdef class PageTree:
 
     # -- the calls --------------------------------------------------------------------------------
 
-    def match(self, tokens, length, int64_t namespace=0):
+    def match(self, tokens, length, namespace=0):
         """The node ending the longest cached prefix of the first ``length`` of ``tokens`` (whole
         pages), made the most recently used; the root when nothing matches."""
         cdef Py_ssize_t pages = _pages_arg(length, self._page_size, "match")
+        cdef int64_t ns = _adapter_key(namespace)
         cdef cnp.ndarray key, slots
         cdef Failure f
         cdef int64_t handle
@@ -423,7 +454,7 @@ cdef class PageTree:
         _ok(&f)
         self._enter()
         evictable = core._trie._lru_blocks
-        handle = core._admit_locked(namespace, <const int32_t *>cnp.PyArray_DATA(key), pages * self._page_size + 1,
+        handle = core._admit_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), pages * self._page_size + 1,
                                     pages, 0, &f)
         if handle >= 0:
             rec = core._rec(handle, &f)
@@ -437,17 +468,20 @@ cdef class PageTree:
             core._raise(&f, "match", key)
         if matched == 0:
             return self.root
-        node = _node(self._generation, namespace, _shrink(key, matched * self._page_size + 1), _shrink(slots, matched))
+        node = _node(self._id, self._generation, ns, _shrink(key, matched * self._page_size + 1),
+                     _shrink(slots, matched))
         self._probe, self._probe_node, self._probe_delta = handle, node, evictable
         return node
 
-    def insert(self, tokens, length, values, int64_t namespace=0):
+    def insert(self, tokens, length, values, namespace=0):
         """Store ``values`` (KV indices, one per token of the key's whole pages) under the first
         ``length`` of ``tokens``; returns the pages that were cached already (the caller's
         duplicates there stay the caller's) and the node ending the key. The tree owns the new
         pages' indices from here on."""
         cdef Py_ssize_t ps = self._page_size
         cdef Py_ssize_t pages = _pages_arg(length, ps, "insert")
+        cdef int64_t ns = _adapter_key(namespace)
+        cdef bint negative = False
         cdef cnp.ndarray key, slots
         cdef Failure f
         cdef int64_t handle
@@ -472,27 +506,41 @@ cdef class PageTree:
         slots = _empty(pages, cnp.NPY_INT32)
         _ok(&f)
         self._enter()
-        handle = core._admit_locked(namespace, <const int32_t *>cnp.PyArray_DATA(key), pages * ps + 1, pages, pages, &f)
+        handle = core._admit_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), pages * ps + 1, pages, pages, &f)
         if handle >= 0:
             rec = core._rec(handle, &f)
             memcpy(cnp.PyArray_DATA(slots), rec.chunk.blocks, pages * sizeof(int32_t))
             if rec.num_blocks:
                 cached = rec.cached_tokens // ps
-            for i in range(cached, pages):
-                slot = rec.chunk.blocks[i]
-                memcpy(self._values_data + slot * ps, source + i * ps, ps * sizeof(int64_t))
-                self._in_tree[slot] = 1
-            core._finish_locked(rec, True, &f)
+            # The new pages' indices must be KV indices; else nothing is cached.
+            negative = _any_negative(source + cached * ps, (pages - cached) * ps)
+            if negative:
+                core._finish_locked(rec, False, &f)
+            else:
+                for i in range(cached, pages):
+                    slot = rec.chunk.blocks[i]
+                    memcpy(self._values_data + slot * ps, source + i * ps, ps * sizeof(int64_t))
+                    self._in_tree[slot] = 1
+                core._finish_locked(rec, True, &f)
         core._unlock()
+        if negative:
+            for i in range(cached * ps, pages * ps):
+                if source[i] < 0:
+                    raise InvalidId(f"insert: KV index {source[i]} (at index {i}) is negative")
         if f.code:
             core._raise(&f, "insert", key)
         if self._events:
             self._drain()
-        return cached, _node(self._generation, namespace, key, slots)
+        return cached, _node(self._id, self._generation, ns, key, slots)
 
     def values(self, PageNode node not None):
         """The KV indices of ``node``'s path (a copy, int64)."""
+        if node._tree != self._id:
+            self._foreign(node, "values")
         return self._gather(<cnp.ndarray>node.slots)
+
+    cdef int _foreign(self, PageNode node, str call) except -1:
+        raise SequenceStateError(f"{call}: {node!r} is not a node of this tree (another tree's, or made by hand)")
 
     cdef cnp.ndarray _gather(self, cnp.ndarray slots):
         cdef Py_ssize_t n = cnp.PyArray_DIM(slots, 0), ps = self._page_size, i
@@ -525,6 +573,8 @@ cdef class PageTree:
         cdef bint same = False
         cdef KVCacheCore core = self._core
         cdef cnp.ndarray key, slots
+        if node._tree != self._id:
+            self._foreign(node, "lock")
         if node.num_pages == 0:
             return -1, 0
         if node is self._probe_node:
@@ -570,6 +620,8 @@ cdef class PageTree:
         returns how many pages became evictable."""
         cdef Py_ssize_t evictable
         cdef KVCacheCore core = self._core
+        if node._tree != self._id:
+            self._foreign(node, "unlock")
         if node.num_pages == 0:
             return 0
         if self._probe >= 0:
@@ -609,12 +661,18 @@ cdef class PageTree:
         cdef BatchResult result
         if self._probe >= 0:
             self._settle()
+        # At most the evictable pages go: the output is made for them before the lock is taken
+        # (nothing is allocated under it). The tree serves one scheduler, so they stay as many.
+        n = min(n, core._trie._lru_blocks)
         if n == 0:
             return 0
+        out = _empty(n * ps, cnp.NPY_INT64) if release is None else _empty(n, cnp.NPY_INT32)
         _ok(&f)
         self._enter()
         freed = core._evict_locked(n, &f)
-        if freed:
+        if freed > n:
+            bad = -2  # more than was asked for: not this tree's core any more
+        elif freed:
             # The slots the core just freed are the top of its pool's free stack; each must have
             # been a page of the tree, or this is not what happened and nothing is handed on.
             slots = self._pool._free_stack + self._pool._num_free - freed
@@ -624,22 +682,24 @@ cdef class PageTree:
                     break
             if bad < 0:
                 if release is None:
-                    out = _empty(freed * ps, cnp.NPY_INT64)
                     dest = <int64_t *>cnp.PyArray_DATA(out)
                     for i in range(freed):
                         memcpy(dest + i * ps, self._values_data + slots[i] * ps, ps * sizeof(int64_t))
                 else:
-                    out = _empty(freed, cnp.NPY_INT32)
                     page_ids = <int32_t *>cnp.PyArray_DATA(out)
                     for i in range(freed):
                         first = self._values_data[slots[i] * ps]
-                        page_ids[i] = <int32_t>(first // ps) if 0 <= first // ps <= INT32_MAX else -1
+                        # (indices are checked at insert; an out-of-range page is refused by the pool)
+                        page_ids[i] = <int32_t>(first // ps) if 0 <= first and first // ps <= INT32_MAX else -1
                 for i in range(freed):
                     self._in_tree[slots[i]] = 0
         core._unlock()
+        if bad == -2:
+            raise InvariantViolation(f"evict: the core freed {freed} pages where {n} were asked for")
         if bad >= 0:
             raise InvariantViolation(f"evict: slot {bad}, freed by the core, was not a page of the tree")
-        if out is not None:
+        if freed:
+            out = _shrink(out, freed * ps if release is None else freed)
             # Before any failure of the core is raised: the freed pages are not lost.
             if release is not None:
                 if not lc_mutex_trylock(&release._lock):
@@ -673,7 +733,7 @@ cdef class PageTree:
         memset(self._in_tree, 0, self._num_pages)
         self._drain()
         self._generation += 1
-        self.root = _node(self._generation, 0, np.zeros(1, dtype=np.int32), _empty(0, cnp.NPY_INT32))
+        self.root = _node(self._id, self._generation, 0, np.zeros(1, dtype=np.int32), _empty(0, cnp.NPY_INT32))
 
     def take_events(self):
         """The raw logs (``RawEvents``) drained since the last call, oldest first."""

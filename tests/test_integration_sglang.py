@@ -237,7 +237,7 @@ def test_a_key_on_a_strided_view_matches_like_its_copy() -> None:
 )
 def test_a_token_id_past_int32_is_refused_by_name_and_nothing_changes(tokens: Any) -> None:
     t = Tree()
-    with pytest.raises(InvalidId, match="index 2"):
+    with pytest.raises(InvalidId, match=f"token id {tokens[2]} \\(at index 2\\)"):
         t.tree.insert(tokens, 4, np.arange(4, dtype=np.int64))
     with pytest.raises(InvalidId, match="index 2"):
         t.tree.match(tokens, 4)
@@ -315,6 +315,68 @@ def test_an_eviction_into_a_pool_that_refuses_the_pages_is_reported() -> None:
         tree.evict(2, pool)
     assert pool.num_free == 8
     pool.check_invariants()
+
+
+def test_nodes_of_another_tree_or_made_by_hand_are_refused_by_name() -> None:
+    t, other = Tree(), Tree(num_pages=1000)
+    other.insert(list(range(8)), 100)
+    t.insert(list(range(8)), 100)
+    foreign = other.tree.match(list(range(8)), 8)
+    made = PageNode(0, 0, np.zeros(1, dtype=np.int32), np.array([1, 2], dtype=np.int32))
+    for node in (foreign, made):
+        with pytest.raises(SequenceStateError, match="not a node of this tree"):
+            t.tree.values(node)
+        with pytest.raises(SequenceStateError, match="not a node of this tree"):
+            t.tree.lock(node)
+        with pytest.raises(SequenceStateError, match="not a node of this tree"):
+            t.tree.unlock(node)
+    node = t.tree.match(list(range(8)), 8)
+    assert not node.slots.flags.writeable and not node.tokens.flags.writeable
+    t.settled()
+    other.settled()
+
+
+def test_negative_kv_indices_are_refused_and_nothing_is_cached() -> None:
+    t = Tree()
+    t.insert(list(range(4)), 100)
+    with pytest.raises(InvalidId, match="KV index -1 \\(at index 5\\)"):
+        t.tree.insert(list(range(8)), 8, np.array([7, 7, 7, 7, 0, -1, 2, 3], dtype=np.int64))
+    assert t.tree.cached_pages == 1 and t.tree.evictable_pages == 1
+    t.settled()
+
+
+@pytest.mark.parametrize("namespace", [1 << 63, -(1 << 63) - 1, "salt", 1.5])
+def test_a_namespace_that_is_not_an_int64_is_refused(namespace: Any) -> None:
+    t = Tree()
+    with pytest.raises(InvalidId):
+        t.tree.match([1, 2, 3, 4], 4, namespace)
+    with pytest.raises(InvalidId):
+        t.tree.insert([1, 2, 3, 4], 4, np.arange(4, dtype=np.int64), namespace)
+    t.settled()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [[1, 2], [3]],  # ragged
+        np.ones(8, dtype=np.float64),
+        np.arange(8, dtype=np.uint64) + np.uint64(1 << 63),
+        "12345678",
+    ],
+)
+def test_what_is_not_an_array_of_kv_indices_is_refused(values: Any) -> None:
+    t = Tree()
+    with pytest.raises(InvalidId):
+        t.tree.insert(list(range(8)), 8, values)
+    assert t.tree.cached_pages == 0
+    t.settled()
+
+
+def test_a_strided_uint64_key_past_int32_is_refused_by_name() -> None:
+    t = Tree()
+    with pytest.raises(InvalidId, match=str((1 << 64) - 1)):
+        t.tree.match(np.array([(1 << 64) - 1, 1, 2, 3], dtype=np.uint64)[::-1], 4)
+    t.settled()
 
 
 # -- the allocator helpers -------------------------------------------------------------------------

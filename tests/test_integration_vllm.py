@@ -119,6 +119,17 @@ def test_the_watermark_holds_blocks_back_from_waiting_requests_only() -> None:
     settled(manager)
 
 
+def test_the_watermark_also_holds_when_the_whole_sequence_must_fit() -> None:
+    manager = make(20, watermark=0.25)  # 5 blocks of watermark, 19 free
+    waiting = FakeRequest("a", list(range(60)))  # 15 blocks for the whole sequence
+    assert manager.allocate_slots(waiting, 4, full_sequence_must_fit=True) is None  # 15 + 5 > 19
+    assert manager.usage == 0.0
+    waiting.status = SimpleNamespace(name="RUNNING")
+    assert manager.allocate_slots(waiting, 4, full_sequence_must_fit=True) is not None  # 15 <= 19
+    manager.free(waiting)
+    settled(manager)
+
+
 def test_decoding_grows_the_table_and_caches_blocks_as_they_fill() -> None:
     manager = make()
     request = FakeRequest("a", list(range(6)))

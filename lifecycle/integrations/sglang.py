@@ -19,8 +19,9 @@ given are its own until ``insert`` / ``checkpoint`` hands them to the cache, whi
 it evicts them and frees them to the allocator; ``insert`` reports how much of the key was cached
 already, and the caller frees its duplicates. Either cache works with either allocator.
 
-Inside the cache, the prefix tree is a :class:`PageTree`: lifecycle's KV cache core over *tree
-slots*, one per cached page, whose block ids index a table of the engine's KV indices. The core
+Inside the cache, the prefix tree is a :class:`PageTree` (compiled, ``lifecycle._pagetree``; each
+of SGLang's calls is one C call there): lifecycle's KV cache core over *tree slots*, one per cached
+page, whose block ids index a table of the engine's KV indices. The core
 matches keys by their tokens (whole pages, exact compare), keeps the LRU order, pins locked paths
 and logs KV events; a lock is a core record holding the path. The slots are the core's own ids
 rather than SGLang's page ids because the core hands out block ids itself: it has no call that

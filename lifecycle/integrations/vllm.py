@@ -374,10 +374,10 @@ class LifecycleKVCacheManager:
         needed = -(-min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len) // bs)
         available = self._pool.num_free + core.num_evictable_blocks - reserved_blocks
         wanted = needed
-        if self.watermark_blocks and has_scheduled_reqs and getattr(request.status, "name", None) in _WAITING_STATES:
-            wanted += self.watermark_blocks
         if full_sequence_must_fit:
             wanted = max(wanted, -(-min(request.num_tokens, self.max_model_len) // bs))
+        if self.watermark_blocks and has_scheduled_reqs and getattr(request.status, "name", None) in _WAITING_STATES:
+            wanted += self.watermark_blocks
         if wanted - have > available:
             if opened >= 0:
                 core.finish(opened, False)

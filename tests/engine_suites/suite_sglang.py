@@ -587,3 +587,40 @@ def test_a_full_attention_tree_component_is_accepted() -> None:
     insert(cache, [1, 2, 3], values(10, 20, 30))
     assert match(cache, [1, 2, 3])[0] == 3
     cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "make_value",
+    [
+        lambda v: torch.tensor(v, dtype=torch.int64),
+        lambda v: torch.tensor(v, dtype=torch.int32),  # converted
+        lambda v: torch.tensor([v, v], dtype=torch.int64).t()[:, 0],  # strided: converted
+        lambda v: torch.tensor([0, *v], dtype=torch.int64)[1:],  # an offset view: read in place
+    ],
+)
+def test_insert_takes_the_indices_in_any_tensor_layout(impl: type[Any], make_value: Any) -> None:
+    cache = impl.create_simulated(mock_allocator=mock_allocator(), page_size=2)
+    indices = [10, 11, 20, 21, 30, 31]
+    insert(cache, [1, 2, 3, 4, 5, 6], make_value(indices))
+    assert match(cache, [1, 2, 3, 4, 5, 6])[:2] == (6, indices)
+
+
+@pytest.mark.parametrize("container", [list, lambda tokens: array("q", tokens), lambda tokens: array("l", tokens)])
+def test_keys_of_lists_and_arrays_match_alike(impl: type[Any], container: Any) -> None:
+    cache = impl.create_simulated(mock_allocator=mock_allocator(), page_size=2)
+    # SGLang's keys are lists in its scheduler, arrays in its tests (one kind per cache).
+    cache.insert(InsertParams(key=RadixKey(container([1, 2, 3, 4])), value=values(5, 6, 7, 8)))
+    result = cache.match_prefix(MatchPrefixParams(key=RadixKey(container([1, 2, 3, 9]))))
+    assert result.device_prefix_len == 2
+    assert cache.path_device_indices(result.last_device_node).tolist() == [5, 6]
+
+
+def test_the_allocator_frees_tensors_of_any_layout_each_page_once() -> None:
+    allocator = ALLOCATORS["lifecycle"](8 * 4, 4)
+    held = allocator.alloc(8)
+    allocator.free(held.to(torch.int32)[:6])  # both pages (the second in part), converted
+    assert allocator.available_size() == 32
+    held = allocator.alloc(8)
+    allocator.free(torch.stack([held, held]).t()[:, 0])  # strided
+    assert allocator.available_size() == 32
+    allocator.check_invariants()
