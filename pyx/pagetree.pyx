@@ -82,6 +82,22 @@ cdef extern from *:
         for (Py_ssize_t i = 0; i < n; i++) bad |= (uint64_t)src[i];
         return (bad >> 63) != 0;
     }
+    /* Rows of ``width`` int64s of a table, by id, to or from a dense array: a page of 16 is two
+     * cache lines, so an inline loop (unrolled for the common page sizes) beats a memcpy call per
+     * row. */
+    static inline void lc_copy_row(int64_t *dest, const int64_t *src, Py_ssize_t width) {
+        if (width == 16) { for (int j = 0; j < 16; j++) dest[j] = src[j]; return; }
+        if (width == 1) { dest[0] = src[0]; return; }
+        for (Py_ssize_t j = 0; j < width; j++) dest[j] = src[j];
+    }
+    static inline void lc_gather_rows(int64_t *dest, const int64_t *table, const int32_t *ids, Py_ssize_t n,
+                                      Py_ssize_t width) {
+        for (Py_ssize_t i = 0; i < n; i++) lc_copy_row(dest + i * width, table + (Py_ssize_t)ids[i] * width, width);
+    }
+    static inline void lc_scatter_rows(int64_t *table, const int32_t *ids, const int64_t *src, Py_ssize_t n,
+                                       Py_ssize_t width) {
+        for (Py_ssize_t i = 0; i < n; i++) lc_copy_row(table + (Py_ssize_t)ids[i] * width, src + i * width, width);
+    }
     static inline int lc_copy32(const int32_t *src, int32_t *dst, Py_ssize_t n) {
         uint32_t bad = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -93,6 +109,10 @@ cdef extern from *:
     """
     bint _narrow64 "lc_narrow64" (const int64_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
     bint _any_negative "lc_any_negative" (const int64_t *src, Py_ssize_t n) noexcept nogil
+    void _gather_rows "lc_gather_rows" (
+        int64_t *dest, const int64_t *table, const int32_t *ids, Py_ssize_t n, Py_ssize_t width) noexcept nogil
+    void _scatter_rows "lc_scatter_rows" (
+        int64_t *table, const int32_t *ids, const int64_t *src, Py_ssize_t n, Py_ssize_t width) noexcept nogil
     bint _copy32 "lc_copy32" (const int32_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
 
 
@@ -517,10 +537,9 @@ cdef class PageTree:
             if negative:
                 core._finish_locked(rec, False, &f)
             else:
+                _scatter_rows(self._values_data, rec.chunk.blocks + cached, source + cached * ps, pages - cached, ps)
                 for i in range(cached, pages):
-                    slot = rec.chunk.blocks[i]
-                    memcpy(self._values_data + slot * ps, source + i * ps, ps * sizeof(int64_t))
-                    self._in_tree[slot] = 1
+                    self._in_tree[rec.chunk.blocks[i]] = 1
                 core._finish_locked(rec, True, &f)
         core._unlock()
         if negative:
@@ -547,8 +566,7 @@ cdef class PageTree:
         cdef cnp.ndarray out = _empty(n * ps, cnp.NPY_INT64)
         cdef int64_t *dest = <int64_t *>cnp.PyArray_DATA(out)
         cdef const int32_t *ids = <const int32_t *>cnp.PyArray_DATA(slots)
-        for i in range(n):
-            memcpy(dest + i * ps, self._values_data + ids[i] * ps, ps * sizeof(int64_t))
+        _gather_rows(dest, self._values_data, ids, n, ps)
         return out
 
     def all_values(self):
@@ -683,8 +701,7 @@ cdef class PageTree:
             if bad < 0:
                 if release is None:
                     dest = <int64_t *>cnp.PyArray_DATA(out)
-                    for i in range(freed):
-                        memcpy(dest + i * ps, self._values_data + slots[i] * ps, ps * sizeof(int64_t))
+                    _gather_rows(dest, self._values_data, slots, freed, ps)
                 else:
                     page_ids = <int32_t *>cnp.PyArray_DATA(out)
                     for i in range(freed):
