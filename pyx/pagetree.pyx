@@ -507,7 +507,6 @@ cdef class PageTree:
         cdef int64_t handle
         cdef SeqRec *rec
         cdef Py_ssize_t cached = 0, i, short, num_values = 0
-        cdef int32_t slot
         cdef const int64_t *source = NULL
         cdef KVCacheCore core = self._core
         if self._probe >= 0:
@@ -562,7 +561,7 @@ cdef class PageTree:
         raise SequenceStateError(f"{call}: {node!r} is not a node of this tree (another tree's, or made by hand)")
 
     cdef cnp.ndarray _gather(self, cnp.ndarray slots):
-        cdef Py_ssize_t n = cnp.PyArray_DIM(slots, 0), ps = self._page_size, i
+        cdef Py_ssize_t n = cnp.PyArray_DIM(slots, 0), ps = self._page_size
         cdef cnp.ndarray out = _empty(n * ps, cnp.NPY_INT64)
         cdef int64_t *dest = <int64_t *>cnp.PyArray_DATA(out)
         cdef const int32_t *ids = <const int32_t *>cnp.PyArray_DATA(slots)
