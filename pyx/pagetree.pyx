@@ -98,6 +98,11 @@ cdef extern from *:
                                        Py_ssize_t width) {
         for (Py_ssize_t i = 0; i < n; i++) lc_copy_row(table + (Py_ssize_t)ids[i] * width, src + i * width, width);
     }
+    static inline int lc_any_slot_outside(const int32_t *ids, Py_ssize_t n, Py_ssize_t limit) {
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) bad |= (uint32_t)ids[i] >= (uint64_t)limit;
+        return bad;
+    }
     static inline int lc_copy32(const int32_t *src, int32_t *dst, Py_ssize_t n) {
         uint32_t bad = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -109,6 +114,7 @@ cdef extern from *:
     """
     bint _narrow64 "lc_narrow64" (const int64_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
     bint _any_negative "lc_any_negative" (const int64_t *src, Py_ssize_t n) noexcept nogil
+    bint _any_slot_outside "lc_any_slot_outside" (const int32_t *ids, Py_ssize_t n, Py_ssize_t limit) noexcept nogil
     void _gather_rows "lc_gather_rows" (
         int64_t *dest, const int64_t *table, const int32_t *ids, Py_ssize_t n, Py_ssize_t width) noexcept nogil
     void _scatter_rows "lc_scatter_rows" (
@@ -212,6 +218,13 @@ cdef cnp.ndarray _key(object tokens, Py_ssize_t aligned):
         array = np.asarray(tokens)
     except (TypeError, ValueError, OverflowError) as error:
         raise InvalidId(f"token ids must be a 1-D sequence of ints, got {type(tokens).__name__}") from error
+    if array.ndim == 1 and array.dtype.kind == "O":  # Python ints past int64, or other objects
+        for i, value in enumerate(array[:aligned]):
+            if type(value) is not int:
+                raise InvalidId(f"token id {value!r} (at index {i}) is not an int")
+            if not 0 <= value <= INT32_MAX:
+                _bad_token(value, i)
+        array = array.astype(np.int64)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InvalidId(f"token ids must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
     if len(array) < aligned:
@@ -222,6 +235,14 @@ cdef cnp.ndarray _key(object tokens, Py_ssize_t aligned):
         _bad_token(int(head[outside[0]]), int(outside[0]))
     key[:aligned] = head
     return key
+
+
+cdef int _raise_negative(const int64_t *source, Py_ssize_t start, Py_ssize_t stop) except -1:
+    cdef Py_ssize_t i
+    for i in range(start, stop):
+        if source[i] < 0:
+            raise InvalidId(f"insert: KV index {source[i]} (at index {i}) is negative")
+    return 0
 
 
 cdef Py_ssize_t _pages_arg(object length, Py_ssize_t page_size, str call) except -1:
@@ -240,15 +261,23 @@ cdef object _int64_values(object values, const int64_t **data, Py_ssize_t *n):
     global _TORCH_TENSOR, _TORCH_INT64
     cdef cnp.ndarray array
     if not cnp.PyArray_Check(values):
-        if _TORCH_TENSOR is None and "torch" in sys.modules:  # torch is never imported here
-            _TORCH_TENSOR = sys.modules["torch"].Tensor
-            _TORCH_INT64 = sys.modules["torch"].int64
+        if _TORCH_TENSOR is None:  # torch is never imported here: only recognised once loaded
+            torch = sys.modules.get("torch")
+            tensor_type = getattr(torch, "Tensor", None)
+            if isinstance(tensor_type, type):
+                _TORCH_TENSOR, _TORCH_INT64 = tensor_type, getattr(torch, "int64", None)
         if _TORCH_TENSOR is not None and isinstance(values, _TORCH_TENSOR):
-            if values.is_cpu and values.dtype is _TORCH_INT64 and values.dim() == 1 and values.is_contiguous():
+            if (
+                values.is_cpu and values.dtype is _TORCH_INT64 and values.dim() == 1 and values.is_contiguous()
+                and not values.is_neg()
+            ):
                 n[0] = values.numel()
                 data[0] = <const int64_t *><size_t>values.data_ptr()
                 return values
-            values = values.detach().cpu()
+            try:
+                values = values.detach().resolve_neg().cpu()
+            except Exception as error:
+                raise InvalidId(f"KV indices: a {values.dtype} tensor on {values.device} cannot be read") from error
     if not (
         cnp.PyArray_Check(values)
         and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT64
@@ -276,6 +305,7 @@ cdef object _int64_values(object values, const int64_t **data, Py_ssize_t *n):
 # -- the tree -------------------------------------------------------------------------------------
 
 @cython.final
+@cython.auto_pickle(False)
 cdef class PageNode:
     """The end of a cached path: what a match or an insert returns. ``tokens`` is the path's key
     (whole pages) and one token more; ``slots`` the tree slots of its pages. Nodes are views: two
@@ -290,7 +320,9 @@ cdef class PageNode:
 
     def __init__(self, generation, namespace, tokens, slots):
         """A node of ``slots`` (int32 tree slots) ending the key ``tokens`` (int32, one token more
-        than its whole pages) in ``namespace``, taken at the tree's ``generation``."""
+        than its whole pages) in ``namespace``, taken at the tree's ``generation``. A node made
+        (or re-made) here belongs to no tree: trees refuse it."""
+        self._tree = 0
         self.generation = generation
         self.namespace = namespace
         self.tokens = tokens
@@ -521,7 +553,11 @@ cdef class PageTree:
         key = _key(tokens, pages * ps)
         short = pages - self._pool._num_free
         if short > 0:
-            self.evict(short)  # a full tree: room first, so no slot is reused unseen
+            # A full tree: room first, so no slot is reused unseen; a refused insert must not have
+            # evicted anything, so every index is checked before (else only the new pages' are).
+            if _any_negative(source, pages * ps):
+                _raise_negative(source, 0, pages * ps)
+            self.evict(short)
         slots = _empty(pages, cnp.NPY_INT32)
         _ok(&f)
         self._enter()
@@ -542,9 +578,7 @@ cdef class PageTree:
                 core._finish_locked(rec, True, &f)
         core._unlock()
         if negative:
-            for i in range(cached * ps, pages * ps):
-                if source[i] < 0:
-                    raise InvalidId(f"insert: KV index {source[i]} (at index {i}) is negative")
+            _raise_negative(source, cached * ps, pages * ps)
         if f.code:
             core._raise(&f, "insert", key)
         if self._events:
@@ -555,17 +589,28 @@ cdef class PageTree:
         """The KV indices of ``node``'s path (a copy, int64)."""
         if node._tree != self._id:
             self._foreign(node, "values")
-        return self._gather(<cnp.ndarray>node.slots)
+        return self._gather(node.slots)
 
     cdef int _foreign(self, PageNode node, str call) except -1:
         raise SequenceStateError(f"{call}: {node!r} is not a node of this tree (another tree's, or made by hand)")
 
-    cdef cnp.ndarray _gather(self, cnp.ndarray slots):
-        cdef Py_ssize_t n = cnp.PyArray_DIM(slots, 0), ps = self._page_size
-        cdef cnp.ndarray out = _empty(n * ps, cnp.NPY_INT64)
-        cdef int64_t *dest = <int64_t *>cnp.PyArray_DATA(out)
-        cdef const int32_t *ids = <const int32_t *>cnp.PyArray_DATA(slots)
-        _gather_rows(dest, self._values_data, ids, n, ps)
+    cdef cnp.ndarray _gather(self, object slots):
+        cdef Py_ssize_t n, ps = self._page_size
+        cdef cnp.ndarray out
+        cdef const int32_t *ids
+        if not (
+            cnp.PyArray_Check(slots)
+            and cnp.PyArray_TYPE(<cnp.ndarray>slots) == cnp.NPY_INT32
+            and cnp.PyArray_NDIM(<cnp.ndarray>slots) == 1
+            and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>slots)
+        ):
+            raise InvalidId(f"values: tree slots must be a 1-D int32 array, got {type(slots).__name__}")
+        n = cnp.PyArray_DIM(<cnp.ndarray>slots, 0)
+        ids = <const int32_t *>cnp.PyArray_DATA(<cnp.ndarray>slots)
+        if _any_slot_outside(ids, n, self._num_pages):  # (a node's arrays can be made writeable)
+            raise InvalidId(f"values: a tree slot is outside [0, {self._num_pages})")
+        out = _empty(n * ps, cnp.NPY_INT64)
+        _gather_rows(<int64_t *>cnp.PyArray_DATA(out), self._values_data, ids, n, ps)
         return out
 
     def all_values(self):
@@ -686,10 +731,8 @@ cdef class PageTree:
         out = _empty(n * ps, cnp.NPY_INT64) if release is None else _empty(n, cnp.NPY_INT32)
         _ok(&f)
         self._enter()
-        freed = core._evict_locked(n, &f)
-        if freed > n:
-            bad = -2  # more than was asked for: not this tree's core any more
-        elif freed:
+        freed = core._evict_locked(n, &f)  # (at most n: it trims min(n - freed, evictable) a round)
+        if freed:
             # The slots the core just freed are the top of its pool's free stack; each must have
             # been a page of the tree, or this is not what happened and nothing is handed on.
             slots = self._pool._free_stack + self._pool._num_free - freed
@@ -710,8 +753,6 @@ cdef class PageTree:
                 for i in range(freed):
                     self._in_tree[slots[i]] = 0
         core._unlock()
-        if bad == -2:
-            raise InvariantViolation(f"evict: the core freed {freed} pages where {n} were asked for")
         if bad >= 0:
             raise InvariantViolation(f"evict: slot {bad}, freed by the core, was not a page of the tree")
         if freed:

@@ -8,7 +8,10 @@ index: each index given to the tree is either still cached or was handed back ex
 
 from __future__ import annotations
 
+import copy
+import enum
 import importlib.util
+import pickle
 import subprocess
 import sys
 from array import array
@@ -233,6 +236,7 @@ def test_a_key_on_a_strided_view_matches_like_its_copy() -> None:
         array("Q", [1, 2, 1 << 63, 4]),
         [1, 2, 1 << 32, 4],
         [1, 2, 1 << 70, 4],
+        (1, 2, 1 << 70, 4),
     ],
 )
 def test_a_token_id_past_int32_is_refused_by_name_and_nothing_changes(tokens: Any) -> None:
@@ -334,6 +338,52 @@ def test_nodes_of_another_tree_or_made_by_hand_are_refused_by_name() -> None:
     assert not node.slots.flags.writeable and not node.tokens.flags.writeable
     t.settled()
     other.settled()
+
+
+def test_a_node_re_made_copied_or_written_to_is_refused_not_read() -> None:
+    t = Tree()
+    _, node = t.insert(list(range(8)), 100)
+    node.__init__(node.generation, node.namespace, node.tokens, np.array([100_000_000], dtype=np.int32))
+    with pytest.raises(SequenceStateError, match="not a node of this tree"):
+        t.tree.values(node)  # re-made: no tree's any more
+    _, node = t.insert(list(range(8)), 100)
+    with pytest.raises(TypeError):
+        copy.deepcopy(node)
+    with pytest.raises(TypeError):
+        pickle.dumps(node)
+    node.slots.setflags(write=True)  # possible for an array that owns its memory
+    node.slots[0] = 100_000_000
+    with pytest.raises(InvalidId, match="outside"):
+        t.tree.values(node)
+    t.settled()
+
+
+def test_a_refused_insert_into_a_full_tree_evicts_nothing() -> None:
+    t = Tree(num_pages=2)
+    t.insert(list(range(8)), 100)
+    with pytest.raises(InvalidId, match="KV index -1"):
+        t.tree.insert([9] * 8, 8, np.array([0, 1, 2, 3, 4, 5, 6, -1], dtype=np.int64))
+    assert t.tree.cached_pages == 2 and t.freed == []
+    t.settled()
+
+
+def test_an_int_enum_namespace_is_its_value() -> None:
+    class Tenant(enum.IntEnum):
+        A = 7
+
+    t = Tree()
+    t.insert(list(range(8)), 100, namespace=Tenant.A)
+    assert t.match(list(range(8)), namespace=7)[0] == run(100, 104)
+    t.settled()
+
+
+def test_with_torch_blocked_lists_of_indices_still_convert(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # what blocking an import looks like
+    pool = BlockPool(8)
+    assert release_indices(pool, page_indices(pool, 8, PS).tolist(), PS) == 2  # type: ignore[union-attr]
+    t = Tree()
+    t.tree.insert(list(range(8)), 8, list(range(8)))
+    t.settled()
 
 
 def test_negative_kv_indices_are_refused_and_nothing_is_cached() -> None:

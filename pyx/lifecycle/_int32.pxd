@@ -56,7 +56,9 @@ cdef inline int64_t _adapter_key_other(object adapter) except? -1:
     if isinstance(adapter, np.integer) and not isinstance(adapter, np.bool_):
         return adapter_key(int(adapter))
     if isinstance(adapter, int) and not isinstance(adapter, bool):
-        raise InvalidId(f"adapter key {adapter} is outside the int64 range")
+        if type(adapter) is not int and -(1 << 63) <= int(adapter) < (1 << 63):
+            return adapter_key(int(adapter))  # an int subclass (an IntEnum member) in range
+        raise InvalidId(f"adapter key {int(adapter)} is outside the int64 range")
     raise InvalidId(f"adapter key must be an int, got {adapter!r}")
 
 
