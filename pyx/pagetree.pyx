@@ -553,11 +553,12 @@ cdef class PageTree:
         key = _key(tokens, pages * ps)
         short = pages - self._pool._num_free
         if short > 0:
-            # A full tree: room first, so no slot is reused unseen; a refused insert must not have
-            # evicted anything, so every index is checked before (else only the new pages' are).
+            # A full tree: room first (for the key's new pages only, its cached prefix kept), so no
+            # slot is reused unseen; a refused insert must not have evicted anything, so every
+            # index is checked before (else only the new pages' are).
             if _any_negative(source, pages * ps):
                 _raise_negative(source, 0, pages * ps)
-            self.evict(short)
+            self._evict(pages, None, key, ns)
         slots = _empty(pages, cnp.NPY_INT32)
         _ok(&f)
         self._enter()
@@ -711,8 +712,14 @@ cdef class PageTree:
         Their KV indices go to ``on_evict`` (one int64 array), or, given ``release`` (the engine
         allocator's pool of pages of ``page_size`` slots), their pages are freed to it directly
         (page = first index // page_size), with no array in between."""
-        cdef Py_ssize_t n = _as_count(pages, "evict: pages", 0, INT32_MAX)
-        cdef Py_ssize_t freed = 0, i, ps = self._page_size, bad = -1
+        if self._probe >= 0:
+            self._settle()
+        return self._evict(_as_count(pages, "evict: pages", 0, INT32_MAX), release, None, 0)
+
+    cdef Py_ssize_t _evict(self, Py_ssize_t n, BlockPool release, cnp.ndarray key, int64_t ns) except -1:
+        """``evict(n)``; with ``key`` (an insert's, of ``n`` pages, into a full tree) only as many
+        as the key's new pages need, the pages of its cached prefix kept (the core's reclaim)."""
+        cdef Py_ssize_t freed = 0, i, ps = self._page_size, bad = -1, before
         cdef Failure f
         cdef KVCacheCore core = self._core
         cdef const int32_t *slots
@@ -721,17 +728,23 @@ cdef class PageTree:
         cdef int32_t *page_ids
         cdef int64_t first
         cdef BatchResult result
-        if self._probe >= 0:
-            self._settle()
+        cdef Py_ssize_t needed = n
+        if key is not None:
+            n = needed - self._pool._num_free  # the most a reclaim for ``needed`` pages frees
         # At most the evictable pages go: the output is made for them before the lock is taken
         # (nothing is allocated under it). The tree serves one scheduler, so they stay as many.
         n = min(n, core._trie._lru_blocks)
-        if n == 0:
+        if n <= 0:
             return 0
         out = _empty(n * ps, cnp.NPY_INT64) if release is None else _empty(n, cnp.NPY_INT32)
         _ok(&f)
         self._enter()
-        freed = core._evict_locked(n, &f)  # (at most n: it trims min(n - freed, evictable) a round)
+        if key is None:
+            freed = core._evict_locked(n, &f)  # (at most n: it trims min(n - freed, evictable) a round)
+        else:
+            before = self._pool._num_free
+            core._reclaim_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), cnp.PyArray_DIM(key, 0), needed, &f)
+            freed = self._pool._num_free - before
         if freed:
             # The slots the core just freed are the top of its pool's free stack; each must have
             # been a page of the tree, or this is not what happened and nothing is handed on.

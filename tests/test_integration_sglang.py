@@ -358,6 +358,18 @@ def test_a_node_re_made_copied_or_written_to_is_refused_not_read() -> None:
     t.settled()
 
 
+def test_an_insert_into_a_full_tree_evicts_only_for_its_new_pages_and_keeps_its_prefix() -> None:
+    t = Tree(num_pages=4)
+    t.insert(list(range(4)), 100)  # the prefix, least recently used
+    t.insert([7] * 12, 200)  # the tree is full
+    cached, node = t.insert([0, 1, 2, 3, 9, 9, 9, 9], 300)
+    assert cached == 1 and node.num_pages == 2  # the prefix was kept and reused
+    assert sorted(t.freed) == run(208)  # one page evicted, the other key's leaf
+    assert t.match([0, 1, 2, 3, 9, 9, 9, 9])[0] == run(100, 304)
+    t.freed.extend(run(300))  # the caller's duplicate of the cached prefix
+    t.settled()
+
+
 def test_a_refused_insert_into_a_full_tree_evicts_nothing() -> None:
     t = Tree(num_pages=2)
     t.insert(list(range(8)), 100)
