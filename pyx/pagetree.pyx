@@ -21,8 +21,8 @@ are not thread-safe either), so its probe and lock tables are not shared state t
 cimport cython
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
-from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from cpython.list cimport PyList_CheckExact
+from cpython.tuple cimport PyTuple_CheckExact
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
@@ -30,7 +30,7 @@ from libc.string cimport memcmp, memcpy, memset
 from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._kvcache cimport Failure, KVCacheCore, SeqRec
 from lifecycle._args cimport ssize_arg as _as_count
-from lifecycle._int32 cimport adapter_key as _adapter_key
+from lifecycle._int32 cimport adapter_key as _adapter_key, ints_into, shrink as _shrink
 
 import sys
 
@@ -46,12 +46,6 @@ cnp.import_array()
 cdef inline cnp.ndarray _empty(Py_ssize_t n, int typenum):
     cdef cnp.npy_intp dim = n
     return cnp.PyArray_EMPTY(1, &dim, typenum, 0)
-
-
-cdef inline cnp.ndarray _shrink(cnp.ndarray array, Py_ssize_t n):
-    # Cut a fresh 1-D array nobody else has seen to its first n entries, in place.
-    cnp.PyArray_DIMS(array)[0] = n
-    return array
 
 
 cdef inline void _ok(Failure *f) noexcept nogil:
@@ -177,28 +171,6 @@ cdef int _copy_buffer(object tokens, int32_t *dest, Py_ssize_t n) except -1:
         PyBuffer_Release(&view)
 
 
-cdef int _copy_list(list tokens, int32_t *dest, Py_ssize_t n) except -1:
-    """Copy the first ``n`` ints of a list into ``dest``, each checked; 1 when an item is not an
-    exact int (the general path then converts or names it)."""
-    cdef Py_ssize_t i
-    cdef long long value
-    cdef int overflow = 0
-    cdef object item
-    if PyList_GET_SIZE(tokens) < n:
-        raise InvalidId(f"a key of {n} tokens is longer than its {PyList_GET_SIZE(tokens)} token ids")
-    for i in range(n):
-        if i >= PyList_GET_SIZE(tokens):
-            return 1
-        item = <object>PyList_GET_ITEM(tokens, i)
-        if not PyLong_CheckExact(item):
-            return 1
-        value = PyLong_AsLongLongAndOverflow(item, &overflow)
-        if overflow or not 0 <= value <= INT32_MAX:
-            _bad_token(item, i)
-        dest[i] = <int32_t>value
-    return 0
-
-
 cdef cnp.ndarray _key(object tokens, Py_ssize_t aligned):
     """The core's key for the first ``aligned`` (whole pages) of ``tokens``: those token ids as a
     fresh int32 array and one token more (the core never reuses a key's last token)."""
@@ -207,13 +179,16 @@ cdef cnp.ndarray _key(object tokens, Py_ssize_t aligned):
     dest[aligned] = 0
     if aligned == 0:
         return key
-    if PyList_CheckExact(tokens):
-        if _copy_list(<list>tokens, dest, aligned) == 0:
+    if PyList_CheckExact(tokens) or PyTuple_CheckExact(tokens):
+        if len(tokens) < aligned:
+            raise InvalidId(f"a key of {aligned} tokens is longer than its {len(tokens)} token ids")
+        if ints_into(tokens, dest, aligned):
             return key
     elif PyObject_CheckBuffer(tokens):
         if _copy_buffer(tokens, dest, aligned) == 0:
             return key
-    # Anything else (a tensor, a tuple, a strided or other-typed array): through numpy.
+    # Anything else (a tensor, a strided or other-typed array, a list of other items): through numpy,
+    # which names what is not a token id.
     try:
         array = np.asarray(tokens)
     except (TypeError, ValueError, OverflowError) as error:
@@ -727,7 +702,6 @@ cdef class PageTree:
         cdef int64_t *dest
         cdef int32_t *page_ids
         cdef int64_t first
-        cdef BatchResult result
         cdef Py_ssize_t needed = n
         if key is not None:
             n = needed - self._pool._num_free  # the most a reclaim for ``needed`` pages frees
@@ -772,13 +746,7 @@ cdef class PageTree:
             out = _shrink(out, freed * ps if release is None else freed)
             # Before any failure of the core is raised: the freed pages are not lost.
             if release is not None:
-                if not lc_mutex_trylock(&release._lock):
-                    with nogil:
-                        lc_mutex_lock(&release._lock)
-                release._dec_ref_locked(<const int32_t *>cnp.PyArray_DATA(out), freed, &result)
-                lc_mutex_unlock(&release._lock)
-                if result.failed_at >= 0:
-                    release._raise_refused(&result, "evict")
+                _release_pages(release, <const int32_t *>cnp.PyArray_DATA(out), freed, "evict")
             elif self._on_evict is not None:
                 self._on_evict(out)
             if self._events:
@@ -864,9 +832,7 @@ def page_indices(BlockPool pool not None, need_size, page_size):
     # The page ids go into the tail of the output (int32 in the space of int64s), expanded from
     # the front: slot k's ids are read before any write reaches them.
     ids = <int32_t *>(dest + pages * ps) - pages
-    if not lc_mutex_trylock(&pool._lock):
-        with nogil:
-            lc_mutex_lock(&pool._lock)
+    _lock_pool(pool)
     ok = pool._allocate_locked(ids, pages)
     lc_mutex_unlock(&pool._lock)
     if not ok:
@@ -883,18 +849,29 @@ def release_indices(BlockPool pool not None, indices, page_size, bint first_of_p
     slots are listed together (every ``page_size``-th index only, with ``first_of_page``);
     returns how many became free. A page listed twice apart is refused by the pool
     (``DoubleFree``), changing nothing: :func:`pages_of` with ``unique`` is then the caller's."""
-    cdef BatchResult result
     cdef cnp.ndarray pages = pages_of(indices, page_size, first_of_page, False)
-    cdef Py_ssize_t n = cnp.PyArray_DIM(pages, 0), freed
-    if n == 0:
-        return 0
+    return _release_pages(pool, <const int32_t *>cnp.PyArray_DATA(pages), cnp.PyArray_DIM(pages, 0), "free")
+
+
+cdef inline void _lock_pool(BlockPool pool):
+    """Take the pool's lock, the GIL released only while waiting for it."""
     if not lc_mutex_trylock(&pool._lock):
         with nogil:
             lc_mutex_lock(&pool._lock)
-    freed = pool._dec_ref_locked(<const int32_t *>cnp.PyArray_DATA(pages), n, &result)
+
+
+cdef Py_ssize_t _release_pages(BlockPool pool, const int32_t *ids, Py_ssize_t n, str call) except -1:
+    """Drop one reference from each of ``n`` pages of ``pool`` (all or nothing, refused as
+    ``call``'s ``DoubleFree`` or out-of-range error); how many became free."""
+    cdef BatchResult result
+    cdef Py_ssize_t freed
+    if n == 0:
+        return 0
+    _lock_pool(pool)
+    freed = pool._dec_ref_locked(ids, n, &result)
     lc_mutex_unlock(&pool._lock)
     if result.failed_at >= 0:
-        pool._raise_refused(&result, "free")
+        pool._raise_refused(&result, call)
     return freed
 
 

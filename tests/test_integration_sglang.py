@@ -12,7 +12,6 @@ import copy
 import enum
 import importlib.util
 import pickle
-import subprocess
 import sys
 from array import array
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engine_suites import run_suite
+from engine_suites import assert_import_loads_none_of, run_suite
 from lifecycle._blockpool import BlockPool
 from lifecycle._pagetree import page_indices, pages_of, release_indices
 from lifecycle.errors import ConfigError, DoubleFree, InvalidId, LifecycleError, SequenceStateError
@@ -524,12 +523,7 @@ def test_random_traffic_keeps_every_index_cached_or_freed_once() -> None:
 
 
 def test_importing_the_adapter_loads_neither_sglang_nor_torch() -> None:
-    code = (
-        "import sys, lifecycle.integrations.sglang\n"
-        "loaded = [m for m in ('sglang', 'torch') if m in sys.modules]\n"
-        "assert not loaded, loaded\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert_import_loads_none_of("lifecycle.integrations.sglang", "sglang", "torch")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")

@@ -8,8 +8,6 @@ Every test ends with the manager's ``check_invariants`` and the pool's counts.
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_suites import run_suite
+from engine_suites import assert_import_loads_none_of, run_suite
 from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, Unsupported
 from lifecycle.integrations.vllm import Block, BlockList, KVCacheBlocks, LifecycleKVCacheManager
 
@@ -327,12 +325,7 @@ def test_random_traffic_leaks_nothing() -> None:
 
 
 def test_importing_the_facade_loads_neither_vllm_nor_torch() -> None:
-    code = (
-        "import sys, lifecycle.integrations.vllm\n"
-        "loaded = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
-        "assert not loaded, loaded\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert_import_loads_none_of("lifecycle.integrations.vllm", "vllm", "torch")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

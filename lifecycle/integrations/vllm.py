@@ -42,7 +42,6 @@ __all__ = ["Block", "BlockList", "KVCacheBlocks", "LifecycleKVCacheManager"]
 _EXTRA: Final = "vllm"
 _EMPTY: Final = np.zeros(0, dtype=np.int32)
 _WAITING_STATES: Final = frozenset({"WAITING", "PREEMPTED"})
-_ALL_BLOCKS: Final = 1 << 62
 
 
 @final
@@ -298,22 +297,17 @@ class LifecycleKVCacheManager:
         """The request's longest cached prefix in whole blocks (at most ``max_cache_hit_length``
         tokens, by default all but the last token): its blocks, its token count, and 0 (no
         sparse-retention junction). Takes no block until ``allocate_slots``."""
-        if self._probe >= 0:
-            self._settle()
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        self._settle()
+        if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         num_tokens = request.num_tokens
         limit = num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, num_tokens - 1)
-        if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
-            limit = min(limit, self._cacheable_tokens(request))
+        limit = min(limit, self._cacheable_tokens(request))
         bs = self.block_size
         if limit < bs:
             return self.empty_kv_cache_blocks, 0, 0
         core = self.core
-        prompt = request.prompt_token_ids
-        tokens = prompt if prompt is not None and len(prompt) == num_tokens else self._tokens(request)
-        namespace = 0 if request.lora_request is None and request.cache_salt is None else self._namespace(request)
-        handle = core.admit(tokens, 0, limit // bs, namespace)
+        handle = core.admit(self._tokens(request), 0, limit // bs, self._namespace(request))
         table = core.block_table(handle)
         if not len(table):
             core.finish(handle, False)
@@ -385,12 +379,7 @@ class LifecycleKVCacheManager:
         if needed > have:
             core.grow(handle, needed)
         if live is None:
-            cacheable = (
-                self._cacheable_tokens(request) // bs
-                if request.mm_features or getattr(request, "prompt_embeds", None) is not None
-                else _ALL_BLOCKS
-            )
-            live = _Live(handle, request.num_tokens, have, cacheable)
+            live = _Live(handle, request.num_tokens, have, self._cacheable_tokens(request) // bs)
             self._live[request_id] = live
         if not delay_cache_blocks:
             self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))

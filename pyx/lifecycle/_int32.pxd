@@ -102,19 +102,38 @@ cdef extern from *:
     bint lc_small_long(PyObject *o, long long *out) noexcept
 
 
-cdef inline object _tokens_from_list(object tokens):
-    """A list or tuple of exact ints in [0, 2**31) as a fresh int32 array, one C loop (what an
-    engine's token lists cost: small ints are read from the objects themselves); None when any
-    item is something else (the general path then converts it or names the bad value)."""
-    cdef Py_ssize_t i, size
-    cdef cnp.npy_intp dim
-    cdef cnp.ndarray out
-    cdef int32_t *dest
+cdef inline bint ints_into(object tokens, int32_t *dest, Py_ssize_t n):
+    """Copy the first ``n`` items of an exact list or tuple (at least ``n`` long) into ``dest``,
+    one C loop (what an engine's token lists cost: small ints are read from the objects
+    themselves); False when one is not an exact int in [0, 2**31) (the caller's general path then
+    converts it or names the bad value)."""
+    cdef Py_ssize_t i
     cdef long long value
     cdef int overflow = 0
     cdef PyObject *item
     cdef bint is_list = PyList_CheckExact(tokens)
-    if is_list:
+    # Items are borrowed: nothing in the loop runs Python code, so the list cannot change under it.
+    for i in range(n):
+        item = PyList_GET_ITEM(tokens, i) if is_list else PyTuple_GET_ITEM(tokens, i)
+        if not lc_small_long(item, &value):
+            if not PyLong_CheckExact(<object>item):
+                return False
+            value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
+            if overflow:
+                return False
+        if not 0 <= value <= 0x7FFFFFFF:
+            return False
+        dest[i] = <int32_t>value
+    return True
+
+
+cdef inline object _tokens_from_list(object tokens):
+    """A list or tuple of exact ints in [0, 2**31) as a fresh int32 array (``ints_into``); None
+    when it is neither or an item is something else."""
+    cdef Py_ssize_t size
+    cdef cnp.npy_intp dim
+    cdef cnp.ndarray out
+    if PyList_CheckExact(tokens):
         size = PyList_GET_SIZE(tokens)
     elif PyTuple_CheckExact(tokens):
         size = PyTuple_GET_SIZE(tokens)
@@ -122,19 +141,8 @@ cdef inline object _tokens_from_list(object tokens):
         return None
     dim = size
     out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
-    dest = <int32_t *>cnp.PyArray_DATA(out)
-    # Items are borrowed: nothing in the loop runs Python code, so the list cannot change under it.
-    for i in range(size):
-        item = PyList_GET_ITEM(tokens, i) if is_list else PyTuple_GET_ITEM(tokens, i)
-        if not lc_small_long(item, &value):
-            if not PyLong_CheckExact(<object>item):
-                return None
-            value = PyLong_AsLongLongAndOverflow(<object>item, &overflow)
-            if overflow:
-                return None
-        if not 0 <= value <= 0x7FFFFFFF:
-            return None
-        dest[i] = <int32_t>value
+    if not ints_into(tokens, <int32_t *>cnp.PyArray_DATA(out), size):
+        return None
     return out
 
 

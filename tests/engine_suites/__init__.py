@@ -73,3 +73,9 @@ def run_suite(engine: str, suite: str, *pytest_args: str) -> str:
         pytest.fail(f"{suite} under {engine} failed ({summary or done.returncode}):\n{done.stdout[-8000:]}\n"
                     f"{done.stderr[-4000:]}", pytrace=False)
     return summary
+
+
+def assert_import_loads_none_of(module: str, *absent: str) -> None:
+    """Importing ``module`` in a fresh interpreter loads none of the modules ``absent``."""
+    code = f"import sys, {module}\nloaded = [m for m in {absent!r} if m in sys.modules]\nassert not loaded, loaded\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
