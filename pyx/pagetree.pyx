@@ -5,7 +5,9 @@ An engine whose prefix cache maps keys to KV indices of its own (SGLang's ``Radi
 ``match`` returns the indices of the cached prefix, an ``insert`` hands the tree a request's
 indices) needs a table beside the core: the core's trie matches keys by their tokens and hands
 out its own block ids (*tree slots* here), and the table gives each slot the engine's indices of
-that page. :class:`PageTree` is that pair, with each engine call one C call: the key is converted
+that page: its first index alone when the page's indices run (first, first + 1, ..., as a paged
+allocator hands them out: one int64 a page to write, read and free instead of a row), else its
+whole row. :class:`PageTree` is that pair, with each engine call one C call: the key is converted
 straight from the engine's token container (``array('q')``, a list, a numpy array), the match
 opens, pins and reads a core record under one lock, the indices of a path are gathered in one
 loop, eviction hands the evicted pages' indices back in one array.
@@ -24,7 +26,7 @@ from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, 
 from cpython.list cimport PyList_CheckExact
 from cpython.tuple cimport PyTuple_CheckExact
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy, memset
 
 from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
@@ -84,13 +86,30 @@ cdef extern from *:
         if (width == 1) { dest[0] = src[0]; return; }
         for (Py_ssize_t j = 0; j < width; j++) dest[j] = src[j];
     }
-    static inline void lc_gather_rows(int64_t *dest, const int64_t *table, const int32_t *ids, Py_ssize_t n,
-                                      Py_ssize_t width) {
-        for (Py_ssize_t i = 0; i < n; i++) lc_copy_row(dest + i * width, table + (Py_ssize_t)ids[i] * width, width);
+    /* A page's KV indices are kept as its first index alone when they run first, first + 1, ...
+     * (as a paged allocator hands them out): one int64 a page to write, read and evict instead
+     * of a row of the table. */
+    static inline int lc_row_is_run(const int64_t *row, Py_ssize_t width) {
+        uint64_t off = 0;
+        int64_t first = row[0];
+        for (Py_ssize_t j = 1; j < width; j++) off |= (uint64_t)(row[j] - first) ^ (uint64_t)j;
+        return off == 0 && first <= INT64_MAX - width;
     }
-    static inline void lc_scatter_rows(int64_t *table, const int32_t *ids, const int64_t *src, Py_ssize_t n,
-                                       Py_ssize_t width) {
-        for (Py_ssize_t i = 0; i < n; i++) lc_copy_row(table + (Py_ssize_t)ids[i] * width, src + i * width, width);
+    static inline void lc_gather_pages(int64_t *dest, const int64_t *table, const int64_t *first,
+                                       const uint8_t *rowed, const int32_t *ids, Py_ssize_t n, Py_ssize_t width) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t id = ids[i];
+            int64_t *out = dest + i * width;
+            if (rowed[id]) {
+                lc_copy_row(out, table + id * width, width);
+            } else if (width == 16) {
+                int64_t f = first[id];
+                for (int j = 0; j < 16; j++) out[j] = f + j;
+            } else {
+                int64_t f = first[id];
+                for (Py_ssize_t j = 0; j < width; j++) out[j] = f + j;
+            }
+        }
     }
     static inline int lc_any_slot_outside(const int32_t *ids, Py_ssize_t n, Py_ssize_t limit) {
         int bad = 0;
@@ -109,10 +128,11 @@ cdef extern from *:
     bint _narrow64 "lc_narrow64" (const int64_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
     bint _any_negative "lc_any_negative" (const int64_t *src, Py_ssize_t n) noexcept nogil
     bint _any_slot_outside "lc_any_slot_outside" (const int32_t *ids, Py_ssize_t n, Py_ssize_t limit) noexcept nogil
-    void _gather_rows "lc_gather_rows" (
-        int64_t *dest, const int64_t *table, const int32_t *ids, Py_ssize_t n, Py_ssize_t width) noexcept nogil
-    void _scatter_rows "lc_scatter_rows" (
-        int64_t *table, const int32_t *ids, const int64_t *src, Py_ssize_t n, Py_ssize_t width) noexcept nogil
+    void _copy_row "lc_copy_row" (int64_t *dest, const int64_t *src, Py_ssize_t width) noexcept nogil
+    bint _row_is_run "lc_row_is_run" (const int64_t *row, Py_ssize_t width) noexcept nogil
+    void _gather_pages "lc_gather_pages" (
+        int64_t *dest, const int64_t *table, const int64_t *first, const uint8_t *rowed, const int32_t *ids,
+        Py_ssize_t n, Py_ssize_t width) noexcept nogil
     bint _copy32 "lc_copy32" (const int32_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
 
 
@@ -354,8 +374,10 @@ cdef class PageTree:
     cdef Py_ssize_t _num_pages
     cdef bint _events
     cdef object _on_evict
-    cdef cnp.ndarray _values         # (num_pages, page_size) int64: each slot's KV indices
+    cdef cnp.ndarray _values         # (num_pages, page_size) int64: a slot's KV indices, if not a run
     cdef int64_t *_values_data
+    cdef int64_t *_first             # each slot's first KV index
+    cdef uint8_t *_rowed             # 1 where the slot's indices are a row of _values, 0: _first + 0, 1, ...
     cdef uint8_t *_in_tree           # 1 where the slot is a cached page
     cdef dict _locks                 # end slot -> handles of the locks held on paths ending there
     cdef Py_ssize_t _num_locks
@@ -369,6 +391,8 @@ cdef class PageTree:
 
     def __cinit__(self):
         self._in_tree = NULL
+        self._rowed = NULL
+        self._first = NULL
         self._probe = -1
 
     def __init__(self, num_pages, page_size, *, events=False, on_evict=None):
@@ -389,10 +413,11 @@ cdef class PageTree:
         self._on_evict = on_evict
         self._values = np.zeros((num_pages, page_size), dtype=np.int64)
         self._values_data = <int64_t *>cnp.PyArray_DATA(self._values)
-        self._in_tree = <uint8_t *>malloc(num_pages)
-        if self._in_tree == NULL:
+        self._in_tree = <uint8_t *>calloc(num_pages, 1)
+        self._rowed = <uint8_t *>calloc(num_pages, 1)
+        self._first = <int64_t *>calloc(num_pages, sizeof(int64_t))
+        if self._in_tree == NULL or self._rowed == NULL or self._first == NULL:
             raise MemoryError("PageTree: out of memory for the slot table")
-        memset(self._in_tree, 0, num_pages)
         self._pool = _BlockPool(num_pages)
         self._core = _KVCacheCore(self._pool, page_size, events=self._events)
         self._locks = {}
@@ -409,6 +434,8 @@ cdef class PageTree:
 
     def __dealloc__(self):
         free(self._in_tree)
+        free(self._rowed)
+        free(self._first)
 
     # -- the lock ---------------------------------------------------------------------------------
 
@@ -548,9 +575,8 @@ cdef class PageTree:
             if negative:
                 core._finish_locked(rec, False, &f)
             else:
-                _scatter_rows(self._values_data, rec.chunk.blocks + cached, source + cached * ps, pages - cached, ps)
                 for i in range(cached, pages):
-                    self._in_tree[rec.chunk.blocks[i]] = 1
+                    self._store(rec.chunk.blocks[i], source + i * ps)
                 core._finish_locked(rec, True, &f)
         core._unlock()
         if negative:
@@ -560,6 +586,17 @@ cdef class PageTree:
         if self._events:
             self._drain()
         return cached, _node(self._id, self._generation, ns, key, slots)
+
+    cdef inline void _store(self, int32_t slot, const int64_t *row) noexcept nogil:
+        """Keep ``row`` (``page_size`` KV indices) as slot ``slot``'s, a cached page from here on."""
+        cdef Py_ssize_t ps = self._page_size
+        self._first[slot] = row[0]
+        if _row_is_run(row, ps):
+            self._rowed[slot] = 0
+        else:
+            self._rowed[slot] = 1
+            _copy_row(self._values_data + <Py_ssize_t>slot * ps, row, ps)
+        self._in_tree[slot] = 1
 
     def values(self, PageNode node not None):
         """The KV indices of ``node``'s path (a copy, int64)."""
@@ -586,7 +623,7 @@ cdef class PageTree:
         if _any_slot_outside(ids, n, self._num_pages):  # (a node's arrays can be made writeable)
             raise InvalidId(f"values: a tree slot is outside [0, {self._num_pages})")
         out = _empty(n * ps, cnp.NPY_INT64)
-        _gather_rows(<int64_t *>cnp.PyArray_DATA(out), self._values_data, ids, n, ps)
+        _gather_pages(<int64_t *>cnp.PyArray_DATA(out), self._values_data, self._first, self._rowed, ids, n, ps)
         return out
 
     def all_values(self):
@@ -730,11 +767,11 @@ cdef class PageTree:
             if bad < 0:
                 if release is None:
                     dest = <int64_t *>cnp.PyArray_DATA(out)
-                    _gather_rows(dest, self._values_data, slots, freed, ps)
+                    _gather_pages(dest, self._values_data, self._first, self._rowed, slots, freed, ps)
                 else:
                     page_ids = <int32_t *>cnp.PyArray_DATA(out)
                     for i in range(freed):
-                        first = self._values_data[slots[i] * ps]
+                        first = self._first[slots[i]]
                         # (indices are checked at insert; an out-of-range page is refused by the pool)
                         page_ids[i] = <int32_t>(first // ps) if 0 <= first and first // ps <= INT32_MAX else -1
                 for i in range(freed):

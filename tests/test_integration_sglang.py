@@ -494,7 +494,52 @@ def test_bad_sizes_are_refused_by_name(num_pages: int, page_size: int) -> None:
         PageTree(num_pages, page_size)
 
 
-def test_random_traffic_keeps_every_index_cached_or_freed_once() -> None:
+def test_indices_in_runs_or_in_any_order_read_back_as_stored() -> None:
+    """A page whose indices run (first, first + 1, ...) is kept as its first index, any other as
+    its row: both read back, evict and free alike, side by side in one path."""
+    pool = BlockPool(64)
+    handed: list[int] = []
+    tree = PageTree(16, PS, on_evict=lambda values: handed.extend(values.tolist()))
+    run_page = np.arange(8, 12, dtype=np.int64)
+    shuffled = np.array([13, 12, 15, 14], dtype=np.int64)  # page 3, its slots in another order
+    apart = np.array([16, 18, 17, 19], dtype=np.int64)
+    gap = np.array([20, 21, 22, 24], dtype=np.int64)  # not a run: one index skipped
+    values = np.concatenate([run_page, shuffled, apart, gap])
+    assert tree.insert(list(range(16)), 16, values)[0] == 0
+    node = tree.match(list(range(16)), 16)
+    assert tree.values(node).tolist() == values.tolist()
+    assert sorted(tree.all_values().tolist()) == sorted(values.tolist())
+    assert tree.evict(4) == 4 and sorted(handed) == sorted(values.tolist())  # every page, as stored
+    tree.check_invariants()
+    # Through a pool: a page is the first index's page (first // page_size), stored either way.
+    pages = pool.allocate(8)
+    assert pages.tolist() == list(range(8))
+    tree.insert([7] * 8, 8, np.concatenate([np.arange(4 * PS, 5 * PS), np.arange(6 * PS, 7 * PS)[::-1]]))
+    assert tree.evict(2, pool) == 2
+    assert sorted(set(range(8)) - {int(p) for p in np.flatnonzero(pool.refcounts() == 0)}) == [0, 1, 2, 3, 5, 7]
+    pool.check_invariants()
+    tree.check_invariants()
+
+
+def test_a_page_of_one_token_is_always_a_run() -> None:
+    tree = PageTree(8, 1)
+    values = np.array([5, 3, 9, 0], dtype=np.int64)
+    tree.insert([1, 2, 3, 4], 4, values)
+    assert tree.values(tree.match([1, 2, 3, 4], 4)).tolist() == values.tolist()
+    tree.check_invariants()
+
+
+def test_indices_near_the_int64_limit_are_kept_as_given() -> None:
+    top = np.iinfo(np.int64).max
+    tree = PageTree(4, PS)
+    values = np.array([top - 3, top - 2, top - 1, top, top - 7, top - 6, top - 5, top - 4], dtype=np.int64)
+    tree.insert(list(range(8)), 8, values)
+    assert tree.values(tree.match(list(range(8)), 8)).tolist() == values.tolist()
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
+def test_random_traffic_keeps_every_index_cached_or_freed_once(scattered: bool) -> None:
     rng = np.random.default_rng(7)
     t = Tree(num_pages=12)
     locks: list[tuple[PageNode, int]] = []
@@ -503,8 +548,11 @@ def test_random_traffic_keeps_every_index_cached_or_freed_once() -> None:
         tokens = rng.integers(0, 3, int(rng.integers(4, 24))).tolist()
         roll = rng.random()
         if roll < 0.4:
-            cached, _ = t.insert(tokens, next_index)
-            t.freed.extend(range(next_index, next_index + cached * PS))  # the caller's duplicates
+            values = np.arange(next_index, next_index + len(tokens) // PS * PS, dtype=np.int64)
+            if scattered and rng.random() < 0.7:
+                values = values[rng.permutation(len(values))]
+            cached, _ = t.tree.insert(tokens, len(tokens), values)
+            t.freed.extend(values[: cached * PS].tolist())  # the caller's duplicates
             next_index += len(tokens) // PS * PS
         elif roll < 0.7:
             _, node = t.match(tokens)
