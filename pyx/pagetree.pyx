@@ -78,9 +78,8 @@ cdef extern from *:
         for (Py_ssize_t i = 0; i < n; i++) bad |= (uint64_t)src[i];
         return (bad >> 63) != 0;
     }
-    /* Rows of ``width`` int64s of a table, by id, to or from a dense array: a page of 16 is two
-     * cache lines, so an inline loop (unrolled for the common page sizes) beats a memcpy call per
-     * row. */
+    /* A row of ``width`` int64s: a page of 16 is two cache lines, so an inline loop (unrolled for
+     * the common page sizes) beats a memcpy call per row. */
     static inline void lc_copy_row(int64_t *dest, const int64_t *src, Py_ssize_t width) {
         if (width == 16) { for (int j = 0; j < 16; j++) dest[j] = src[j]; return; }
         if (width == 1) { dest[0] = src[0]; return; }
@@ -88,27 +87,25 @@ cdef extern from *:
     }
     /* A page's KV indices are kept as its first index alone when they run first, first + 1, ...
      * (as a paged allocator hands them out): one int64 a page to write, read and evict instead
-     * of a row of the table. */
+     * of a row of the table. In unsigned arithmetic, so that first + j gives each index back
+     * bit for bit whatever the values. */
     static inline int lc_row_is_run(const int64_t *row, Py_ssize_t width) {
-        uint64_t off = 0;
-        int64_t first = row[0];
-        for (Py_ssize_t j = 1; j < width; j++) off |= (uint64_t)(row[j] - first) ^ (uint64_t)j;
-        return off == 0 && first <= INT64_MAX - width;
+        uint64_t off = 0, first = (uint64_t)row[0];
+        for (Py_ssize_t j = 1; j < width; j++) off |= ((uint64_t)row[j] - first) ^ (uint64_t)j;
+        return off == 0;
+    }
+    static inline void lc_expand_run(int64_t *out, int64_t first, Py_ssize_t width) {
+        uint64_t f = (uint64_t)first;
+        if (width == 16) { for (int j = 0; j < 16; j++) out[j] = (int64_t)(f + (uint64_t)j); return; }
+        for (Py_ssize_t j = 0; j < width; j++) out[j] = (int64_t)(f + (uint64_t)j);
     }
     static inline void lc_gather_pages(int64_t *dest, const int64_t *table, const int64_t *first,
                                        const uint8_t *rowed, const int32_t *ids, Py_ssize_t n, Py_ssize_t width) {
         for (Py_ssize_t i = 0; i < n; i++) {
             Py_ssize_t id = ids[i];
             int64_t *out = dest + i * width;
-            if (rowed[id]) {
-                lc_copy_row(out, table + id * width, width);
-            } else if (width == 16) {
-                int64_t f = first[id];
-                for (int j = 0; j < 16; j++) out[j] = f + j;
-            } else {
-                int64_t f = first[id];
-                for (Py_ssize_t j = 0; j < width; j++) out[j] = f + j;
-            }
+            if (rowed[id]) lc_copy_row(out, table + id * width, width);
+            else lc_expand_run(out, first[id], width);
         }
     }
     static inline int lc_any_slot_outside(const int32_t *ids, Py_ssize_t n, Py_ssize_t limit) {
@@ -130,6 +127,7 @@ cdef extern from *:
     bint _any_slot_outside "lc_any_slot_outside" (const int32_t *ids, Py_ssize_t n, Py_ssize_t limit) noexcept nogil
     void _copy_row "lc_copy_row" (int64_t *dest, const int64_t *src, Py_ssize_t width) noexcept nogil
     bint _row_is_run "lc_row_is_run" (const int64_t *row, Py_ssize_t width) noexcept nogil
+    void _expand_run "lc_expand_run" (int64_t *out, int64_t first, Py_ssize_t width) noexcept nogil
     void _gather_pages "lc_gather_pages" (
         int64_t *dest, const int64_t *table, const int64_t *first, const uint8_t *rowed, const int32_t *ids,
         Py_ssize_t n, Py_ssize_t width) noexcept nogil
@@ -405,7 +403,7 @@ cdef class PageTree:
             )
         if on_evict is not None and not callable(on_evict):
             raise ConfigError(f"PageTree: on_evict={on_evict!r} is not callable")
-        if self._in_tree != NULL:
+        if self._in_tree != NULL or self._rowed != NULL or self._first != NULL:
             raise ConfigError("PageTree: already initialised")
         self._page_size = page_size
         self._num_pages = num_pages
@@ -475,6 +473,15 @@ cdef class PageTree:
         """Cached pages on a locked path."""
         self._settle()
         return self._core._trie._num_blocks - self._core._trie._lru_blocks
+
+    @property
+    def run_pages(self):
+        """Cached pages whose KV indices run (first, first + 1, ...), kept as their first index
+        alone; the others keep a row of the table."""
+        cdef Py_ssize_t i, count = 0
+        for i in range(self._num_pages):
+            count += self._in_tree[i] and not self._rowed[i]
+        return count
 
     @property
     def num_locks(self):
@@ -831,6 +838,9 @@ cdef class PageTree:
             raise InvariantViolation(f"{self._num_locks} locks are counted but the lock table holds others")
         for i in range(self._num_pages):
             marked += self._in_tree[i]
+            if self._in_tree[i] and self._rowed[i] and _row_is_run(self._values_data + i * self._page_size,
+                                                                    self._page_size):
+                raise InvariantViolation(f"slot {i} keeps a row of KV indices that run: it should keep its first")
         if marked != self._core._trie._num_blocks:
             raise InvariantViolation(f"{marked} slots are marked as pages but the core caches "
                                      f"{self._core._trie._num_blocks}")
@@ -856,11 +866,10 @@ def page_indices(BlockPool pool not None, need_size, page_size):
     possibly in part; None, taking nothing, when too few pages are free."""
     cdef Py_ssize_t need = _as_count(need_size, "page_indices: need_size", 0, INT32_MAX)
     cdef Py_ssize_t ps = _as_count(page_size, "page_indices: page_size", 1, 1 << 16)
-    cdef Py_ssize_t pages = (need + ps - 1) // ps, i, j
+    cdef Py_ssize_t pages = (need + ps - 1) // ps, i
     cdef cnp.ndarray out
     cdef int64_t *dest
     cdef int32_t *ids
-    cdef int64_t base
     cdef bint ok
     if pages > pool._num_free:
         return None
@@ -875,9 +884,7 @@ def page_indices(BlockPool pool not None, need_size, page_size):
     if not ok:
         return None
     for i in range(pages):
-        base = <int64_t>ids[i] * ps
-        for j in range(ps):
-            dest[i * ps + j] = base + j
+        _expand_run(dest + i * ps, <int64_t>ids[i] * ps, ps)  # (reads ids[i] before writing over it)
     return _shrink(out, need)
 
 

@@ -494,68 +494,76 @@ def test_bad_sizes_are_refused_by_name(num_pages: int, page_size: int) -> None:
         PageTree(num_pages, page_size)
 
 
-def test_indices_in_runs_or_in_any_order_read_back_as_stored() -> None:
+@pytest.mark.parametrize("page_size", [1, 4, 16, 17])
+def test_indices_in_runs_or_in_any_order_read_back_as_stored(page_size: int) -> None:
     """A page whose indices run (first, first + 1, ...) is kept as its first index, any other as
     its row: both read back, evict and free alike, side by side in one path."""
-    pool = BlockPool(64)
+    ps = page_size
     handed: list[int] = []
-    tree = PageTree(16, PS, on_evict=lambda values: handed.extend(values.tolist()))
-    run_page = np.arange(8, 12, dtype=np.int64)
-    shuffled = np.array([13, 12, 15, 14], dtype=np.int64)  # page 3, its slots in another order
-    apart = np.array([16, 18, 17, 19], dtype=np.int64)
-    gap = np.array([20, 21, 22, 24], dtype=np.int64)  # not a run: one index skipped
-    values = np.concatenate([run_page, shuffled, apart, gap])
-    assert tree.insert(list(range(16)), 16, values)[0] == 0
-    node = tree.match(list(range(16)), 16)
+    tree = PageTree(16, ps, on_evict=lambda values: handed.extend(values.tolist()))
+    run_page = np.arange(2 * ps, 3 * ps, dtype=np.int64)
+    reversed_page = np.arange(3 * ps, 4 * ps, dtype=np.int64)[::-1]
+    gap = np.arange(4 * ps, 5 * ps, dtype=np.int64)
+    gap[-1] += 1  # one index skipped: not a run
+    top = np.iinfo(np.int64).max
+    last = np.arange(top - ps + 1, top + 1, dtype=np.int64) if ps > 1 else np.array([top], dtype=np.int64)
+    values = np.concatenate([run_page, reversed_page, gap, last])
+    assert tree.insert(list(range(4 * ps)), 4 * ps, values)[0] == 0
+    # The first page and the last (ending at the int64 limit) run; with one token a page, every page.
+    assert tree.run_pages == (4 if ps == 1 else 2)
+    node = tree.match(list(range(4 * ps)), 4 * ps)
     assert tree.values(node).tolist() == values.tolist()
+    assert tree.values(tree.match(list(range(2 * ps)), 2 * ps)).tolist() == values[: 2 * ps].tolist()
     assert sorted(tree.all_values().tolist()) == sorted(values.tolist())
     assert tree.evict(4) == 4 and sorted(handed) == sorted(values.tolist())  # every page, as stored
+    assert tree.run_pages == 0
     tree.check_invariants()
-    # Through a pool: a page is the first index's page (first // page_size), stored either way.
-    pages = pool.allocate(8)
-    assert pages.tolist() == list(range(8))
-    tree.insert([7] * 8, 8, np.concatenate([np.arange(4 * PS, 5 * PS), np.arange(6 * PS, 7 * PS)[::-1]]))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16, 17])
+def test_eviction_into_a_pool_frees_the_first_indexs_page_in_either_form(page_size: int) -> None:
+    ps = page_size
+    pool = BlockPool(8)
+    tree = PageTree(8, ps)
+    assert pool.allocate(8).tolist() == list(range(8))
+    backwards = np.arange(6 * ps, 7 * ps, dtype=np.int64)[::-1]  # first index on page 6 (or 7 when ps > 1)
+    tree.insert([7] * (2 * ps), 2 * ps, np.concatenate([np.arange(4 * ps, 5 * ps), backwards]))
     assert tree.evict(2, pool) == 2
-    assert sorted(set(range(8)) - {int(p) for p in np.flatnonzero(pool.refcounts() == 0)}) == [0, 1, 2, 3, 5, 7]
+    freed = {int(p) for p in np.flatnonzero(pool.refcounts() == 0)}
+    assert freed == {4, int(backwards[0]) // ps}
     pool.check_invariants()
     tree.check_invariants()
 
 
-def test_a_page_of_one_token_is_always_a_run() -> None:
-    tree = PageTree(8, 1)
-    values = np.array([5, 3, 9, 0], dtype=np.int64)
-    tree.insert([1, 2, 3, 4], 4, values)
-    assert tree.values(tree.match([1, 2, 3, 4], 4)).tolist() == values.tolist()
-    tree.check_invariants()
-
-
-def test_indices_near_the_int64_limit_are_kept_as_given() -> None:
-    top = np.iinfo(np.int64).max
-    tree = PageTree(4, PS)
-    values = np.array([top - 3, top - 2, top - 1, top, top - 7, top - 6, top - 5, top - 4], dtype=np.int64)
-    tree.insert(list(range(8)), 8, values)
-    assert tree.values(tree.match(list(range(8)), 8)).tolist() == values.tolist()
-    tree.check_invariants()
-
-
+@pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
-def test_random_traffic_keeps_every_index_cached_or_freed_once(scattered: bool) -> None:
+def test_random_traffic_keeps_every_index_cached_or_freed_once(scattered: bool, page_size: int) -> None:
+    """Random inserts, matches, locks and evictions: every match reads back the indices its pages
+    were cached with, and every index is cached or handed back exactly once."""
+    ps = page_size
     rng = np.random.default_rng(7)
-    t = Tree(num_pages=12)
+    t = Tree(num_pages=12, page_size=ps)
+    stored: dict[tuple[int, ...], list[int]] = {}  # a cached page's key prefix -> its indices
     locks: list[tuple[PageNode, int]] = []
     next_index = 0
+    runs_seen = 0
     for _ in range(300):
-        tokens = rng.integers(0, 3, int(rng.integers(4, 24))).tolist()
+        tokens = rng.integers(0, 3, int(rng.integers(1, 6)) * ps + int(rng.integers(ps))).tolist()
+        pages = len(tokens) // ps
         roll = rng.random()
         if roll < 0.4:
-            values = np.arange(next_index, next_index + len(tokens) // PS * PS, dtype=np.int64)
+            values = np.arange(next_index, next_index + pages * ps, dtype=np.int64)
             if scattered and rng.random() < 0.7:
                 values = values[rng.permutation(len(values))]
             cached, _ = t.tree.insert(tokens, len(tokens), values)
-            t.freed.extend(values[: cached * PS].tolist())  # the caller's duplicates
-            next_index += len(tokens) // PS * PS
+            t.freed.extend(values[: cached * ps].tolist())  # the caller's duplicates
+            for page in range(cached, pages):
+                stored[tuple(tokens[: (page + 1) * ps])] = values[page * ps : (page + 1) * ps].tolist()
+            next_index += pages * ps
         elif roll < 0.7:
-            _, node = t.match(tokens)
+            read, node = t.match(tokens)
+            expected = [i for page in range(node.num_pages) for i in stored[tuple(tokens[: (page + 1) * ps])]]
+            assert read == expected
             if node.num_pages and rng.random() < 0.5:
                 locks.append((node, t.tree.lock(node)[0]))
         elif roll < 0.85 and locks:
@@ -563,7 +571,9 @@ def test_random_traffic_keeps_every_index_cached_or_freed_once(scattered: bool) 
             t.tree.unlock(node, handle)
         else:
             t.tree.evict(int(rng.integers(1, 4)))
+        runs_seen = max(runs_seen, t.tree.run_pages)
         t.settled()
+    assert runs_seen > 0
     assert sorted(t.freed + t.tree.all_values().tolist()) == list(range(next_index))
 
 
