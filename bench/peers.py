@@ -9,7 +9,8 @@ Each peer gets its own virtual environment under ``bench/.venv-peers/`` (ignored
 CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by a constraints file
 (``torch==2.13.0`` resolves to /opt/wheels' ``+cpu`` build, so pip never pulls a CUDA build), the
 peer itself is installed with ``--no-deps``, and only the packages that its block pool / radix tree
-modules import come next to it (listed below with the versions measured).
+modules import come next to it (listed below with the versions measured; vLLM's also has what its
+``Scheduler`` needs to run on a model config without weights, for the facade's scheduler tests).
 
 The peers run from ``peer_vllm.py`` and ``peer_sglang.py`` inside their environments, replaying the
 same traces by the same rules as ``w2.py`` (hit tokens are checked against the reference there) and
@@ -57,7 +58,7 @@ PEERS = {
         package="vllm==0.33.0",
         runner="peer_vllm.py",
         deps=(
-            "aiohttp==3.14.5", "cachetools==8.0.2", "cbor2==6.3.0", "cloudpickle==3.1.3",
+            "aiohttp==3.14.5", "cachetools==8.0.2", "cbor2==6.3.0", "cloudpickle==3.1.3", "einops==0.8.2",
             "fastapi==0.165.0", "llguidance==1.9.1", "msgspec==0.22.0", "openai-harmony==0.0.8",
             "openai==3.57.0", "partial-json-parser==0.2.1.1.post7", "pillow==13.0.0",
             "prometheus-client==0.26.0", "psutil==7.2.2", "py-cpuinfo==9.0.0", "pybase64==1.5.1",

@@ -828,6 +828,7 @@ cdef class PageTree:
         """The core's recount, one live core record per lock held, one slot marked in the tree
         per cached page."""
         cdef Py_ssize_t i, marked = 0
+        cdef const int64_t *row
         self._settle()
         self._core.check_invariants()
         if self._core._num_live != self._num_locks:
@@ -838,8 +839,8 @@ cdef class PageTree:
             raise InvariantViolation(f"{self._num_locks} locks are counted but the lock table holds others")
         for i in range(self._num_pages):
             marked += self._in_tree[i]
-            if self._in_tree[i] and self._rowed[i] and _row_is_run(self._values_data + i * self._page_size,
-                                                                    self._page_size):
+            row = self._values_data + i * self._page_size
+            if self._in_tree[i] and self._rowed[i] and _row_is_run(row, self._page_size):
                 raise InvariantViolation(f"slot {i} keeps a row of KV indices that run: it should keep its first")
         if marked != self._core._trie._num_blocks:
             raise InvariantViolation(f"{marked} slots are marked as pages but the core caches "

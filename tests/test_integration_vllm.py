@@ -334,6 +334,17 @@ def test_statistics_without_vllm_name_the_extra() -> None:
         make(log_stats=True)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+@pytest.mark.parametrize("name", ["LifecycleScheduler", "LifecycleAsyncScheduler"])
+def test_the_scheduler_classes_without_vllm_name_the_extra(name: str) -> None:
+    import lifecycle.integrations.vllm as facade
+
+    with pytest.raises(ImportError, match=r"kv-lifecycle\[vllm\]"):
+        getattr(facade, name)
+    with pytest.raises(AttributeError, match="LifecycleNothing"):
+        facade.LifecycleNothing  # noqa: B018
+
+
 def test_vllms_own_prefix_caching_tests_pass_against_the_facade() -> None:
     summary = run_suite("vllm", "suite_vllm.py")
     assert "failed" not in summary and "error" not in summary

@@ -18,6 +18,11 @@ block id a request gets after an eviction may differ from vLLM's. One KV cache g
 attention only: sliding-window, Mamba and encoder-decoder groups, EAGLE, KV connectors and
 context parallelism are refused with ``Unsupported``.
 
+To run vLLM's own scheduler over it, name :func:`scheduler_class`'s classes to vLLM:
+``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (vLLM's default
+``AsyncScheduler``) or ``lifecycle.integrations.vllm.LifecycleScheduler`` (``Scheduler``, with
+``--no-async-scheduling``).
+
 Importing this module loads neither vLLM nor torch: ``make_prefix_cache_stats`` and ``take_events``
 load vLLM to build its types; without vLLM :meth:`LifecycleKVCacheManager.from_blocks` makes a
 manager for tests and replays.
@@ -25,6 +30,7 @@ manager for tests and replays.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, final, overload
@@ -37,7 +43,7 @@ from lifecycle._kvcache import KVCacheCore
 from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
-__all__ = ["Block", "BlockList", "KVCacheBlocks", "LifecycleKVCacheManager"]
+__all__ = ["Block", "BlockList", "KVCacheBlocks", "LifecycleKVCacheManager", "scheduler_class"]
 
 _EXTRA: Final = "vllm"
 _EMPTY: Final = np.zeros(0, dtype=np.int32)
@@ -546,3 +552,56 @@ class LifecycleKVCacheManager:
             raise SequenceStateError(
                 f"{self.core.num_live_sequences} core records are live for {len(self._live)} requests"
             )
+
+
+@functools.cache
+def scheduler_class(async_scheduling: bool = True) -> type[Any]:
+    """vLLM's ``AsyncScheduler`` (or, with ``async_scheduling=False``, its ``Scheduler``) with its
+    KV cache manager replaced by :class:`LifecycleKVCacheManager`, built from the arguments the
+    scheduler gives its own (built once; needs vLLM). The module's ``LifecycleAsyncScheduler`` and
+    ``LifecycleScheduler`` are these, for ``--scheduler-cls``. vLLM's manager is still built first
+    by ``Scheduler.__init__``, which reads it, and then dropped. Configurations the facade refuses
+    (see the module's docstring) and KV connectors (which read vLLM's block pool) are refused with
+    ``Unsupported`` at construction."""
+    import_engine("vllm", _EXTRA)
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler as base
+
+    def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, vllm_config, kv_cache_config, *args, **kwargs)
+        for name in ("connector", "ec_connector", "aux_output_connector"):
+            if getattr(self, name, None) is not None:
+                raise Unsupported(f"{type(self).__name__}: a KV connector ({name}) needs vLLM's own KV cache manager")
+        self.kv_cache_manager = LifecycleKVCacheManager(
+            kv_cache_config=self.kv_cache_config,
+            max_model_len=self.max_model_len,
+            max_in_flight_tokens=getattr(vllm_config, "max_in_flight_tokens", None),
+            enable_caching=self.cache_config.enable_prefix_caching,
+            use_eagle=self.use_eagle_block_drop,
+            num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
+            num_prefill_lookahead=getattr(self, "num_prefill_lookahead", 0),
+            log_stats=self.log_stats,
+            enable_kv_cache_events=self.enable_kv_cache_events,
+            dcp_world_size=self.dcp_world_size,
+            pcp_world_size=1,
+            scheduler_block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            metrics_collector=self.kv_metrics_collector,
+            watermark=self.scheduler_config.watermark,
+        )
+
+    name = "LifecycleAsyncScheduler" if async_scheduling else "LifecycleScheduler"
+    return type(name, (base,), {
+        "__init__": __init__, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"vLLM's ``{base.__name__}`` over :class:`LifecycleKVCacheManager` (see :func:`scheduler_class`).",
+    })
+
+
+def __getattr__(name: str) -> type[Any]:
+    if name == "LifecycleAsyncScheduler":
+        return scheduler_class(True)
+    if name == "LifecycleScheduler":
+        return scheduler_class(False)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -465,3 +465,122 @@ def test_the_schedulers_per_step_calls_answer_as_vllms_do_for_full_attention(mak
     assert manager.take_boundary_state_offloads() == {}
     manager.free(req0)
     manager.free(req1)
+
+
+# -- vLLM's own scheduler over the facade ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A model config without weights or a tokenizer (a 2-layer OPT's ``config.json``): all the
+    scheduler reads of a model."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    folder = tmp_path_factory.mktemp("model")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "ffn_dim": 128, "vocab_size": 1000, "max_position_embeddings": 2048,
+        "word_embed_proj_dim": 64, "torch_dtype": "float16", "do_layer_norm_before": True,
+    }))
+    return ModelConfig(model=str(folder), skip_tokenizer_init=True, max_model_len=1024, dtype="float16", seed=0)
+
+
+def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, async_scheduling: bool) -> Any:
+    """A vLLM scheduler of ``num_blocks`` blocks of 16, 8 sequences and 256 tokens a step."""
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    scheduler_config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                                       is_encoder_decoder=False, async_scheduling=async_scheduling)
+    cache_config = CacheConfig(block_size=16, cache_dtype="auto", enable_prefix_caching=True)
+    cache_config.num_gpu_blocks = num_blocks
+    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
+                             device_config=DeviceConfig("cpu"))
+    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=config(16, num_blocks), log_stats=True,
+                         structured_output_manager=StructuredOutputManager(vllm_config), block_size=16)
+
+
+def drive(scheduler: Any, seed: int) -> list[tuple[Any, ...]]:
+    """24 requests (most opening with one 48-token system prompt) arriving over 30 steps, stepped
+    to the end with sampled tokens from ``seed``; per step, what the scheduler decided: tokens
+    scheduled per request, the cache hits of the new ones, the preempted, the finished."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    rng = random.Random(seed)
+    hasher = get_request_block_hasher(16, sha256)
+    system = list(range(1000, 1048))
+    arrivals: dict[int, list[Request]] = {}
+    for i in range(24):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(500) for _ in range(rng.randrange(5, 120))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True)
+        arrivals.setdefault(rng.randrange(30), []).append(Request(str(i), prompt, params, None, block_hasher=hasher))
+    log: list[tuple[Any, ...]] = []
+    for step in range(1000):
+        for request in arrivals.pop(step, []):
+            scheduler.add_request(request)
+        out = scheduler.schedule()
+        ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
+        runner = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[rng.randrange(500)] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+        finished = scheduler.update_from_output(out, runner)
+        log.append((
+            sorted(out.num_scheduled_tokens.items()),
+            sorted((r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs),
+            sorted(out.preempted_req_ids or ()),
+            sorted(r.request_id for outputs in finished.values() for r in outputs.outputs if r.finish_reason),
+        ))
+        if not arrivals and not scheduler.has_unfinished_requests():
+            return log
+    raise AssertionError("the requests did not finish in 1000 steps")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("num_blocks", [20, 40, 200])
+def test_vllms_scheduler_decides_alike_over_the_facade(model_config: Any, num_blocks: int,
+                                                       async_scheduling: bool) -> None:
+    """vLLM's own scheduler, stepped the same way once over its KVCacheManager and once over the
+    facade (``scheduler_class``): the same tokens scheduled each step, the same cache hits, the
+    same preemptions (a pool of 20 or 40 blocks forces some), the same requests finished."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from lifecycle.integrations.vllm import scheduler_class
+
+    own_class = AsyncScheduler if async_scheduling else Scheduler
+    for seed in (1, 2):
+        theirs = drive(scheduler(own_class, model_config, num_blocks, async_scheduling), seed)
+        lifecycle = scheduler(scheduler_class(async_scheduling), model_config, num_blocks, async_scheduling)
+        assert isinstance(lifecycle.kv_cache_manager, LifecycleKVCacheManager)
+        ours = drive(lifecycle, seed)
+        assert ours == theirs
+        preemptions = sum(len(preempted) for _, _, preempted, _ in ours)
+        assert (preemptions > 0) == (num_blocks <= 40)
+        # Each request is scheduled new once, and once more after each preemption; some hit.
+        assert sum(len(hits) for _, hits, _, _ in ours) == 24 + preemptions
+        assert sum(n for _, hits, _, _ in ours for _, n in hits) > 0
+        assert sum(len(done) for *_, done in ours) == 24
+        manager = lifecycle.kv_cache_manager
+        manager.check_invariants()
+        assert manager.usage == 0.0 and manager.core.num_live_sequences == 0
+
+
+def test_vllm_resolves_the_scheduler_classes_by_name() -> None:
+    """``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (or
+    ``...LifecycleScheduler``) is how a vLLM server is pointed at the facade."""
+    from vllm.config import SchedulerConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from lifecycle.integrations import vllm as facade
+
+    for name, base in (("LifecycleAsyncScheduler", AsyncScheduler), ("LifecycleScheduler", Scheduler)):
+        config_ = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False,
+                                  scheduler_cls=f"lifecycle.integrations.vllm.{name}")
+        resolved = config_.get_scheduler_cls()
+        assert resolved is getattr(facade, name) and resolved.__name__ == name
+        assert issubclass(resolved, base) and resolved is not base
