@@ -15,8 +15,9 @@ only the blocks before its first placeholder (tokens do not name an image); the 
 are :class:`Block` objects with a ``block_id`` (reference counts and hashes stay in the core);
 eviction order is the core's (least recently used leaves first, once no block is free), so which
 block id a request gets after an eviction may differ from vLLM's. One KV cache group of full
-attention only: sliding-window, Mamba and encoder-decoder groups, EAGLE, KV connectors and
-context parallelism are refused with ``Unsupported``.
+attention only: sliding-window, Mamba and encoder-decoder groups, EAGLE and the other lookahead
+rules of speculative decoding, KV connectors, KV cache residency metrics and context parallelism
+are refused with ``Unsupported``.
 
 To run vLLM's own scheduler over it, name :func:`scheduler_class`'s classes to vLLM:
 ``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (vLLM's default
@@ -43,7 +44,9 @@ from lifecycle._kvcache import KVCacheCore
 from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
-__all__ = ["Block", "BlockList", "KVCacheBlocks", "LifecycleKVCacheManager", "scheduler_class"]
+__all__ = [
+    "Block", "BlockList", "Coordinator", "GroupManager", "KVCacheBlocks", "LifecycleKVCacheManager", "scheduler_class",
+]
 
 _EXTRA: Final = "vllm"
 _EMPTY: Final = np.zeros(0, dtype=np.int32)
@@ -168,6 +171,31 @@ class _Live:
         self.cacheable = cacheable
 
 
+@final
+class GroupManager:
+    """What vLLM's engine reads of one of ``KVCacheManager.coordinator.single_type_managers``: the
+    group's block size and KV cache spec."""
+
+    __slots__ = ("block_size", "kv_cache_spec")
+
+    def __init__(self, block_size: int, kv_cache_spec: Any) -> None:
+        self.block_size = block_size
+        self.kv_cache_spec = kv_cache_spec
+
+
+@final
+class Coordinator:
+    """What vLLM's engine core and scheduler read of ``KVCacheManager.coordinator`` at start-up
+    for one full-attention group (the effective attention block size, the groups' metadata);
+    the calls a KV connector makes on it are not here, as connectors are refused."""
+
+    __slots__ = ("single_type_managers",)
+    enable_partial_hash_hits: Final = False  # (a Mamba rule; read only for Mamba groups)
+
+    def __init__(self, block_size: int, kv_cache_spec: Any) -> None:
+        self.single_type_managers = (GroupManager(block_size, kv_cache_spec),)
+
+
 class LifecycleKVCacheManager:
     """vLLM v1's ``KVCacheManager`` over a :class:`~lifecycle.KVCacheCore` (see the module's
     docstring). The arguments are ``KVCacheManager``'s; the core gets ``kv_cache_config.num_blocks``
@@ -199,8 +227,16 @@ class LifecycleKVCacheManager:
         kind = type(spec).__name__
         if kind not in ("FullAttentionSpec", "MLAAttentionSpec") or getattr(spec, "sliding_window", None):
             raise Unsupported(f"LifecycleKVCacheManager: a {kind} group; only full attention is supported")
-        if use_eagle or num_hash_lookahead_tokens:
-            raise Unsupported("LifecycleKVCacheManager: EAGLE (and hash lookahead) is not supported")
+        if use_eagle or num_hash_lookahead_tokens or num_prefill_lookahead:
+            raise Unsupported(
+                "LifecycleKVCacheManager: EAGLE, hash lookahead and prefill lookahead (speculative decoding's "
+                "cache rules) are not supported"
+            )
+        if metrics_collector is not None:
+            raise Unsupported(
+                "LifecycleKVCacheManager: KV cache residency metrics (kv_cache_metrics) sample vLLM's block pool, "
+                "which the facade does not have"
+            )
         if dcp_world_size != 1 or pcp_world_size != 1:
             raise Unsupported(
                 f"LifecycleKVCacheManager: dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}; "
@@ -213,7 +249,8 @@ class LifecycleKVCacheManager:
         self._setup(int(kv_cache_config.num_blocks), block_size, max_model_len, enable_caching=enable_caching,
                     log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events, watermark=watermark)
         self.kv_cache_config = kv_cache_config
-        self.metrics_collector = metrics_collector
+        self.metrics_collector = None
+        self.coordinator = Coordinator(block_size, spec)
 
     @classmethod
     def from_blocks(
@@ -227,6 +264,7 @@ class LifecycleKVCacheManager:
                        enable_kv_cache_events=enable_kv_cache_events, watermark=watermark)
         manager.kv_cache_config = None
         manager.metrics_collector = None
+        manager.coordinator = Coordinator(block_size, None)
         return manager
 
     def _setup(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool, log_stats: bool,
@@ -554,34 +592,43 @@ class LifecycleKVCacheManager:
             )
 
 
-@functools.cache
 def scheduler_class(async_scheduling: bool = True) -> type[Any]:
     """vLLM's ``AsyncScheduler`` (or, with ``async_scheduling=False``, its ``Scheduler``) with its
     KV cache manager replaced by :class:`LifecycleKVCacheManager`, built from the arguments the
-    scheduler gives its own (built once; needs vLLM). The module's ``LifecycleAsyncScheduler`` and
-    ``LifecycleScheduler`` are these, for ``--scheduler-cls``. vLLM's manager is still built first
-    by ``Scheduler.__init__``, which reads it, and then dropped. Configurations the facade refuses
-    (see the module's docstring) and KV connectors (which read vLLM's block pool) are refused with
-    ``Unsupported`` at construction."""
+    scheduler gives its own: the module's ``LifecycleAsyncScheduler`` and ``LifecycleScheduler``
+    (built once; needs vLLM), for ``--scheduler-cls``. ``Scheduler.__init__`` still builds vLLM's
+    manager, reads it once and drops it. Refused with ``Unsupported`` at construction: what the
+    facade refuses (see the module's docstring), KV connectors and aux-output connectors (which
+    use vLLM's block pool; checked before anything is built) and EAGLE-family speculative
+    decoding."""
+    return _scheduler_class(bool(async_scheduling))
+
+
+@functools.cache
+def _scheduler_class(async_scheduling: bool) -> type[Any]:
     import_engine("vllm", _EXTRA)
     if async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
     else:
         from vllm.v1.core.sched.scheduler import Scheduler as base
+    name = "LifecycleAsyncScheduler" if async_scheduling else "LifecycleScheduler"
 
     def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        if vllm_config.kv_transfer_config is not None:
+            raise Unsupported(f"{name}: a KV connector (kv_transfer_config) needs vLLM's own KV cache manager")
+        if vllm_config.aux_output_config.enabled:
+            raise Unsupported(f"{name}: the aux-output connector needs vLLM's own KV cache manager")
         base.__init__(self, vllm_config, kv_cache_config, *args, **kwargs)
-        for name in ("connector", "ec_connector", "aux_output_connector"):
-            if getattr(self, name, None) is not None:
-                raise Unsupported(f"{type(self).__name__}: a KV connector ({name}) needs vLLM's own KV cache manager")
+        if self.use_eagle:
+            raise Unsupported(f"{name}: EAGLE-family speculative decoding is not supported")
         self.kv_cache_manager = LifecycleKVCacheManager(
             kv_cache_config=self.kv_cache_config,
             max_model_len=self.max_model_len,
-            max_in_flight_tokens=getattr(vllm_config, "max_in_flight_tokens", None),
+            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
             enable_caching=self.cache_config.enable_prefix_caching,
             use_eagle=self.use_eagle_block_drop,
             num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
-            num_prefill_lookahead=getattr(self, "num_prefill_lookahead", 0),
+            num_prefill_lookahead=self.num_prefill_lookahead,
             log_stats=self.log_stats,
             enable_kv_cache_events=self.enable_kv_cache_events,
             dcp_world_size=self.dcp_world_size,
@@ -590,9 +637,9 @@ def scheduler_class(async_scheduling: bool = True) -> type[Any]:
             hash_block_size=self.hash_block_size,
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
+            enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
         )
 
-    name = "LifecycleAsyncScheduler" if async_scheduling else "LifecycleScheduler"
     return type(name, (base,), {
         "__init__": __init__, "__module__": __name__, "__qualname__": name,
         "__doc__": f"vLLM's ``{base.__name__}`` over :class:`LifecycleKVCacheManager` (see :func:`scheduler_class`).",

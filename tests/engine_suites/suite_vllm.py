@@ -487,14 +487,15 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return ModelConfig(model=str(folder), skip_tokenizer_init=True, max_model_len=1024, dtype="float16", seed=0)
 
 
-def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, async_scheduling: bool) -> Any:
+def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, async_scheduling: bool,
+              caching: bool = True) -> Any:
     """A vLLM scheduler of ``num_blocks`` blocks of 16, 8 sequences and 256 tokens a step."""
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.v1.structured_output import StructuredOutputManager
 
     scheduler_config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
                                        is_encoder_decoder=False, async_scheduling=async_scheduling)
-    cache_config = CacheConfig(block_size=16, cache_dtype="auto", enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=16, cache_dtype="auto", enable_prefix_caching=caching)
     cache_config.num_gpu_blocks = num_blocks
     vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
                              device_config=DeviceConfig("cpu"))
@@ -502,11 +503,18 @@ def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, asyn
                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=16)
 
 
-def drive(scheduler: Any, seed: int) -> list[tuple[Any, ...]]:
-    """24 requests (most opening with one 48-token system prompt) arriving over 30 steps, stepped
-    to the end with sampled tokens from ``seed``; per step, what the scheduler decided: tokens
-    scheduled per request, the cache hits of the new ones, the preempted, the finished."""
+def drive(scheduler: Any, seed: int, depth: int, abort_every: int = 0) -> list[tuple[Any, ...]]:
+    """24 requests (most opening with one 48-token system prompt) arriving over 30 steps, run to
+    the end with tokens sampled from ``seed``, as vLLM's engine core steps: with ``depth`` 2 the
+    next step is scheduled before the last one's output is processed (``step_with_batch_queue``,
+    async scheduling). Every ``abort_every`` steps the lowest-numbered request is aborted. The
+    log: each schedule's tokens per request, the new requests' cache hits and the preempted; each
+    output's finished requests; every 7 steps the scheduler's stats (KV cache usage, prefix cache
+    requests, queries and hits)."""
+    from collections import deque
+
     from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
     hasher = get_request_block_hasher(16, sha256)
@@ -517,56 +525,117 @@ def drive(scheduler: Any, seed: int) -> list[tuple[Any, ...]]:
         params = SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True)
         arrivals.setdefault(rng.randrange(30), []).append(Request(str(i), prompt, params, None, block_hasher=hasher))
     log: list[tuple[Any, ...]] = []
-    for step in range(1000):
+    batches: deque[Any] = deque()
+    for step in range(3000):
         for request in arrivals.pop(step, []):
             scheduler.add_request(request)
-        out = scheduler.schedule()
-        ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
-        runner = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[rng.randrange(500)] for _ in ids], logprobs=None, prompt_logprobs_dict={},
-            pooler_output=[],
-        )
-        finished = scheduler.update_from_output(out, runner)
-        log.append((
-            sorted(out.num_scheduled_tokens.items()),
-            sorted((r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs),
-            sorted(out.preempted_req_ids or ()),
-            sorted(r.request_id for outputs in finished.values() for r in outputs.outputs if r.finish_reason),
-        ))
-        if not arrivals and not scheduler.has_unfinished_requests():
+        if abort_every and step % abort_every == 0 and scheduler.requests:
+            scheduler.finish_requests([min(scheduler.requests, key=int)], RequestStatus.FINISHED_ABORTED)
+        if scheduler.has_requests() and len(batches) < depth:
+            out = scheduler.schedule()
+            batches.append(out)
+            log.append((
+                "scheduled", sorted(out.num_scheduled_tokens.items()),
+                sorted((r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs),
+                sorted(out.preempted_req_ids or ()),
+            ))
+            if len(batches) < depth and out.total_num_scheduled_tokens > 0:
+                continue  # a free slot in the queue: schedule the next step first
+        if batches:
+            out = batches.popleft()
+            ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
+            runner = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[rng.randrange(500)] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=[],
+            )
+            finished = scheduler.update_from_output(out, runner)
+            done = sorted(r.request_id for outputs in finished.values() for r in outputs.outputs if r.finish_reason)
+            log.append(("finished", done))
+        if step % 7 == 0:
+            stats = scheduler.make_stats()
+            prefix = stats.prefix_cache_stats
+            log.append(("stats", round(stats.kv_cache_usage, 9), prefix.requests, prefix.queries, prefix.hits))
+        if not arrivals and not batches and not scheduler.has_unfinished_requests():
             return log
-    raise AssertionError("the requests did not finish in 1000 steps")
+    raise AssertionError("the requests did not finish in 3000 steps")
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("abort_every", [0, 5], ids=["", "aborts"])
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("num_blocks", [20, 40, 200])
-def test_vllms_scheduler_decides_alike_over_the_facade(model_config: Any, num_blocks: int,
-                                                       async_scheduling: bool) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_vllms_scheduler_decides_alike_over_the_facade(model_config: Any, async_scheduling: bool, num_blocks: int,
+                                                       caching: bool, abort_every: int) -> None:
     """vLLM's own scheduler, stepped the same way once over its KVCacheManager and once over the
-    facade (``scheduler_class``): the same tokens scheduled each step, the same cache hits, the
-    same preemptions (a pool of 20 or 40 blocks forces some), the same requests finished."""
+    facade (``scheduler_class``): the same tokens scheduled each step, the same cache hits and
+    preemptions (a pool of 20 or 40 blocks forces some), the same requests finished, the same
+    usage and prefix-cache statistics; aborts and ``reset_prefix_cache`` included."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from lifecycle.integrations.vllm import scheduler_class
 
     own_class = AsyncScheduler if async_scheduling else Scheduler
+    depth = 2 if async_scheduling else 1
     for seed in (1, 2):
-        theirs = drive(scheduler(own_class, model_config, num_blocks, async_scheduling), seed)
-        lifecycle = scheduler(scheduler_class(async_scheduling), model_config, num_blocks, async_scheduling)
+        theirs_scheduler = scheduler(own_class, model_config, num_blocks, async_scheduling, caching)
+        theirs = drive(theirs_scheduler, seed, depth, abort_every)
+        lifecycle = scheduler(scheduler_class(async_scheduling), model_config, num_blocks, async_scheduling, caching)
         assert isinstance(lifecycle.kv_cache_manager, LifecycleKVCacheManager)
-        ours = drive(lifecycle, seed)
+        ours = drive(lifecycle, seed, depth, abort_every)
         assert ours == theirs
-        preemptions = sum(len(preempted) for _, _, preempted, _ in ours)
-        assert (preemptions > 0) == (num_blocks <= 40)
-        # Each request is scheduled new once, and once more after each preemption; some hit.
-        assert sum(len(hits) for _, hits, _, _ in ours) == 24 + preemptions
-        assert sum(n for _, hits, _, _ in ours for _, n in hits) > 0
-        assert sum(len(done) for *_, done in ours) == 24
+        scheduled = [entry for entry in ours if entry[0] == "scheduled"]
+        preemptions = sum(len(entry[3]) for entry in scheduled)
+        if not abort_every:  # (aborts can leave too few requests running to need preemption)
+            assert (preemptions > 0) == (num_blocks <= 40)
+        hits = sum(n for entry in scheduled for _, n in entry[2])
+        assert (hits > 0) == caching
+        finished = sum(len(entry[1]) for entry in ours if entry[0] == "finished")
+        assert finished == 24 if not abort_every else 0 < finished < 24  # (an aborted request is not reported)
         manager = lifecycle.kv_cache_manager
         manager.check_invariants()
         assert manager.usage == 0.0 and manager.core.num_live_sequences == 0
+        assert lifecycle.reset_prefix_cache() and theirs_scheduler.reset_prefix_cache()
+        assert manager.core.num_cached_blocks == 0
+
+
+def test_vllms_engine_core_reads_the_facades_groups_at_start_up(model_config: Any) -> None:
+    """EngineCore's start-up reads of ``kv_cache_manager.coordinator`` (the effective attention
+    block size; the groups' metadata for KV event consumers) answer as over vLLM's manager."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from lifecycle.integrations.vllm import scheduler_class
+
+    answers = []
+    for scheduler_cls in (Scheduler, scheduler_class(False)):
+        core = type("Core", (), {})()  # the two methods read only these
+        core.scheduler = scheduler(scheduler_cls, model_config, 40, False)
+        core.vllm_config = core.scheduler.vllm_config
+        EngineCore._initialize_effective_attention_block_size(core)
+        answers.append((core.vllm_config.cache_config.effective_attention_block_size,
+                        EngineCore.get_kv_cache_group_metadata(core)))
+    assert answers[0] == answers[1] and answers[0][0] == 16
+
+
+def test_the_scheduler_classes_refuse_what_the_facade_cannot_serve(model_config: Any) -> None:
+    from vllm.config import KVTransferConfig
+
+    from lifecycle.integrations.vllm import scheduler_class
+
+    lifecycle_class = scheduler_class(False)
+    assert scheduler_class() is scheduler_class(True) is scheduler_class(async_scheduling=True)
+    good = scheduler(lifecycle_class, model_config, 40, False)
+    vllm_config = good.vllm_config
+    vllm_config.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(NotImplementedError, match="kv_transfer_config"):
+        lifecycle_class(vllm_config=vllm_config, kv_cache_config=config(16, 40), log_stats=False,
+                        structured_output_manager=good.structured_output_manager, block_size=16)
+    with pytest.raises(NotImplementedError, match="kv_cache_metrics"):
+        LifecycleKVCacheManager(config(16, 10), max_model_len=8192, metrics_collector=object())
+    with pytest.raises(NotImplementedError, match="prefill lookahead"):
+        LifecycleKVCacheManager(config(16, 10), max_model_len=8192, num_prefill_lookahead=2)
 
 
 def test_vllm_resolves_the_scheduler_classes_by_name() -> None:
