@@ -10,7 +10,8 @@ CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by 
 (``torch==2.13.0`` resolves to /opt/wheels' ``+cpu`` build, so pip never pulls a CUDA build), the
 peer itself is installed with ``--no-deps``, and only the packages that its block pool / radix tree
 modules import come next to it (listed below with the versions measured; vLLM's also has what its
-``Scheduler`` needs to run on a model config without weights, for the facade's scheduler tests).
+``Scheduler`` needs to run on a model config without weights, SGLang's what its schedule policy
+imports, for the adapters' scheduler tests).
 
 The peers run from ``peer_vllm.py`` and ``peer_sglang.py`` inside their environments, replaying the
 same traces by the same rules as ``w2.py`` (hit tokens are checked against the reference there) and
@@ -72,9 +73,9 @@ PEERS = {
         runner="peer_sglang.py",
         deps=(
             "aiohttp==3.14.5", "apache-tvm-ffi==0.1.11", "compressed-tensors==0.20.1", "dill==0.4.1",
-            "gguf==0.19.0", "ipython==9.18.1", "msgspec==0.22.0", "orjson==3.13.0", "pillow==13.0.0",
-            "pybase64==1.5.1", "pyzmq==27.3.0", "sentencepiece==0.2.3", "starlette==1.10.0",
-            "triton==3.9.0",
+            "gguf==0.19.0", "ipython==9.18.1", "msgspec==0.22.0", "openai==3.57.0", "orjson==3.13.0",
+            "partial-json-parser==0.2.1.1.post7", "pillow==13.0.0", "pybase64==1.5.1", "pyzmq==27.3.0",
+            "sentencepiece==0.2.3", "starlette==1.10.0", "triton==3.9.0",
         ),
         probe=(
             "import sys; sys.path.insert(0, {here!r}); from peer_common import stub_torchvision; "

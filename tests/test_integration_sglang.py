@@ -24,7 +24,7 @@ from engine_suites import assert_import_loads_none_of, run_suite
 from lifecycle._blockpool import BlockPool
 from lifecycle._pagetree import page_indices, pages_of, release_indices
 from lifecycle.errors import ConfigError, DoubleFree, InvalidId, LifecycleError, SequenceStateError
-from lifecycle.integrations.sglang import PageNode, PageTree
+from lifecycle.integrations.sglang import PageNode, PageTree, dfs_weight_order
 
 PS = 4
 
@@ -575,6 +575,69 @@ def test_random_traffic_keeps_every_index_cached_or_freed_once(scattered: bool, 
         t.settled()
     assert runs_seen > 0
     assert sorted(t.freed + t.tree.all_values().tolist()) == list(range(next_index))
+
+
+def reference_dfs_weight_order(keys: list[tuple[int, tuple[int, ...]]], page_size: int) -> list[int]:
+    """SGLang's dfs-weight rule over a plain trie of whole pages (one node per page): subtrees by
+    requests held, most first (ties: the earlier request first), each subtree's deeper requests
+    before the ones ending at its top."""
+    trie: dict[Any, Any] = {"requests": [], "children": {}}
+    for index, (namespace, tokens) in enumerate(keys):
+        node = trie
+        for page in range(len(tokens) // page_size):
+            edge = (namespace, tokens[page * page_size : (page + 1) * page_size])
+            node = node["children"].setdefault(edge, {"requests": [], "children": {}})
+        node["requests"].append(index)
+
+    def weigh(node: dict[str, Any]) -> tuple[int, int]:
+        held = [weigh(child) for child in node["children"].values()]
+        node["weight"] = len(node["requests"]) + sum(w for w, _ in held)
+        node["first"] = min([*node["requests"], *(f for _, f in held)], default=len(keys))
+        return node["weight"], node["first"]
+
+    def emit(node: dict[str, Any], out: list[int]) -> None:
+        for child in sorted(node["children"].values(), key=lambda c: (-c["weight"], c["first"])):
+            emit(child, out)
+        out.extend(node["requests"])
+
+    weigh(trie)
+    order: list[int] = []
+    emit(trie, order)
+    return order
+
+
+def test_dfs_weight_order_goes_heaviest_subtree_first_and_deepest_first() -> None:
+    tree = PageTree(64, PS)
+    a, b = [1] * 8, [2] * 4
+    for key in (a + [3] * 8, a + [4] * 4, b + [5] * 4):
+        tree.insert(key, len(key), np.arange(len(key), dtype=np.int64) + 1000 * key[-1])
+    queries = [b + [9], a + [3] * 8, a + [4] * 4 + [9], [7] * 4, a + [3] * 4, b + [5] * 4, a + [3] * 8, b + [9]]
+    nodes = [tree.match(q, len(q)) for q in queries]
+    # a's subtree holds 4 requests (a+3+3 twice, a+3, a+4), b's 3 (b twice, b+5); [7]* matches nothing.
+    assert dfs_weight_order(nodes, PS) == [1, 6, 4, 2, 5, 0, 7, 3]
+    assert dfs_weight_order([], PS) == []
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dfs_weight_order_matches_a_plain_page_trie(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    tree = PageTree(512, PS)
+    stems = [rng.integers(0, 3, int(rng.integers(1, 6)) * PS).tolist() for _ in range(6)]
+    for stem in stems:
+        for _ in range(3):
+            key = stem + rng.integers(0, 3, int(rng.integers(0, 4)) * PS).tolist()
+            namespace = int(rng.integers(0, 2))
+            if key and tree.cached_pages + len(key) // PS < 500:
+                tree.insert(key, len(key), np.arange(len(key), dtype=np.int64), namespace)
+    nodes, keys = [], []
+    for _ in range(40):
+        query = stems[int(rng.integers(len(stems)))] + rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
+        node = tree.match(query, len(query), int(rng.integers(0, 2)))
+        nodes.append(node)
+        keys.append((node.namespace, tuple(query[: node.num_pages * PS])))
+    assert dfs_weight_order(nodes, PS) == reference_dfs_weight_order(keys, PS)
+    tree.check_invariants()
 
 
 # -- the engine boundary ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ every default the scheduler calls is there), built the first time they are asked
   ``insert``, ``evict``, ``inc_lock_ref`` / ``dec_lock_ref`` (and the base class's ``lock`` /
   ``unlock``), ``path_device_indices``, ``checkpoint`` (what SGLang calls where it used to call
   ``cache_unfinished_req`` / ``cache_finished_req``; ``release_kv_cache`` then frees the row),
-  ``evictable_size`` / ``protected_size`` / ``total_size``, ``reset``, ``take_events``.
+  ``evictable_size`` / ``protected_size`` / ``total_size``, ``reset``, ``take_events``,
+  ``dfs_weight_order`` (the ``dfs-weight`` schedule policy; :func:`dfs_weight_order`).
 - ``LifecyclePagedAllocator(size, page_size, dtype, device, kvcache, need_sort)``: in place of
   ``PagedTokenToKVPoolAllocator`` (and of ``TokenToKVPoolAllocator`` with ``page_size=1``): pages
   from a lifecycle ``BlockPool`` (page 0 kept for padding, as SGLang does); a page freed twice
@@ -35,6 +36,8 @@ other than LRU, sliding-window and hybrid (Mamba, SWA) trees. Hierarchical cachi
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -45,13 +48,86 @@ from lifecycle._pagetree import PageNode, PageTree, page_indices, pages_of, rele
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
-__all__ = ["PageNode", "PageTree", "allocator_class", "radix_cache_class"]
+__all__ = ["PageNode", "PageTree", "allocator_class", "dfs_weight_order", "radix_cache_class"]
 
 _EXTRA: Final = "sglang"
 #: Tree slots when neither the allocator nor the caller says how many pages there are.
 DEFAULT_MAX_PAGES: Final = 1 << 16
 
 Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(eq=False)
+class _Branch:
+    """A node of the tree that a set of matched prefixes spans: where one ends, or where two part."""
+
+    depth: int  # in pages
+    requests: list[int] = field(default_factory=list)
+    children: list[_Branch] = field(default_factory=list)
+    weight: int = 0
+    first: int = 0
+
+
+def dfs_weight_order(nodes: Sequence[PageNode], page_size: int) -> list[int]:
+    """SGLang's ``dfs-weight`` order of requests whose matches ended at ``nodes``: depth first
+    through the tree of their matched prefixes, the subtree holding more requests first, a
+    subtree's deeper requests before the ones ending at its top (the order of SGLang's
+    ``_dfs_weight_order`` over its radix tree; of two subtrees holding as many requests, the one
+    with the earlier request goes first, where SGLang goes by its children's insertion order).
+    The tree is the one the prefixes themselves span (their ends and the pages where they part,
+    found from the prefixes sorted), so the cost is that of sorting and comparing them, not of
+    walking the cache."""
+    ends: dict[tuple[int, bytes], list[int]] = {}
+    at_root: list[int] = []
+    for index, node in enumerate(nodes):
+        if node.num_pages == 0:
+            at_root.append(index)
+        else:
+            key = (node.namespace, node.tokens[: node.num_pages * page_size].tobytes())
+            ends.setdefault(key, []).append(index)
+    root = _Branch(0, at_root)
+    stack = [root]
+    previous: tuple[int, bytes] | None = None
+    page_bytes = 4 * page_size
+    for key in sorted(ends):  # a prefix sorts before what extends it; a shared prefix groups
+        shared = 0
+        if previous is not None and previous[0] == key[0]:
+            a, b = previous[1], key[1]
+            length = min(len(a), len(b))
+            differ = np.flatnonzero(np.frombuffer(a, np.uint8, length) != np.frombuffer(b, np.uint8, length))
+            shared = (int(differ[0]) if differ.size else length) // page_bytes
+        last = None
+        while stack[-1].depth > shared:
+            last = stack.pop()
+        if stack[-1].depth < shared and last is not None:  # the two part inside ``last``'s edge
+            branch = _Branch(shared, children=[last])
+            stack[-1].children[-1] = branch
+            stack.append(branch)
+        end = _Branch(len(key[1]) // page_bytes, ends[key])
+        stack[-1].children.append(end)
+        stack.append(end)
+        previous = key
+    # Weights and each subtree's earliest request, children before parents.
+    postorder: list[_Branch] = []
+    pending = [root]
+    while pending:
+        branch = pending.pop()
+        postorder.append(branch)
+        pending.extend(branch.children)
+    for branch in reversed(postorder):
+        branch.weight = len(branch.requests) + sum(child.weight for child in branch.children)
+        branch.first = min([*branch.requests, *(child.first for child in branch.children)], default=len(nodes))
+    order: list[int] = []
+    walk: list[tuple[_Branch, bool]] = [(root, False)]
+    while walk:
+        branch, visited = walk.pop()
+        if visited:
+            order.extend(branch.requests)
+            continue
+        walk.append((branch, True))
+        for child in sorted(branch.children, key=lambda c: (c.weight, -c.first)):  # heaviest popped first
+            walk.append((child, False))
+    return order
 
 
 @functools.cache
@@ -260,6 +336,11 @@ def radix_cache_class() -> type[Any]:
 
         def supports_prefix_sharing(self) -> bool:
             return not self.disable
+
+        def dfs_weight_order(self, node_handles: Sequence[PageNode]) -> list[int]:
+            """The ``dfs-weight`` schedule policy's order of the requests whose matches ended at
+            ``node_handles`` (see :func:`dfs_weight_order`)."""
+            return dfs_weight_order(node_handles, self.page_size)
 
         def evictable_size(self) -> int:
             return self._tree.evictable_pages * self.page_size

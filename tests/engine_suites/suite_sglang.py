@@ -624,3 +624,106 @@ def test_the_allocator_frees_tensors_of_any_layout_each_page_once() -> None:
     allocator.free(torch.stack([held, held]).t()[:, 0])  # strided
     assert allocator.available_size() == 32
     allocator.check_invariants()
+
+
+# -- SGLang's schedule policy over the cache ---------------------------------------------------------
+# Source: test/srt/test_schedule_policy.py of sgl-project/sglang (commit
+# 00ae1bd37fde3c6535feaed96261b15e1d7f0125): its five tests, on both caches, plus the cache-aware
+# orders (longest prefix, dfs-weight) compared between them.
+
+
+@pytest.fixture
+def server_config() -> Iterator[None]:
+    """SGLang's process-wide config, as a server publishes it (its own tests' dummy one)."""
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args():
+        yield
+
+
+def policy(cache: Any, name: str) -> Any:
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+
+    return SchedulePolicy(policy=name, tree_cache=cache, enable_hierarchical_cache=True,
+                          enable_priority_scheduling=False, schedule_low_priority_values_first=False)
+
+
+def request(rid: int, tokens: list[int]) -> Any:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid, "", array("q", tokens), SamplingParams())
+
+
+def test_init_with_cache_aware_policy(impl: type[Any]) -> None:
+    from sglang.srt.managers.schedule_policy import CacheAwarePolicy
+
+    assert policy(impl.create_simulated(), "lpm").policy == CacheAwarePolicy.LPM
+
+
+def test_init_with_cache_agnostic_policy(impl: type[Any]) -> None:
+    from sglang.srt.managers.schedule_policy import CacheAgnosticPolicy
+
+    assert policy(impl.create_simulated(), "fcfs").policy == CacheAgnosticPolicy.FCFS
+
+
+def test_init_with_unknown_policy(impl: type[Any]) -> None:
+    with pytest.raises(ValueError):
+        policy(impl.create_simulated(), "invalid")
+
+
+def test_init_with_disabled_cache(impl: type[Any]) -> None:
+    from sglang.srt.managers.schedule_policy import CacheAgnosticPolicy
+
+    assert policy(impl.create_simulated(disable=True), "lpm").policy == CacheAgnosticPolicy.FCFS
+
+
+@pytest.mark.usefixtures("server_config")
+def test_calc_priority_fcfs(impl: type[Any]) -> None:
+    waiting = [request(1, [1, 2]), request(3, [1, 2, 3]), request(2, [1])]
+    policy(impl.create_simulated(), "fcfs").calc_priority(waiting)
+    assert [r.rid for r in waiting] == [1, 3, 2]
+
+
+def tree_and_queue(cache_class: type[Any], allocator_class_: type[Any], seed: int) -> tuple[Any, list[Any]]:
+    """A cache of pages of 4 holding a small tree of prefixes (branches of distinct weights: each
+    branch point's subtrees hold different numbers of the queue's requests), and a shuffled queue of
+    requests ending at its nodes (and two that match nothing)."""
+    allocator = allocator_class_(4096, 4, torch.float16, "cpu", None, need_sort=False)
+    cache = cache_class.create_simulated(mock_allocator=allocator, page_size=4)
+    a, b, c = [10, 11, 12, 13] * 2, [20, 21, 22, 23] * 3, [30, 31, 32, 33]
+    a1, a1a, a2 = a + [40, 41, 42, 43], a + [40, 41, 42, 43] + [50, 51, 52, 53] * 2, a + [60, 61, 62, 63]
+    for path in (a1a, a2, b, c):
+        cache.insert(InsertParams(key=key(path), value=allocator.alloc(len(path))))
+    ends = {"a1a": (a1a, 2), "a1": (a1, 1), "a2": (a2, 1), "a": (a, 1), "b": (b, 3), "c": (c, 1), "none": ([], 2)}
+    rng = random.Random(seed)
+    queue = []
+    for name, (path, count) in ends.items():
+        for _ in range(count):
+            tail = [900 + rng.randrange(50) for _ in range(rng.randrange(1, 9))]  # matches no cached page
+            queue.append((name, path + tail))
+    rng.shuffle(queue)
+    return cache, [request(i, tokens) for i, (_, tokens) in enumerate(queue)]
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cache_aware_orders_match_sglangs(name: str, seed: int) -> None:
+    """The longest-prefix and dfs-weight orders of one queue over SGLang's cache and over
+    lifecycle's: the same order and the same matched lengths (dfs-weight: the heaviest subtree
+    first, a subtree's deeper requests before those ending at its top, unmatched requests last)."""
+    orders = []
+    for cache_class, allocator_class_ in ((RadixCache, PagedTokenToKVPoolAllocator),
+                                          (LifecycleRadixCache, LifecyclePagedAllocator)):
+        cache, waiting = tree_and_queue(cache_class, allocator_class_, seed)
+        policy(cache, name).calc_priority(waiting)
+        orders.append([(r.rid, r.prefix_len) for r in waiting])
+        if cache_class is LifecycleRadixCache:
+            cache.check_invariants()
+    assert orders[0] == orders[1]
+    matched = [length for _, length in orders[1]]
+    if name == "lpm":
+        assert matched == sorted(matched, reverse=True)
+    else:  # a1a (20) x2, a1 (12), a2 (12), a (8), b (12) x3, c (4), unmatched x2
+        assert matched == [20, 20, 12, 12, 8, 12, 12, 12, 4, 0, 0]
