@@ -727,3 +727,75 @@ def test_cache_aware_orders_match_sglangs(name: str, seed: int) -> None:
         assert matched == sorted(matched, reverse=True)
     else:  # a1a (20) x2, a1 (12), a2 (12), a (8), b (12) x3, c (4), unmatched x2
         assert matched == [20, 20, 12, 12, 8, 12, 12, 12, 4, 0, 0]
+
+
+def admission_rounds(cache_class: type[Any], allocator_class_: type[Any], seed: int) -> list[Any]:
+    """Four rounds of SGLang's prefill admission (``SchedulePolicy`` lpm, then ``PrefillAdder``
+    with a 512-token input cap and 256-token chunks) over one cache, each admitted request then
+    "prefilled" as the scheduler does (the prefix's indices, fresh pages for the rest, ``insert``,
+    the duplicates freed, the lock released); a chunked request comes back next round. The log:
+    every ``add_one_req`` answer with the request's match, what each round admitted and chunked,
+    and the cache's and the allocator's sizes (with the locks held, and after)."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    allocator = allocator_class_(4096 * 4, 4, torch.float16, "cpu", None, need_sort=False)
+    cache = cache_class.create_simulated(mock_allocator=allocator, page_size=4)
+    rng = random.Random(seed)
+    stems = [[rng.randrange(100) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
+    log: list[Any] = []
+    carried: list[Any] = []
+    rid = 0
+    for _ in range(4):
+        waiting = list(carried)
+        for _ in range(8):
+            prompt = stems[rng.randrange(4)][: rng.randrange(60)] + [200 + rng.randrange(50)
+                                                                      for _ in range(rng.randrange(1, 200))]
+            waiting.append(request(rid, prompt))
+            rid += 1
+        policy(cache, "lpm").calc_priority(waiting)
+        adder = PrefillAdder(4, cache, allocator, None, 0.5, 512, 256)
+        for req in waiting:
+            req.init_next_round_input(cache)
+            answer = adder.add_one_req(req, has_chunked_req=adder.new_chunked_req is not None,
+                                       truncation_align_size=None)
+            log.append((req.rid, req.prefix_len, answer.name))
+        admitted = [req.rid for req in adder.can_run_list]
+        chunked = adder.new_chunked_req.rid if adder.new_chunked_req is not None else None
+        log.append(("admitted", admitted, chunked, cache.evictable_size(), cache.protected_size()))
+        for req in adder.can_run_list:
+            tokens = list(req.full_untruncated_fill_ids)[: req.extend_end]
+            prefix = cache.path_device_indices(req.last_node)[: req.prefix_len]
+            fresh = allocator.alloc(-(-(req.extend_end - req.prefix_len) // 4) * 4)
+            indices = torch.cat([prefix, fresh])
+            full = len(tokens) // 4 * 4
+            inserted = cache.insert(InsertParams(key=key(tokens[:full]), value=indices[:full]))
+            if inserted.prefix_len > req.prefix_len:
+                allocator.free(indices[req.prefix_len : inserted.prefix_len])
+            if len(indices) > full:
+                allocator.free(indices[full:])
+            cache.unlock(req.lock)
+        carried = [request(rid + 100, list(req.origin_input_ids)) for req in adder.can_run_list
+                   if req.rid == chunked]
+        leftover = set(admitted)
+        carried += [request(req.rid, list(req.origin_input_ids)) for req in waiting if req.rid not in leftover]
+        log.append(("done", cache.evictable_size(), cache.protected_size(), cache.total_size(),
+                    allocator.available_size()))
+    if cache_class is LifecycleRadixCache:
+        cache.check_invariants()
+        allocator.check_invariants()
+    return log
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_prefill_admission_decides_alike_over_both_caches(seed: int) -> None:
+    """SGLang's own admission (``PrefillAdder``: budgets from the cache's evictable and protected
+    sizes, locks on the matched prefixes, chunking) over four rounds of requests: the same answers,
+    admissions, chunks and sizes over SGLang's cache and lifecycle's (a pool that never evicts)."""
+    theirs = admission_rounds(RadixCache, PagedTokenToKVPoolAllocator, seed)
+    ours = admission_rounds(LifecycleRadixCache, LifecyclePagedAllocator, seed)
+    assert ours == theirs
+    answers = {entry[2] for entry in ours if isinstance(entry[0], int)}
+    assert {"CONTINUE", "OTHER"} <= answers  # some admitted, some left for a later round
+    assert any(entry[2] is not None for entry in ours if entry[0] == "admitted")  # a chunked prefill
+    assert any(entry[1] > 0 for entry in ours if isinstance(entry[0], int))  # cache hits
