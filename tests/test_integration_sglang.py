@@ -614,8 +614,8 @@ def test_dfs_weight_order_goes_heaviest_subtree_first_and_deepest_first() -> Non
     queries = [b + [9], a + [3] * 8, a + [4] * 4 + [9], [7] * 4, a + [3] * 4, b + [5] * 4, a + [3] * 8, b + [9]]
     nodes = [tree.match(q, len(q)) for q in queries]
     # a's subtree holds 4 requests (a+3+3 twice, a+3, a+4), b's 3 (b twice, b+5); [7]* matches nothing.
-    assert dfs_weight_order(nodes, PS) == [1, 6, 4, 2, 5, 0, 7, 3]
-    assert dfs_weight_order([], PS) == []
+    assert dfs_weight_order(nodes) == [1, 6, 4, 2, 5, 0, 7, 3]
+    assert dfs_weight_order([]) == []
     tree.check_invariants()
 
 
@@ -623,20 +623,21 @@ def test_dfs_weight_order_goes_heaviest_subtree_first_and_deepest_first() -> Non
 def test_dfs_weight_order_matches_a_plain_page_trie(seed: int) -> None:
     rng = np.random.default_rng(seed)
     tree = PageTree(512, PS)
-    stems = [rng.integers(0, 3, int(rng.integers(1, 6)) * PS).tolist() for _ in range(6)]
+    alphabet = [0, 1, 255, 256, 65536, 2**31 - 1]  # ids that differ in their high bytes only, too
+    stems = [rng.choice(alphabet, int(rng.integers(1, 6)) * PS).tolist() for _ in range(6)]
     for stem in stems:
         for _ in range(3):
-            key = stem + rng.integers(0, 3, int(rng.integers(0, 4)) * PS).tolist()
+            key = stem + rng.choice(alphabet, int(rng.integers(0, 4)) * PS).tolist()
             namespace = int(rng.integers(0, 2))
             if key and tree.cached_pages + len(key) // PS < 500:
                 tree.insert(key, len(key), np.arange(len(key), dtype=np.int64), namespace)
     nodes, keys = [], []
     for _ in range(40):
-        query = stems[int(rng.integers(len(stems)))] + rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
+        query = stems[int(rng.integers(len(stems)))] + rng.choice(alphabet, int(rng.integers(0, 12))).tolist()
         node = tree.match(query, len(query), int(rng.integers(0, 2)))
         nodes.append(node)
         keys.append((node.namespace, tuple(query[: node.num_pages * PS])))
-    assert dfs_weight_order(nodes, PS) == reference_dfs_weight_order(keys, PS)
+    assert dfs_weight_order(nodes) == reference_dfs_weight_order(keys, PS)
     tree.check_invariants()
 
 

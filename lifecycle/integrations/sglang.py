@@ -68,7 +68,7 @@ class _Branch:
     first: int = 0
 
 
-def dfs_weight_order(nodes: Sequence[PageNode], page_size: int) -> list[int]:
+def dfs_weight_order(nodes: Sequence[PageNode]) -> list[int]:
     """SGLang's ``dfs-weight`` order of requests whose matches ended at ``nodes``: depth first
     through the tree of their matched prefixes, the subtree holding more requests first, a
     subtree's deeper requests before the ones ending at its top (the order of SGLang's
@@ -76,19 +76,21 @@ def dfs_weight_order(nodes: Sequence[PageNode], page_size: int) -> list[int]:
     with the earlier request goes first, where SGLang goes by its children's insertion order).
     The tree is the one the prefixes themselves span (their ends and the pages where they part,
     found from the prefixes sorted), so the cost is that of sorting and comparing them, not of
-    walking the cache."""
+    walking the cache. A prefix is compared by its tree slots, one per page (a cached page has
+    one slot, so two paths share a slot only where they share the page): ``nodes`` are taken
+    fresh from one tree, as SGLang matches the queue just before ordering it."""
     ends: dict[tuple[int, bytes], list[int]] = {}
     at_root: list[int] = []
     for index, node in enumerate(nodes):
         if node.num_pages == 0:
             at_root.append(index)
         else:
-            key = (node.namespace, node.tokens[: node.num_pages * page_size].tobytes())
-            ends.setdefault(key, []).append(index)
+            slots = np.ascontiguousarray(node.slots[: node.num_pages], dtype=np.int32)
+            ends.setdefault((node.namespace, slots.tobytes()), []).append(index)
     root = _Branch(0, at_root)
     stack = [root]
     previous: tuple[int, bytes] | None = None
-    page_bytes = 4 * page_size
+    page_bytes = 4  # one int32 slot a page
     for key in sorted(ends):  # a prefix sorts before what extends it; a shared prefix groups
         shared = 0
         if previous is not None and previous[0] == key[0]:
@@ -340,7 +342,7 @@ def radix_cache_class() -> type[Any]:
         def dfs_weight_order(self, node_handles: Sequence[PageNode]) -> list[int]:
             """The ``dfs-weight`` schedule policy's order of the requests whose matches ended at
             ``node_handles`` (see :func:`dfs_weight_order`)."""
-            return dfs_weight_order(node_handles, self.page_size)
+            return dfs_weight_order(node_handles)
 
         def evictable_size(self) -> int:
             return self._tree.evictable_pages * self.page_size

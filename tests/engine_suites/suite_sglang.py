@@ -685,12 +685,15 @@ def test_calc_priority_fcfs(impl: type[Any]) -> None:
     assert [r.rid for r in waiting] == [1, 3, 2]
 
 
-def tree_and_queue(cache_class: type[Any], allocator_class_: type[Any], seed: int) -> tuple[Any, list[Any]]:
-    """A cache of pages of 4 holding a small tree of prefixes (branches of distinct weights: each
+def tree_and_queue(cache_class: type[Any], allocator_class_: type[Any], seed: int,
+                   page_size: int) -> tuple[Any, list[Any]]:
+    """A cache of pages of ``page_size`` (1 or 4) holding a small tree of prefixes (branches of distinct weights: each
     branch point's subtrees hold different numbers of the queue's requests), and a shuffled queue of
     requests ending at its nodes (and two that match nothing)."""
-    allocator = allocator_class_(4096, 4, torch.float16, "cpu", None, need_sort=False)
-    cache = cache_class.create_simulated(mock_allocator=allocator, page_size=4)
+    allocator = ALLOCATORS["sglang" if allocator_class_ is PagedTokenToKVPoolAllocator else "lifecycle"](
+        4096, page_size
+    )
+    cache = cache_class.create_simulated(mock_allocator=allocator, page_size=page_size)
     a, b, c = [10, 11, 12, 13] * 2, [20, 21, 22, 23] * 3, [30, 31, 32, 33]
     a1, a1a, a2 = a + [40, 41, 42, 43], a + [40, 41, 42, 43] + [50, 51, 52, 53] * 2, a + [60, 61, 62, 63]
     for path in (a1a, a2, b, c):
@@ -707,16 +710,17 @@ def tree_and_queue(cache_class: type[Any], allocator_class_: type[Any], seed: in
 
 
 @pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_cache_aware_orders_match_sglangs(name: str, seed: int) -> None:
+def test_cache_aware_orders_match_sglangs(name: str, seed: int, page_size: int) -> None:
     """The longest-prefix and dfs-weight orders of one queue over SGLang's cache and over
     lifecycle's: the same order and the same matched lengths (dfs-weight: the heaviest subtree
     first, a subtree's deeper requests before those ending at its top, unmatched requests last)."""
     orders = []
     for cache_class, allocator_class_ in ((RadixCache, PagedTokenToKVPoolAllocator),
                                           (LifecycleRadixCache, LifecyclePagedAllocator)):
-        cache, waiting = tree_and_queue(cache_class, allocator_class_, seed)
+        cache, waiting = tree_and_queue(cache_class, allocator_class_, seed, page_size)
         policy(cache, name).calc_priority(waiting)
         orders.append([(r.rid, r.prefix_len) for r in waiting])
         if cache_class is LifecycleRadixCache:
@@ -729,56 +733,79 @@ def test_cache_aware_orders_match_sglangs(name: str, seed: int) -> None:
         assert matched == [20, 20, 12, 12, 8, 12, 12, 12, 4, 0, 0]
 
 
-def admission_rounds(cache_class: type[Any], allocator_class_: type[Any], seed: int) -> list[Any]:
-    """Four rounds of SGLang's prefill admission (``SchedulePolicy`` lpm, then ``PrefillAdder``
-    with a 512-token input cap and 256-token chunks) over one cache, each admitted request then
-    "prefilled" as the scheduler does (the prefix's indices, fresh pages for the rest, ``insert``,
-    the duplicates freed, the lock released); a chunked request comes back next round. The log:
-    every ``add_one_req`` answer with the request's match, what each round admitted and chunked,
-    and the cache's and the allocator's sizes (with the locks held, and after)."""
-    from sglang.srt.managers.schedule_policy import PrefillAdder
+def admission_rounds(cache_class: type[Any], allocator_class_: type[Any], seed: int, pages: int) -> list[Any]:
+    """Rounds of SGLang's prefill scheduling over one cache, as ``Scheduler._get_new_batch_prefill_raw``
+    runs them: a ``PrefillAdder`` (a 512-token input cap, 256-token chunks), the carried chunked
+    request first (``add_chunked_req``), then the waiting queue in the ``lpm`` policy's order until
+    an answer other than CONTINUE. Each admitted request is then prefilled as the scheduler and the
+    model runner would: its row (``ReqToTokenPool``) holds the cached prefix's indices and fresh
+    pages for the rest; a chunked request is checkpointed and keeps its lock and row for the next
+    round; any other is checkpointed, its row past the cache freed, its lock released (it finishes
+    with its prefill). New requests arrive every round. The first time the allocator is short (the
+    scheduler would evict) the log ends with the eviction asked for. The log: every answer with the request's match, what
+    each round admitted and chunked, and the cache's and the allocator's sizes, locks held and after."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.sampling.sampling_params import SamplingParams
 
-    allocator = allocator_class_(4096 * 4, 4, torch.float16, "cpu", None, need_sort=False)
-    cache = cache_class.create_simulated(mock_allocator=allocator, page_size=4)
+    pool = ReqToTokenPool(size=64, max_context_len=512, device="cpu", enable_memory_saver=False)
+    allocator = allocator_class_(pages * 4, 4, torch.float16, "cpu", None, need_sort=False)
+    cache = cache_class(CacheInitParams(
+        disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=allocator, page_size=4
+    ))
+    order = policy(cache, "lpm")
     rng = random.Random(seed)
     stems = [[rng.randrange(100) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
     log: list[Any] = []
-    carried: list[Any] = []
-    rid = 0
-    for _ in range(4):
-        waiting = list(carried)
-        for _ in range(8):
-            prompt = stems[rng.randrange(4)][: rng.randrange(60)] + [200 + rng.randrange(50)
-                                                                      for _ in range(rng.randrange(1, 200))]
-            waiting.append(request(rid, prompt))
-            rid += 1
-        policy(cache, "lpm").calc_priority(waiting)
+    waiting: list[Any] = []
+    chunked: Any = None
+    for round_ in range(6):
+        for _ in range(6):
+            prompt = stems[rng.randrange(4)][: rng.randrange(60)] + [
+                200 + rng.randrange(50) for _ in range(rng.randrange(1, 300))
+            ]
+            waiting.append(Req(len(log), "", array("q", prompt), SamplingParams(max_new_tokens=rng.randrange(1, 512))))
+            log.append(("arrived", waiting[-1].rid, len(prompt)))
         adder = PrefillAdder(4, cache, allocator, None, 0.5, 512, 256)
+        if chunked is not None:
+            chunked.init_next_round_input()
+            chunked = adder.add_chunked_req(chunked)
+        order.calc_priority(waiting)
         for req in waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
             req.init_next_round_input(cache)
-            answer = adder.add_one_req(req, has_chunked_req=adder.new_chunked_req is not None,
-                                       truncation_align_size=None)
+            answer = adder.add_one_req(req, has_chunked_req=chunked is not None, truncation_align_size=None)
             log.append((req.rid, req.prefix_len, answer.name))
-        admitted = [req.rid for req in adder.can_run_list]
-        chunked = adder.new_chunked_req.rid if adder.new_chunked_req is not None else None
-        log.append(("admitted", admitted, chunked, cache.evictable_size(), cache.protected_size()))
-        for req in adder.can_run_list:
-            tokens = list(req.full_untruncated_fill_ids)[: req.extend_end]
-            prefix = cache.path_device_indices(req.last_node)[: req.prefix_len]
-            fresh = allocator.alloc(-(-(req.extend_end - req.prefix_len) // 4) * 4)
-            indices = torch.cat([prefix, fresh])
-            full = len(tokens) // 4 * 4
-            inserted = cache.insert(InsertParams(key=key(tokens[:full]), value=indices[:full]))
-            if inserted.prefix_len > req.prefix_len:
-                allocator.free(indices[req.prefix_len : inserted.prefix_len])
-            if len(indices) > full:
-                allocator.free(indices[full:])
-            cache.unlock(req.lock)
-        carried = [request(rid + 100, list(req.origin_input_ids)) for req in adder.can_run_list
-                   if req.rid == chunked]
-        leftover = set(admitted)
-        carried += [request(req.rid, list(req.origin_input_ids)) for req in waiting if req.rid not in leftover]
-        log.append(("done", cache.evictable_size(), cache.protected_size(), cache.total_size(),
+            if answer != AddReqResult.CONTINUE:
+                break
+        admitted = adder.can_run_list
+        waiting = [req for req in waiting if req not in admitted]
+        chunked = adder.new_chunked_req
+        log.append(("admitted", [req.rid for req in admitted], None if chunked is None else chunked.rid,
+                    cache.evictable_size(), cache.protected_size(), allocator.available_size()))
+        for req in admitted:
+            kv = req.kv
+            start = req.prefix_len
+            if kv.req_pool_idx is None:  # a new request: a row, the cached prefix's indices in it
+                pool.alloc([req])
+                pool.write((kv.req_pool_idx, slice(0, start)), cache.path_device_indices(req.last_node)[:start])
+                kv.cache_protected_len = start
+            end = req.extend_end
+            need = -(-(end - start) // 4) * 4
+            if allocator.available_size() < need:
+                # The scheduler evicts here; the two caches may evict different pages (SGLang whole
+                # leaves), so the comparison ends with the eviction asked for.
+                log.append(("evict", req.rid, need - allocator.available_size()))
+                return log
+            fresh = allocator.alloc(need)
+            pool.write((kv.req_pool_idx, slice(start, end)), fresh[: end - start])
+            cache.checkpoint(req, up_to=end)
+            if req is not chunked:
+                cache.free_kv_row(kv, [(kv.cache_protected_len, end)])
+                cache.unlock(req.lock)
+                pool.free(req)
+        log.append(("prefilled", round_, cache.evictable_size(), cache.protected_size(), cache.total_size(),
                     allocator.available_size()))
     if cache_class is LifecycleRadixCache:
         cache.check_invariants()
@@ -787,15 +814,19 @@ def admission_rounds(cache_class: type[Any], allocator_class_: type[Any], seed: 
 
 
 @pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("pages", [4096, 240], ids=["roomy", "tight"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_prefill_admission_decides_alike_over_both_caches(seed: int) -> None:
-    """SGLang's own admission (``PrefillAdder``: budgets from the cache's evictable and protected
-    sizes, locks on the matched prefixes, chunking) over four rounds of requests: the same answers,
-    admissions, chunks and sizes over SGLang's cache and lifecycle's (a pool that never evicts)."""
-    theirs = admission_rounds(RadixCache, PagedTokenToKVPoolAllocator, seed)
-    ours = admission_rounds(LifecycleRadixCache, LifecyclePagedAllocator, seed)
+def test_prefill_admission_decides_alike_over_both_caches(seed: int, pages: int) -> None:
+    """SGLang's own prefill scheduling (``SchedulePolicy`` and ``PrefillAdder``: a token budget from
+    the allocator's free pages and the cache's evictable and protected sizes, locks on the admitted
+    prefixes, chunked prefills carried across rounds) over six rounds: the same answers, admissions,
+    chunks and sizes over SGLang's cache and lifecycle's. A roomy pool, and a tight one whose budget
+    turns requests away (NO_TOKEN), compared up to the first eviction it needs, since the two caches
+    may evict different pages."""
+    theirs = admission_rounds(RadixCache, PagedTokenToKVPoolAllocator, seed, pages)
+    ours = admission_rounds(LifecycleRadixCache, LifecyclePagedAllocator, seed, pages)
     assert ours == theirs
     answers = {entry[2] for entry in ours if isinstance(entry[0], int)}
-    assert {"CONTINUE", "OTHER"} <= answers  # some admitted, some left for a later round
+    assert "CONTINUE" in answers and ("NO_TOKEN" in answers) == (pages < 1000)
     assert any(entry[2] is not None for entry in ours if entry[0] == "admitted")  # a chunked prefill
     assert any(entry[1] > 0 for entry in ours if isinstance(entry[0], int))  # cache hits
