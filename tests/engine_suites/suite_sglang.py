@@ -742,8 +742,9 @@ def admission_rounds(cache_class: type[Any], allocator_class_: type[Any], seed: 
     pages for the rest; a chunked request is checkpointed and keeps its lock and row for the next
     round; any other is checkpointed, its row past the cache freed, its lock released (it finishes
     with its prefill). New requests arrive every round. The first time the allocator is short (the
-    scheduler would evict) the log ends with the eviction asked for. The log: every answer with the request's match, what
-    each round admitted and chunked, and the cache's and the allocator's sizes, locks held and after."""
+    scheduler would evict) the log ends with the eviction asked for. The log: every answer with the
+    request's match, what each round admitted and chunked, and the cache's and the allocator's
+    sizes, locks held and after."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
     from sglang.srt.sampling.sampling_params import SamplingParams
