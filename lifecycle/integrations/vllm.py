@@ -229,13 +229,15 @@ class LifecycleKVCacheManager:
             raise Unsupported(f"LifecycleKVCacheManager: a {kind} group; only full attention is supported")
         if use_eagle or num_hash_lookahead_tokens or num_prefill_lookahead:
             raise Unsupported(
-                "LifecycleKVCacheManager: EAGLE, hash lookahead and prefill lookahead (speculative decoding's "
-                "cache rules) are not supported"
+                f"LifecycleKVCacheManager: use_eagle={use_eagle}, "
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens}, "
+                f"num_prefill_lookahead={num_prefill_lookahead}; EAGLE, hash lookahead and prefill lookahead "
+                "(speculative decoding's cache rules) are not supported"
             )
         if metrics_collector is not None:
             raise Unsupported(
-                "LifecycleKVCacheManager: KV cache residency metrics (kv_cache_metrics) sample vLLM's block pool, "
-                "which the facade does not have"
+                f"LifecycleKVCacheManager: metrics_collector={type(metrics_collector).__name__}; KV cache residency "
+                "metrics (kv_cache_metrics) sample vLLM's block pool, which the facade does not have"
             )
         if dcp_world_size != 1 or pcp_world_size != 1:
             raise Unsupported(
@@ -614,13 +616,23 @@ def _scheduler_class(async_scheduling: bool) -> type[Any]:
     name = "LifecycleAsyncScheduler" if async_scheduling else "LifecycleScheduler"
 
     def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-        if vllm_config.kv_transfer_config is not None:
-            raise Unsupported(f"{name}: a KV connector (kv_transfer_config) needs vLLM's own KV cache manager")
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None:
+            raise Unsupported(
+                f"{name}: kv_transfer_config names the KV connector {transfer.kv_connector!r}; a KV connector needs "
+                "vLLM's own KV cache manager"
+            )
         if vllm_config.aux_output_config.enabled:
-            raise Unsupported(f"{name}: the aux-output connector needs vLLM's own KV cache manager")
+            raise Unsupported(f"{name}: the aux-output connector (aux_output_config) needs vLLM's own KV cache manager")
+        if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
+            raise Unsupported(
+                f"{name}: scheduler_config.async_scheduling is False (vLLM turned it off or was told to); "
+                "use LifecycleScheduler"
+            )
         base.__init__(self, vllm_config, kv_cache_config, *args, **kwargs)
         if self.use_eagle:
-            raise Unsupported(f"{name}: EAGLE-family speculative decoding is not supported")
+            method = getattr(vllm_config.speculative_config, "method", None)
+            raise Unsupported(f"{name}: speculative decoding method {method!r} is EAGLE-family; not supported")
         self.kv_cache_manager = LifecycleKVCacheManager(
             kv_cache_config=self.kv_cache_config,
             max_model_len=self.max_model_len,

@@ -629,12 +629,16 @@ def test_the_scheduler_classes_refuse_what_the_facade_cannot_serve(model_config:
     good = scheduler(lifecycle_class, model_config, 40, False)
     vllm_config = good.vllm_config
     vllm_config.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    with pytest.raises(NotImplementedError, match="kv_transfer_config"):
+    with pytest.raises(NotImplementedError, match="'ExampleConnector'"):
         lifecycle_class(vllm_config=vllm_config, kv_cache_config=config(16, 40), log_stats=False,
                         structured_output_manager=good.structured_output_manager, block_size=16)
-    with pytest.raises(NotImplementedError, match="kv_cache_metrics"):
+    vllm_config.kv_transfer_config = None
+    with pytest.raises(NotImplementedError, match="async_scheduling is False"):
+        scheduler_class(True)(vllm_config=vllm_config, kv_cache_config=config(16, 40), log_stats=False,
+                              structured_output_manager=good.structured_output_manager, block_size=16)
+    with pytest.raises(NotImplementedError, match="metrics_collector=object"):
         LifecycleKVCacheManager(config(16, 10), max_model_len=8192, metrics_collector=object())
-    with pytest.raises(NotImplementedError, match="prefill lookahead"):
+    with pytest.raises(NotImplementedError, match="num_prefill_lookahead=2"):
         LifecycleKVCacheManager(config(16, 10), max_model_len=8192, num_prefill_lookahead=2)
 
 
