@@ -32,6 +32,7 @@ from libc.string cimport memcmp, memcpy, memset
 from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
 from lifecycle._kvcache cimport Failure, KVCacheCore, SeqRec
 from lifecycle._args cimport ssize_arg as _as_count
+from lifecycle._hash cimport lc_copy_tokens_checked
 from lifecycle._int32 cimport adapter_key as _adapter_key, ints_into, shrink as _shrink
 
 import sys
@@ -113,14 +114,6 @@ cdef extern from *:
         for (Py_ssize_t i = 0; i < n; i++) bad |= (uint32_t)ids[i] >= (uint64_t)limit;
         return bad;
     }
-    static inline int lc_copy32(const int32_t *src, int32_t *dst, Py_ssize_t n) {
-        uint32_t bad = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            bad |= (uint32_t)src[i] >> 31;
-            dst[i] = src[i];
-        }
-        return bad != 0;
-    }
     """
     bint _narrow64 "lc_narrow64" (const int64_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
     bint _any_negative "lc_any_negative" (const int64_t *src, Py_ssize_t n) noexcept nogil
@@ -131,7 +124,6 @@ cdef extern from *:
     void _gather_pages "lc_gather_pages" (
         int64_t *dest, const int64_t *table, const int64_t *first, const uint8_t *rowed, const int32_t *ids,
         Py_ssize_t n, Py_ssize_t width) noexcept nogil
-    bint _copy32 "lc_copy32" (const int32_t *src, int32_t *dst, Py_ssize_t n) noexcept nogil
 
 
 cdef int _copy_buffer(object tokens, int32_t *dest, Py_ssize_t n) except -1:
@@ -177,7 +169,7 @@ cdef int _copy_buffer(object tokens, int32_t *dest, Py_ssize_t n) except -1:
             return 0
         if view.itemsize == 4:
             narrow = <const int32_t *>view.buf
-            if _copy32(narrow, dest, n):
+            if lc_copy_tokens_checked(dest, narrow, n):  # (the core's checked copy of recorded tokens)
                 for i in range(n):
                     if narrow[i] < 0:
                         if signed:

@@ -109,14 +109,14 @@ def dfs_weight_order(nodes: Sequence[PageNode]) -> list[int]:
         stack[-1].children.append(end)
         stack.append(end)
         previous = key
-    # Weights and each subtree's earliest request, children before parents.
-    postorder: list[_Branch] = []
+    # Weights and each subtree's earliest request: parents before children, then in reverse.
+    preorder: list[_Branch] = []
     pending = [root]
     while pending:
         branch = pending.pop()
-        postorder.append(branch)
+        preorder.append(branch)
         pending.extend(branch.children)
-    for branch in reversed(postorder):
+    for branch in reversed(preorder):
         branch.weight = len(branch.requests) + sum(child.weight for child in branch.children)
         branch.first = min([*branch.requests, *(child.first for child in branch.children)], default=len(nodes))
     order: list[int] = []
