@@ -49,7 +49,7 @@ from lifecycle.presets import preset, preset_names
 from lifecycle.protocol import LifecycleDefaults, ModelLifecycle, PrefixReclaim
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SequenceState, SeqStatus
 from lifecycle.stats import Stats
-from lifecycle.swap_tier import SwapHandle, SwapTier
+from lifecycle.swap.tier import SwapHandle, SwapTier
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import record_nbytes
-from lifecycle.swap_tier import SwapTier
+from lifecycle.swap.tier import SwapTier
 from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu  # noqa: F401  (shared fixtures)
 from swap_helpers import BS, model, fill_sequence, kv_image, slot_image, swap_config  # noqa: F401  (model: a fixture)
 
