@@ -8,7 +8,7 @@ to tell the library's device copies from its bookkeeping.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,54 +59,33 @@ class CopyTimingDevice:
     def free_pinned(self, ptr: int) -> None:
         self.inner.free_pinned(ptr)
 
-    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+    def _timed(self, operation: Callable[..., None], *args: Any) -> None:
         started = time.perf_counter_ns()
         try:
-            self.inner.copy_dtod(dst, src, nbytes)
+            operation(*args)
         finally:
             self._add(started)
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        self._timed(self.inner.copy_dtod, dst, src, nbytes)
 
     def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.inner.copy_htod(dst, src_host, nbytes)
-        finally:
-            self._add(started)
+        self._timed(self.inner.copy_htod, dst, src_host, nbytes)
 
     def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.inner.copy_dtoh(dst_host, src, nbytes)
-        finally:
-            self._add(started)
+        self._timed(self.inner.copy_dtoh, dst_host, src, nbytes)
 
     def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.inner.copy_htod_to(dst, src_host, nbytes)
-        finally:
-            self._add(started)
+        self._timed(self.inner.copy_htod_to, dst, src_host, nbytes)
 
     def copy_batch(self, copies: Sequence[Copy] | npt.NDArray[np.int64]) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.inner.copy_batch(copies)
-        finally:
-            self._add(started)
+        self._timed(self.inner.copy_batch, copies)
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.inner.memset(ptr, value, nbytes)
-        finally:
-            self._add(started)
+        self._timed(self.inner.memset, ptr, value, nbytes)
 
     def synchronize(self) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.inner.synchronize()
-        finally:
-            self._add(started)
+        self._timed(self.inner.synchronize)
 
     def mem_info(self) -> tuple[int, int]:
         return self.inner.mem_info()
