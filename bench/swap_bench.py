@@ -47,7 +47,8 @@ from lifecycle.config import AttentionLayer, ModelConfig  # noqa: E402
 from lifecycle.device import open_device  # noqa: E402
 from lifecycle.model import HybridModel  # noqa: E402
 from lifecycle.sequence import SequenceState  # noqa: E402
-from lifecycle.swap_tier import _ViewReader, _ViewWriter  # noqa: E402
+from lifecycle.swap import staging  # noqa: E402
+from lifecycle.swap.tier import _ViewReader, _ViewWriter  # noqa: E402
 
 MiB = 1 << 20
 TOKENS = [1024, 4096, 16384, 32768]
@@ -105,8 +106,10 @@ def layer_ranges(model: HybridModel, seq: SequenceState) -> list[tuple[int, int]
     """The device ranges save reads: each layer's runs of consecutive blocks of ``seq``."""
     kv = model.kv_pool
     assert kv is not None
-    runs = swap._block_runs(seq.block_table)
-    return [r for layer in range(kv.num_layers) for r in swap._kv_ranges(kv, layer, kv.layer_block_bytes(layer), runs)]
+    runs = staging._block_runs(seq.block_table)
+    return [
+        r for layer in range(kv.num_layers) for r in staging._kv_ranges(kv, layer, kv.layer_block_bytes(layer), runs)
+    ]
 
 
 def memcpy_runs(

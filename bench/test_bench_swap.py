@@ -24,7 +24,7 @@ from lifecycle import swap  # noqa: E402
 from lifecycle.device import open_device  # noqa: E402
 from lifecycle.model import HybridModel  # noqa: E402
 from lifecycle.sequence import SequenceState  # noqa: E402
-from lifecycle.swap_tier import _ViewReader, _ViewWriter  # noqa: E402
+from lifecycle.swap.tier import _ViewReader, _ViewWriter  # noqa: E402
 
 TOKENS = 4096
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import index as _as_index
-from typing import TYPE_CHECKING, Any, SupportsIndex, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypeAlias, TypeVar, cast
 
 from numpy.typing import NDArray
 
@@ -99,27 +99,33 @@ class _Allocations:
             error.add_note(f"while freeing after the failure: {failure!r}")
 
 
-class KVPool:
-    """K and V of every attention layer for ``config.num_blocks_resolved`` blocks."""
+LayerT = TypeVar("LayerT", AttentionLayer, SSMLayer)
 
-    def __init__(self, device: Device, config: ModelConfig) -> None:
+
+class LayerPool(Generic[LayerT]):
+    """What both pools keep the same way: the device, their layers (attention layers in the KV
+    pool, SSM layers in the SSM pool) and the allocations behind them, freed newest first, exactly
+    once."""
+
+    _name: ClassVar[str]  # the pool's name in errors
+    _layer_name: ClassVar[str]  # what a layer index counts, in errors
+
+    def __init__(self, device: Device, layers: tuple[LayerT, ...]) -> None:
         self._device = device
-        self._layers: tuple[AttentionLayer, ...] = config.attention_layers
-        self._num_blocks = config.num_blocks_resolved
-        self._block_size = config.block_size
-        self._block_bytes = tuple(layer.block_bytes(config.block_size) for layer in self._layers)
+        self._layers: tuple[LayerT, ...] = layers
         self._allocations = _Allocations(device)
+
+    def _allocate(self, sizes: Iterable[int]) -> tuple[int, ...]:
+        """One allocation of each size, in order; on failure those made are freed and the error
+        raised."""
         ptrs: list[int] = []
         try:
-            if self._num_blocks:
-                for block_bytes in self._block_bytes:
-                    ptrs.append(self._allocations.alloc(self._num_blocks * block_bytes))
+            for nbytes in sizes:
+                ptrs.append(self._allocations.alloc(nbytes))
         except BaseException as error:
             self._allocations.undo_construction(error)
             raise
-        self._ptrs = tuple(ptrs)
-
-    # --- sizes and addresses ---------------------------------------------------------------------
+        return tuple(ptrs)
 
     @property
     def device(self) -> Device:
@@ -128,8 +134,41 @@ class KVPool:
 
     @property
     def num_layers(self) -> int:
-        """Attention layers in the pool."""
+        """Layers in the pool (attention layers in the KV pool, SSM layers in the SSM pool)."""
         return len(self._layers)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ran."""
+        return self._allocations.released
+
+    def _check_live(self) -> None:
+        self._allocations.check_live(self._name)
+
+    def _layer(self, layer: int) -> int:
+        self._allocations.check_live(self._name)
+        return _int_arg(self._layer_name, layer, len(self._layers), InvalidId)
+
+    def release(self) -> None:
+        """Free every layer's memory, newest allocation first; a second call does nothing."""
+        self._allocations.release()
+
+
+class KVPool(LayerPool[AttentionLayer]):
+    """K and V of every attention layer for ``config.num_blocks_resolved`` blocks."""
+
+    _name = "KVPool"
+    _layer_name = "attention layer"
+
+    def __init__(self, device: Device, config: ModelConfig) -> None:
+        super().__init__(device, config.attention_layers)
+        self._num_blocks = config.num_blocks_resolved
+        self._block_size = config.block_size
+        self._block_bytes = tuple(layer.block_bytes(config.block_size) for layer in self._layers)
+        blocks = self._num_blocks
+        self._ptrs = self._allocate(blocks * block_bytes for block_bytes in self._block_bytes) if blocks else ()
+
+    # --- sizes and addresses ---------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
@@ -147,19 +186,10 @@ class KVPool:
         return self._num_blocks * sum(self._block_bytes)
 
     @property
-    def released(self) -> bool:
-        """Whether :meth:`release` ran."""
-        return self._allocations.released
-
-    @property
     def layer_ptrs(self) -> tuple[int, ...]:
         """Base address of each attention layer's allocation (block 0)."""
-        self._allocations.check_live("KVPool")
+        self._check_live()
         return self._ptrs
-
-    def _layer(self, layer: int) -> int:
-        self._allocations.check_live("KVPool")
-        return _int_arg("attention layer", layer, len(self._layers), InvalidId)
 
     def _block(self, block_id: object) -> int:
         return _int_arg("block id", block_id, self._num_blocks, BlockIdOutOfRange)
@@ -193,7 +223,7 @@ class KVPool:
     def block_ranges(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every given block in every layer, layer-major (all blocks of
         layer 0, then layer 1, ...). Every id is checked before anything is returned."""
-        self._allocations.check_live("KVPool")
+        self._check_live()
         blocks = [self._block(block_id) for block_id in block_ids]
         return [
             (ptr + block * block_bytes, block_bytes)
@@ -207,7 +237,7 @@ class KVPool:
         may be written by one pair only, and not also be read by another (chained pairs such as
         ``(a, b), (b, c)`` take two calls); a ``(b, b)`` pair is a no-op. Every id and pair is
         checked before anything is issued."""
-        self._allocations.check_live("KVPool")
+        self._check_live()
         checked = [(self._block(src), self._block(dst)) for src, dst in pairs]
         writer: dict[int, int] = {}  # block -> the pair that writes it
         for index, (src, dst) in enumerate(checked):
@@ -242,10 +272,6 @@ class KVPool:
         view = self._device.device_array(self._ptrs[index], self.layer_shape(index), self._layers[index].dtype)
         return cast(PoolView, view)
 
-    def release(self) -> None:
-        """Free every layer's memory, newest allocation first; a second call does nothing."""
-        self._allocations.release()
-
     def __repr__(self) -> str:
         return (
             f"KVPool(layers={len(self._layers)}, num_blocks={self._num_blocks}, "
@@ -253,43 +279,29 @@ class KVPool:
         )
 
 
-class SSMPool:
+class SSMPool(LayerPool[SSMLayer]):
     """h and conv state of every SSM layer for ``config.max_seqs + 1`` slots."""
 
+    _name = "SSMPool"
+    _layer_name = "SSM layer"
+
     def __init__(self, device: Device, config: ModelConfig) -> None:
-        self._device = device
-        self._layers: tuple[SSMLayer, ...] = config.ssm_layers
+        super().__init__(device, config.ssm_layers)
         self._num_slots = config.max_seqs + 1
-        self._allocations = _Allocations(device)
-        h_ptrs: list[int] = []
-        conv_ptrs: list[int] = []
-        try:
-            for layer in self._layers:
-                h_ptrs.append(self._allocations.alloc(self._num_slots * layer.h_state_bytes))
-                conv_ptrs.append(self._allocations.alloc(self._num_slots * layer.conv_state_bytes))
-        except BaseException as error:
-            self._allocations.undo_construction(error)
-            raise
-        self._h_ptrs = tuple(h_ptrs)
-        self._conv_ptrs = tuple(conv_ptrs)
+        ptrs = self._allocate(
+            self._num_slots * nbytes
+            for layer in self._layers
+            for nbytes in (layer.h_state_bytes, layer.conv_state_bytes)
+        )
+        self._h_ptrs, self._conv_ptrs = ptrs[0::2], ptrs[1::2]
         # (base, bytes per slot) of every per-slot range, in slot_ranges order.
         self._regions = tuple(
             region
-            for layer, h_ptr, conv_ptr in zip(self._layers, h_ptrs, conv_ptrs)
+            for layer, h_ptr, conv_ptr in zip(self._layers, self._h_ptrs, self._conv_ptrs)
             for region in ((h_ptr, layer.h_state_bytes), (conv_ptr, layer.conv_state_bytes))
         )
 
     # --- sizes and addresses ---------------------------------------------------------------------
-
-    @property
-    def device(self) -> Device:
-        """The device the pool lives on."""
-        return self._device
-
-    @property
-    def num_layers(self) -> int:
-        """SSM layers in the pool."""
-        return len(self._layers)
 
     @property
     def num_slots(self) -> int:
@@ -312,28 +324,19 @@ class SSMPool:
         return self._num_slots * self.slot_bytes
 
     @property
-    def released(self) -> bool:
-        """Whether :meth:`release` ran."""
-        return self._allocations.released
-
-    @property
     def h_ptrs(self) -> tuple[int, ...]:
         """Base address (slot 0) of each layer's h state; slot ``s`` is ``s * h_state_bytes`` further."""
-        self._allocations.check_live("SSMPool")
+        self._check_live()
         return self._h_ptrs
 
     @property
     def conv_ptrs(self) -> tuple[int, ...]:
         """Base address (slot 0) of each layer's conv state."""
-        self._allocations.check_live("SSMPool")
+        self._check_live()
         return self._conv_ptrs
 
-    def _layer(self, layer: int) -> int:
-        self._allocations.check_live("SSMPool")
-        return _int_arg("SSM layer", layer, len(self._layers), InvalidId)
-
     def _slot(self, slot: int) -> int:
-        self._allocations.check_live("SSMPool")
+        self._check_live()
         return _int_arg("slot", slot, self._num_slots, SlotOutOfRange)
 
     def h_addr(self, layer: int, slot: int) -> int:
@@ -383,10 +386,6 @@ class SSMPool:
 
     def _view(self, ptr: int, slot_bytes: int, dtype: DType) -> Any:
         return self._device.device_array(ptr, (self._num_slots, slot_bytes // DTYPE_SIZES[dtype]), dtype)
-
-    def release(self) -> None:
-        """Free every layer's memory, newest allocation first; a second call does nothing."""
-        self._allocations.release()
 
     def __repr__(self) -> str:
         return (

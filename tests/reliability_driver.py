@@ -56,7 +56,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import DETACHED_SLOT, NO_ADAPTER, SeqStatus, SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header
-from lifecycle.swap_tier import SwapHandle, SwapTier
+from lifecycle.swap.tier import SwapHandle, SwapTier
 
 __all__ = [
     "CONFIGS",
@@ -1532,7 +1532,7 @@ MAX_FORGED_TOKENS: Final = 2**32
 
 
 def _header_struct() -> struct.Struct:
-    from lifecycle.swap import _HEADER
+    from lifecycle.swap.format import _HEADER
 
     return _HEADER
 

@@ -54,7 +54,7 @@ from lifecycle.model import HybridModel
 from lifecycle.presets import preset
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.swap import HEADER_BYTES, MAX_RECORD_TOKENS, parse_header
-from lifecycle.swap_tier import SwapHandle, SwapTier
+from lifecycle.swap.tier import SwapHandle, SwapTier
 from devices import device  # noqa: F401  (shared fixture)
 from reliability_driver import BrokenReader, BrokenWriter, forged_header
 from swap_helpers import BS, model, fill_sequence, swap_config  # noqa: F401  (model: a fixture)

@@ -25,12 +25,12 @@ from lifecycle.swap import (
     StagingBuffer,
     SwapContext,
     SwapHeader,
-    _block_runs,
     parse_header,
     read_header,
     restore,
     save,
 )
+from lifecycle.swap.staging import _block_runs
 from devices import device, live_allocations  # noqa: F401  (the shared device fixture)
 from swap_helpers import BS, model, fill_sequence, kv_image, slot_image, swap_config  # noqa: F401  (model: a fixture)
 

@@ -30,7 +30,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import HEADER_BYTES, parse_header, record_nbytes
-from lifecycle.swap_tier import _ViewReader, _ViewWriter
+from lifecycle.swap.tier import _ViewReader, _ViewWriter
 from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu, write_device  # noqa: F401  (fixtures)
 from swap_helpers import BS, model, fill_sequence, kv_image, random_bytes, section_spans, slot_image, swap_config  # noqa: F401  (model: a fixture)
 

@@ -6,7 +6,9 @@ Every test ends with the model's free blocks and live sequences back where they 
 
 from __future__ import annotations
 
+import importlib
 import io
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ from lifecycle.errors import (
 from lifecycle.model import HybridModel
 from lifecycle.sequence import SequenceState
 from lifecycle.swap import record_nbytes
-from lifecycle.swap_tier import SwapTier
+from lifecycle.swap.tier import DEFAULT_HOST_BYTES, SwapHandle, SwapTier
 from devices import CUDA_ERROR_LAUNCH_FAILED, Emulator, device, emu  # noqa: F401  (shared fixtures)
 from swap_helpers import BS, model, fill_sequence, kv_image, slot_image, swap_config  # noqa: F401  (model: a fixture)
 
@@ -34,6 +36,14 @@ from swap_helpers import BS, model, fill_sequence, kv_image, slot_image, swap_co
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(7)
+
+
+def test_the_old_module_name_still_imports_the_swap_tier_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "lifecycle.swap_tier", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"swap_tier is deprecated: import from lifecycle\.swap\.tier"):
+        old = importlib.import_module("lifecycle.swap_tier")
+    assert old.SwapTier is SwapTier and old.SwapHandle is SwapHandle
+    assert old.DEFAULT_HOST_BYTES == DEFAULT_HOST_BYTES
 
 
 def filled(model: HybridModel, rng: np.random.Generator, num_tokens: int = 9) -> SequenceState:

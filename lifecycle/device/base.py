@@ -16,13 +16,15 @@ own stream, or the stream of the innermost ``use_stream`` block of that thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol, SupportsInt, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle.device.allocations import AllocationTable, BatchChecker, CopyArray, TrackedDevice
+from lifecycle.device.allocations import check_alloc_size, check_nbytes
 from lifecycle.errors import InvalidId
 
 DeviceKind = Literal["host", "cuda"]
@@ -174,6 +176,119 @@ class Device(Protocol):
     def close(self) -> None:
         """Release what the device itself holds (stream, context reference). Idempotent."""
         ...
+
+
+class CheckedDevice(TrackedDevice):
+    """The one checked path of both devices' allocations and copies. Each call holds the device's
+    lock and refuses a closed device. An allocation refuses fewer than one byte; a copy or memset
+    refuses a negative byte count and checks every range the device allocated against its live
+    allocations (``InvalidId`` naming the call and the range); only then is the call handed to the
+    device's ``_issue_*`` method, and a copy of zero bytes issues nothing. What the driver does
+    with a checked call is the subclass's: its ``_issue_*`` methods, and :meth:`_check_foreign` for
+    memory the device did not allocate."""
+
+    _batch_checker: BatchChecker
+
+    def alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (>= 1) of uninitialised device memory; returns its address."""
+        return self._allocate("alloc", self._device, nbytes)
+
+    def alloc_pinned(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (>= 1) of page-locked host memory (plain host memory on the host
+        device); returns its address."""
+        return self._allocate("alloc_pinned", self._pinned, nbytes)
+
+    def free(self, ptr: int) -> None:
+        """Free an ``alloc`` address; an unknown or already freed address raises InvalidId."""
+        self._release("free", self._device, ptr)
+
+    def free_pinned(self, ptr: int) -> None:
+        """Free an ``alloc_pinned`` address; an unknown or already freed address raises InvalidId."""
+        self._release("free_pinned", self._pinned, ptr)
+
+    def _allocate(self, call: str, table: AllocationTable, nbytes: int) -> int:
+        with self._lock:
+            self._check_open(call)
+            check_alloc_size(call, nbytes)
+            return self._issue_alloc(call, table, nbytes)
+
+    def _release(self, call: str, table: AllocationTable, ptr: int) -> None:
+        with self._lock:
+            self._check_open(call)
+            self._issue_free(call, table, ptr)
+
+    def _checked(self, call: str, nbytes: int) -> bool:
+        """With the lock held: refuse a closed device or a negative ``nbytes``; False when there is
+        nothing to copy."""
+        self._check_open(call)
+        check_nbytes(call, nbytes)
+        return nbytes != 0
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy device to device; both ranges must lie in live allocations (InvalidId otherwise)."""
+        with self._lock:
+            if self._checked("copy_dtod", nbytes):
+                self._device.locate("copy_dtod dst", dst, nbytes)
+                self._device.locate("copy_dtod src", src, nbytes)
+                self._issue_dtod(dst, src, nbytes)
+
+    def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
+        """Copy host to device; the device range must lie in a live allocation. The source must
+        stay valid and unchanged until :meth:`synchronize` (pinned memory from
+        :meth:`alloc_pinned` is copied at full speed on CUDA)."""
+        with self._lock:
+            if self._checked("copy_htod", nbytes):
+                self._device.locate("copy_htod dst", dst, nbytes)
+                self._issue_htod(dst, src_host, nbytes)
+
+    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
+        """Copy host memory into memory the device did not allocate (an engine's tensor at
+        ``dst``), checked by :meth:`_check_foreign` before any copy."""
+        with self._lock:
+            if self._checked("copy_htod_to", nbytes):
+                self._check_foreign("copy_htod_to dst", dst, nbytes)
+                self._issue_htod(dst, src_host, nbytes)
+
+    def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
+        """Copy device to host; the device range must lie in a live allocation. The destination
+        holds the data only after :meth:`synchronize`."""
+        with self._lock:
+            if self._checked("copy_dtoh", nbytes):
+                self._device.locate("copy_dtoh src", src, nbytes)
+                self._issue_dtoh(dst_host, src, nbytes)
+
+    def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
+        """Copies between device memory and/or pinned memory, unordered among themselves; every
+        range, and that no two copies overlap, is checked before any copy is issued."""
+        with self._lock:
+            self._check_open("copy_batch")
+            self._issue_copies(self._batch_checker.check("copy_batch", copies))
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        """Set ``nbytes`` device bytes at ``ptr`` to ``value`` (0..255)."""
+        with self._lock:
+            self._check_open("memset")
+            check_nbytes("memset", nbytes)
+            if not 0 <= value <= 255:
+                raise InvalidId(f"memset: value={value} must be in 0..255")
+            if nbytes:
+                self._device.locate("memset", ptr, nbytes)
+                self._issue_memset(ptr, value, nbytes)
+
+    # What each device does with a checked call, the lock held. _issue_alloc / _issue_free (call,
+    # table, nbytes or ptr): allocate and record in the device's or the pinned table / free and
+    # forget (InvalidId if the table does not hold it). _check_foreign (call, ptr, nbytes): refuse
+    # what the device can tell is no memory to copy into. The copies (nbytes > 0) and memset take
+    # their public call's arguments; _issue_copies takes the checked (n, 3) rows, zero-byte rows
+    # included.
+    _issue_alloc: Callable[[str, AllocationTable, int], int]
+    _issue_free: Callable[[str, AllocationTable, int], None]
+    _check_foreign: Callable[[str, int, int], None]
+    _issue_dtod: Callable[[int, int, int], None]
+    _issue_htod: Callable[[int, int, int], None]
+    _issue_dtoh: Callable[[int, int, int], None]
+    _issue_copies: Callable[[CopyArray], None]
+    _issue_memset: Callable[[int, int, int], None]
 
 
 def _raw_handle(what: str, call: str, value: object, attributes: tuple[str, ...]) -> int:

@@ -18,7 +18,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -26,16 +26,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from lifecycle.device.allocations import (
-    AllocationTable,
-    BatchChecker,
-    CopyArray,
-    TrackedDevice,
-    check_alloc_size,
-    check_nbytes,
-    view_size,
-)
-from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
+from lifecycle.device.allocations import AllocationTable, BatchChecker, CopyArray
+from lifecycle.device.allocations import check_nbytes, view_size
+from lifecycle.device.base import CheckedDevice, DeviceKind, event_handle, stream_handle
 from lifecycle.device.dlpack import KDL_CUDA, capsule, check_device, element_of
 from lifecycle.device.host import _host_view
 from lifecycle.errors import CudaError, DriverNotFound, ForkedAfterCudaInit, InvalidId, TornDown
@@ -285,7 +278,7 @@ class _StreamScope:
         self.outer = outer
 
 
-class CudaDevice(TrackedDevice):
+class CudaDevice(CheckedDevice):
     """One GPU through the CUDA driver API: its primary context (retained once, released in
     :meth:`close`), one non-blocking stream that every copy and memset is issued on, and
     ``cuMemAlloc``/``cuMemHostAlloc`` allocations tracked by address.
@@ -420,47 +413,29 @@ class CudaDevice(TrackedDevice):
             call(self._drv.cuCtxSetCurrent, "cuCtxSetCurrent", self._ctx)
 
     # -- memory ---------------------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> int:
-        """``cuMemAlloc``: ``nbytes`` (>= 1) of uninitialised device memory; CudaError on failure."""
-        with self._lock:
-            self._check_open("alloc")
-            check_alloc_size("alloc", nbytes)
-            with _InContext(self):
+    def _issue_alloc(self, call_name: str, table: AllocationTable, nbytes: int) -> int:
+        """``cuMemAlloc`` (device memory) or ``cuMemHostAlloc`` (page-locked host memory); CudaError
+        on failure."""
+        with _InContext(self):
+            if table is self._device:
                 ptr = int(call(self._alloc_call, "cuMemAlloc", nbytes))
-                self._device.add(ptr, nbytes)
-            return ptr
-
-    def free(self, ptr: int) -> None:
-        """``cuMemFree``, after the copies still queued on the device's stream (which may use the
-        memory) are done; an unknown address raises InvalidId, a driver failure keeps it live."""
-        with self._lock:
-            self._check_open("free")
-            self._device.size_of("free", ptr)
-            with _InContext(self):
-                self._settle()
-                call(self._drv.cuMemFree, "cuMemFree", ptr)
-                self._device.remove("free", ptr)
-
-    def alloc_pinned(self, nbytes: int) -> int:
-        """``cuMemHostAlloc``: ``nbytes`` (>= 1) of page-locked host memory."""
-        with self._lock:
-            self._check_open("alloc_pinned")
-            check_alloc_size("alloc_pinned", nbytes)
-            flags = self._drv.CU_MEMHOSTALLOC_PORTABLE
-            with _InContext(self):
+            else:
+                flags = self._drv.CU_MEMHOSTALLOC_PORTABLE
                 ptr = int(call(self._drv.cuMemHostAlloc, "cuMemHostAlloc", nbytes, flags))
-                self._pinned.add(ptr, nbytes)
-            return ptr
+            table.add(ptr, nbytes)
+        return ptr
 
-    def free_pinned(self, ptr: int) -> None:
-        """``cuMemFreeHost``, after the device's stream is done with it (as :meth:`free`)."""
-        with self._lock:
-            self._check_open("free_pinned")
-            self._pinned.size_of("free_pinned", ptr)
-            with _InContext(self):
-                self._settle()
+    def _issue_free(self, call_name: str, table: AllocationTable, ptr: int) -> None:
+        """``cuMemFree`` / ``cuMemFreeHost``, after the copies still queued on the device's stream
+        (which may use the memory) are done; a driver failure keeps the allocation live."""
+        table.size_of(call_name, ptr)
+        with _InContext(self):
+            self._settle()
+            if table is self._device:
+                call(self._drv.cuMemFree, "cuMemFree", ptr)
+            else:
                 call(self._drv.cuMemFreeHost, "cuMemFreeHost", ptr)
-                self._pinned.remove("free_pinned", ptr)
+            table.remove(call_name, ptr)
 
     def mem_info(self) -> tuple[int, int]:
         """``cuMemGetInfo``: (free bytes, total bytes) of the GPU."""
@@ -513,39 +488,18 @@ class CudaDevice(TrackedDevice):
         call(drv.cuStreamWaitEvent, "cuStreamWaitEvent", later, self._event, 0)
 
     # -- copies ---------------------------------------------------------------------------------
-    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
-        """``cuMemcpyDtoDAsync`` on the device's stream; both ranges must be live allocations."""
-        with self._lock:
-            self._check_open("copy_dtod")
-            check_nbytes("copy_dtod", nbytes)
-            if nbytes:
-                self._device.locate("copy_dtod dst", dst, nbytes)
-                self._device.locate("copy_dtod src", src, nbytes)
-                call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._target())
-                self._issued()
+    # The checked copy path is CheckedDevice's; these issue its checked calls on the calling thread's
+    # copy stream.
+    def _issue_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        """``cuMemcpyDtoDAsync``."""
+        call(self._dtod_call, "cuMemcpyDtoDAsync", dst, src, nbytes, self._target())
+        self._issued()
 
-    def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
-        """``cuMemcpyHtoDAsync``: the source must stay valid and unchanged until synchronize."""
-        with self._lock:
-            self._check_open("copy_htod")
-            check_nbytes("copy_htod", nbytes)
-            if nbytes:
-                self._device.locate("copy_htod dst", dst, nbytes)
-                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
-                self._issued()
-
-    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
-        """``cuMemcpyHtoDAsync`` into device memory the device did not allocate (an engine's
-        tensor). ``cuPointerGetAttributes`` must report ``dst`` as device memory of this GPU, and
-        ``[dst, dst + nbytes)`` inside the driver's allocation holding it (InvalidId otherwise,
-        before any copy)."""
-        with self._lock:
-            self._check_open("copy_htod_to")
-            check_nbytes("copy_htod_to", nbytes)
-            if nbytes:
-                self._check_foreign("copy_htod_to dst", dst, nbytes)
-                call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
-                self._issued()
+    def _issue_htod(self, dst: int, src_host: int, nbytes: int) -> None:
+        """``cuMemcpyHtoDAsync``: into an allocation of the device, or (``copy_htod_to``) into an
+        engine's device memory that :meth:`_check_foreign` accepted."""
+        call(self._drv.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", dst, src_host, nbytes, self._target())
+        self._issued()
 
     def _check_foreign(self, call_name: str, ptr: int, nbytes: int) -> None:
         """Refuse a range the driver does not know as device memory of this GPU, or that runs past
@@ -569,35 +523,26 @@ class CudaDevice(TrackedDevice):
             raise InvalidId(f"{call_name}: range [{ptr:#x}, {ptr:#x} + {nbytes}) runs past the end of its "
                             f"allocation [{start:#x}, {start:#x} + {size})")
 
-    def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
-        """``cuMemcpyDtoHAsync``: the destination holds the data only after synchronize."""
-        with self._lock:
-            self._check_open("copy_dtoh")
-            check_nbytes("copy_dtoh", nbytes)
-            if nbytes:
-                self._device.locate("copy_dtoh src", src, nbytes)
-                call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._target())
-                self._issued()
+    def _issue_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
+        """``cuMemcpyDtoHAsync``."""
+        call(self._drv.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", dst_host, src, nbytes, self._target())
+        self._issued()
 
-    def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
-        """Copies between device and/or pinned memory (unified addresses), unordered among
-        themselves: one ``cuMemcpyBatchAsync`` where the driver has it, else one
-        ``cuMemcpyAsync`` each. Every range, and that no two copies overlap, is checked first; if
-        the driver fails part way through the fallback loop, the copies before it were issued."""
-        with self._lock:
-            self._check_open("copy_batch")
-            rows = self._batch_checker.check("copy_batch", copies)
-            if rows.shape[0] and not rows[:, 2].all():
-                rows = rows[rows[:, 2] > 0]
-            count = rows.shape[0]
-            if count == 0:
-                return
-            self._issued()
-            if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
-                return
-            copy, stream = self._drv.cuMemcpyAsync, self._target()
-            for dst, src, nbytes in rows.tolist():
-                call(copy, "cuMemcpyAsync", dst, src, nbytes, stream)
+    def _issue_copies(self, rows: CopyArray) -> None:
+        """One ``cuMemcpyBatchAsync`` (unified addresses) where the driver has it, else one
+        ``cuMemcpyAsync`` each; if the driver fails part way through that loop, the copies before
+        it were issued."""
+        if rows.shape[0] and not rows[:, 2].all():
+            rows = rows[rows[:, 2] > 0]
+        count = rows.shape[0]
+        if count == 0:
+            return
+        self._issued()
+        if count > 1 and self._batch_fn is not None and self._issue_batch(rows):
+            return
+        copy, stream = self._drv.cuMemcpyAsync, self._target()
+        for dst, src, nbytes in rows.tolist():
+            call(copy, "cuMemcpyAsync", dst, src, nbytes, stream)
 
     def _resolve_batch(self) -> Any:
         """The driver's cuMemcpyBatchAsync as a ctypes function taking raw arrays (None if this
@@ -650,17 +595,10 @@ class CudaDevice(TrackedDevice):
             raise _error(self._drv, f"cuMemcpyBatchAsync({count})", rc)
         return True
 
-    def memset(self, ptr: int, value: int, nbytes: int) -> None:
-        """``cuMemsetD8Async`` of ``value`` (0..255) on the device's stream."""
-        with self._lock:
-            self._check_open("memset")
-            check_nbytes("memset", nbytes)
-            if not 0 <= value <= 255:
-                raise InvalidId(f"memset: value={value} must be in 0..255")
-            if nbytes:
-                self._device.locate("memset", ptr, nbytes)
-                call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._target())
-                self._issued()
+    def _issue_memset(self, ptr: int, value: int, nbytes: int) -> None:
+        """``cuMemsetD8Async``."""
+        call(self._drv.cuMemsetD8Async, "cuMemsetD8Async", ptr, value, nbytes, self._target())
+        self._issued()
 
     def synchronize(self) -> None:
         """``cuStreamSynchronize`` of the device's stream, and of every ``use_stream`` block's

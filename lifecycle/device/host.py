@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,16 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle._hostcopy import memmove_rows
-from lifecycle.device.allocations import (
-    AllocationTable,
-    BatchChecker,
-    CopyArray,
-    TrackedDevice,
-    check_alloc_size,
-    check_nbytes,
-    view_size,
-)
-from lifecycle.device.base import Copy, DeviceKind, event_handle, stream_handle
+from lifecycle.device.allocations import AllocationTable, BatchChecker, CopyArray
+from lifecycle.device.allocations import check_nbytes, view_size
+from lifecycle.device.base import CheckedDevice, DeviceKind, event_handle, stream_handle
 from lifecycle.config import storage_dtype
 from lifecycle.device.dlpack import KDL_CPU, capsule, check_device, element_of, element_strides
 from lifecycle.errors import DeviceError, InvalidId
@@ -114,7 +107,7 @@ def _typed(array: npt.NDArray[Any], element: DType | None) -> HostArrayView:
     return view
 
 
-class HostDevice(TrackedDevice):
+class HostDevice(CheckedDevice):
     """Host memory behind the :class:`~lifecycle.device.base.Device` interface.
 
     ``capacity`` bounds the bytes of live ``alloc`` allocations (default: physical memory); an
@@ -175,45 +168,23 @@ class HostDevice(TrackedDevice):
         buf = raw[offset : offset + nbytes]
         return base + offset, buf
 
-    def alloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` (>= 1) bytes, 256-byte aligned, uninitialised; returns the address."""
-        with self._lock:
-            self._check_open("alloc")
-            check_alloc_size("alloc", nbytes)
+    def _issue_alloc(self, call: str, table: AllocationTable, nbytes: int) -> int:
+        """256-byte aligned, uninitialised; ``alloc`` within the capacity."""
+        if table is self._device:
             used = self._device.nbytes
             if used + nbytes > self._capacity:
                 raise DeviceError(
                     f"alloc: nbytes={nbytes} exceeds the free device memory "
                     f"({self._capacity - used} of capacity {self._capacity} bytes free)"
                 )
-            ptr, buf = self._new_buffer("alloc", nbytes)
-            self._buffers[ptr] = buf
-            self._device.add(ptr, nbytes)
-            return ptr
+        ptr, buf = self._new_buffer(call, nbytes)
+        self._buffers[ptr] = buf
+        table.add(ptr, nbytes)
+        return ptr
 
-    def free(self, ptr: int) -> None:
-        """Free an ``alloc`` address; an unknown or already freed address raises InvalidId."""
-        with self._lock:
-            self._check_open("free")
-            self._device.remove("free", ptr)
-            del self._buffers[ptr]
-
-    def alloc_pinned(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` (>= 1) of host staging memory (plain memory here)."""
-        with self._lock:
-            self._check_open("alloc_pinned")
-            check_alloc_size("alloc_pinned", nbytes)
-            ptr, buf = self._new_buffer("alloc_pinned", nbytes)
-            self._buffers[ptr] = buf
-            self._pinned.add(ptr, nbytes)
-            return ptr
-
-    def free_pinned(self, ptr: int) -> None:
-        """Free an ``alloc_pinned`` address; an unknown or already freed address raises InvalidId."""
-        with self._lock:
-            self._check_open("free_pinned")
-            self._pinned.remove("free_pinned", ptr)
-            del self._buffers[ptr]
+    def _issue_free(self, call: str, table: AllocationTable, ptr: int) -> None:
+        table.remove(call, ptr)
+        del self._buffers[ptr]
 
     def mem_info(self) -> tuple[int, int]:
         """(capacity minus live ``alloc`` bytes, capacity)."""
@@ -235,37 +206,15 @@ class HostDevice(TrackedDevice):
         else:
             _memmove(dst, src, nbytes)
 
-    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy device to device; both ranges must lie in live allocations (InvalidId otherwise)."""
-        with self._lock:
-            self._check_open("copy_dtod")
-            check_nbytes("copy_dtod", nbytes)
-            if nbytes:
-                self._device.locate("copy_dtod dst", dst, nbytes)
-                self._device.locate("copy_dtod src", src, nbytes)
-                self._move(dst, src, nbytes)
+    # The checked copy path is CheckedDevice's; these run its checked calls.
+    _issue_dtod = _issue_dtoh = _move
 
-    def copy_htod(self, dst: int, src_host: int, nbytes: int) -> None:
-        """Copy host to device; the device range must lie in a live allocation."""
-        with self._lock:
-            self._check_open("copy_htod")
-            check_nbytes("copy_htod", nbytes)
-            if nbytes:
-                self._device.locate("copy_htod dst", dst, nbytes)
-                self._move_in(dst, src_host, nbytes)
+    def _check_foreign(self, call_name: str, ptr: int, nbytes: int) -> None:
+        """An engine's host memory cannot be checked beyond refusing a null address."""
+        if ptr == 0:
+            raise InvalidId(f"copy_htod_to: dst is a null address ({nbytes} bytes)")
 
-    def copy_htod_to(self, dst: int, src_host: int, nbytes: int) -> None:
-        """Copy host memory into an engine's host memory at ``dst`` (which the device cannot
-        check beyond refusing a null address)."""
-        with self._lock:
-            self._check_open("copy_htod_to")
-            check_nbytes("copy_htod_to", nbytes)
-            if nbytes:
-                if dst == 0:
-                    raise InvalidId(f"copy_htod_to: dst is a null address ({nbytes} bytes)")
-                self._move_in(dst, src_host, nbytes)
-
-    def _move_in(self, dst: int, src_host: int, nbytes: int) -> None:
+    def _issue_htod(self, dst: int, src_host: int, nbytes: int) -> None:
         if self._deferred and not self._is_pinned(src_host, nbytes):
             # pageable source: staged at the call like the CUDA driver does, so it may be reused
             staged = np.frombuffer(ctypes.string_at(src_host, nbytes), dtype=np.uint8)
@@ -273,39 +222,17 @@ class HostDevice(TrackedDevice):
         else:
             self._move(dst, src_host, nbytes)
 
-    def copy_dtoh(self, dst_host: int, src: int, nbytes: int) -> None:
-        """Copy device to host; the device range must lie in a live allocation."""
-        with self._lock:
-            self._check_open("copy_dtoh")
-            check_nbytes("copy_dtoh", nbytes)
-            if nbytes:
-                self._device.locate("copy_dtoh src", src, nbytes)
-                self._move(dst_host, src, nbytes)
+    def _issue_copies(self, rows: CopyArray) -> None:
+        if self._deferred:
+            self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
+        else:
+            memmove_rows(rows)
 
-    def copy_batch(self, copies: Sequence[Copy] | CopyArray) -> None:
-        """Copies between device memory and/or pinned memory; every range is checked before any
-        copy is issued."""
-        with self._lock:
-            self._check_open("copy_batch")
-            rows = self._batch_checker.check("copy_batch", copies)
-            if self._deferred:
-                self._pending.extend((0, dst, src, nbytes, None) for dst, src, nbytes in rows.tolist())
-            else:
-                memmove_rows(rows)
-
-    def memset(self, ptr: int, value: int, nbytes: int) -> None:
-        """Set device bytes to ``value`` (0..255)."""
-        with self._lock:
-            self._check_open("memset")
-            check_nbytes("memset", nbytes)
-            if not 0 <= value <= 255:
-                raise InvalidId(f"memset: value={value} must be in 0..255")
-            if nbytes:
-                self._device.locate("memset", ptr, nbytes)
-                if self._deferred:
-                    self._pending.append((1, ptr, value, nbytes, None))
-                else:
-                    _memset(ptr, value, nbytes)
+    def _issue_memset(self, ptr: int, value: int, nbytes: int) -> None:
+        if self._deferred:
+            self._pending.append((1, ptr, value, nbytes, None))
+        else:
+            _memset(ptr, value, nbytes)
 
     def synchronize(self) -> None:
         """Run queued copies in issue order (deferred mode); immediate mode has nothing to wait for."""
