@@ -181,7 +181,7 @@ def test_store_hits_reach_device_blocks_through_the_host_tier(
         records = store.get_many(wanted, tokens_of(wanted))
         run = next(i for i, record in enumerate(records) if record is None)
         other.tier.load([record for record in records[:run] if record is not None])
-        other.tier.promote(wanted[:run], [6, 7])
+        other.tier.promote(wanted[:run], [6, 7], tokens_of(wanted[:run]))
         other.tier.check_invariants()
         assert [other.block_bytes(block) for block in (6, 7)] == pool_bytes(seed=1)[:2]
     finally:
