@@ -2896,6 +2896,9 @@ cdef cnp.ndarray _int64_vector(object values, str what):
         raise InvalidId(f"{what} must be a 1-D sequence of ints, got {values!r}") from error
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InvalidId(f"{what} must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
+    if array.size and array.dtype.kind == "u" and array.max() > 0x7FFFFFFFFFFFFFFF:
+        # refused by its own value: the int64 copy below would name a negative one
+        raise InvalidId(f"{what}: {int(array.max())} is past the int64 limit {0x7FFFFFFFFFFFFFFF}")
     return np.require(array, dtype=np.int64, requirements=["C", "A"])
 
 
