@@ -139,11 +139,9 @@ class ModelTiers:
             return
         raw = self._core.take_events()
         demoted = self._demoted(raw) if self._host is not None else None
-        keys: list[int] = []
+        leaving: dict[int, int] = {}  # the cache keys of the blocks that left the device, where not 0
         if self._events:
-            if demoted is not None:
-                keys = self._keys_of(MEDIUM_GPU, demoted[0])  # before the device's removals forget them
-            self._log_device(raw)
+            self._log_device(raw, leaving)
         if demoted is not None:
             hashes, ids, tokens = demoted
             started = time.perf_counter_ns()
@@ -151,7 +149,9 @@ class ModelTiers:
             self.counters.blocks_demoted += self._host.demote(hashes, ids, tokens)
             self.counters.tier_ns += time.perf_counter_ns() - started
             if self._events:
-                self._log_host(hashes.tolist(), tokens.reshape(-1, self._block_size), keys, None)
+                demoted_hashes: list[int] = hashes.tolist()
+                keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
+                self._log_host(demoted_hashes, tokens.reshape(-1, self._block_size), keys, None)
 
     @staticmethod
     def _demoted(raw: RawEvents) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
@@ -245,13 +245,8 @@ class ModelTiers:
 
     # -- events --------------------------------------------------------------------------------------
 
-    def _keys_of(self, medium: str, hashes: npt.NDArray[np.uint64]) -> list[int]:
-        keys = self._keys[medium]
-        if not keys:
-            return [0] * len(hashes)
-        return [keys.get(h, 0) for h in hashes.tolist()]
-
-    def _log_device(self, raw: RawEvents) -> None:
+    def _log_device(self, raw: RawEvents, leaving: dict[int, int]) -> None:
+        """The core's events into the log; ``leaving`` gets the key of each block removed."""
         gpu, keys = self._translators[MEDIUM_GPU], self._keys[MEDIUM_GPU]
         for entry in raw_entries(raw):
             if entry[0] == "stored":
@@ -262,20 +257,23 @@ class ModelTiers:
                         continue
                 self._log.append(gpu.stored(hashes, parent, tokens, key))
             elif entry[0] == "removed":
-                self._log_removed(MEDIUM_GPU, entry[1].tolist())
+                self._log_removed(MEDIUM_GPU, entry[1].tolist(), leaving)
             else:
                 for known in self._keys.values():
                     known.clear()
                 self._log.append(AllBlocksCleared())
 
-    def _log_removed(self, medium: str, hashes: list[int]) -> None:
+    def _log_removed(self, medium: str, hashes: list[int], leaving: dict[int, int] | None = None) -> None:
         """Blocks left ``medium``: a removal, but none for a retired generation's blocks (their
-        removal was published when the generation was retired)."""
+        removal was published when the generation was retired). ``leaving`` gets their keys."""
         keys = self._keys[medium]
         if keys:
             shown = []
             for content_hash in hashes:
-                if keys.pop(content_hash, 0) not in self._retired:
+                key = keys.pop(content_hash, 0)
+                if key and leaving is not None:
+                    leaving[content_hash] = key
+                if key not in self._retired:
                     shown.append(content_hash)
             hashes = shown
         if hashes:

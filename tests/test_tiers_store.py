@@ -239,6 +239,19 @@ def test_models_of_another_byte_format_do_not_meet(
         assert other.stats().misses == len(HASHES)
 
 
+def test_models_of_another_name_do_not_meet_even_with_the_same_byte_format(
+    server: StoreServer, engine: Engine, make_store: StoreFactory
+) -> None:
+    publish(engine, make_store(server.url))
+    other_config = CONFIG.replace(name="another-model")
+    assert other_config.fingerprint() == CONFIG.fingerprint()
+    with StoreTier(server.url, other_config, timeout_s=0.25) as other:
+        assert other.get_many(HASHES) == [None] * len(HASHES)
+        assert other.stats().misses == len(HASHES)
+    with StoreTier(server.url, CONFIG, timeout_s=0.25) as same:  # the same model, in another tier
+        assert all(record is not None for record in same.get_many(HASHES, tokens_of(HASHES)))
+
+
 def test_a_block_gone_from_the_host_tier_before_its_write_is_dropped(
     server: StoreServer, engine: Engine, make_store: StoreFactory
 ) -> None:
