@@ -336,6 +336,29 @@ def test_two_models_share_prefixes_through_the_store(models: list[HybridModel], 
     reader.finish_sequence(copy)
 
 
+def test_blocks_loaded_from_the_store_are_host_tier_stores_with_their_tokens_and_parents(
+    models: list[HybridModel], store: StoreServer
+) -> None:
+    with store.client() as client:
+        client.flushall()
+    writer = build(models, host_tier_blocks=16, store=store.url)
+    reader, index = build(models, host_tier_blocks=16, store=store.url, events=True), EventIndex(BS)
+    tokens = prompt(1, 2, 3, 4)
+    seq, _ = serve(writer, tokens)
+    writer.finish_sequence(seq)
+    writer.reclaim_prefix_blocks(100)
+    assert writer.flush_store()
+    copy, reused = serve(reader, tokens)
+    hashes = copy.block_hashes().tolist()
+    reader.finish_sequence(copy)
+    assert reused == 4 * BS and reader.stats().store_hit_blocks == 4
+    index.apply(reader.take_events().events)
+    host = reader.host_tier
+    assert host is not None and index.holds("CPU") == set(hashes) and all(h in host for h in hashes)
+    assert index.holds("GPU") == set(hashes) and index.check_hashes("CPU") == 4
+    assert [index.tiers["CPU"][h].parent for h in hashes] == [None, *hashes[:-1]]
+
+
 def test_a_block_whose_hash_collides_with_a_host_entry_is_served_the_stores_kv_not_the_entrys(
     models: list[HybridModel], store: StoreServer
 ) -> None:
