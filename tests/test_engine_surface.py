@@ -148,6 +148,24 @@ def test_reloading_an_adapter_takes_the_old_generations_blocks_out_of_the_stream
     assert {index.tiers["CPU"][h].lora_name for h in index.holds("CPU")} == {"support-bot"}
 
 
+def test_loading_an_unloaded_adapter_again_retires_its_salted_blocks_too(models: list[HybridModel]) -> None:
+    model, index = build(models, events=True), EventIndex(BS)
+    seq = model.alloc_sequence_for(16)
+    model.bind_adapter(seq, model.load_adapter("support-bot"))
+    model.attach_prefix(seq, prompt(1, 2), grow_to=9, cache_salt="tenant-a")
+    hashes = seq.block_hashes().tolist()
+    model.finish_sequence(seq)
+    index.apply(model.take_events().events)
+    assert index.holds("GPU") == set(hashes) and index.tiers["GPU"][hashes[0]].extra_keys == ("tenant-a",)
+    model.unload_adapter("support-bot")
+    model.load_adapter("support-bot")  # a new generation, as a reload makes
+    index.apply(model.take_events().events)
+    assert index.holds("GPU") == set() and model.core.num_cached_blocks == 2  # unreachable, and unpublished
+    model.reclaim_prefix_blocks(100)
+    index.apply(model.take_events().events)  # their eviction is not published a second time
+    assert model.core.num_cached_blocks == 0
+
+
 def test_without_events_the_batch_is_empty(models: list[HybridModel]) -> None:
     model = build(models)
     seq, _ = serve(model, prompt(1, 2))

@@ -576,12 +576,15 @@ class LifecycleKVCacheManager:
         for entry in raw_event_log(raw):
             if entry[0] == "stored":
                 _, hashes, parent, tokens, namespace = entry
-                lora, _salt = self._namespaces.namespace(int(namespace)) or (None, None)
+                lora, salt = self._namespaces.namespace(int(namespace)) or (None, None)
+                # vLLM names a request's cache salt in the extra keys of its first block
+                first = parent is None and salt is not None and len(hashes) > 0
                 events.append(BlockStored(
                     block_hashes=hashes.tolist(), parent_block_hash=None if parent is None else int(parent),
                     token_ids=tokens.tolist(), block_size=self.block_size,
                     lora_id=None if lora is None else lora[0], medium=MEDIUM_GPU,
-                    lora_name=None if lora is None else lora[1], group_idx=0,
+                    lora_name=None if lora is None else lora[1],
+                    extra_keys=[(salt,), *[None] * (len(hashes) - 1)] if first else None, group_idx=0,
                 ))
             elif entry[0] == "removed":
                 events.append(BlockRemoved(block_hashes=entry[1].tolist(), medium=MEDIUM_GPU, group_idx=0))
