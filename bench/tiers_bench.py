@@ -144,7 +144,7 @@ def copy_rows(device: Device, name: str, layers: int, batches: tuple[int, ...], 
             targets = rng.choice(config.num_blocks_resolved, batch, replace=False)
             times["memcpy promote"].append(baseline.seconds("promote", nbytes))
             started = time.perf_counter()
-            tier.promote(held.tolist(), targets)
+            tier.promote(held.tolist(), targets, tokens[:batch])
             times["promote"].append(time.perf_counter() - started)
         for op in ("demote", "promote"):
             plain = times[f"memcpy {op}"]

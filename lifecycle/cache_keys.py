@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,7 @@ __all__ = ["IDENTITY_TOKEN_BASE", "MMKey", "identity_tokens", "salted_key"]
 
 #: Identity tokens of multimodal spans lie in ``[IDENTITY_TOKEN_BASE, 2**31)``.
 IDENTITY_TOKEN_BASE = 1 << 30
+_TOKEN_MAX = (1 << 31) - 1
 
 #: ``(content_hash, start, end)``: the input whose content hash (bytes, str or int) fills the
 #: prompt's token positions ``[start, end)``.
@@ -64,9 +66,17 @@ def identity_tokens(
     """A copy of ``prompt`` (int32) whose multimodal spans hold identity tokens: position ``i`` of
     the span of an input with content hash ``h`` becomes ``2**30 + (mix(h, i) mod 2**30)``, the
     same wherever the input sits in a prompt. Spans must lie inside the prompt and not overlap."""
-    tokens = np.array(prompt, dtype=np.int32, copy=True)
-    if tokens.ndim != 1:
-        raise InvalidId(f"attach_prefix: a prompt is a 1-D sequence of token ids, got shape {tokens.shape}")
+    try:
+        given: npt.NDArray[Any] | None = np.asarray(prompt)
+    except (TypeError, ValueError):
+        given = None
+    # integer ids only, checked before the int32 copy: 1.7 must not become token 1, nor 2**31 wrap
+    if given is None or given.ndim != 1 or (given.size and given.dtype.kind not in "iu"):
+        raise InvalidId(f"attach_prefix: a prompt is a 1-D sequence of integer token ids, got {prompt!r}")
+    if given.size and (int(given.min()) < 0 or int(given.max()) > _TOKEN_MAX):
+        bad = int(given.min()) if int(given.min()) < 0 else int(given.max())
+        raise InvalidId(f"attach_prefix: token id {bad} is out of range: token ids are in [0, {_TOKEN_MAX}]")
+    tokens = given.astype(np.int32)
     taken = np.zeros(len(tokens), dtype=np.bool_)
     for index, entry in enumerate(mm_keys):
         if not isinstance(entry, tuple) or len(entry) != 3:

@@ -53,6 +53,7 @@ __all__ = [
     "KVEventBatch",
     "KVEventTranslator",
     "RawEvent",
+    "SaltLookup",
     "ZmqEventPublisher",
     "encode_batch",
     "raw_entries",
@@ -79,7 +80,8 @@ class BlockStored:
     ``token_ids[i * block_size:(i + 1) * block_size]``; ``parent_block_hash`` names the block before
     the first (None at the start of a sequence). ``lora_id`` / ``lora_name`` name the adapter the
     blocks were computed with (None without one). The fields after ``lora_name`` are vLLM's optional
-    ones, which lifecycle leaves None."""
+    ones; lifecycle fills ``extra_keys`` only where vLLM puts a cache salt, in the first block of a
+    salted sequence (``((salt,), None, ...)``, one entry a block), and leaves the rest None."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
@@ -134,8 +136,16 @@ RawEvent: TypeAlias = tuple[Any, ...]
 #: ``adapter_of(adapter_key)``: ``(lora_id, lora_name)`` of an adapter key, or None for none.
 AdapterLookup: TypeAlias = Callable[[int], tuple[int, str] | None]
 
+#: ``salt_of(adapter_key)``: the cache salt a key was salted with (``HybridModel.attach_prefix``'s
+#: ``cache_salt``), or None for an unsalted key.
+SaltLookup: TypeAlias = Callable[[int], bytes | str | int | None]
+
 
 def _no_adapter(adapter_key: int) -> tuple[int, str] | None:
+    return None
+
+
+def _no_salt(adapter_key: int) -> bytes | str | int | None:
     return None
 
 
@@ -190,17 +200,20 @@ class KVEventTranslator:
     """Turns the core's raw event log into batches (:class:`KVEventBatch`).
 
     ``block_size`` is the model's; ``adapter_of`` maps a non-zero adapter key to ``(lora_id,
-    lora_name)`` (key 0 is "no adapter" and is never looked up); ``medium`` is the tier the core's
-    blocks live in (:data:`MEDIUM_GPU`: the KV pool); ``clock`` stamps each batch.
+    lora_name)`` (key 0 is "no adapter" and is never looked up) and ``salt_of`` to the cache salt
+    it was salted with (vLLM puts a request's ``cache_salt`` in the ``extra_keys`` of its first
+    block, and so does this translator, for a store that starts a sequence); ``medium`` is the tier
+    the core's blocks live in (:data:`MEDIUM_GPU`: the KV pool); ``clock`` stamps each batch.
     """
 
-    __slots__ = ("_adapter_of", "_block_size", "_clock", "_medium")
+    __slots__ = ("_adapter_of", "_block_size", "_clock", "_medium", "_salt_of")
 
     def __init__(
         self,
         block_size: int,
         *,
         adapter_of: AdapterLookup | None = None,
+        salt_of: SaltLookup | None = None,
         medium: str | None = MEDIUM_GPU,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -208,6 +221,7 @@ class KVEventTranslator:
             raise ConfigError(f"KVEventTranslator: block_size={block_size!r} must be an int >= 1")
         self._block_size = block_size
         self._adapter_of = adapter_of or _no_adapter
+        self._salt_of = salt_of or _no_salt
         self._medium = medium
         self._clock = clock
 
@@ -229,17 +243,42 @@ class KVEventTranslator:
             raw_log = raw_entries(raw_log)
         return [self._event(index, entry) for index, entry in enumerate(raw_log)]
 
-    def host_stored(self, hashes: Sequence[int]) -> BlockStored:
-        """Blocks that entered a tier below the pool by content hash alone (their tokens stay in
-        the tier): ``token_ids`` is empty and the parent unknown."""
+    def stored(
+        self, block_hashes: object, parent_block_hash: int | None, token_ids: object, adapter_key: int = 0
+    ) -> BlockStored:
+        """The ``BlockStored`` of blocks ``block_hashes`` holding ``token_ids`` (a chain: each
+        block's parent is the one before it, the first's ``parent_block_hash``, None at the start
+        of a sequence), computed under cache key ``adapter_key``, in this translator's tier. A
+        malformed argument raises :class:`~lifecycle.errors.MalformedEvent`."""
+        return self._stored("stored", block_hashes, parent_block_hash, token_ids, adapter_key)
+
+    def _stored(
+        self, what: str, raw_hashes: object, parent: object, raw_tokens: object, adapter_key: object
+    ) -> BlockStored:
+        hashes = _hashes(what, raw_hashes)
+        tokens = _tokens(what, raw_tokens)
+        if len(tokens) != len(hashes) * self._block_size:
+            raise MalformedEvent(
+                f"{what}: {len(tokens)} tokens for {len(hashes)} blocks of {self._block_size}; "
+                f"expected {len(hashes) * self._block_size}"
+            )
+        parent_hash = None if parent is None else _hashes(what, (parent,))[0]
+        if isinstance(adapter_key, np.integer):
+            adapter_key = int(adapter_key)
+        if type(adapter_key) is not int:
+            raise MalformedEvent(f"{what}: adapter key {adapter_key!r} is not an int")
+        adapter = self._adapter_of(adapter_key) if adapter_key else None
+        lora_id, lora_name = adapter if adapter is not None else (None, None)
+        salt = self._salt_of(adapter_key) if adapter_key and parent_hash is None and hashes else None
         return BlockStored(
-            block_hashes=_hashes("host_stored", list(hashes)),
-            parent_block_hash=None,
-            token_ids=(),
+            block_hashes=hashes,
+            parent_block_hash=parent_hash,
+            token_ids=tokens,
             block_size=self._block_size,
-            lora_id=None,
+            lora_id=lora_id,
             medium=self._medium,
-            lora_name=None,
+            lora_name=lora_name,
+            extra_keys=None if salt is None else ((salt,), *(None,) * (len(hashes) - 1)),
         )
 
     def batch(self, raw_log: Iterable[RawEvent], *, data_parallel_rank: int | None = None) -> KVEventBatch:
@@ -252,25 +291,7 @@ class KVEventTranslator:
         what = f"raw event {index} ({kind!r})"
         if kind == "stored" and len(entry) == 5:
             _, raw_hashes, parent, raw_tokens, adapter_key = entry
-            hashes = _hashes(what, raw_hashes)
-            tokens = _tokens(what, raw_tokens)
-            if len(tokens) != len(hashes) * self._block_size:
-                raise MalformedEvent(
-                    f"{what}: {len(tokens)} tokens for {len(hashes)} blocks of {self._block_size}; "
-                    f"expected {len(hashes) * self._block_size}"
-                )
-            parent_hash = None if parent is None else _hashes(what, (parent,))[0]
-            adapter = self._adapter_of(int(adapter_key)) if adapter_key else None
-            lora_id, lora_name = adapter if adapter is not None else (None, None)
-            return BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=parent_hash,
-                token_ids=tokens,
-                block_size=self._block_size,
-                lora_id=lora_id,
-                medium=self._medium,
-                lora_name=lora_name,
-            )
+            return self._stored(what, raw_hashes, parent, raw_tokens, adapter_key)
         if kind == "removed" and len(entry) == 2:
             return BlockRemoved(block_hashes=_hashes(what, entry[1]), medium=self._medium)
         if kind == "cleared" and len(entry) == 1:
@@ -442,7 +463,7 @@ class ZmqEventPublisher:
         if self._closed:
             raise TornDown("ZmqEventPublisher.publish: the publisher is closed")
         if not isinstance(batch, KVEventBatch):
-            raise TypeError(f"ZmqEventPublisher.publish: expected a KVEventBatch, got {batch!r}")
+            raise MalformedEvent(f"ZmqEventPublisher.publish: expected a KVEventBatch, got {batch!r}")
         if batch.events:
             with self._all_sent:
                 self._unsent += 1

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from typing import BinaryIO, Final
 
@@ -31,7 +31,7 @@ import numpy.typing as npt
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._slots import SlotPool
-from lifecycle.adapters import AdapterInfo, AdapterTable
+from lifecycle.adapters import AdapterInfo, AdapterTable, adapter_key
 from lifecycle.block_tables import write_block_tables
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
@@ -40,6 +40,7 @@ from lifecycle.errors import (
     ForeignSequence,
     InvalidId,
     InvariantViolation,
+    LifecycleError,
     OutOfBlocks,
     SequenceStateError,
     SlotInUse,
@@ -140,7 +141,8 @@ class HybridModel(LifecycleDefaults):
         self._swap_ctx = SwapContext(
             config, self._device, self._kv, self._ssm, staging=self._memory.staging, adapters=self._adapters
         )
-        self._salted: dict[int, int] = {}  # salted cache key -> the key it was salted from
+        # salted cache key -> (the key it was salted from, the salt)
+        self._salted: dict[int, tuple[int, bytes | str | int]] = {}
         self._stats_base: Stats | None = None
         self._tiers: ModelTiers | None = None
         if events or host_tier_blocks or store is not None:
@@ -151,7 +153,7 @@ class HybridModel(LifecycleDefaults):
                     )
                 self._tiers = ModelTiers(
                     self._core, self._device, self._kv, config, host_blocks=host_tier_blocks, store_url=store,
-                    events=events, adapter_of=self._adapter_of,
+                    events=events, adapter_of=self._adapter_of, salt_of=self._salt_of,
                 )
             except BaseException:
                 self._core.close()
@@ -256,7 +258,9 @@ class HybridModel(LifecycleDefaults):
 
     def finish_sequence(self, seq: SequenceState) -> None:
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
-        request ends): one core call that caches, unpins and releases."""
+        request ends): one core call that caches, unpins and releases. A second call is a no-op
+        while the model lives; after ``teardown`` (which released every sequence) it raises
+        ``TornDown``, as every call but ``teardown`` does."""
         if self._snapshots is not None:
             self._handle(seq)
             with self._lock, self._device_work():
@@ -267,15 +271,17 @@ class HybridModel(LifecycleDefaults):
                     finally:
                         self._core.release(seq, False, self._release_adapter)
             return
-        if self._drop_queue:
-            self._reap_dropped()
+        if self._torn_down or self._drop_queue:
+            self._enter()
         self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
         """Release the SSM slot first (unless detached), then the adapter reference, the prefix
-        pins and one reference on every block. A second call is a no-op."""
-        if self._drop_queue:
-            self._reap_dropped()
+        pins and one reference on every block. A second call is a no-op while the model lives;
+        after ``teardown`` (which released every sequence) it raises ``TornDown``, as every call
+        but ``teardown`` does."""
+        if self._torn_down or self._drop_queue:
+            self._enter()
         self._core.release(seq, False, self._release_adapter)
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
@@ -502,7 +508,13 @@ class HybridModel(LifecycleDefaults):
         salt or image never match. With a host tier, the lookup continues past the device match
         into the tiers, and blocks found there are copied into the table and count as reused."""
         if cache_salt is not None or mm_keys:
-            prompt = self._keyed(seq, prompt, cache_salt, mm_keys)
+            keyed, unsalted = self._keyed(seq, prompt, cache_salt, mm_keys)
+            try:
+                return self.attach_prefix(seq, keyed, grow_to=grow_to)
+            except BaseException:
+                if unsalted is not None:
+                    self._unsalt(seq, unsalted)
+                raise
         if self._ssm is None:
             if self._drop_queue:
                 self._reap_dropped()
@@ -546,29 +558,48 @@ class HybridModel(LifecycleDefaults):
         prompt: Sequence[int] | npt.NDArray[np.integer],
         cache_salt: bytes | str | int | None,
         mm_keys: Sequence[MMKey] | None,
-    ) -> npt.NDArray[np.int32] | Sequence[int] | npt.NDArray[np.integer]:
+    ) -> tuple[npt.NDArray[np.int32] | Sequence[int] | npt.NDArray[np.integer], int | None]:
         """The prompt as matched (multimodal spans as identity tokens), with the record's cache
-        key salted before its first attach (a retried attach must bring the same salt)."""
+        key salted before its first attach (a retried attach must bring the same salt); and the
+        key before, when this call salted it (put back if the attach is refused)."""
         handle = self._handle(seq)
         if mm_keys:
             prompt = identity_tokens(prompt, mm_keys)
-        if cache_salt is not None:
-            key = self._core.cache_key(handle)
-            if self._core.num_tokens(handle) == 0:
-                salted = salted_key(key, cache_salt)
-                self._core.set_cache_key(handle, salted)
-                self._salted[salted] = key
-                if len(self._salted) > 65536:  # keys of long-gone salts name no adapter any more
-                    del self._salted[next(iter(self._salted))]
-            elif key not in self._salted or salted_key(self._salted[key], cache_salt) != key:
+        if cache_salt is None:
+            return prompt, None
+        key = self._core.cache_key(handle)
+        base = self._salted[key][0] if key in self._salted else key
+        salted = salted_key(base, cache_salt)
+        if self._core.num_tokens(handle) != 0:
+            if salted != key:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} was attached with another cache salt")
-        return prompt
+            return prompt, None
+        if salted == key:  # salted already by an attach that recorded nothing (an empty prompt)
+            return prompt, None
+        self._core.set_cache_key(handle, salted)
+        self._salted[salted] = (base, cache_salt)
+        if len(self._salted) > 65536:  # keys of long-gone salts name no adapter any more
+            del self._salted[next(iter(self._salted))]
+        return prompt, key
+
+    def _unsalt(self, seq: SequenceState, key: int) -> None:
+        """After a refused attach that salted the record's key: the key as it was, unless the
+        attach recorded the prompt (a growth that failed after the prefix was attached)."""
+        handle = seq.handle
+        with suppress(LifecycleError):  # the refusal being raised is what the caller must see
+            if self._core.is_live(handle) and self._core.num_tokens(handle) == 0:
+                self._core.set_cache_key(handle, key)
 
     def _adapter_of(self, key: int) -> tuple[int, str] | None:
         """``(lora_id, lora_name)`` of a cache key, for KV events: the adapter's key and name."""
-        base = self._salted.get(key, key)
+        base = self._salted[key][0] if key in self._salted else key
         named = self._adapters.named(base)
         return None if named is None else (base, named[0])
+
+    def _salt_of(self, key: int) -> bytes | str | int | None:
+        """The cache salt of a salted cache key, for KV events (None for another key)."""
+        salted = self._salted.get(key)
+        return None if salted is None else salted[1]
 
     def _drained(self) -> None:
         """After a core call that may have evicted: demote what it evicted (host tier)."""
@@ -579,9 +610,11 @@ class HybridModel(LifecycleDefaults):
 
     def grow(self, seq: SequenceState, num_tokens: int) -> int:
         """Grow the block table to cover ``num_tokens`` tokens, all or nothing, evicting cached
-        prefix blocks when the free list runs short. Returns the number of blocks added."""
-        if self._drop_queue:
-            self._reap_dropped()
+        prefix blocks when the free list runs short. Returns the number of blocks added. A freed
+        or retired sequence raises ``SequenceStateError``; any sequence after ``teardown``,
+        ``TornDown``."""
+        if self._torn_down or self._drop_queue:
+            self._enter()
         if not self._demoting:
             return self._core.grow_seq(seq, num_tokens)
         try:
@@ -630,7 +663,9 @@ class HybridModel(LifecycleDefaults):
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
         SSM state in its slot has consumed exactly) with an SSM snapshot at that point, so a later
-        hybrid lookup can reuse them. Returns False when snapshots are disabled.
+        hybrid lookup can reuse them. Returns whether it did: False, changing nothing, when
+        snapshots (or the prefix cache) are disabled or the sequence can no longer be cached (it
+        was freed, or marked failed), as ``cache_sequence`` caches nothing then.
 
         ``rolling=True`` replaces the sequence's previous rolling snapshot: an engine can take one
         at every block boundary while decoding, so that the state at the last whole block of the
@@ -646,10 +681,18 @@ class HybridModel(LifecycleDefaults):
                 return self._snapshots.snapshot(self._core, seq, blocks, rolling=rolling)
 
     def load_adapter(self, name: str) -> int:
-        """Load (or reload, as a new generation) a LoRA adapter; returns its slot."""
+        """Load (or reload, as a new generation) a LoRA adapter; returns its slot. With KV events,
+        a new generation of a name loaded before publishes the removal of every block cached under
+        the previous generation (no request matches them again; a router names blocks by adapter
+        name and tokens, and would count them as the new generation's), and nothing more of it."""
         with self._lock:
             self._enter()
-            return self._adapters.load(name)
+            slot = self._adapters.load(name)
+            generation = self._adapters.info(slot).generation
+            if generation > 1 and self._tiers is not None:
+                old = adapter_key(name, generation - 1)
+                self._tiers.retire({old} | {key for key, (base, _) in self._salted.items() if base == old})
+            return slot
 
     def unload_adapter(self, name: str) -> None:
         """Unload an adapter; its slot is reused once no sequence references it."""
@@ -743,7 +786,13 @@ class HybridModel(LifecycleDefaults):
 
     def num_common_prefix_blocks(self, seqs: Sequence[SequenceState]) -> int:
         """How many leading blocks all of ``seqs`` share (cascade attention's common prefix)."""
-        return int(self._core.num_common_prefix_blocks([self._handle(seq) for seq in seqs]))
+        try:
+            handles = [self._handle(seq) for seq in seqs]
+        except TypeError:
+            raise InvalidId(
+                f"num_common_prefix_blocks: seqs must be a sequence of SequenceStates, got {seqs!r}"
+            ) from None
+        return int(self._core.num_common_prefix_blocks(handles))
 
     def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None) -> int:
         """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer the engine

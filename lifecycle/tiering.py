@@ -6,7 +6,8 @@ events:
 - after every core call that may evict cached blocks, :meth:`ModelTiers.drain` takes the core's
   event log: removed blocks (logged with their block ids and tokens, the core's *demotion*) are
   copied into the host tier before the call returns, so no engine kernel can have written the
-  blocks again; the log is kept for :meth:`ModelTiers.take_events` when events are on;
+  blocks again; with events on, the core's events and then the host tier's changes go into one
+  log, in the order they happened, for :meth:`ModelTiers.take_events`;
 - at admission, :meth:`ModelTiers.promote` continues the lookup past the device match, into the
   host tier and then the store (one round trip), and copies what it finds into the request's
   fresh blocks, which then count as cached and enter the device prefix cache.
@@ -16,9 +17,9 @@ Tier counters are kept here and reported in ``HybridModel.stats()``.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, fields
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -31,16 +32,24 @@ from lifecycle.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AdapterLookup,
+    AllBlocksCleared,
     BlockRemoved,
     KVEvent,
     KVEventBatch,
     KVEventTranslator,
+    SaltLookup,
+    raw_entries,
 )
 from lifecycle.pools import KVPool
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.records import BlockRecord
 
 __all__ = ["ModelTiers", "TierCounters"]
+
+_HASHES: Final = 1 << 64
+#: The content hash's chain multiplier (docs/content-hashes.md, step 5) and its inverse mod 2**64.
+_CHAIN: Final = 0x9E3779B97F4A7C15
+_UNCHAIN: Final = pow(_CHAIN, -1, _HASHES)
 
 
 @dataclass(slots=True)
@@ -70,6 +79,7 @@ class ModelTiers:
         store_url: str | None = None,
         events: bool = False,
         adapter_of: AdapterLookup | None = None,
+        salt_of: SaltLookup | None = None,
     ) -> None:
         if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
             raise ConfigError(f"host_tier_blocks={host_blocks!r} must be an int >= 0")
@@ -81,17 +91,21 @@ class ModelTiers:
             )
         self._core = core
         self._block_size = config.block_size
-        self._lock = threading.Lock()
         self.counters = TierCounters()
         self._host: HostTier | None = None
         self._store = None
-        self._raw: list[RawEvents] = []
         self._events = events
         self._translators = {
-            medium: KVEventTranslator(config.block_size, adapter_of=adapter_of, medium=medium)
+            medium: KVEventTranslator(config.block_size, adapter_of=adapter_of, salt_of=salt_of, medium=medium)
             for medium in (MEDIUM_GPU, MEDIUM_CPU)
         }
-        self._host_stored: list[list[int]] = []
+        self._log: list[KVEvent] = []  # every tier's events since take_events, in the order they happened
+        # Per tier, the cache key of each block published as stored under a key other than 0 (an
+        # adapter's or a salt's): what a demoted block's store event names, and what a retired
+        # generation's removals are recognised by.
+        self._keys: dict[str, dict[int, int]] = {MEDIUM_GPU: {}, MEDIUM_CPU: {}}
+        self._retired: set[int] = set()  # cache keys of adapter generations that were reloaded
+        self._roots: dict[int, int] = {}  # cache key -> the hash its chains start from
         if host_blocks:
             assert kv_pool is not None
             self._host = HostTier(device, kv_pool, host_blocks, config.block_size)
@@ -102,8 +116,7 @@ class ModelTiers:
                     self._store = StoreTier(store_url, config, source=self._host)
                     self._host.subscribe(self._store.write_behind)
                 if events:
-                    self._host.subscribe(self._on_host_stored)
-                    self._host.record_evictions(True)
+                    self._host.record_changes(True)
             except BaseException:
                 self._host.close()
                 raise
@@ -120,20 +133,33 @@ class ModelTiers:
     # -- after every core call that may evict ------------------------------------------------------
 
     def drain(self) -> None:
-        """Take the core's log: demote what it evicted, keep the rest for ``take_events``."""
+        """Take the core's log: its events go into the log, then what it evicted is demoted (and
+        the host tier's changes follow in the log)."""
         if not self._core.pending_events:
             return
         raw = self._core.take_events()
-        if self._host is not None:
-            self._demote(raw)
+        demoted = self._demoted(raw) if self._host is not None else None
+        leaving: dict[int, int] = {}  # the cache keys of the blocks that left the device, where not 0
         if self._events:
-            self._raw.append(raw)
+            self._log_device(raw, leaving)
+        if demoted is not None:
+            hashes, ids, tokens = demoted
+            started = time.perf_counter_ns()
+            assert self._host is not None
+            self.counters.blocks_demoted += self._host.demote(hashes, ids, tokens)
+            self.counters.tier_ns += time.perf_counter_ns() - started
+            if self._events:
+                demoted_hashes: list[int] = hashes.tolist()
+                keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
+                self._log_host(demoted_hashes, tokens.reshape(-1, self._block_size), keys, None)
 
-    def _demote(self, raw: RawEvents) -> None:
+    @staticmethod
+    def _demoted(raw: RawEvents) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
+        """The hashes, block ids and tokens of the blocks the log's removals demote, or None."""
         entries = raw.entries
         removed = (entries["kind"] == REMOVED) & entries["has_ids"]
         if not removed.any():
-            return
+            return None
         counts = entries["count"].astype(np.int64)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         hashes = np.concatenate([raw.hashes[s : s + c] for s, c in zip(starts[removed], counts[removed])])
@@ -142,10 +168,7 @@ class ModelTiers:
         tokens = np.concatenate(
             [raw.tokens[s : s + n] for s, n in zip(token_starts[removed], entries["num_tokens"][removed])]
         )
-        started = time.perf_counter_ns()
-        assert self._host is not None
-        self.counters.blocks_demoted += self._host.demote(hashes, raw.ids, tokens)
-        self.counters.tier_ns += time.perf_counter_ns() - started
+        return hashes, raw.ids, tokens
 
     # -- admission -----------------------------------------------------------------------------------
 
@@ -153,7 +176,8 @@ class ModelTiers:
         """Continue a request's lookup past its ``reused_blocks`` device blocks into the host
         tier and the store, up to the block before the one holding the prompt's last token, and
         copy the run found into the request's blocks (grown to cover it if they do not). Returns
-        the blocks promoted."""
+        the blocks promoted. Every block promoted holds the request's tokens: the host tier checks
+        them for what it held, the store for what it gives back, and the copy for both."""
         host = self._host
         limit = (len(prompt) - 1) // self._block_size
         if host is None or limit <= reused_blocks:
@@ -172,54 +196,193 @@ class ModelTiers:
             if limit <= reused_blocks:
                 return 0
             bs = self._block_size
-            wanted = core.block_hashes(handle)[reused_blocks:limit]
+            chain = core.block_hashes(handle)[:limit]
+            wanted = chain[reused_blocks:]
             tokens = prompt[reused_blocks * bs : limit * bs]
             found = host.lookup(wanted, tokens)
             self.counters.host_hit_blocks += found
             if found < len(wanted) and self._store is not None:
-                records = self._store.get_many(wanted[found:], tokens[found * bs :])
-                hits: list[BlockRecord] = []
-                for record in records[: host.capacity_blocks - found]:  # loading must not push out what was found
-                    if record is None:
-                        break
-                    hits.append(record)
-                run = len(hits)
-                if run > 0:
-                    host.load(hits)
-                    self.counters.store_hit_blocks += run
-                    found += run
+                room = host.capacity_blocks - found  # loading must not push out what was found
+                run = self._load(handle, chain, reused_blocks + found, tokens[found * bs :], room)
+                self.counters.store_hit_blocks += run
+                found += run
             if found == 0:
                 return 0
             table = core.block_table(handle)
-            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found])
+            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs])
             core.mark_computed(handle, reused_blocks + found)
             self.counters.blocks_promoted += found
             return found
         finally:
             self.counters.tier_ns += time.perf_counter_ns() - started
 
+    def _load(
+        self, handle: int, chain: npt.NDArray[np.uint64], first: int, tokens: npt.NDArray[np.int32], room: int
+    ) -> int:
+        """Read blocks ``chain[first:]`` (holding ``tokens``) from the store and load the leading
+        run of valid records, at most ``room``, into the host tier; returns the run's length."""
+        assert self._store is not None and self._host is not None
+        hashes: list[int] = chain.tolist()
+        records = self._store.get_many(chain[first:], tokens)
+        seen = set(hashes[:first])
+        hits: list[BlockRecord] = []
+        for record in records[:room]:
+            # A hash met twice in one chain (a collision) ends the run: one entry cannot hold both.
+            if record is None or record.content_hash in seen:
+                break
+            seen.add(record.content_hash)
+            hits.append(record)
+        if not hits:
+            return 0
+        self._host.load(hits)
+        if self._events:
+            run = len(hits)
+            parents: list[int | None] = [hashes[i - 1] if i else None for i in range(first, first + run)]
+            keys = [self._core.cache_key(handle)] * run
+            rows = tokens[: run * self._block_size].reshape(run, self._block_size)
+            self._log_host(hashes[first : first + run], rows, keys, parents)
+        return len(hits)
+
     # -- events --------------------------------------------------------------------------------------
 
-    def _on_host_stored(self, hashes: list[int]) -> None:
-        with self._lock:
-            self._host_stored.append(hashes)
+    def _log_device(self, raw: RawEvents, leaving: dict[int, int]) -> None:
+        """The core's events into the log; ``leaving`` gets the key of each block removed."""
+        gpu, keys = self._translators[MEDIUM_GPU], self._keys[MEDIUM_GPU]
+        for entry in raw_entries(raw):
+            if entry[0] == "stored":
+                _, hashes, parent, tokens, key = entry
+                if key:
+                    keys.update(dict.fromkeys(hashes.tolist(), key))
+                    if key in self._retired:
+                        continue
+                self._log.append(gpu.stored(hashes, parent, tokens, key))
+            elif entry[0] == "removed":
+                self._log_removed(MEDIUM_GPU, entry[1].tolist(), leaving)
+            else:
+                for known in self._keys.values():
+                    known.clear()
+                self._log.append(AllBlocksCleared())
+
+    def _log_removed(self, medium: str, hashes: list[int], leaving: dict[int, int] | None = None) -> None:
+        """Blocks left ``medium``: a removal, but none for a retired generation's blocks (their
+        removal was published when the generation was retired). ``leaving`` gets their keys."""
+        keys = self._keys[medium]
+        if keys:
+            shown = []
+            for content_hash in hashes:
+                key = keys.pop(content_hash, 0)
+                if key and leaving is not None:
+                    leaving[content_hash] = key
+                if key not in self._retired:
+                    shown.append(content_hash)
+            hashes = shown
+        if hashes:
+            self._log.append(BlockRemoved(block_hashes=tuple(hashes), medium=medium))
+
+    def _log_host(
+        self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int], parents: list[int | None] | None
+    ) -> None:
+        """The host tier's changes in the call just made on ``hashes`` (their token ``rows``, cache
+        ``keys`` and, where known, ``parents``; demoted blocks' parents are recovered from the
+        chain) into the log."""
+        assert self._host is not None
+        position: dict[int, int] | None = None
+        for kind, changed in self._host.take_changes():
+            if kind == "removed":
+                self._log_removed(MEDIUM_CPU, changed)
+                continue
+            if position is None:
+                position = {content_hash: i for i, content_hash in enumerate(hashes)}
+            picked = [position[content_hash] for content_hash in changed]
+            picked_keys = [keys[i] for i in picked]
+            if parents is None:
+                picked_parents = self._parents(changed, rows[picked], picked_keys)
+            else:
+                picked_parents = [parents[i] for i in picked]
+            self._log_cpu_stored(changed, rows[picked], picked_parents, picked_keys)
+
+    def _parents(self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int]) -> list[int | None]:
+        """The parent of each block (None for a sequence's first) from its hash and tokens: the
+        chain ``hash = own + parent * C`` (docs/content-hashes.md) is solved for ``parent``, with
+        ``own`` read off the core's hashes of the tokens chained behind a block of zeros."""
+        bs = self._block_size
+        chained = self._core.content_hashes(np.concatenate((np.zeros(bs, np.int32), rows.ravel())), 0)
+        with np.errstate(over="ignore"):
+            own = chained[1:] - chained[:-1] * np.uint64(_CHAIN)
+            found = (np.asarray(hashes, dtype=np.uint64) - own) * np.uint64(_UNCHAIN)
+        return [None if parent == self._root(key) else parent for parent, key in zip(found.tolist(), keys)]
+
+    def _root(self, key: int) -> int:
+        """The hash the chains of cache key ``key`` start from, from the core's hashes of two
+        blocks of zeros under it."""
+        root = self._roots.get(key)
+        if root is None:
+            first, second = self._core.content_hashes(np.zeros(2 * self._block_size, np.int32), key).tolist()
+            own = (second - first * _CHAIN) % _HASHES
+            root = (first - own) * _UNCHAIN % _HASHES
+            if len(self._roots) >= 4096:
+                self._roots.clear()
+            self._roots[key] = root
+        return root
+
+    def _log_cpu_stored(
+        self, hashes: list[int], rows: npt.NDArray[np.int32], parents: list[int | None], keys: list[int]
+    ) -> None:
+        """``BlockStored`` events (CPU) for blocks that entered the host tier, as chains of one key
+        each, every block after its parent where the parent entered too."""
+        count = len(hashes)
+        starts = [i for i in range(count) if i == 0 or parents[i] != hashes[i - 1] or keys[i] != keys[i - 1]]
+        runs = list(zip(starts, [*starts[1:], count]))
+        run_of = {hashes[i]: r for r, (begin, end) in enumerate(runs) for i in range(begin, end)}
+        order: list[int] = []
+        placed = [False] * len(runs)
+        for run in range(len(runs)):
+            lineage: list[int] = []
+            at: int | None = run
+            while at is not None and not placed[at]:
+                placed[at] = True
+                lineage.append(at)
+                parent = parents[runs[at][0]]
+                at = None if parent is None else run_of.get(parent)
+            order.extend(reversed(lineage))
+        chains: list[list[int]] = []
+        for run in order:
+            begin, end = runs[run]
+            last = chains[-1][-1] if chains else -1
+            if chains and parents[begin] == hashes[last] and keys[begin] == keys[last]:
+                chains[-1].extend(range(begin, end))
+            else:
+                chains.append(list(range(begin, end)))
+        cpu, known = self._translators[MEDIUM_CPU], self._keys[MEDIUM_CPU]
+        for chain in chains:
+            head, key = chain[0], keys[chain[0]]
+            chain_hashes = [hashes[i] for i in chain]
+            if key:
+                known.update(dict.fromkeys(chain_hashes, key))
+                if key in self._retired:
+                    continue
+            self._log.append(cpu.stored(chain_hashes, parents[head], rows[chain], key))
+
+    def retire(self, keys: set[int]) -> None:
+        """Cache keys ``keys`` can no longer be matched (an adapter was reloaded as a new
+        generation): every block published under them is published as removed now, from every
+        tier, and nothing of theirs is published after (their blocks age out unseen). A router
+        that names blocks by adapter name and tokens would otherwise count the old generation's
+        blocks as the new one's."""
+        if not self._events or not keys:
+            return
+        self.drain()
+        self._retired |= keys
+        for medium, known in self._keys.items():
+            gone = [content_hash for content_hash, key in known.items() if key in keys]
+            if gone:
+                self._log.append(BlockRemoved(block_hashes=tuple(gone), medium=medium))
 
     def take_events(self, data_parallel_rank: int | None = None) -> KVEventBatch:
-        """Every event since the last call, in order per tier: the device pool's (``GPU``) first,
-        then the host tier's (``CPU``: blocks demoted into it, blocks it evicted)."""
+        """Every event since the last call, every tier's (the device pool's ``GPU``, the host
+        tier's ``CPU``), in the order they happened."""
         self.drain()
-        raws, self._raw = self._raw, []
-        events: list[KVEvent] = []
-        for raw in raws:
-            events.extend(self._translators[MEDIUM_GPU].events(raw))
-        if self._host is not None and self._events:
-            with self._lock:
-                stored, self._host_stored = self._host_stored, []
-            cpu = self._translators[MEDIUM_CPU]
-            events.extend(cpu.host_stored(hashes) for hashes in stored)
-            evicted = self._host.take_evicted()
-            if evicted:
-                events.append(BlockRemoved(block_hashes=tuple(evicted), medium=MEDIUM_CPU))
+        events, self._log = self._log, []
         return KVEventBatch(ts=time.time(), events=tuple(events), data_parallel_rank=data_parallel_rank)
 
     # -- state ---------------------------------------------------------------------------------------
@@ -229,7 +392,9 @@ class ModelTiers:
 
     def clear(self) -> None:
         """After a prefix-cache reset: the tiers' blocks go too (they were computed with what the
-        reset discards), and pending events."""
+        reset discards). Pending events are kept, in order: the reset's ``AllBlocksCleared`` comes
+        after every event before it, the host tier's included, and stands for the host tier's
+        blocks too."""
         self.drain()
         if self._host is not None:
             self._host.clear()

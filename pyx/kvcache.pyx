@@ -156,6 +156,26 @@ cdef inline Py_ssize_t _blocks_for(Py_ssize_t tokens, Py_ssize_t block_size) noe
     return (tokens + block_size - 1) // block_size
 
 
+cdef Py_ssize_t _repeated_row(const int32_t *row_of, Py_ssize_t n, Py_ssize_t nrows, Failure *f) noexcept nogil:
+    """The first entry whose table row (each already in ``[0, nrows)``) an earlier entry has, or
+    -1: two requests must not write one row."""
+    cdef Py_ssize_t i
+    cdef unsigned char *seen = <unsigned char *>calloc(nrows, 1)
+    if seen == NULL:
+        f.code = E_NO_MEMORY
+        return 0
+    for i in range(n):
+        if seen[row_of[i]]:
+            free(seen)
+            f.code = E_INVALID_ARG
+            f.value = row_of[i]
+            f.limit = -2  # a row given twice
+            return i
+        seen[row_of[i]] = 1
+    free(seen)
+    return -1
+
+
 cdef inline int _grow_array(void **array, Py_ssize_t *capacity, Py_ssize_t needed, size_t item) noexcept nogil:
     """Make room for ``needed`` items (doubling); 1 when out of memory (nothing changed)."""
     cdef Py_ssize_t grown = capacity[0] if capacity[0] > 0 else 64
@@ -1819,6 +1839,8 @@ cdef class KVCacheCore:
                 )
             if f.code == E_INVALID_ARG and f.limit == -1:
                 raise InvalidId(f"step: handle {f.value} is listed more than once (entry {bad})")
+            if f.code == E_INVALID_ARG and f.limit == -2:
+                raise InvalidId(f"step: table row {f.value} is given to more than one request (entry {bad})")
             if f.code == E_INVALID_ARG:
                 raise InvalidId(f"step: {f.value} is outside [0, {f.limit}] (entry {bad})")
             self._raise(&f, "step")
@@ -1862,6 +1884,10 @@ cdef class KVCacheCore:
                 f.code = E_INVALID_ARG
                 f.value = row_of[i]
                 f.limit = nrows - 1
+                return i
+        if row_of != NULL and n > 1:
+            i = _repeated_row(row_of, n, nrows, f)
+            if i >= 0:
                 return i
         for i in range(num_tok):
             if tok[i] < 0:
@@ -2870,6 +2896,9 @@ cdef cnp.ndarray _int64_vector(object values, str what):
         raise InvalidId(f"{what} must be a 1-D sequence of ints, got {values!r}") from error
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InvalidId(f"{what} must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
+    if array.size and array.dtype.kind == "u" and array.max() > 0x7FFFFFFFFFFFFFFF:
+        # refused by its own value: the int64 copy below would name a negative one
+        raise InvalidId(f"{what}: {int(array.max())} is past the int64 limit {0x7FFFFFFFFFFFFFFF}")
     return np.require(array, dtype=np.int64, requirements=["C", "A"])
 
 

@@ -75,3 +75,31 @@ def reference_block_hashes(tokens: Sequence[int], block_size: int, adapter: int 
         parent = (fmix64(nh(tokens[start : start + block_size], keys)) + parent * GOLDEN) & MASK64
         hashes.append(parent)
     return hashes
+
+
+def chained_hash(parent: int, block: Sequence[int]) -> int:
+    """The content hash of ``block`` after the block hashed ``parent`` (or a root hash)."""
+    return (fmix64(nh(block, hash_keys(len(block) + 1))) + parent * GOLDEN) & MASK64
+
+
+def colliding_blocks(block_size: int) -> tuple[list[int], list[int]]:
+    """Two blocks of other tokens with equal NH, so equal content hashes after any one parent: the
+    first pair's offset tokens ``(a, b)`` become ``(2a, b / 2)``, the rest stay (what a hostile
+    tenant who knows the public keys can build)."""
+    assert block_size >= 2
+    keys = hash_keys(block_size + 1)
+    rest = list(range(1, block_size - 1))
+
+    def token(offset: int, key: int) -> int | None:  # the token id whose offset token is ``offset``
+        value = (offset - key) & 0xFFFFFFFF
+        return value if value < 1 << 31 else None
+
+    for a in range(1 << 20, 1 << 31, 0x1000_0001):
+        for b in range(1 << 20, 1 << 32, 0x2000_0002):
+            ids = [token(a, keys[0]), token(b, keys[1]), token(2 * a, keys[0]), token(b // 2, keys[1])]
+            found = [value for value in ids if value is not None]
+            if len(found) == 4:
+                x, y = [*found[:2], *rest], [*found[2:], *rest]
+                assert x != y and nh(x, keys) == nh(y, keys)
+                return x, y
+    raise AssertionError("no colliding pair found")

@@ -37,6 +37,7 @@ from lifecycle._blockpool import BlockPool
 from lifecycle._hostcopy import first_bad_row, memmove_rows, put_int32, stream_copy
 from lifecycle._kvcache import KVCacheCore
 from lifecycle.cli import main
+from lifecycle.config import AttentionLayer, ModelConfig
 from lifecycle.device.base import Device
 from lifecycle.errors import (
     ConfigError,
@@ -949,3 +950,111 @@ def test_a_pool_too_small_for_any_chat_is_blamed_on_the_option_that_sized_it(
 ) -> None:
     assert main(["simulate", "--blocks", "3"]) == 2
     assert "error: argument --blocks: a KV pool of 3 blocks" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- issue 28: a hostile pass
+
+#: A pure-attention model: 8 blocks (32 tokens) a sequence at most.
+ATTENTION = ModelConfig(
+    layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=BS, num_blocks=32, max_seqs=4,
+    max_blocks_per_seq=8, name="bad-input-attention",
+)
+
+
+@pytest.fixture
+def attention() -> Iterator[HybridModel]:
+    m = HybridModel(ATTENTION, "host")
+    yield m
+    if m.teardown_report is None:
+        m.check_invariants()
+        m.teardown()
+
+
+SALTED_PROMPT = list(range(1, 22))  # 5 whole blocks and one more token
+
+
+@pytest.mark.parametrize(
+    ("prompt", "grow_to"),
+    [(SALTED_PROMPT, 8 * BS + 1), ([*SALTED_PROMPT[:-1], -1], None)],
+    ids=["grow_to over the limit", "negative token"],
+)
+def test_a_refused_salted_attach_leaves_the_key_unsalted_and_the_retry_reuses_the_prefix(
+    attention: HybridModel, prompt: list[int], grow_to: int | None
+) -> None:
+    first = attention.alloc_sequence_for(8 * BS)
+    attention.attach_prefix(first, SALTED_PROMPT, grow_to=len(SALTED_PROMPT), cache_salt="tenant")
+    attention.finish_sequence(first)
+    seq = attention.alloc_sequence_for(8 * BS)
+    key = attention.core.cache_key(seq.handle)
+    with unchanged(attention, seq), pytest.raises(InvalidId):
+        attention.attach_prefix(seq, prompt, grow_to=grow_to, cache_salt="tenant")
+    assert attention.core.cache_key(seq.handle) == key
+    assert attention.attach_prefix(seq, SALTED_PROMPT, cache_salt="tenant") == 5 * BS
+    attention.free_sequence(seq)
+
+
+@pytest.mark.parametrize(("prompt", "named"), [([1.7, 2, 3, 4, 5], "integer"), ([1, 2**31, 3, 4, 5], str(2**31))],
+                         ids=["float token", "token past int32"])
+@pytest.mark.parametrize("mm_keys", [None, [(b"image", 0, 2)]], ids=["plain", "multimodal"])
+def test_a_prompt_that_is_not_int32_token_ids_is_refused_with_or_without_multimodal_keys(
+    attention: HybridModel, prompt: list[Any], named: str, mm_keys: Any
+) -> None:
+    seq = attention.alloc_sequence_for(8 * BS)
+    with unchanged(attention, seq), pytest.raises(InvalidId, match=named):
+        attention.attach_prefix(seq, prompt, mm_keys=mm_keys)
+    attention.free_sequence(seq)
+
+
+def test_common_prefix_blocks_of_no_sequence_list_is_an_invalid_id(attention: HybridModel) -> None:
+    with unchanged(attention), pytest.raises(InvalidId, match="None"):
+        attention.num_common_prefix_blocks(None)  # type: ignore[arg-type]
+
+
+def test_evict_blocks_names_a_uint64_id_past_int64_by_its_value(attention: HybridModel) -> None:
+    seq = attention.alloc_sequence_for(8 * BS)
+    attention.attach_prefix(seq, SALTED_PROMPT, grow_to=len(SALTED_PROMPT))
+    attention.finish_sequence(seq)
+    with unchanged(attention), pytest.raises(InvalidId, match=rf"(?<!-){2**63}"):
+        attention.evict_blocks(np.array([2**63], dtype=np.uint64))
+    assert attention.core.num_cached_blocks == 5
+
+
+# Decided (issue 28.15): after teardown every call but teardown raises TornDown, freed sequences'
+# included; while the model lives a second free is a no-op, and save_snapshot of a freed sequence
+# returns False like a cache_sequence that caches nothing.
+
+
+@pytest.mark.parametrize("call", ["free_sequence", "finish_sequence"])
+def test_freeing_a_freed_sequence_after_teardown_raises_torn_down(attention: HybridModel, call: str) -> None:
+    seq = attention.alloc_sequence_for(8 * BS)
+    attention.attach_prefix(seq, SALTED_PROMPT)
+    getattr(attention, call)(seq)
+    getattr(attention, call)(seq)  # a second call while the model lives: a no-op
+    attention.teardown()
+    with pytest.raises(TornDown, match="torn down"):
+        getattr(attention, call)(seq)
+
+
+def test_growing_a_freed_sequence_is_a_state_error_and_after_teardown_torn_down(attention: HybridModel) -> None:
+    seq = attention.alloc_sequence_for(8 * BS)
+    attention.attach_prefix(seq, SALTED_PROMPT)
+    attention.free_sequence(seq)
+    with unchanged(attention), pytest.raises(SequenceStateError, match="freed"):
+        attention.grow(seq, 24)
+    attention.teardown()
+    with pytest.raises(TornDown, match="torn down"):
+        attention.grow(seq, 24)
+
+
+def test_save_snapshot_of_a_freed_sequence_returns_false_and_changes_nothing(
+    device: Device, rng: np.random.Generator  # noqa: F811
+) -> None:
+    model = HybridModel(swap_config(num_snapshots=4), device)
+    try:
+        seq = filled(model, rng, num_tokens=9)
+        assert model.save_snapshot(seq, 8) is True  # snapshots are on: False below is the freed sequence's
+        model.free_sequence(seq)
+        with unchanged(model, seq):
+            assert model.save_snapshot(seq, 8) is False
+    finally:
+        model.teardown()

@@ -22,6 +22,8 @@ from lifecycle.cli import main as cli_main
 from lifecycle.errors import ConfigError, InvalidId, SequenceStateError
 from lifecycle.events import AllBlocksCleared, BlockRemoved, BlockStored
 from lifecycle.presets import preset
+from event_index import EventIndex
+from kvcache_support import colliding_blocks
 from store_server import StoreServer, running_server
 
 BS = 4
@@ -111,6 +113,57 @@ def test_events_name_the_adapter_and_follow_the_cache(models: list[HybridModel])
     assert model.reset_prefix_cache() is True
     assert [type(e) for e in model.take_events().events] == [AllBlocksCleared]
     assert model.take_events().events == ()
+
+
+def cache_with_adapter(model: HybridModel, slot: int, tokens: list[int]) -> tuple[list[int], int]:
+    """Serve and finish ``tokens`` under the adapter in ``slot``; its block hashes and reused tokens."""
+    seq = model.alloc_sequence_for(len(tokens))
+    model.bind_adapter(seq, slot)
+    reused = model.attach_prefix(seq, tokens, grow_to=len(tokens))
+    hashes: list[int] = seq.block_hashes().tolist()
+    model.finish_sequence(seq)
+    return hashes, reused
+
+
+def test_reloading_an_adapter_takes_the_old_generations_blocks_out_of_the_stream(models: list[HybridModel]) -> None:
+    model, index = build(models, events=True, host_tier_blocks=8), EventIndex(BS)
+    tokens = prompt(1, 2, 3)
+    first = model.load_adapter("support-bot")
+    demoted, _ = cache_with_adapter(model, first, tokens)
+    model.reclaim_prefix_blocks(100)  # generation 1's blocks go down to the host tier
+    cached, reused = cache_with_adapter(model, first, tokens)  # and are promoted back
+    assert cached == demoted and reused == 3 * BS
+    index.apply(model.take_events().events)
+    assert index.holds("GPU") == index.holds("CPU") == set(demoted)
+    slot = model.load_adapter("support-bot")  # generation 2: no request matches generation 1's blocks again
+    index.apply(model.take_events().events)
+    assert index.holds("GPU") == index.holds("CPU") == set()
+    fresh, reused = cache_with_adapter(model, slot, tokens)
+    assert reused == 0 and not set(fresh) & set(demoted)
+    model.reclaim_prefix_blocks(100)  # both generations' blocks leave the device
+    index.apply(model.take_events().events)  # no removal of a block the stream no longer holds
+    host = model.host_tier
+    assert host is not None and index.holds("GPU") == set()
+    assert index.holds("CPU") == {h for h in fresh if h in host} and all(h in host for h in demoted)
+    assert {index.tiers["CPU"][h].lora_name for h in index.holds("CPU")} == {"support-bot"}
+
+
+def test_loading_an_unloaded_adapter_again_retires_its_salted_blocks_too(models: list[HybridModel]) -> None:
+    model, index = build(models, events=True), EventIndex(BS)
+    seq = model.alloc_sequence_for(16)
+    model.bind_adapter(seq, model.load_adapter("support-bot"))
+    model.attach_prefix(seq, prompt(1, 2), grow_to=9, cache_salt="tenant-a")
+    hashes = seq.block_hashes().tolist()
+    model.finish_sequence(seq)
+    index.apply(model.take_events().events)
+    assert index.holds("GPU") == set(hashes) and index.tiers["GPU"][hashes[0]].extra_keys == ("tenant-a",)
+    model.unload_adapter("support-bot")
+    model.load_adapter("support-bot")  # a new generation, as a reload makes
+    index.apply(model.take_events().events)
+    assert index.holds("GPU") == set() and model.core.num_cached_blocks == 2  # unreachable, and unpublished
+    model.reclaim_prefix_blocks(100)
+    index.apply(model.take_events().events)  # their eviction is not published a second time
+    assert model.core.num_cached_blocks == 0
 
 
 def test_without_events_the_batch_is_empty(models: list[HybridModel]) -> None:
@@ -299,6 +352,80 @@ def test_two_models_share_prefixes_through_the_store(models: list[HybridModel], 
     for position in range(4):
         assert kv_bytes(reader, copy, position) == written[position]
     reader.finish_sequence(copy)
+
+
+def test_blocks_loaded_from_the_store_are_host_tier_stores_with_their_tokens_and_parents(
+    models: list[HybridModel], store: StoreServer
+) -> None:
+    with store.client() as client:
+        client.flushall()
+    writer = build(models, host_tier_blocks=16, store=store.url)
+    reader, index = build(models, host_tier_blocks=16, store=store.url, events=True), EventIndex(BS)
+    tokens = prompt(1, 2, 3, 4)
+    seq, _ = serve(writer, tokens)
+    writer.finish_sequence(seq)
+    writer.reclaim_prefix_blocks(100)
+    assert writer.flush_store()
+    copy, reused = serve(reader, tokens)
+    hashes = copy.block_hashes().tolist()
+    reader.finish_sequence(copy)
+    assert reused == 4 * BS and reader.stats().store_hit_blocks == 4
+    index.apply(reader.take_events().events)
+    host = reader.host_tier
+    assert host is not None and index.holds("CPU") == set(hashes) and all(h in host for h in hashes)
+    assert index.holds("GPU") == set(hashes) and index.check_hashes("CPU") == 4
+    assert [index.tiers["CPU"][h].parent for h in hashes] == [None, *hashes[:-1]]
+
+
+def test_a_block_whose_hash_collides_with_a_host_entry_is_served_the_stores_kv_not_the_entrys(
+    models: list[HybridModel], store: StoreServer
+) -> None:
+    with store.client() as client:
+        client.flushall()
+    ours, theirs = colliding_blocks(BS)  # other tokens, one content hash: a collision built on purpose
+    reader = build(models, host_tier_blocks=16, store=store.url)
+    writer = build(models, host_tier_blocks=16, store=store.url)
+    held, _ = serve(reader, [*ours, 7])
+    fill_kv(reader, held, seed=3)
+    held_hashes = held.block_hashes().tolist()
+    reader.finish_sequence(held)
+    reader.reclaim_prefix_blocks(100)  # the reader's host tier holds its block under the hash
+    assert reader.flush_store()
+    theirs_seq, _ = serve(writer, [*theirs, 7])
+    assert theirs_seq.block_hashes().tolist() == held_hashes
+    written = fill_kv(writer, theirs_seq, seed=4)
+    writer.finish_sequence(theirs_seq)
+    writer.reclaim_prefix_blocks(100)  # the store's record under the hash is now the writer's block
+    assert writer.flush_store()
+    served, reused = serve(reader, [*theirs, 7])
+    assert reused == BS and reader.stats().store_hit_blocks == 1  # the host entry was refused, the record verified
+    assert kv_bytes(reader, served, 0) == written[0]
+    reader.finish_sequence(served)
+
+
+def test_models_of_one_byte_format_but_other_names_never_share_blocks(
+    models: list[HybridModel], store: StoreServer
+) -> None:
+    with store.client() as client:
+        client.flushall()
+    def named(name: str) -> HybridModel:
+        model = HybridModel(CONFIG.replace(name=name), "host", host_tier_blocks=16, store=store.url)
+        models.append(model)
+        return model
+
+    llama, mistral, twin = named("llama"), named("mistral"), named("llama")
+    assert llama.config.fingerprint() == mistral.config.fingerprint()  # the same bytes per block
+    tokens = prompt(1, 2, 3, 4)
+    seq, _ = serve(llama, tokens)
+    llama.finish_sequence(seq)
+    llama.reclaim_prefix_blocks(100)
+    assert llama.flush_store()
+    other, reused = serve(mistral, tokens)
+    assert reused == 0 and mistral.stats().store_hit_blocks == 0
+    mistral.finish_sequence(other)
+    copy, reused = serve(twin, tokens)  # the same model, name and bytes, still shares
+    assert reused == 4 * BS and twin.stats().store_hit_blocks == 4
+    twin.finish_sequence(copy)
 
 
 def test_a_store_that_went_away_costs_misses_only(models: list[HybridModel], tmp_path: Path) -> None:

@@ -142,6 +142,33 @@ def test_adapter_key_0_means_no_adapter_and_is_never_looked_up() -> None:
     assert (event.lora_id, event.lora_name) == (None, None)
 
 
+def test_a_store_starting_a_salted_sequence_names_the_salt_in_its_first_blocks_extra_keys() -> None:
+    salts = {7: "tenant-a"}
+    first, later = translator(salt_of=salts.get).events(
+        [stored_entry([1, 2], adapter_key=7), stored_entry([3], parent=2, adapter_key=7)]
+    )
+    assert isinstance(first, BlockStored) and isinstance(later, BlockStored)
+    assert first.extra_keys == (("tenant-a",), None) and later.extra_keys is None  # vLLM's place for a salt
+    payload = msgspec.msgpack.decode(encode_batch(KVEventBatch(ts=1.0, events=(first,))))
+    assert payload[1][0]["extra_keys"] == [["tenant-a"], None]
+
+
+def test_an_unsalted_key_has_no_extra_keys() -> None:
+    (event,) = translator(salt_of=lambda key: None).events([stored_entry([1], adapter_key=7)])
+    assert isinstance(event, BlockStored) and event.extra_keys is None
+
+
+def test_stored_builds_the_event_of_a_tier_below_the_pool_with_its_tokens_and_parent() -> None:
+    tokens = list(range(2 * BLOCK_SIZE))
+    event = translator(medium=MEDIUM_CPU, adapter_of={7: (7, "chat")}.get).stored([11, 12], 10, tokens, 7)
+    assert event == BlockStored(
+        block_hashes=(11, 12), parent_block_hash=10, token_ids=tuple(tokens), block_size=BLOCK_SIZE, lora_id=7,
+        medium=MEDIUM_CPU, lora_name="chat",
+    )
+    with pytest.raises(MalformedEvent, match="7 tokens for 2 blocks"):
+        translator().stored([11, 12], None, tokens[:7])
+
+
 def test_a_removed_entry_becomes_block_removed() -> None:
     (event,) = translator().events([("removed", np.array([5, TOP_HASH], dtype=np.uint64))])
     assert event == BlockRemoved(block_hashes=(5, TOP_HASH), medium=MEDIUM_GPU)
@@ -400,6 +427,13 @@ def test_close_sends_every_batch_published_before_it(context: zmq.Context[zmq.So
     received = receive_real(sub, 50)
     sub.close()
     assert [decode(payload).events[0] for _, _, payload in received] == [WireRemoved([h], "GPU") for h in range(50)]
+
+
+def test_publishing_what_is_not_a_batch_is_a_lifecycle_error(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with publisher_on(context) as publisher:
+        with pytest.raises(MalformedEvent, match="expected a KVEventBatch"):
+            publisher.publish([BlockRemoved(block_hashes=(1,), medium=MEDIUM_GPU)])  # type: ignore[arg-type]
+        assert publisher.flush(1.0) and publisher.send_failures == 0
 
 
 def test_publish_after_close_is_refused(context: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -13,7 +13,9 @@ import enum
 import importlib.util
 import pickle
 import sys
+import types
 from array import array
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -658,6 +660,77 @@ def test_asking_for_the_cache_without_sglang_names_the_extra() -> None:
         adapter.LifecyclePagedAllocator  # noqa: B018
     with pytest.raises(AttributeError):
         adapter.Nothing  # noqa: B018
+
+
+class _Tensor(np.ndarray):
+    """What the allocator reads of a CPU torch tensor: ``numel``, ``cpu`` and ``numpy``."""
+
+    def numel(self) -> int:
+        return int(self.size)
+
+    def cpu(self) -> _Tensor:
+        return self
+
+    def numpy(self) -> npt.NDArray[Any]:
+        return np.asarray(self)
+
+
+@pytest.fixture
+def allocator(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``LifecyclePagedAllocator`` of 4 pages of 4 slots, over stand-ins for the little of torch
+    and of SGLang's allocator module it uses (neither is installed here; the SGLang suite runs the
+    real ones)."""
+
+    class BaseTokenToKVPoolAllocator:
+        def __init__(self, size: int, page_size: int, dtype: Any, device: Any, kvcache: Any, need_sort: bool) -> None:
+            self.size, self.device = size, device
+
+    torch = types.ModuleType("torch")
+    torch.device = lambda device: SimpleNamespace(type=str(device))  # type: ignore[attr-defined]
+    torch.from_numpy = lambda values: np.asarray(values).view(_Tensor)  # type: ignore[attr-defined]
+    modules = {name: types.ModuleType(name) for name in (
+        "sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.mem_cache.allocator",
+        "sglang.srt.mem_cache.allocator.base", "sglang.srt.mem_cache.allocator.paged", "sglang.srt.utils",
+    )}
+    modules["sglang.srt.mem_cache.allocator.base"].BaseTokenToKVPoolAllocator = (  # type: ignore[attr-defined]
+        BaseTokenToKVPoolAllocator
+    )
+    modules["sglang.srt.mem_cache.allocator.paged"].alloc_extend_naive = None  # type: ignore[attr-defined]
+    modules["sglang.srt.mem_cache.allocator.paged"].alloc_decode_naive = None  # type: ignore[attr-defined]
+    modules["sglang.srt.utils"].get_num_new_pages = None  # type: ignore[attr-defined]
+    for name, module in {"torch": torch, **modules}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    import lifecycle.integrations.sglang as adapter
+
+    return adapter.allocator_class.__wrapped__()(4 * PS, PS, None, "cpu", None)
+
+
+PADDING: dict[str, Any] = {
+    "free_page_ids": lambda a: a.free_page_ids(np.array([0, 2], dtype=np.int64).view(_Tensor)),
+    "free": lambda a: a.free(np.arange(PS + 2, dtype=np.int64).view(_Tensor)),
+    "free_segment": lambda a: a.free_segment(np.arange(PS, dtype=np.int64).view(_Tensor), start_pos=0),
+}
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "in a group"])
+@pytest.mark.parametrize("call", sorted(PADDING))
+def test_the_allocator_refuses_to_free_the_padding_page_and_changes_nothing(
+    allocator: Any, call: str, grouped: bool
+) -> None:
+    held = allocator.alloc(2 * PS)
+    assert allocator.available_size() == 2 * PS
+    if grouped:
+        allocator.free_group_begin()
+    with pytest.raises(InvalidId, match="page 0 is the padding page"):
+        PADDING[call](allocator)
+    if grouped:
+        allocator.free_group_end()
+    allocator.check_invariants()
+    assert allocator.available_size() == 2 * PS
+    allocator.free(held)
+    assert allocator.available_size() == allocator.size == 4 * PS
+    pages = {index // PS for index in allocator.alloc(4 * PS).tolist()}
+    assert pages == {1, 2, 3, 4}  # page 0 is never handed out
 
 
 def test_errors_are_lifecycle_errors() -> None:

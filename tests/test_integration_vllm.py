@@ -223,6 +223,21 @@ def test_evict_blocks_drops_them_and_what_follows() -> None:
     settled(manager)
 
 
+@pytest.mark.parametrize(
+    "block_ids", [[2**40], ["x"], [None], [1.5], 7], ids=["past the pool", "str", "None", "float", "not iterable"]
+)
+def test_evict_blocks_refuses_what_is_not_a_block_id_and_evicts_nothing(block_ids: Any) -> None:
+    manager = make()
+    prefill(manager, FakeRequest("a", list(range(17))))
+    manager.free(FakeRequest("a", []))
+    assert manager.core.num_cached_blocks == 4
+    with pytest.raises(InvalidId):
+        manager.evict_blocks(block_ids)
+    assert manager.core.num_cached_blocks == 4
+    assert manager.get_computed_blocks(FakeRequest("b", list(range(17))))[1] == 16
+    settled(manager)
+
+
 def test_common_prefix_blocks_count_what_every_live_request_shares() -> None:
     manager = make(20)
     for name, tail in (("a", 90), ("b", 91), ("c", 92)):
@@ -276,7 +291,7 @@ def test_bad_allocations_are_refused_and_take_nothing(arguments: dict[str, Any],
 
 
 @pytest.mark.parametrize(
-    "options", [{"num_blocks": 1}, {"max_model_len": 0}, {"watermark": 1.5}]
+    "options", [{"num_blocks": 1}, {"max_model_len": 0}, {"watermark": 1.5}, {"watermark": "x"}]
 )
 def test_bad_sizes_are_refused_by_name(options: dict[str, Any]) -> None:
     arguments: dict[str, Any] = {"num_blocks": 8, "max_model_len": 64, **options}

@@ -229,6 +229,10 @@ BAD_STEPS: dict[str, tuple[type[LifecycleError], Step]] = {
         InvalidId,
         lambda m, ok, full: m.step([ok, full], [7, 8], table=np.zeros((2, COLUMNS), dtype=np.int32), rows=[0, 2]),
     ),
+    "row given twice": (
+        InvalidId,
+        lambda m, ok, full: m.step([ok, full], [7, 8], table=np.zeros((2, COLUMNS), dtype=np.int32), rows=[1, 1]),
+    ),
     "table not int32": (
         InvalidId, lambda m, ok, full: m.step([ok, full], [7, 8], table=np.zeros((2, COLUMNS), dtype=np.int64))
     ),
@@ -275,6 +279,17 @@ def test_a_sequence_listed_twice_is_refused_as_a_bad_argument(model: HybridModel
         raised = True
     model.check_invariants()
     assert raised and state(model, seq) == before and (memory == -1).all()
+
+
+def test_two_sequences_given_one_row_are_refused_and_the_row_is_not_written(model: HybridModel) -> None:
+    fill_cache(model, [9] * 8)
+    a, b = admit(model, [1, 2, 3, 4]), admit(model, [5, 6, 7, 8])  # both need a block
+    table = np.full((2, COLUMNS), -1, dtype=np.int32)
+    before = state(model, a, b)
+    with pytest.raises(InvalidId, match="row 1 is given to more than one request"):
+        model.step([a, b], [10, 11], table=table, rows=[1, 1])
+    model.check_invariants()
+    assert state(model, a, b) == before and (table == -1).all()
 
 
 def test_a_table_without_columns_is_too_narrow(model: HybridModel) -> None:

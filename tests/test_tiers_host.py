@@ -13,11 +13,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from devices import device, live_allocations, read_device, write_device  # noqa: F401
 
+from event_index import EventIndex
 from lifecycle.config import AttentionLayer, ModelConfig
 from lifecycle.device.allocations import CopyArray
 from lifecycle.device.base import Copy, Device
 from lifecycle.device.host import HostDevice, physical_memory_bytes
 from lifecycle.errors import BlockIdOutOfRange, ConfigError, DeviceError, InvalidId, TornDown
+from lifecycle.events import AllBlocksCleared, BlockStored, KVEvent
+from lifecycle.model import HybridModel
 from lifecycle.pools import KVPool
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.records import BlockRecord
@@ -126,7 +129,7 @@ def test_promote_copies_every_layer_of_the_demoted_blocks(tier: HostTier, pool: 
     dev = pool.device
     expected = [block_bytes(dev, pool, block) for block in (0, 5)]
     tier.demote([11, 12], [0, 5], tokens_of(0, 5))
-    tier.promote([11, 12], [9, 3])
+    tier.promote([11, 12], [9, 3], tokens_of(0, 5))
     assert [block_bytes(dev, pool, block) for block in (9, 3)] == expected
 
 
@@ -135,19 +138,19 @@ def test_demote_has_copied_before_it_returns(tier: HostTier, pool: KVPool) -> No
     expected = block_bytes(dev, pool, 4)
     tier.demote([11], [4], tokens_of(4))
     fill_pool(dev, pool, seed=2)  # the device block is reused at once
-    tier.promote([11], [4])
+    tier.promote([11], [4], tokens_of(4))
     assert block_bytes(dev, pool, 4) == expected
 
 
 def test_promoted_blocks_stay_in_the_tier(tier: HostTier) -> None:
     tier.demote([11], [0], tokens_of(0))
-    tier.promote([11], [1])
+    tier.promote([11], [1], tokens_of(0))
     assert tier.lookup([11], tokens_of(0)) == 1
 
 
 def test_stats_count_the_bytes_moved(tier: HostTier) -> None:
     tier.demote([11, 12], [0, 1], tokens_of(0, 1))
-    tier.promote([12], [2])
+    tier.promote([12], [2], tokens_of(1))
     stats = tier.stats()
     assert (stats.bytes_demoted, stats.bytes_promoted) == (2 * tier.block_bytes, tier.block_bytes)
 
@@ -156,7 +159,7 @@ def test_promote_of_an_absent_hash_names_it_and_copies_nothing(tier: HostTier, p
     tier.demote([11], [0], tokens_of(0))
     before = block_bytes(pool.device, pool, 7)
     with pytest.raises(InvalidId, match="0x000000000000000c"):
-        tier.promote([11, 12], [6, 7])
+        tier.promote([11, 12], [6, 7], tokens_of(0, 1))
     assert block_bytes(pool.device, pool, 7) == before
     assert tier.stats().promoted == 0
 
@@ -170,7 +173,7 @@ def test_a_block_id_out_of_range_is_refused_before_anything_changes(tier: HostTi
 def test_a_block_id_given_twice_is_refused(tier: HostTier) -> None:
     tier.demote([11, 12], [0, 1], tokens_of(0, 1))
     with pytest.raises(InvalidId, match="block id 3 is given more than once"):
-        tier.promote([11, 12], [3, 3])
+        tier.promote([11, 12], [3, 3], tokens_of(0, 1))
 
 
 def test_tokens_of_another_count_of_blocks_are_refused(tier: HostTier) -> None:
@@ -221,7 +224,7 @@ def test_an_evicted_slot_holds_the_new_block(pool: KVPool) -> None:
     with make_tier(pool, capacity=1) as tier:
         tier.demote([11], [0], tokens_of(0))
         tier.demote([12], [1], tokens_of(1))
-        tier.promote([12], [8])
+        tier.promote([12], [8], tokens_of(1))
         assert block_bytes(dev, pool, 8) == block_bytes(dev, pool, 1)
 
 
@@ -241,7 +244,7 @@ def test_loaded_records_promote_like_demoted_blocks(tier: HostTier, pool: KVPool
     assert tier.load([BlockRecord(21, 0, tokens_of(1)[0], kv)]) == 1
     tier.check_invariants()
     assert tier.lookup([21], tokens_of(1)) == 1
-    tier.promote([21], [5])
+    tier.promote([21], [5], tokens_of(1))
     assert block_bytes(pool.device, pool, 5) == kv
 
 
@@ -309,6 +312,73 @@ def test_a_failed_demote_copy_leaves_the_tier_consistent() -> None:
         pool.release()
 
 
+# -- what issue 28 found --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_ids", [[1.5], np.array([1.5]), ["1"]], ids=["float", "float array", "str"])
+@pytest.mark.parametrize("call", ["demote", "promote"])
+def test_a_block_id_that_is_not_an_int_is_refused_not_truncated(
+    tier: HostTier, pool: KVPool, call: str, block_ids: object
+) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    before, stats = block_bytes(pool.device, pool, 1), tier.stats()
+    with pytest.raises(InvalidId, match="must be a 1-D sequence of ints"):
+        if call == "demote":
+            tier.demote([12], block_ids, tokens_of(1))  # type: ignore[arg-type]
+        else:
+            tier.promote([11], block_ids, tokens_of(0))  # type: ignore[arg-type]
+    assert 12 not in tier and tier.stats() == stats and block_bytes(pool.device, pool, 1) == before
+
+
+def test_promote_refuses_an_entry_holding_other_tokens_and_copies_nothing(tier: HostTier, pool: KVPool) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    before, stats = block_bytes(pool.device, pool, 5), tier.stats()
+    with pytest.raises(InvalidId, match="0x000000000000000b with other tokens"):
+        tier.promote([11], [5], tokens_of(1))  # hash 11, but not the block stored under it
+    assert block_bytes(pool.device, pool, 5) == before and tier.stats() == stats
+
+
+def test_a_record_whose_hash_collides_with_an_entry_takes_its_place_and_promotes_its_own_kv(
+    tier: HostTier, pool: KVPool
+) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    kv = bytes(range(256)) * (tier.block_bytes // 256) + bytes(tier.block_bytes % 256)
+    assert tier.load([BlockRecord(11, 0, tokens_of(1)[0], kv)]) == 1  # verified by the store for tokens_of(1)
+    tier.check_invariants()
+    assert tier.stats().replaced == 1 and tier.lookup([11], tokens_of(1)) == 1
+    tier.promote([11], [5], tokens_of(1))
+    assert block_bytes(pool.device, pool, 5) == kv
+
+
+def test_a_record_of_a_block_held_with_its_tokens_is_a_duplicate(tier: HostTier, pool: KVPool) -> None:
+    tier.demote([11], [0], tokens_of(0))
+    assert tier.load([BlockRecord(11, 0, tokens_of(0)[0], bytes(tier.block_bytes))]) == 0
+    assert tier.stats().duplicates == 1
+    tier.promote([11], [5], tokens_of(0))
+    assert block_bytes(pool.device, pool, 5) == block_bytes(pool.device, pool, 0)
+
+
+def test_clear_counts_what_it_dropped_and_the_recount_holds(tier: HostTier) -> None:
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1))
+    tier.clear()
+    tier.check_invariants()
+    assert tier.num_blocks == 0 and tier.stats().cleared == 2
+
+
+def test_recorded_changes_come_in_the_order_they_happened(pool: KVPool) -> None:
+    with make_tier(pool, capacity=1) as tier:
+        tier.record_changes()
+        tier.demote([11], [0], tokens_of(0))
+        tier.demote([12], [1], tokens_of(1))  # 11 makes room
+        tier.demote([11], [0], tokens_of(0))  # 12 makes room
+        tier.load([BlockRecord(11, 0, tokens_of(3)[0], bytes(tier.block_bytes))])  # replaces 11
+        assert tier.take_changes() == [
+            ("stored", [11]), ("removed", [11]), ("stored", [12]), ("removed", [12]), ("stored", [11]),
+            ("removed", [11]), ("stored", [11]),
+        ]
+        assert tier.take_changes() == []
+
+
 # -- against a model ---------------------------------------------------------------------------------
 
 
@@ -363,7 +433,7 @@ class HostTierMachine(RuleBasedStateMachine):
     def promote(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.model)))
         block = data.draw(st.integers(0, NUM_BLOCKS - 1))
-        self.tier.promote([key], [block])
+        self.tier.promote([key], [block], tokens_of(self.model[key][0]))
         assert block_bytes(self.dev, self.pool, block) == self.model[key][1]
 
     @invariant()
@@ -378,3 +448,150 @@ class HostTierMachine(RuleBasedStateMachine):
 
 
 TestHostTierAgainstAModel = HostTierMachine.TestCase
+
+
+# -- under a model: the host tier's KV events ----------------------------------------------------------
+
+MODEL = ModelConfig(
+    layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=BLOCK_SIZE, num_blocks=12, max_seqs=4,
+    max_blocks_per_seq=12, name="host-tier-events",
+)
+
+
+@pytest.fixture
+def models() -> Iterator[list[HybridModel]]:
+    built: list[HybridModel] = []
+    yield built
+    for model in built:
+        model.check_invariants()
+        model.teardown()
+        assert model.teardown_report is not None and model.teardown_report.leaked == 0
+
+
+def tiered(models: list[HybridModel], host_blocks: int, events: bool = True) -> HybridModel:
+    model = HybridModel(MODEL, "host", host_tier_blocks=host_blocks, events=events)
+    models.append(model)
+    return model
+
+
+def cache_prompt(model: HybridModel, *blocks: int, salt: str | None = None) -> list[int]:
+    """Serve and finish a prompt of the whole blocks ``tokens_of(*blocks)`` and one more token;
+    returns its block hashes."""
+    tokens = [*tokens_of(*blocks).ravel().tolist(), 7]
+    seq = model.alloc_sequence_for(len(tokens))
+    model.attach_prefix(seq, tokens, grow_to=len(tokens), cache_salt=salt)
+    hashes: list[int] = seq.block_hashes().tolist()
+    model.finish_sequence(seq)
+    return hashes
+
+
+def demote_everything(model: HybridModel) -> None:
+    model.reclaim_prefix_blocks(MODEL.num_blocks_resolved)
+
+
+def replayed(model: HybridModel, index: EventIndex) -> list[KVEvent]:
+    """Replay the window's events into ``index`` and check they tell what every tier holds."""
+    events = list(model.take_events().events)
+    index.apply(events)
+    host = model.host_tier
+    assert host is not None
+    assert len(index.holds("CPU")) == host.num_blocks and all(h in host for h in index.holds("CPU"))
+    assert len(index.holds("GPU")) == model.core.num_cached_blocks
+    model.check_invariants()
+    return events
+
+
+def stored(events: list[KVEvent], medium: str) -> list[BlockStored]:
+    return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
+
+
+def test_a_block_demoted_dropped_and_demoted_again_in_one_window_reads_as_held(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=2), EventIndex(BLOCK_SIZE)
+    (first,) = cache_prompt(model, 1)
+    demote_everything(model)
+    cache_prompt(model, 2)
+    cache_prompt(model, 3)
+    demote_everything(model)
+    assert model.host_tier is not None and first not in model.host_tier  # the host tier dropped it for room
+    cache_prompt(model, 1)
+    demote_everything(model)
+    assert first in model.host_tier
+    replayed(model, index)
+    assert first in index.holds("CPU")
+
+
+def test_demotions_and_a_reset_in_one_window_end_with_every_tier_cleared(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=4), EventIndex(BLOCK_SIZE)
+    cache_prompt(model, 1, 2)
+    demote_everything(model)
+    cache_prompt(model, 3)
+    assert model.reset_prefix_cache() is True
+    events = replayed(model, index)
+    assert isinstance(events[-1], AllBlocksCleared) and stored(events, "CPU")
+    assert index.holds("CPU") == index.holds("GPU") == set()
+
+
+def test_a_reset_with_blocks_in_the_host_tier_keeps_its_recount(models: list[HybridModel]) -> None:
+    model = tiered(models, host_blocks=4, events=False)
+    cache_prompt(model, 1, 2)
+    demote_everything(model)
+    host = model.host_tier
+    assert host is not None and host.num_blocks == 2
+    assert model.reset_prefix_cache() is True
+    model.check_invariants()
+    assert host.num_blocks == 0 and host.stats().cleared == 2
+
+
+def test_host_tier_stores_carry_their_tokens_and_parents(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=8), EventIndex(BLOCK_SIZE)
+    hashes = cache_prompt(model, 1, 2, 3)
+    demote_everything(model)
+    replayed(model, index)
+    assert index.holds("CPU") == set(hashes) and index.check_hashes("CPU") == 3
+    blocks = index.tiers["CPU"]
+    assert [blocks[h].parent for h in hashes] == [None, *hashes[:-1]]
+    assert [blocks[h].tokens for h in hashes] == [tuple(tokens_of(b)[0].tolist()) for b in (1, 2, 3)]
+
+
+def test_host_tier_stores_name_each_parent_before_its_children(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=8), EventIndex(BLOCK_SIZE)
+    first, second = cache_prompt(model, 1, 2, 3), cache_prompt(model, 1, 2, 4)  # a branch after two blocks
+    replayed(model, index)
+    demote_everything(model)  # leaves first: the branches' last blocks, then the shared ones
+    events = replayed(model, index)
+    seen: set[int] = set()
+    for event in stored(events, "CPU"):
+        assert event.parent_block_hash is None or event.parent_block_hash in seen
+        seen.update(event.block_hashes)
+    assert seen == set(first) | set(second) and index.check_hashes("CPU") == 4
+
+
+def test_a_salted_sequence_names_its_salt_in_its_first_blocks_extra_keys_in_every_tier(
+    models: list[HybridModel],
+) -> None:
+    model, index = tiered(models, host_blocks=8), EventIndex(BLOCK_SIZE)
+    hashes = cache_prompt(model, 1, 2, salt="tenant-a")
+    (gpu,) = stored(replayed(model, index), "GPU")
+    demote_everything(model)
+    cpu = stored(replayed(model, index), "CPU")
+    for event in (gpu, *cpu):
+        assert list(event.block_hashes) == hashes and event.extra_keys == (("tenant-a",), None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_events_through_random_traffic_tell_what_every_tier_holds(models: list[HybridModel], seed: int) -> None:
+    model, index, rng = tiered(models, host_blocks=5), EventIndex(BLOCK_SIZE), np.random.default_rng(seed)
+    documents = [[1, 2, 3, 4], [1, 2, 5], [6, 7, 8], [9]]
+    for _ in range(60):
+        action = rng.integers(10)
+        if action < 6:
+            document = documents[rng.integers(len(documents))]
+            cache_prompt(model, *document[: rng.integers(1, len(document) + 1)])
+        elif action < 8:
+            model.reclaim_prefix_blocks(int(rng.integers(1, 6)))
+        elif action == 8:
+            model.reset_prefix_cache()
+        else:
+            replayed(model, index)
+    replayed(model, index)
+    assert index.check_hashes("CPU") == len(index.holds("CPU"))

@@ -181,7 +181,7 @@ def test_store_hits_reach_device_blocks_through_the_host_tier(
         records = store.get_many(wanted, tokens_of(wanted))
         run = next(i for i, record in enumerate(records) if record is None)
         other.tier.load([record for record in records[:run] if record is not None])
-        other.tier.promote(wanted[:run], [6, 7])
+        other.tier.promote(wanted[:run], [6, 7], tokens_of(wanted[:run]))
         other.tier.check_invariants()
         assert [other.block_bytes(block) for block in (6, 7)] == pool_bytes(seed=1)[:2]
     finally:
@@ -237,6 +237,19 @@ def test_models_of_another_byte_format_do_not_meet(
     with StoreTier(server.url, other_config, timeout_s=0.25) as other:
         assert other.get_many(HASHES) == [None] * len(HASHES)
         assert other.stats().misses == len(HASHES)
+
+
+def test_models_of_another_name_do_not_meet_even_with_the_same_byte_format(
+    server: StoreServer, engine: Engine, make_store: StoreFactory
+) -> None:
+    publish(engine, make_store(server.url))
+    other_config = CONFIG.replace(name="another-model")
+    assert other_config.fingerprint() == CONFIG.fingerprint()
+    with StoreTier(server.url, other_config, timeout_s=0.25) as other:
+        assert other.get_many(HASHES) == [None] * len(HASHES)
+        assert other.stats().misses == len(HASHES)
+    with StoreTier(server.url, CONFIG, timeout_s=0.25) as same:  # the same model, in another tier
+        assert all(record is not None for record in same.get_many(HASHES, tokens_of(HASHES)))
 
 
 def test_a_block_gone_from_the_host_tier_before_its_write_is_dropped(

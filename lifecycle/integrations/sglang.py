@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle._blockpool import BlockPool
-from lifecycle._pagetree import PageNode, PageTree, page_indices, pages_of, release_indices
+from lifecycle._pagetree import PageNode, PageTree, page_indices, pages_of
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
@@ -396,6 +396,12 @@ def radix_cache_class() -> type[Any]:
     return LifecycleRadixCache
 
 
+def _refuse_padding(pages: npt.NDArray[np.integer[Any]]) -> None:
+    """Page 0 pads SGLang's tables and is never handed out: freeing it would hand it to a request."""
+    if len(pages) and int(pages.min()) == 0:
+        raise InvalidId("free: page 0 is the padding page, which is never allocated; it cannot be freed")
+
+
 @functools.cache
 def allocator_class() -> type[Any]:
     """``LifecyclePagedAllocator``: SGLang's ``BaseTokenToKVPoolAllocator`` over a lifecycle
@@ -475,6 +481,7 @@ def allocator_class() -> type[Any]:
         def _release(self, pages: npt.NDArray[np.integer[Any]]) -> None:
             if len(pages) == 0:
                 return
+            _refuse_padding(pages)
             if self._group is not None:
                 self._group.append(pages.astype(np.int32))
             else:
@@ -484,11 +491,13 @@ def allocator_class() -> type[Any]:
             """Free the pages that the KV indices ``indices`` (a tensor or a numpy array) lie on,
             each page once however many of its slots are listed (with ``first_of_page``, every
             ``page_size``-th index only: a segment starting on a page boundary)."""
+            pages = pages_of(indices, self.page_size, first_of_page)
+            _refuse_padding(pages)
             if self._group is not None:
-                self._group.append(pages_of(indices, self.page_size, first_of_page))
+                self._group.append(pages)
                 return
             try:
-                release_indices(self.pool, indices, self.page_size, first_of_page)
+                self.pool.dec_ref(pages)
             except LifecycleError:
                 if self.page_size == 1:
                     raise  # an index listed twice is a page freed twice

@@ -273,7 +273,7 @@ class LifecycleKVCacheManager:
                enable_kv_cache_events: bool, watermark: float) -> None:
         if type(max_model_len) is not int or max_model_len < 1:
             raise ConfigError(f"LifecycleKVCacheManager: max_model_len={max_model_len!r} must be an int >= 1")
-        if not 0.0 <= watermark < 1.0:
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
             raise ConfigError(f"LifecycleKVCacheManager: watermark={watermark!r} must lie in [0, 1)")
         if type(num_blocks) is not int or num_blocks < 2:
             raise ConfigError(
@@ -485,9 +485,14 @@ class LifecycleKVCacheManager:
         return True
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop the given blocks (and those cached after them) from the prefix cache."""
+        """Drop the given blocks (and those cached after them) from the prefix cache. Ids that are
+        not ints in the pool's range are refused (``InvalidId``) before anything is evicted."""
+        try:
+            ids = list(block_ids)
+        except TypeError:
+            raise InvalidId(f"evict_blocks: block_ids must be an iterable of ints, got {block_ids!r}") from None
         self._settle()
-        self.core.evict_blocks(np.fromiter(block_ids, dtype=np.int32))
+        self.core.evict_blocks(ids)  # checks every id first: a float, str or None is refused, not truncated
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         live = self._live.get(request_id)
@@ -571,12 +576,15 @@ class LifecycleKVCacheManager:
         for entry in raw_event_log(raw):
             if entry[0] == "stored":
                 _, hashes, parent, tokens, namespace = entry
-                lora, _salt = self._namespaces.namespace(int(namespace)) or (None, None)
+                lora, salt = self._namespaces.namespace(int(namespace)) or (None, None)
+                # vLLM names a request's cache salt in the extra keys of its first block
+                first = parent is None and salt is not None and len(hashes) > 0
                 events.append(BlockStored(
                     block_hashes=hashes.tolist(), parent_block_hash=None if parent is None else int(parent),
                     token_ids=tokens.tolist(), block_size=self.block_size,
                     lora_id=None if lora is None else lora[0], medium=MEDIUM_GPU,
-                    lora_name=None if lora is None else lora[1], group_idx=0,
+                    lora_name=None if lora is None else lora[1],
+                    extra_keys=[(salt,), *[None] * (len(hashes) - 1)] if first else None, group_idx=0,
                 ))
             elif entry[0] == "removed":
                 events.append(BlockRemoved(block_hashes=entry[1].tolist(), medium=MEDIUM_GPU, group_idx=0))

@@ -6,7 +6,8 @@ layer's K and V, layer after layer, plus the block's tokens. Entries are indexed
 content hash (``docs/content-hashes.md``) and evicted least recently used first.
 
 The hash only finds an entry: :meth:`HostTier.lookup` compares the block's tokens before it counts
-a hit, so an accidental collision costs a miss. The chain ``hash = fmix64(NH(tokens)) + parent *
+a hit, so an accidental collision costs a miss, and :meth:`HostTier.promote` copies only entries
+holding the tokens it is given. The chain ``hash = fmix64(NH(tokens)) + parent *
 odd`` then fixes the parent's hash, not the parent's tokens: a collision crafted on purpose
 earlier in the chain is not caught (``docs/tiers.md``, "Not a defence against a hostile tenant").
 
@@ -56,7 +57,10 @@ class HostTierStats:
     ``lookups`` counts blocks asked for, ``hits`` those found with equal tokens (a hit rate is
     ``hits / lookups``); ``collisions`` counts entries whose hash matched but tokens did not.
     ``stored`` counts blocks demoted into the tier, ``loaded`` those put in from records (the
-    store), ``duplicates`` blocks already there, ``evicted`` entries dropped for room."""
+    store), ``duplicates`` blocks already there, ``evicted`` entries dropped for room, ``replaced``
+    entries a record of the same hash and other tokens took the place of, ``cleared`` entries
+    :meth:`HostTier.clear` dropped. Held blocks are ``stored + loaded - evicted - replaced -
+    cleared``."""
 
     capacity_blocks: int
     blocks: int
@@ -67,6 +71,8 @@ class HostTierStats:
     loaded: int
     duplicates: int
     evicted: int
+    replaced: int
+    cleared: int
     promoted: int
     bytes_demoted: int
     bytes_promoted: int
@@ -119,11 +125,12 @@ class HostTier:
         self._index: OrderedDict[int, int] = OrderedDict()  # content hash -> slot, least recent first
         self._free = list(range(capacity_blocks - 1, -1, -1))
         self._counts = dict.fromkeys(
-            ("lookups", "hits", "collisions", "stored", "loaded", "duplicates", "evicted", "promoted",
-             "bytes_demoted", "bytes_promoted"), 0,
+            ("lookups", "hits", "collisions", "stored", "loaded", "duplicates", "evicted", "replaced", "cleared",
+             "promoted", "bytes_demoted", "bytes_promoted"), 0,
         )
         self._listeners: tuple[Callable[[list[int]], object], ...] = ()
-        self._evicted: list[int] | None = None  # hashes evicted since take_evicted, when recorded
+        self._changes: list[tuple[str, list[int]]] | None = None  # since take_changes, when recorded
+        self._evicted_now: list[int] = []  # hashes the running call evicted
         self._lock = threading.Lock()
         self._closed = False
 
@@ -166,25 +173,41 @@ class HostTier:
 
     def clear(self) -> None:
         """Drop every entry (after the prefix cache was reset: what the tier holds was computed
-        with what the reset discards). Evictions are not recorded for it."""
+        with what the reset discards), counted as ``cleared``. Changes recorded and not yet taken
+        are dropped too, and the clear itself is not recorded: the reset's event says it."""
         with self._lock:
             self._check_open("clear")
+            self._counts["cleared"] += len(self._index)
             self._index.clear()
             self._free = list(range(self._capacity - 1, -1, -1))
-            if self._evicted is not None:
-                self._evicted.clear()
+            if self._changes is not None:
+                self._changes.clear()
 
-    def record_evictions(self, on: bool = True) -> None:
-        """Keep the content hashes of the entries the tier evicts, for :meth:`take_evicted` (KV
-        events of the host tier)."""
+    def record_changes(self, on: bool = True) -> None:
+        """Keep, in the order they happen, the content hashes of the entries each call stores
+        (:meth:`demote`, :meth:`load`) and removes (evicted for room, or replaced), for
+        :meth:`take_changes` (the KV events of the host tier)."""
         with self._lock:
-            self._evicted = [] if on else None
+            self._changes = [] if on else None
 
-    def take_evicted(self) -> list[int]:
-        """The content hashes evicted since the last call (empty unless recorded)."""
+    def take_changes(self) -> list[tuple[str, list[int]]]:
+        """``("removed", hashes)`` and ``("stored", hashes)`` entries since the last call, oldest
+        first (empty unless recorded). Within one call, what it removed comes before what it
+        stored."""
         with self._lock:
-            taken, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+            if not self._changes:
+                return []
+            taken, self._changes = self._changes, []
             return taken
+
+    def _record(self, stored: list[int]) -> None:
+        """(Lock held) end of a call that changed entries: record what it removed, then stored."""
+        evicted, self._evicted_now = self._evicted_now, []
+        if self._changes is not None:
+            if evicted:
+                self._changes.append(("removed", evicted))
+            if stored:
+                self._changes.append(("stored", stored))
 
     # -- argument checks ------------------------------------------------------------------------
 
@@ -197,9 +220,13 @@ class HostTier:
             ids = block_ids
         else:
             try:
-                ids = np.asarray(block_ids, dtype=np.int64).tolist()
+                raw: npt.NDArray[Any] | None = np.asarray(block_ids)
             except (OverflowError, ValueError, TypeError):
-                raise BlockIdOutOfRange(f"{call}: block ids must be ints, got {block_ids!r}") from None
+                raw = None
+            # an int array only: a float id (1.5) is refused, not truncated to another block
+            if raw is None or raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+                raise InvalidId(f"{call}: block ids must be a 1-D sequence of ints, got {block_ids!r}")
+            ids = raw.tolist()  # Python ints, exact for uint64 too
         if not isinstance(ids, list) or len(ids) != count:
             raise InvalidId(f"{call}: {np.size(block_ids)} block ids for {count} content hashes")
         if ids:
@@ -259,8 +286,7 @@ class HostTier:
             key, slot = index.popitem(last=False)
             free.append(slot)
             self._counts["evicted"] += 1
-            if self._evicted is not None:
-                self._evicted.append(key)
+            self._evicted_now.append(key)
         slots = free[len(free) - count :]
         del free[len(free) - count :]
         return slots
@@ -313,7 +339,9 @@ class HostTier:
                 for key in stored:  # the slots hold nothing usable
                     del index[key]
                 self._free.extend(slots)
+                self._record([])
                 raise
+            self._record(stored)
             self._counts["stored"] += len(fresh)
             self._counts["bytes_demoted"] += len(fresh) * self._slot_bytes
             listeners = self._listeners
@@ -346,12 +374,15 @@ class HostTier:
             self._counts["hits"] += found
             return found
 
-    def promote(self, hashes: HashesLike, block_ids: BlockIdsLike) -> None:
+    def promote(self, hashes: HashesLike, block_ids: BlockIdsLike, tokens: TokensLike) -> None:
         """Copy the entries ``hashes`` (every layer) into the device blocks ``block_ids``, one
-        batched copy completed on return. Entries stay in the tier. An absent hash raises
+        batched copy completed on return, once each entry is found to hold the block's
+        ``tokens`` (``len(hashes)`` blocks of them): a hash finds an entry, it never proves it.
+        Entries stay in the tier. An absent hash, or one held with other tokens, raises
         :class:`InvalidId` naming it, and nothing is copied."""
         keys = content_hashes("promote", hashes)
         ids = self._block_ids("promote", block_ids, len(keys))
+        rows = token_blocks("promote", tokens, len(keys), self._block_size)
         with self._lock:
             self._check_open("promote")
             slots: list[int] = []
@@ -365,6 +396,13 @@ class HostTier:
                 slots.append(slot)
             if not slots:
                 return
+            equal = (self._tokens[slots] == rows).all(axis=1)
+            if not equal.all():
+                key = keys[int(np.argmin(equal))]
+                raise InvalidId(
+                    f"promote: the host tier holds content hash {key:#018x} with other tokens than given: "
+                    "a hash collision; promote only what lookup found with these tokens"
+                )
             copies = self._copy_rows(slots, ids, to_host=False)
             self._device.copy_batch(copies)
             self._device.synchronize()
@@ -391,7 +429,9 @@ class HostTier:
 
     def load(self, records: Sequence[BlockRecord]) -> int:
         """Put blocks read from the store into the tier, as :meth:`demote` puts device blocks
-        (same recency and room rules); returns the blocks stored."""
+        (same recency and room rules); returns the blocks stored. A record whose hash is held with
+        other tokens takes that entry's place (the caller verified the record's tokens; the
+        entry's are a collision's), counted as ``replaced``."""
         for index, record in enumerate(records):
             if memoryview(record.kv).nbytes != self._slot_bytes:
                 raise InvalidId(
@@ -403,20 +443,27 @@ class HostTier:
         rows = token_blocks("load", [record.tokens for record in records], len(records), self._block_size)
         with self._lock:
             self._check_open("load")
-            stored = 0
+            stored: list[int] = []
             for record, row in zip(records, rows):
-                if record.content_hash in self._index:
-                    self._index.move_to_end(record.content_hash)
-                    self._counts["duplicates"] += 1
-                    continue
-                (slot,) = self._take_slots(1)
+                key = record.content_hash
+                slot = self._index.get(key)
+                if slot is not None:
+                    self._index.move_to_end(key)
+                    if (self._tokens[slot] == row).all():
+                        self._counts["duplicates"] += 1
+                        continue
+                    self._counts["replaced"] += 1
+                    self._evicted_now.append(key)
+                else:
+                    (slot,) = self._take_slots(1)
                 start = slot * self._slot_bytes
                 self._memory[start : start + self._slot_bytes] = np.frombuffer(record.kv, dtype=np.uint8)
                 self._tokens[slot] = row
-                self._index[record.content_hash] = slot
-                stored += 1
-            self._counts["loaded"] += stored
-            return stored
+                self._index[key] = slot
+                stored.append(key)
+            self._counts["loaded"] += len(stored)
+            self._record(stored)
+            return len(stored)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -442,9 +489,10 @@ class HostTier:
             if stray:
                 raise InvariantViolation(f"HostTier: slot {stray[0]} is outside 0..{self._capacity - 1}")
             added = self._counts["stored"] + self._counts["loaded"]
-            if added - self._counts["evicted"] != len(held):
+            dropped = self._counts["evicted"] + self._counts["replaced"] + self._counts["cleared"]
+            if added - dropped != len(held):
                 raise InvariantViolation(
-                    f"HostTier: {added} blocks added - {self._counts['evicted']} evicted != {len(held)} held"
+                    f"HostTier: {added} blocks added - {dropped} evicted, replaced or cleared != {len(held)} held"
                 )
 
     def close(self) -> None:

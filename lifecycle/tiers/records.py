@@ -44,6 +44,7 @@ __all__ = [
     "RecordForeign",
     "RecordLayout",
     "adapter_id",
+    "model_id",
 ]
 
 MAGIC: Final = b"LCKB"
@@ -88,14 +89,25 @@ class BlockRecord:
     kv: bytes | memoryview
 
 
+def model_id(name: str) -> int:
+    """The 64-bit id of a model name (``ModelConfig.name``) in store keys: the xxh3-64 of its
+    UTF-8 bytes. Two models of one byte format but other names compute other KV for the same
+    tokens (other weights), so their blocks must never meet."""
+    if not isinstance(name, str) or not name:
+        raise InvalidId(f"a model name must be a non-empty str, got {name!r}")
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8"))
+
+
 @dataclass(frozen=True, slots=True)
 class RecordLayout:
     """What every record of one model looks like: its fingerprint, block size and KV bytes per
-    block (all attention layers). Build it with :meth:`of`."""
+    block (all attention layers), and the id of the model's name (:func:`model_id`), which the
+    store keys its records under. Build it with :meth:`of`."""
 
     fingerprint: int
     block_size: int
     kv_bytes: int
+    model: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig) -> RecordLayout:
@@ -103,7 +115,7 @@ class RecordLayout:
         kv_bytes = config.kv_block_bytes()
         if kv_bytes == 0:
             raise InvalidId(f"model {config.name!r} has no attention layer: it has no KV blocks to store")
-        return cls(config.fingerprint(), config.block_size, kv_bytes)
+        return cls(config.fingerprint(), config.block_size, kv_bytes, model_id(config.name))
 
     @property
     def record_bytes(self) -> int:

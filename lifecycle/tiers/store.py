@@ -4,11 +4,12 @@ other's prefixes.
 A :class:`StoreTier` talks to one Redis / Valkey server or cluster through redis-py (the ``store``
 extra: ``pip install 'kv-lifecycle[store]'``). A block is one key::
 
-    {key_prefix}:kv1:{model fingerprint:016x}:{adapter id:016x}:{content hash:016x}
+    {key_prefix}:kv1:{model fingerprint:016x}:{model id:016x}:{adapter id:016x}:{content hash:016x}
 
 whose value is a :mod:`record <lifecycle.tiers.records>` (header, tokens, every layer's KV,
-checksum). Two engines with the same model byte format (``ModelConfig.fingerprint()``) and adapter
-name share keys; any other engine's keys never meet theirs.
+checksum). Two engines with the same model byte format (``ModelConfig.fingerprint()``), model name
+(``ModelConfig.name``, as :func:`~lifecycle.tiers.records.model_id`) and adapter name share keys;
+any other engine's keys never meet theirs.
 
 - **Writes go behind the host tier.** :meth:`StoreTier.write_behind` queues content hashes (a
   bounded queue: past ``queue_blocks`` a block is dropped and counted, never waited for); one
@@ -204,7 +205,7 @@ class _Health:
 
 
 class StoreTier:
-    """Blocks of models with ``config``'s byte format in the Redis / Valkey store at ``url``.
+    """Blocks of the model ``config`` (its byte format and name) in the Redis / Valkey store at ``url``.
 
     ``source`` is where queued writes read their blocks (the host tier); without one,
     :meth:`write_behind` is refused. ``timeout_s`` bounds every connect, read and write;
@@ -241,7 +242,7 @@ class StoreTier:
         _check_number("batch_blocks", batch_blocks, 1, None, integer=True)
         if ttl_s is not None:
             _check_number("ttl_s", ttl_s, 0.001, None, integer=False)
-        self._prefix = f"{key_prefix}:kv{VERSION}:{self._layout.fingerprint:016x}:"
+        self._prefix = f"{key_prefix}:kv{VERSION}:{self._layout.fingerprint:016x}:{self._layout.model:016x}:"
         self._source = source
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))

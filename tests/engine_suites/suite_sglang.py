@@ -509,6 +509,19 @@ def test_the_allocator_refuses_a_double_free_and_changes_nothing() -> None:
     allocator.check_invariants()
 
 
+def test_the_allocator_refuses_to_free_the_padding_page_and_changes_nothing() -> None:
+    allocator = ALLOCATORS["lifecycle"](4 * 4, 4)
+    held = allocator.alloc(8)
+    with pytest.raises(LifecycleError, match="padding page"):
+        allocator.free_page_ids(torch.tensor([0, 2], dtype=torch.int64))
+    with pytest.raises(LifecycleError, match="padding page"):
+        allocator.free(torch.arange(6, dtype=torch.int64))  # page 0's slots and two of page 1's
+    assert allocator.available_size() == 8
+    allocator.free(held)
+    assert allocator.available_size() == 16
+    allocator.check_invariants()
+
+
 def test_the_allocator_batches_frees_in_a_group() -> None:
     allocator = ALLOCATORS["lifecycle"](8 * 4, 4)
     a, b = allocator.alloc(4), allocator.alloc(8)

@@ -335,6 +335,15 @@ def test_kv_cache_events(make: Managers, blocks_to_cache: int) -> None:
     assert isinstance(manager.take_events()[-1], AllBlocksCleared)
 
 
+def test_kv_cache_events_name_the_cache_salt_in_the_first_blocks_extra_keys(make: Managers) -> None:
+    manager = make(16, 4, enable_kv_cache_events=True)
+    salted = make.request("salted", list(range(48)), 16, cache_salt="salt1")
+    manager.allocate_slots(salted, 48)
+    stored = manager.take_events()[-1]
+    assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
+    assert stored.extra_keys is not None and "salt1" in stored.extra_keys[0]
+
+
 @pytest.mark.parametrize("blocks_to_cache", [2, 3, 10])
 def test_kv_cache_events_with_lora(make: Managers, blocks_to_cache: int) -> None:
     manager = make(16, blocks_to_cache + 1, enable_kv_cache_events=True)
