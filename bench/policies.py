@@ -658,9 +658,11 @@ class TwoQ(Ranked):
 class S3FIFO(Ranked):
     """S3-FIFO (Yang et al., SOSP'23): new blocks enter a small FIFO (``small`` of the cache),
     blocks whose ghost is still in the ghost FIFO (``ghost`` of the pool) the main FIFO. Reuses
-    count up to 3. Evicting from the small FIFO (while it holds at least its share), a block
-    reused at least ``threshold`` times moves to the main FIFO instead, its count cleared; the
-    main FIFO reinserts a reused block with its count less one."""
+    count up to 3. While the small FIFO holds at least its share, its oldest block is examined:
+    reused at least ``threshold`` times, it moves to the main FIFO (count cleared); else it is
+    evicted if it is a leaf and unpinned, and otherwise (a block above cached ones, or in use)
+    goes back to the small FIFO's tail, the trie's version of "cannot go yet". The main FIFO
+    evicts its oldest leaf, reinserting a reused one with its count less one."""
 
     name = "s3-fifo"
     queues = 2
@@ -676,6 +678,7 @@ class S3FIFO(Ranked):
         self.entered = np.zeros(cache.trace.num_ids, dtype=np.int64)
         self.freq = np.zeros(cache.trace.num_ids, dtype=np.int64)
         self.ghost = Ghosts(cache.trace.num_ids, round(self.ghost_share * cache.trace.num_blocks))
+        self.fifo: deque[tuple[int, int]] = deque()  # every small-FIFO block, oldest first, stale ones skipped
 
     def key(self, b: int) -> int:
         return int(self.entered[b])
@@ -688,36 +691,54 @@ class S3FIFO(Ranked):
         self.freq[blocks] = 0
         seen = self.ghost.holds(blocks)
         self.file(blocks[seen], 1)
-        self.file(blocks[~seen], 0)
+        small = blocks[~seen]
+        self.file(small, 0)
+        self.fifo.extend(zip(self.entered[small].tolist(), small.tolist()))
 
-    def reinsert(self, b: int) -> None:
-        """Back to the head of the main FIFO."""
+    def enter(self, b: int, queue: int) -> None:
+        """At the tail (the head, in the paper's words) of ``queue``."""
         self.entered[b] = self.cache.tick
         self.cache.tick += 1
-        if self.queue[b] == 1:
-            self.offer(b)
+        if queue == 0:
+            self.fifo.append((int(self.entered[b]), b))
+        if self.queue[b] == queue:
+            if self.cache.evictable(b):
+                self.offer(b)
         else:
-            self.move(b, 1)
+            self.move(b, queue)
+
+    def from_small(self) -> int:
+        """Examine the small FIFO from its oldest block until one is evicted (-1: a whole round
+        without)."""
+        fifo, entered, queue, freq, evictable = self.fifo, self.entered, self.queue, self.freq, self.cache.evictable
+        expiry, now = self.expiry, self.clock()
+        for _ in range(len(fifo)):
+            if self.size[0] < self.small * self.cache.num_cached:
+                break
+            e, b = fifo.popleft()
+            if queue[b] != 0 or entered[b] != e:
+                continue
+            if freq[b] >= self.threshold:
+                freq[b] = 0
+                self.enter(b, 1)
+            elif evictable(b) and expiry[b] <= now:
+                return self.drop(self.ghost.add(b))
+            else:
+                self.enter(b, 0)
+        return -1
 
     def choose(self) -> int:
-        freq = self.freq
-        while True:
-            if self.size[0] >= self.small * self.cache.num_cached:
-                b = self.pop(0)
-                if b >= 0 and freq[b] >= self.threshold:
-                    freq[b] = 0
-                    self.reinsert(b)
-                    continue
-                if b >= 0:
-                    return self.drop(self.ghost.add(b))
+        b = self.from_small()
+        while b < 0:
             b = self.pop(1)
             if b < 0:
                 return self.drop(self.ghost.add(self.pop(0)))
-            if freq[b] > 0:
-                freq[b] -= 1
-                self.reinsert(b)
-                continue
-            return self.drop(b)
+            if self.freq[b] == 0:
+                return self.drop(b)
+            self.freq[b] -= 1
+            self.enter(b, 1)
+            b = -1
+        return b
 
 
 def length_band(blocks: int) -> int:
