@@ -1,6 +1,34 @@
-"""Eviction policies for the prefix cache, measured on a block-level model of W2/W3 replays.
+"""Eviction policies for the prefix cache, measured on a block-level model of a W2/W3 replay,
+beside Belady's offline optimum (issue 27, the measurement side; docs/retention.md has the table).
 
-PLACEHOLDER docstring
+    python bench/workloads.py w3-policies --json   # one JSON record per policy, then the optimum
+    python bench/workloads.py w2-policies --json
+    python bench/policies.py w3 [--trace PATH]     # the same records
+
+The model (:func:`replay`) follows the replay rules of ``../shared/bench/README.md``: requests in
+order, a FIFO window of ``max_live`` live requests; admission reuses the longest cached prefix in
+whole blocks, at most ``(len(prompt) - 1) // block_size`` of them, pins it, and allocates the rest
+of the blocks the request holds, evicting when the fixed pool runs short; a finish caches every
+full block of prompt + generated tokens that is not cached yet, then releases the pins. A block is
+its chained prefix key (two 64-bit lanes over its tokens and every block before it; a clash of the
+first lane with the second raises), so a block is a hit only if its whole prefix is cached, as in
+the trie: eviction takes only a leaf (no cached block below it) that no live request pins, for
+every policy. The recency stamps are the library's trie order (pyx/radix.pyx), so the model's LRU
+hits and evicts exactly what ``KVCacheCore`` does on W2 and W3 (:func:`run` checks it every time,
+tests/test_bench_policies.py on a cut of W3).
+
+Policies: LRU; SLRU (80% and 50% protected); 2Q; S3-FIFO; LFU with dynamic aging; and
+:class:`BranchLRU`, reuse- and length-aware at the branch level. Each is adapted to the trie in the
+same way: it ranks the evictable leaves by its own order, and a block above cached ones waits until
+it is a leaf. :class:`Optimum` is Belady's MIN on the same model (its docstring says why it is the
+standard reference and not a proven bound; the never-evict ceiling, the strict bound, is printed
+beside it). Session TTL hints (:class:`SessionHints`) take the conversation of each request from
+its prompt's chunk chain alone (:func:`conversations`) and keep a continuing conversation's tail
+for one fixed TTL, in admissions or in trace time.
+
+``us_per_request`` in the records is this model's own replay time per request (Python and numpy,
+milliseconds where the library takes microseconds): it compares the policies' bookkeeping with
+each other, not with the library, whose cost per request ``workloads.py w3`` reports.
 """
 
 from __future__ import annotations

@@ -139,17 +139,22 @@ def test_a_pinned_prefix_is_never_evicted() -> None:
     assert checked.victims[0][0] == int(trace.blocks(1)[0])
 
 
-def test_every_policy_evicts_only_unpinned_cached_leaves() -> None:
-    """A branching trace (documents shared at random depths, suffixes of their own) on a small
-    pool with several live requests: every victim of every policy was cached, unpinned and had no
-    cached child."""
+def branching_trace() -> BlockTrace:
+    """300 requests: a document shared at a random depth, then a suffix of their own; a small
+    pool, four live."""
     rng = np.random.default_rng(7)
     requests: list[Request] = []
     for i in range(300):
         shared = [100 * int(rng.integers(4)) + d for d in range(int(rng.integers(1, 12)))]
         labels = shared + [10_000 + 50 * i + d for d in range(int(rng.integers(1, 6)))]
         requests.append((labels, len(labels) - 1, len(labels) + 1))
-    trace = toy(requests, pool=100, max_live=4)
+    return toy(requests, pool=100, max_live=4)
+
+
+def test_every_policy_evicts_only_unpinned_cached_leaves() -> None:
+    """On the branching trace every victim of every policy was cached, unpinned and had no cached
+    child."""
+    trace = branching_trace()
     continues = [-1] + list(range(299))
     hinted: list[Callable[[], Ranked]] = [
         lambda: policies.BranchLRU(hints=hints(continues, 20)), lambda: policies.LRU(hints(continues, 5))
@@ -159,6 +164,30 @@ def test_every_policy_evicts_only_unpinned_cached_leaves() -> None:
         policies.replay(trace, checked)
         assert checked.victims, "the pool was meant to be short"
         assert all(cached and children == 0 and pins == 0 for _, cached, children, pins in checked.victims)
+
+
+class MonotoneChecked(policies.BranchLRU):
+    """Branch LRU that, before each choice, checks every cached, unpinned block's key against its
+    cached, unpinned parent's."""
+
+    inversions = 0
+
+    def choose(self) -> int:
+        c = self.cache
+        for b in np.flatnonzero(c.cached & (c.pins == 0)).tolist():
+            p = int(c.trace.parent[b])
+            if p >= 0 and c.pins[p] == 0 and self.key(p) < self.key(b):
+                self.inversions += 1
+        return super().choose()
+
+
+def test_branch_lru_keys_grow_toward_the_root() -> None:
+    """What lets the C buckets keep key order without a leaf check: on the branching trace no
+    unpinned parent ever has a lower key than its child (stamp, reuse bonus and length bonus each
+    grow toward the root)."""
+    policy = MonotoneChecked()
+    policies.replay(branching_trace(), policy)
+    assert policy.inversions == 0
 
 
 def test_the_models_lru_hits_and_evicts_exactly_what_the_library_does() -> None:
