@@ -879,8 +879,8 @@ def load(name: str, path: Path) -> Workload:
     return Workload(name, block_trace(w3, times), w3.chunk_ids, w3)
 
 
-#: The policies measured (the field's and this module's), each without hints.
 def plain_policies() -> list[Ranked]:
+    """The policies measured without hints: the field's and :class:`BranchLRU`, LRU first."""
     return [LRU(), SLRU(0.8), SLRU(0.5), TwoQ(), S3FIFO(), LFU(), BranchLRU()]
 
 
@@ -889,6 +889,7 @@ SESSION_TTLS = ((500, "requests"), (120_000, "ms"))
 
 
 def hinted_policies(continues: Ints) -> list[Ranked]:
+    """LRU and :class:`BranchLRU` under each of :data:`SESSION_TTLS`."""
     policies: list[Ranked] = []
     for ttl, unit in SESSION_TTLS:
         hints = SessionHints(continues, ttl, unit)
@@ -897,6 +898,7 @@ def hinted_policies(continues: Ints) -> list[Ranked]:
 
 
 def label(policy: Ranked) -> str:
+    """The record's name of a policy: its own, with its session TTL when hinted."""
     hints = policy.session_hints
     if hints is None:
         return policy.name
