@@ -9,6 +9,8 @@
     python bench/workloads.py w3-events --json  # W3 likewise
     python bench/workloads.py w3-tiers --json   # W3 through the model with a host tier of 0, 1, 4, 8x the pool
     python bench/workloads.py w4 --json         # W4 decode steps: the model's and the core's step, the core's own time
+    python bench/workloads.py w3-policies --json  # eviction policies beside the offline optimum (bench/policies.py)
+    python bench/workloads.py w2-policies --json  # likewise on W2
 
 Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
 ``bench/data/traces.npz`` (see bench/data/README.md; ``--trace PATH`` names another file, compact or
@@ -34,7 +36,9 @@ from traces import MOONCAKE_TRACE, TRACES  # noqa: E402
 #: The traces every W1/W2 benchmark replays unless told otherwise (the repository's copy).
 DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
-WORKLOADS = ("w1", "w2", "w2-model", "w2-events", "w3", "w3-model", "w3-events", "w3-tiers", "w4")
+WORKLOADS = (
+    "w1", "w2", "w2-model", "w2-events", "w2-policies", "w3", "w3-model", "w3-events", "w3-tiers", "w3-policies", "w4"
+)
 #: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
 #: longer than W2's, so fewer of them give as steady a minimum.
 REPEATS = {"w2": 10, "w3": 5}
@@ -104,6 +108,12 @@ def results(workload: str, trace: Path | None) -> list[Result]:
         name = workload.split("-")[0]
         trace_data = load_w2(trace or TRACES) if name == "w2" else load_w3(trace or MOONCAKE_TRACE)
         return run_events(name.upper(), trace_data, REPEATS[name])
+    if workload.endswith("policies"):
+        from policies import load
+        from policies import run as run_policies
+
+        name = workload.split("-")[0].upper()
+        return run_policies(load(name, trace or (TRACES if name == "W2" else MOONCAKE_TRACE)))
     if workload.startswith("w2"):
         return [run_w2(trace or TRACES, model=workload.endswith("model"))]
     if workload.startswith("w3"):
