@@ -30,18 +30,18 @@ def installed_version(distribution: str) -> str | None:
 
 def editable_checkout() -> Path | None:
     """The checkout lifecycle is installed from in editable mode, or None (a copy, or not installed
-    through pip)."""
-    try:
-        text = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        return None
-    if not text:
-        return None
-    origin = json.loads(text)
-    if not origin.get("dir_info", {}).get("editable"):
-        return None
-    url = urlparse(str(origin.get("url", "")))
-    return Path(unquote(url.path)) if url.scheme == "file" else None
+    through pip). The install's own record counts: the ``kv_lifecycle.egg-info`` a build leaves in
+    the checkout (found first when the checkout is on ``sys.path``) records no origin."""
+    for distribution in metadata.distributions(name=DISTRIBUTION):
+        text = distribution.read_text("direct_url.json")
+        if not text:
+            continue
+        origin = json.loads(text)
+        if not origin.get("dir_info", {}).get("editable"):
+            return None
+        url = urlparse(str(origin.get("url", "")))
+        return Path(unquote(url.path)) if url.scheme == "file" else None
+    return None
 
 
 def plot_install_hint() -> str:
