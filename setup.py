@@ -7,9 +7,12 @@ source tree: mypy and stubtest read ``stubs/`` itself (``mypy_path`` in pyprojec
 
 An editable install (``pip install -e .``) imports the checkout through setuptools' import hook,
 which mypy does not run: it finds packages only on path entries. The editable wheel therefore also
-carries a ``.pth`` naming ``build/__editable_typing__/`` in the checkout, where ``lifecycle`` links
-to the checkout's package and ``lifecycle-stubs`` (a partial PEP 561 stub package) links to the
-stubs of ``stubs/``, so ``mypy --strict`` on a user's script sees the checkout with its stubs.
+carries a ``.pth`` naming two folders under ``build/__editable_typing__/`` in the checkout:
+``package/lifecycle`` links to the checkout's package, and ``stubs/lifecycle`` holds links to the
+stubs of ``stubs/`` (and a ``py.typed``), so ``mypy --strict`` on a user's script sees the checkout
+with its stubs. The stubs' folder has no ``__init__.pyi``, as ``stubs/lifecycle`` has none: mypy
+takes a stub there only when no other folder has it, and the first such folder on its path when
+several do, so a checkout's own ``mypy_path = "stubs"`` still wins over an installed checkout's.
 
 Building needs a C compiler and the Python headers; without them the build stops with one line
 naming what to install (``_BuildExt``).
@@ -92,20 +95,20 @@ def _link(target: Path, link: Path) -> None:
     link.symlink_to(os.path.relpath(target, link.parent), target_is_directory=target.is_dir())
 
 
-def make_typing_dir(root: Path = ROOT, typing_dir: Path = TYPING_DIR) -> Path:
-    """The path entry of an editable install for mypy (see the module docstring), made afresh:
+def make_typing_dir(root: Path = ROOT, typing_dir: Path = TYPING_DIR) -> list[Path]:
+    """The path entries of an editable install for mypy (see the module docstring), made afresh:
     links, so edits to the checkout and to ``stubs/`` are what mypy reads."""
     if typing_dir.is_symlink() or typing_dir.is_file():
         typing_dir.unlink()
     elif typing_dir.exists():
         shutil.rmtree(typing_dir)
-    _link(root / "lifecycle", typing_dir / "lifecycle")
-    stubs = typing_dir / "lifecycle-stubs"
-    stubs.mkdir(parents=True)
-    (stubs / "py.typed").write_text("partial\n")  # what is not stubbed here comes from the package
+    package, stubs = typing_dir / "package", typing_dir / "stubs"
+    _link(root / "lifecycle", package / "lifecycle")
+    (stubs / "lifecycle").mkdir(parents=True)
+    (stubs / "lifecycle" / "py.typed").write_text("")  # mypy reads an installed folder only with one
     for stub in sorted((root / "stubs" / "lifecycle").glob("_*.pyi")):
-        _link(stub, stubs / stub.name)
-    return typing_dir
+        _link(stub, stubs / "lifecycle" / stub.name)
+    return [package, stubs]
 
 
 class _TypingPath:
@@ -117,7 +120,8 @@ class _TypingPath:
 
     def __call__(self, wheel: Any, files: list[str], mapping: dict[str, str]) -> object:
         result = self._strategy(wheel, files, mapping)
-        wheel.writestr(f"__editable__.{self._name}-typing.pth", f"{make_typing_dir()}\n")
+        lines = "".join(f"{entry}\n" for entry in make_typing_dir())
+        wheel.writestr(f"__editable__.{self._name}-typing.pth", lines)
         return result
 
     def __enter__(self) -> _TypingPath:

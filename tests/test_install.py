@@ -70,11 +70,10 @@ def test_mypy_strict_passes_on_a_user_script_against_the_editable_install(tmp_pa
 
 def test_the_typing_path_gives_mypy_the_checkout_and_its_stubs(tmp_path: Path) -> None:
     setup = load_setup()
-    typing_dir = setup.make_typing_dir(ROOT, tmp_path / "typing")
-    assert (typing_dir / "lifecycle").resolve() == ROOT / "lifecycle"
-    stubs = typing_dir / "lifecycle-stubs"
-    assert (stubs / "py.typed").read_text() == "partial\n"
-    linked = {path.name: path.resolve() for path in stubs.glob("*.pyi")}
+    package, stubs = setup.make_typing_dir(ROOT, tmp_path / "typing")
+    assert (package / "lifecycle").resolve() == ROOT / "lifecycle"
+    assert (stubs / "lifecycle" / "py.typed").is_file() and not list(stubs.glob("lifecycle/__init__.py*"))
+    linked = {path.name: path.resolve() for path in (stubs / "lifecycle").glob("*.pyi")}
     assert linked == {path.name: path for path in (ROOT / "stubs" / "lifecycle").glob("_*.pyi")}
     # A fresh environment whose only way to lifecycle is that path entry, as the editable wheel's .pth gives it.
     env_dir = tmp_path / "venv"
@@ -82,18 +81,49 @@ def test_the_typing_path_gives_mypy_the_checkout_and_its_stubs(tmp_path: Path) -
     python = env_dir / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "__editable__.kv_lifecycle-typing.pth").write_text(f"{typing_dir}\n")
+    (Path(site) / "__editable__.kv_lifecycle-typing.pth").write_text(f"{package}\n{stubs}\n")
     result = mypy_strict(user_script(tmp_path), str(python))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_checkouts_own_stubs_win_over_an_installed_checkouts(tmp_path: Path) -> None:
+    """A worktree's mypy (``mypy_path = "stubs"``) reads its own stubs even where another checkout
+    is installed editable: stubs being edited are never shadowed by the installed ones."""
+    setup = load_setup()
+    package, stubs = setup.make_typing_dir(ROOT, tmp_path / "typing")  # the installed checkout: today's stubs
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "__editable__.kv_lifecycle-typing.pth").write_text(f"{package}\n{stubs}\n")
+    edited = tmp_path / "worktree-stubs" / "lifecycle"
+    edited.mkdir(parents=True)
+    for stub in (ROOT / "stubs" / "lifecycle").glob("_*.pyi"):
+        (edited / stub.name).write_text(stub.read_text())
+    signature = "def grow(self, handle: int, num_blocks: _Int)"
+    kvcache = edited / "_kvcache.pyi"
+    assert signature in kvcache.read_text()
+    renamed = "def grow(self, handle: int, renamed_in_this_worktree: _Int)"
+    kvcache.write_text(kvcache.read_text().replace(signature, renamed))
+    script = tmp_path / "uses_the_edit.py"
+    script.write_text("from lifecycle._kvcache import KVCacheCore\n\n\n"
+                      "def grow(core: KVCacheCore) -> int:\n    return core.grow(1, renamed_in_this_worktree=2)\n")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["MYPYPATH"] = str(edited.parent)
+    command = [sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--python-executable", str(python),
+               "--cache-dir", str(tmp_path / ".mypy_cache"), script.name]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_typing_dir_is_made_afresh(tmp_path: Path) -> None:
     setup = load_setup()
     typing_dir = tmp_path / "typing"
-    (typing_dir / "lifecycle-stubs").mkdir(parents=True)
-    (typing_dir / "lifecycle-stubs" / "_gone.pyi").write_text("")  # a stub since removed from stubs/
+    (typing_dir / "stubs" / "lifecycle").mkdir(parents=True)
+    (typing_dir / "stubs" / "lifecycle" / "_gone.pyi").write_text("")  # a stub since removed from stubs/
     setup.make_typing_dir(ROOT, typing_dir)
-    assert not (typing_dir / "lifecycle-stubs" / "_gone.pyi").exists()
+    assert not (typing_dir / "stubs" / "lifecycle" / "_gone.pyi").exists()
 
 
 class RecordingStrategy:
@@ -122,12 +152,13 @@ class RecordingWheel:
 def test_the_editable_wheel_gets_the_typing_pth_beside_setuptools_own_files(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path: Path) -> None:
     setup = load_setup()
-    monkeypatch.setattr(setup, "make_typing_dir", lambda: tmp_path / "typing")
+    monkeypatch.setattr(setup, "make_typing_dir", lambda: [tmp_path / "package", tmp_path / "stubs"])
     strategy, wheel = RecordingStrategy(), RecordingWheel()
     with setup._TypingPath(strategy, "kv_lifecycle-0.1.0") as wrapped:
         wrapped(wheel, [], {})
     assert strategy.calls == ["enter", "call", "exit"]
-    assert wheel.files == {"__editable__.kv_lifecycle-0.1.0-typing.pth": f"{tmp_path / 'typing'}\n"}
+    pth = f"{tmp_path / 'package'}\n{tmp_path / 'stubs'}\n"
+    assert wheel.files == {"__editable__.kv_lifecycle-0.1.0-typing.pth": pth}
 
 
 def test_a_missing_compiler_is_named_in_one_line() -> None:
