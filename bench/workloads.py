@@ -45,13 +45,15 @@ REPEATS = {"w2": 10, "w3": 5}
 
 
 def run_w2(trace_path: Path, *, model: bool, repeats: int = REPEATS["w2"]) -> Result:
-    """W2 through lifecycle; the hit tokens must equal the peers' to the token."""
+    """W2 through lifecycle; on the reference trace the hit tokens must equal the peers' to the
+    token (another ``--trace`` has no reference figures)."""
     from replay import run
     from w2 import REFERENCE_HIT_TOKENS, REFERENCE_PROMPT_TOKENS, load_w2
 
     trace = load_w2(trace_path)
     record = run("W2", trace, repeats, model=model)
-    if (record["hit_tokens"], record["prompt_tokens"]) != (REFERENCE_HIT_TOKENS, REFERENCE_PROMPT_TOKENS):
+    reference = trace_path.resolve() == TRACES.resolve()
+    if reference and (record["hit_tokens"], record["prompt_tokens"]) != (REFERENCE_HIT_TOKENS, REFERENCE_PROMPT_TOKENS):
         raise AssertionError(
             f"W2 hit {record['hit_tokens']} of {record['prompt_tokens']} prompt tokens; the peers hit "
             f"{REFERENCE_HIT_TOKENS} of {REFERENCE_PROMPT_TOKENS}"
