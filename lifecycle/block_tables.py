@@ -11,7 +11,9 @@ rather than for the stream matters under ``use_stream``: the stream also holds t
 queued after the copy, which the next call has no reason to wait for.
 
 Everything is checked before anything is written (host) or copied (CUDA); errors are
-:class:`~lifecycle.errors.InvalidId` naming the value and its limit.
+:class:`~lifecycle.errors.InvalidId` naming the value and its limit (:class:`InvalidType` for an
+object that is no table at all). :func:`step_cuda_table` is the same staging for a decode step
+(``HybridModel.step(table=)``) into a CUDA table.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import numpy.typing as npt
 from lifecycle._kvcache import KVCacheCore, SequenceState
 from lifecycle.device.base import Device
 from lifecycle.device.dlpack import KDL_CPU, KDL_CUDA
-from lifecycle.errors import InvalidId, SequenceStateError
+from lifecycle.errors import InvalidId, InvalidType, SequenceStateError
 
-__all__ = ["CudaTable", "TableStaging", "write_block_tables"]
+__all__ = ["CudaTable", "TableStaging", "step_cuda_table", "write_block_tables"]
 
 _CALL: Final = "write_block_tables"
 _ID_BYTES: Final = 4
@@ -46,40 +48,41 @@ class CudaTable:
     stream: int | None
 
     @classmethod
-    def of(cls, table: object) -> CudaTable:
-        """The table behind an object's ``__cuda_array_interface__`` (version 2 or 3)."""
+    def of(cls, table: object, call: str = _CALL) -> CudaTable:
+        """The table behind an object's ``__cuda_array_interface__`` (version 2 or 3), named
+        ``call`` in errors."""
         interface: Any = getattr(table, "__cuda_array_interface__")
         if not isinstance(interface, dict):
-            raise InvalidId(f"{_CALL}: __cuda_array_interface__ of {type(table).__name__} is not a dict")
+            raise InvalidId(f"{call}: __cuda_array_interface__ of {type(table).__name__} is not a dict")
         version, typestr, shape = interface.get("version"), interface.get("typestr"), tuple(interface.get("shape", ()))
         if version not in (2, 3):
-            raise InvalidId(f"{_CALL}: __cuda_array_interface__ version {version!r}, expected 2 or 3")
+            raise InvalidId(f"{call}: __cuda_array_interface__ version {version!r}, expected 2 or 3")
         if typestr != "<i4":
-            raise InvalidId(f"{_CALL}: the table holds {typestr!r}, expected '<i4' (int32)")
+            raise InvalidId(f"{call}: the table holds {typestr!r}, expected '<i4' (int32)")
         if len(shape) != 2:
-            raise InvalidId(f"{_CALL}: the table has shape {shape}, expected 2-D (rows, blocks)")
+            raise InvalidId(f"{call}: the table has shape {shape}, expected 2-D (rows, blocks)")
         num_rows, width = int(shape[0]), int(shape[1])
         strides = interface.get("strides")
         if strides is not None and num_rows * width:
             row_stride, id_stride = (int(stride) for stride in strides)
             if (num_rows > 1 and row_stride != width * _ID_BYTES) or (width > 1 and id_stride != _ID_BYTES):
-                raise InvalidId(f"{_CALL}: the table has strides {tuple(strides)}, expected C-contiguous "
+                raise InvalidId(f"{call}: the table has strides {tuple(strides)}, expected C-contiguous "
                                 f"{(width * _ID_BYTES, _ID_BYTES)}")
         if interface.get("mask") is not None:
-            raise InvalidId(f"{_CALL}: a masked table cannot be written")
+            raise InvalidId(f"{call}: a masked table cannot be written")
         data = interface.get("data")
         if not isinstance(data, tuple) or len(data) != 2:
-            raise InvalidId(f"{_CALL}: __cuda_array_interface__ data {data!r} is not a (pointer, read-only) pair")
+            raise InvalidId(f"{call}: __cuda_array_interface__ data {data!r} is not a (pointer, read-only) pair")
         ptr, read_only = data
         if read_only:
-            raise InvalidId(f"{_CALL}: the table at {int(ptr):#x} is read-only")
+            raise InvalidId(f"{call}: the table at {int(ptr):#x} is read-only")
         stream = interface.get("stream")
         return cls(int(ptr), num_rows, width, None if stream is None else int(stream))
 
 
-def host_table(table: object) -> npt.NDArray[np.int32] | None:
+def host_table(table: object, call: str = _CALL) -> npt.NDArray[np.int32] | None:
     """``table`` as a writable 2-D int32 numpy view of host memory with contiguous rows, or None
-    when it is a CUDA table (``__cuda_array_interface__``)."""
+    when it is a CUDA table (``__cuda_array_interface__``); errors name the call ``call``."""
     if hasattr(table, "__cuda_array_interface__"):
         return None
     if hasattr(table, "__dlpack_device__"):
@@ -87,20 +90,22 @@ def host_table(table: object) -> npt.NDArray[np.int32] | None:
         if device_type != KDL_CPU:
             detail = ("a CUDA tensor is taken through __cuda_array_interface__ (as torch, CuPy and Numba give "
                       "it)" if device_type == KDL_CUDA else "it is not host memory")
-            raise InvalidId(f"{_CALL}: {type(table).__name__} lives on DLPack device type {device_type}: {detail}")
+            raise InvalidId(f"{call}: {type(table).__name__} lives on DLPack device type {device_type}: {detail}")
     try:
         array = np.asarray(memoryview(table))  # type: ignore[arg-type]
     except TypeError:
         if not hasattr(table, "__dlpack__"):
-            raise InvalidId(f"{_CALL}: {type(table).__name__} has neither the buffer protocol, __dlpack__ nor "
-                            "__cuda_array_interface__") from None
+            raise InvalidType(f"{call}: {type(table).__name__} has neither the buffer protocol, __dlpack__ nor "
+                              "__cuda_array_interface__") from None
         array = np.from_dlpack(table)
-    if array.ndim != 2 or array.dtype != np.int32:
-        raise InvalidId(f"{_CALL}: the table is {array.ndim}-D {array.dtype}, expected 2-D int32")
+    if array.dtype != np.int32:
+        raise InvalidType(f"{call}: the table holds {array.dtype}, expected int32")
+    if array.ndim != 2:
+        raise InvalidId(f"{call}: the table is {array.ndim}-D, expected 2-D (rows, blocks)")
     if array.shape[1] > 1 and array.strides[1] != _ID_BYTES:
-        raise InvalidId(f"{_CALL}: the table's rows are not contiguous (strides {array.strides})")
+        raise InvalidId(f"{call}: the table's rows are not contiguous (strides {array.strides})")
     if not array.flags.writeable:
-        raise InvalidId(f"{_CALL}: the table is read-only")
+        raise InvalidId(f"{call}: the table is read-only")
     return array
 
 
@@ -173,23 +178,23 @@ class TableStaging:
 
 
 def _rows_of(rows: Sequence[int] | npt.NDArray[np.integer] | None, count: int,
-             num_rows: int) -> npt.NDArray[np.int64]:
+             num_rows: int, call: str = _CALL) -> npt.NDArray[np.int64]:
     """The table row of each sequence: distinct, each in ``[0, num_rows)``."""
     if rows is None:
         positions = np.arange(count, dtype=np.int64)
     else:
         given = np.asarray(rows)
         if given.ndim != 1 or (given.size and given.dtype.kind not in "iu") or given.size != count:
-            raise InvalidId(f"{_CALL}: rows must be {count} ints (one per sequence), got {given.dtype} of shape "
+            raise InvalidId(f"{call}: rows must be {count} ints (one per sequence), got {given.dtype} of shape "
                             f"{given.shape}")
         positions = given.astype(np.int64)
     bad = np.flatnonzero((positions < 0) | (positions >= num_rows))
     if bad.size:
         i = int(bad[0])
-        raise InvalidId(f"{_CALL}: row {int(positions[i])} (sequence {i}) out of range [0, {num_rows})")
+        raise InvalidId(f"{call}: row {int(positions[i])} (sequence {i}) out of range [0, {num_rows})")
     if np.unique(positions).size != count:
         values, counts = np.unique(positions, return_counts=True)
-        raise InvalidId(f"{_CALL}: row {int(values[counts > 1][0])} is given to more than one sequence")
+        raise InvalidId(f"{call}: row {int(values[counts > 1][0])} is given to more than one sequence")
     return positions
 
 
@@ -219,17 +224,53 @@ def write_block_tables(core: KVCacheCore, device: Device, staging: TableStaging,
         return
     if not handles or width == 0:
         return
-    first, last = int(positions.min()), int(positions.max())
-    if last - first + 1 != len(handles):
-        missing = sorted(set(range(first, last + 1)) - set(positions.tolist()))
-        raise InvalidId(f"{_CALL}: a CUDA table is written by one copy of rows {first}..{last}, but rows "
-                        f"{missing[:8]} of them are not given (give every row of the span, or call once per span)")
-    if pad is None:
-        raise InvalidId(f"{_CALL}: a CUDA table is written in whole rows: give pad= (the id for the columns past "
-                        "a sequence's blocks, e.g. the null block)")
+    first = _span(positions, pad)
     staged = staging.rows(len(handles), width)
     for handle, row in zip(handles, positions.tolist()):
         core.write_table(handle, staged[row - first], pad)
+    _send(device, staging, target, first, staged)
+
+
+def _span(positions: npt.NDArray[np.int64], pad: int | None, call: str = _CALL) -> int:
+    """The first row of the one span of rows a CUDA table's copy covers; refuses rows that leave
+    a gap in it, and a missing ``pad`` (the rows are written whole)."""
+    first, last = int(positions.min()), int(positions.max())
+    if last - first + 1 != len(positions):
+        missing = sorted(set(range(first, last + 1)) - set(positions.tolist()))
+        raise InvalidId(f"{call}: a CUDA table is written by one copy of rows {first}..{last}, but rows "
+                        f"{missing[:8]} of them are not given (give every row of the span, or call once per span)")
+    if pad is None:
+        raise InvalidId(f"{call}: a CUDA table is written in whole rows: give pad= (the id for the columns past "
+                        "a sequence's blocks, e.g. the null block)")
+    return first
+
+
+def _send(device: Device, staging: TableStaging, target: CudaTable, first: int,
+          staged: npt.NDArray[np.int32]) -> None:
     if target.stream is not None:
         device.wait_stream(target.stream)  # the interface's stream: the table is written after its work
-    staging.send(target.ptr + first * width * _ID_BYTES, staged.nbytes)
+    staging.send(target.ptr + first * target.width * _ID_BYTES, staged.nbytes)
+
+
+def step_cuda_table(core: KVCacheCore, device: Device, staging: TableStaging, handles: object, tokens: object,
+                    counts: object, table: object, rows: object, pad: int | None, cache: bool) -> npt.NDArray[np.int32]:
+    """``core.step`` into a table in CUDA memory: each request's row is filled in the pinned
+    staging (its block ids, then ``pad``), the core steps there (checking everything before it
+    changes anything, the table's width included), and the span of rows goes in one copy."""
+    call = "step"
+    if device.kind != "cuda":
+        raise InvalidId(f"{call}: a CUDA table needs a model on a CUDA device, this one is on {device.name!r}")
+    target = CudaTable.of(table, call)
+    wanted = np.asarray(handles, dtype=np.int64)
+    if wanted.ndim != 1:
+        raise InvalidId(f"{call}: handles must be 1-D, got shape {wanted.shape}")
+    positions = _rows_of(rows, wanted.size, target.num_rows, call)  # type: ignore[arg-type]
+    if wanted.size == 0 or target.width == 0:
+        return core.step(wanted, tokens, counts, None, None, cache)  # type: ignore[arg-type]
+    first = _span(positions, pad, call)
+    staged = staging.rows(wanted.size, target.width)
+    for handle, row in zip(wanted.tolist(), positions.tolist()):
+        core.write_table(handle, staged[row - first], pad)
+    refused = core.step(wanted, tokens, counts, staged, positions - first, cache)  # type: ignore[arg-type]
+    _send(device, staging, target, first, staged)
+    return refused

@@ -2,7 +2,9 @@
 
 ``lifecycle simulate`` replays a synthetic multi-turn serving trace through the whole lifecycle API
 (see :mod:`lifecycle.simulate`) and prints a summary: a progress bar on stderr while it runs, then a
-table (or, with ``--json``, one JSON object) on stdout.
+table (or, with ``--json``, one JSON object) on stdout. ``lifecycle info`` prints the versions, the
+CUDA driver and device, and what ``open_device("auto")`` picks here. ``--version``; ``--log-level``
+shows the library's log records (warnings by default) on stderr.
 
 Every option is checked before anything is allocated: sizes (pools, swap memory, the trace) against
 the memory this machine (or GPU) has, each refusal naming the option that asked for too much. Exit
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import re
 import sys
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from lifecycle._packaging import plot_install_hint, shadowed_checkout_warning
+from lifecycle import __version__
+from lifecycle._logging import ROOT_LOGGER
+from lifecycle._packaging import editable_checkout, installed_version, plot_install_hint, shadowed_checkout_warning
 from lifecycle.config import ModelConfig
 from lifecycle.errors import ConfigError, DeviceError, LifecycleError
 from lifecycle.presets import preset, preset_names
@@ -46,6 +51,9 @@ SIMULATION_SIZING: Final[dict[str, dict[str, int]]] = {
     "small-hybrid": {"num_blocks": 2048, "num_snapshots": 256},
 }
 _PLOT_SUFFIXES: Final = (".png", ".svg", ".pdf")
+# Sizes are parsed and printed (lifecycle.stats.human_bytes) by hand: humanfriendly's parse_size
+# reads "512M" as 512,000,000 unless told binary=True and would be a dependency for ten lines; the
+# units here are binary only, as every pool size is.
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 #: Host memory the model's bookkeeping takes per KV block beside the block's tokens in the prefix
@@ -56,6 +64,18 @@ _HOST_BYTES_PER_SLOT_LAYER: Final = 160
 _ANNOUNCE_TRACE_BYTES: Final = 256 << 20
 _OPTION = re.compile(r"^argument ([^\s:/]+)")
 EXIT_INTERRUPTED: Final = 130
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+#: The option that sets each configuration field, for errors a user reads.
+FIELD_OPTIONS: Final = {
+    "num_blocks": "--blocks",
+    "kv_budget_bytes": "--kv-budget",
+    "num_snapshots": "--snapshots",
+    "max_seqs": "--max-live",
+    "host_tier_blocks": "--host-tier-mb",
+}
+_FIELD = re.compile(r"\b(" + "|".join(FIELD_OPTIONS) + r")\b(=)?")
+#: The oldest NVIDIA driver (Linux) each CUDA major of cuda-bindings runs on.
+DRIVER_MINIMUM: Final = {12: "525.60.13", 13: "580.65.06"}
 
 
 class _UsageError(Exception):
@@ -101,9 +121,29 @@ def _byte_size(text: str) -> int:
     return value
 
 
+def _log_level_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: object) -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=default,
+        help="the library's log records shown on stderr, from this level up (default: warning)",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lifecycle", description="Memory lifecycle for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"lifecycle {__version__}")
+    _log_level_option(parser, "warning")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    info = commands.add_parser(
+        "info",
+        help="versions, the CUDA driver and device, and the device open_device('auto') picks",
+        description="Print lifecycle's version and installation, its dependencies' versions, the CUDA "
+        "driver and GPU if any, and the device open_device('auto') picks here. Needs no GPU.",
+    )
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    _log_level_option(info, argparse.SUPPRESS)  # after the command too; the top-level default stands
+    info.set_defaults(command_parser=info)
     sim = commands.add_parser(
         "simulate",
         help="replay a synthetic multi-turn serving trace through the lifecycle API",
@@ -133,7 +173,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sizing = model.add_mutually_exclusive_group()
     sizing.add_argument(
-        "--blocks", type=_count(1), help="KV blocks in the pool (default: 2048 for small-hybrid, else the preset's)"
+        "--blocks",
+        type=_count(1),
+        help=f"KV blocks in the pool (default: {SIMULATION_SIZING[DEFAULT_MODEL]['num_blocks']} for "
+        f"{DEFAULT_MODEL}, else the preset's)",
     )
     sizing.add_argument(
         "--kv-budget", type=_byte_size, metavar="BYTES", help="KV pool size, e.g. 64M (instead of --blocks)"
@@ -142,7 +185,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--snapshots",
         type=_count(0),
         metavar="N",
-        help="SSM snapshot pool size of a hybrid model (default: 128 for small-hybrid, else the preset's)",
+        help="SSM snapshot pool size of a hybrid model (default: "
+        f"{SIMULATION_SIZING[DEFAULT_MODEL]['num_snapshots']} for {DEFAULT_MODEL}, else the preset's)",
     )
     sched = sim.add_argument_group("scheduler")
     sched.add_argument(
@@ -191,6 +235,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plot", type=Path, metavar="FILE.png", help="draw pool occupancy and hit rate over time (needs matplotlib)"
     )
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+    _log_level_option(out, argparse.SUPPRESS)
     sim.set_defaults(command_parser=sim)  # errors found after parsing print this command's usage
     return parser
 
@@ -234,7 +279,21 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelC
     try:
         return preset(args.model, **overrides)
     except ConfigError as exc:
-        parser.error(f"--model {args.model}: {exc}")
+        _refuse_config(parser, exc, "--model")
+
+
+def in_options(message: str) -> tuple[str | None, str]:
+    """A configuration error's message in the command line's words: each field it names
+    (``num_blocks=3``) as the option that sets it (``--blocks 3``); and the first such option."""
+    named = [FIELD_OPTIONS[match.group(1)] for match in _FIELD.finditer(message)]
+    text = _FIELD.sub(lambda match: FIELD_OPTIONS[match.group(1)] + (" " if match.group(2) else ""), message)
+    return (named[0] if named else None), text
+
+
+def _refuse_config(parser: argparse.ArgumentParser, exc: ConfigError, default_option: str) -> NoReturn:
+    option, text = in_options(str(exc))
+    option = option or default_option
+    parser.error(f"argument {option}: {text.removeprefix(option + ' ')}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +361,10 @@ def _memory_needs(args: argparse.Namespace, config: ModelConfig, trace_bytes: in
 
 
 def _available_host_bytes() -> int:
-    """Host memory that can be had now: MemAvailable on Linux, else the physical memory."""
+    """Host memory that can be had now: MemAvailable on Linux, else the physical memory.
+
+    Read by hand: psutil (virtual_memory().available) would add a compiled dependency for this one
+    number."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
@@ -393,7 +455,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:
             trace = trace_for_model(config, seed=args.seed, num_requests=args.requests, turns=args.turns)
         except ConfigError as exc:
-            parser.error(f"argument {_kv_option(args)}: {exc}")
+            _refuse_config(parser, exc, _kv_option(args))
         host_blocks = (args.host_tier_mb << 20) // max(config.kv_block_bytes(), 1) if args.host_tier_mb else 0
         if args.host_tier_mb and host_blocks == 0:
             parser.error(
@@ -402,7 +464,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:  # its device times copies apart from bookkeeping
             model = simulation_model(config, device, host_tier_blocks=host_blocks, store=args.store)
         except ConfigError as exc:
-            parser.error(f"argument --host-tier-mb/--store: {exc}")
+            _refuse_config(parser, exc, "--host-tier-mb" if args.host_tier_mb else "--store")
         if show_progress:
             result = _with_progress(
                 lambda done: simulate(model, trace, options, seed=args.seed, on_request_done=done), len(trace)
@@ -464,6 +526,152 @@ def _print_summary(result: SimulationResult) -> None:
     Console().print(table)
 
 
+def _package_versions() -> dict[str, str | None]:
+    """The installed version of each dependency that matters here (None: not installed)."""
+    names = ("numpy", "cuda-bindings", "cuda-python", "xxhash", "rich", "matplotlib", "torch")
+    return {name: installed_version(name) for name in names}
+
+
+def _nvidia_kernel_driver() -> str | None:
+    """The NVIDIA kernel module's version (e.g. 580.65.06), from /proc; None without one."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="ascii", errors="replace") as proc:
+            match = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", proc.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _cuda_driver_version() -> tuple[int | None, str]:
+    """``cuDriverGetVersion`` (13000 for CUDA 13.0), or None and why not. Loads the driver library
+    only; initialises nothing."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        return None, f"cuda-bindings is not installed ({exc})"
+    try:
+        err, version = driver.cuDriverGetVersion()
+    except Exception as exc:  # the loader's errors (no libcuda.so.1): one line of them
+        return None, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if err:
+        return None, f"cuDriverGetVersion failed ({err})"
+    return int(version), ""
+
+
+def _bindings_note(bindings: str | None, driver_version: int | None) -> str:
+    """The driver the installed cuda-bindings needs, and a mismatch with this one, in words."""
+    if bindings is None:
+        return "cuda-bindings is not installed: pip install 'kv-lifecycle[cuda13]' (or [cuda12])"
+    try:
+        major = int(bindings.split(".")[0])
+    except ValueError:
+        return ""
+    minimum = DRIVER_MINIMUM.get(major)
+    note = f"CUDA {major} bindings" + (f", for NVIDIA drivers {minimum} or newer" if minimum else "")
+    if driver_version is not None and driver_version // 1000 < major:
+        older = driver_version // 1000
+        hint = f"; pip install 'kv-lifecycle[cuda{older}]'" if older in DRIVER_MINIMUM else ""
+        note += f"; this driver is CUDA {older}.{driver_version % 1000 // 10}: too old for them{hint}"
+    return note
+
+
+def collect_info() -> dict[str, Any]:
+    """What ``lifecycle info`` prints, as one JSON-ready dict."""
+    import platform
+
+    from lifecycle._packaging import PACKAGE_DIR
+    from lifecycle.device import open_device
+
+    checkout = editable_checkout()
+    if checkout is not None and (checkout / "lifecycle").resolve() != PACKAGE_DIR:
+        checkout = None  # the editable install is of another checkout than the package running
+    versions = _package_versions()
+    driver_version, no_driver = _cuda_driver_version()
+    info: dict[str, Any] = {
+        "lifecycle": __version__,
+        "package": str(PACKAGE_DIR),
+        "editable_checkout": None if checkout is None else str(checkout),
+        "python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
+        "packages": versions,
+        "cuda_bindings": _bindings_note(versions["cuda-bindings"], driver_version),
+        "cuda_driver": None if driver_version is None else f"{driver_version // 1000}.{driver_version % 1000 // 10}",
+        "cuda_driver_missing": no_driver or None,
+        "nvidia_kernel_driver": _nvidia_kernel_driver(),
+    }
+    device = open_device("auto")
+    try:
+        info["auto_device"] = device.kind
+        info["device"] = device.name
+        if device.kind == "cuda":
+            free, total = device.mem_info()
+            info["device_memory"] = {"free": free, "total": total}
+            info["auto_reason"] = "a CUDA driver and a GPU are present"
+        else:
+            try:
+                open_device("cuda").close()
+                info["auto_reason"] = "CUDA opened only on the second try"
+            except DeviceError as exc:
+                info["auto_reason"] = str(exc)
+    finally:
+        device.close()
+    return info
+
+
+def _version_line(name: str, version: str | None, info: dict[str, Any]) -> str:
+    if version is None:
+        return info["cuda_bindings"] if name == "cuda-bindings" else "not installed"
+    return f"{version} ({info['cuda_bindings']})" if name == "cuda-bindings" else version
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    where = info["package"]
+    if info["editable_checkout"]:
+        where += f" (editable install of {info['editable_checkout']})"
+    lines = [
+        ("lifecycle", f"{info['lifecycle']} at {where}"),
+        ("python", info["python"]),
+        *((name, _version_line(name, version, info)) for name, version in info["packages"].items()),
+        ("CUDA driver", info["cuda_driver"] or f"none ({info['cuda_driver_missing']})"),
+    ]
+    if info["nvidia_kernel_driver"]:
+        lines.append(("NVIDIA driver", info["nvidia_kernel_driver"]))
+    device = info["device"]
+    if "device_memory" in info:
+        memory = info["device_memory"]
+        device += f", {human_bytes(memory['free'])} free of {human_bytes(memory['total'])}"
+    lines.append(("device", device))
+    lines.append(('open_device("auto")', f"{info['auto_device']}: {info['auto_reason']}"))
+    width = max(len(label) for label, _ in lines)
+    for label, value in lines:
+        print(f"{label:>{width}}  {value}")
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, sort_keys=True))
+    else:
+        _print_info(info)
+    return 0
+
+
+class _InterruptedTeardown(logging.Filter):
+    """Drops the teardown's report of live sequences while Ctrl-C unwinds the run: they were live
+    because the run was interrupted, which the command's last line says."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        return not (interrupted and record.name == "lifecycle.model" and str(record.msg).startswith("teardown"))
+
+
+def _log_handler(level: str) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    handler.addFilter(_InterruptedTeardown())
+    handler.setLevel(level.upper())
+    return handler
+
+
 def _wants_json(argv: Sequence[str]) -> bool:
     """Whether ``--json`` (or an abbreviation argparse would take for it) is among the options:
     an error found while parsing them is then printed as JSON too."""
@@ -490,11 +698,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_mode = _wants_json(arguments)
     prog = "lifecycle"
     parser = _build_parser()
+    logger = logging.getLogger(ROOT_LOGGER)
+    handler: logging.Handler | None = None
+    level = logger.level
     try:
         args = parser.parse_args(arguments)
+        handler = _log_handler(args.log_level)
+        logger.addHandler(handler)
+        logger.setLevel(handler.level)
         json_mode = bool(getattr(args, "json", json_mode))
         prog = f"lifecycle {args.command}"
         command_parser: argparse.ArgumentParser = args.command_parser
+        if args.command == "info":
+            return _info(args)
         _validate(command_parser, args)
         if args.command == "simulate":
             return _simulate(command_parser, args)
@@ -511,4 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(json_mode, "interrupted", "interrupted (Ctrl-C)", EXIT_INTERRUPTED)
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        if handler is not None:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
     return 2

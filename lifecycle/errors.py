@@ -35,6 +35,12 @@ class InvalidId(LifecycleError, ValueError):
     """An id (block, slot, adapter) is out of range or not in the state the call needs."""
 
 
+class InvalidType(InvalidId, TypeError):
+    """An argument is of a type the call cannot take (a str or a float array where ids go, an
+    object with neither the buffer protocol, DLPack nor ``__array__``, device memory where host
+    memory is read); the message names the argument and what it takes."""
+
+
 class BlockIdOutOfRange(InvalidId):
     """A block id is negative or >= the pool's size."""
 

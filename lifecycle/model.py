@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import asdict, dataclass
-from typing import BinaryIO, Final
+from typing import Any, BinaryIO, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -32,13 +32,14 @@ from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._slots import SlotPool
 from lifecycle.adapters import AdapterInfo, AdapterTable, adapter_key
-from lifecycle.block_tables import write_block_tables
+from lifecycle.block_tables import host_table, step_cuda_table, write_block_tables
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
 from lifecycle.errors import (
     ConfigError,
     ForeignSequence,
     InvalidId,
+    InvalidType,
     InvariantViolation,
     LifecycleError,
     OutOfBlocks,
@@ -60,6 +61,37 @@ from lifecycle.tiering import ModelTiers
 from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
+
+_INTS: Final = "ints (a numpy array, a CPU tensor, a list or tuple)"
+
+
+def _describe(value: object, array: npt.NDArray[np.generic] | None) -> str:
+    if array is None or array.ndim == 0 or array.dtype.kind in "OUS":
+        return f"{type(value).__name__} {value!r:.40}"
+    return f"{type(value).__name__} of {array.dtype}, shape {array.shape}"
+
+
+def _raise_if_wrong_type(
+    error: InvalidId, call: str, inputs: dict[str, object], outputs: dict[str, object] | None = None
+) -> None:
+    """After the core refused a call (off the fast path): raise :class:`InvalidType`, chained from
+    ``error``, for the first argument of a type the call cannot take: ``inputs`` must hold ints
+    (converted where they are not int32), ``outputs`` be int32 to be written in place. Returns when
+    every argument's type is usable: the refusal was of a value."""
+    for name, value in (*inputs.items(), *((k, v) for k, v in (outputs or {}).items() if v is not None)):
+        try:
+            array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        except Exception:  # e.g. a tensor in device memory, which numpy cannot read
+            array = None
+        if name in (outputs or {}):
+            if array is None or array.dtype != np.int32:
+                raise InvalidType(
+                    f"{call}: {name} must be int32 in host memory, got {_describe(value, array)} ({error})"
+                ) from error
+        elif array is None or array.ndim == 0 or (array.size and array.dtype.kind not in "iu"):
+            expected = f"SequenceStates, or their handles as {_INTS}" if name == "seqs" else _INTS
+            got = _describe(value, array)
+            raise InvalidType(f"{call}: {name} must be {expected} in host memory, got {got}") from error
 
 _log = logging.getLogger("lifecycle.model")
 _ACTIVE: Final = 1
@@ -463,6 +495,9 @@ class HybridModel(LifecycleDefaults):
             key = self._root_of(adapter_slot)
             try:
                 target, free = self._core.reclaim_for(prompt, key, blocks_needed)
+            except InvalidId as error:
+                _raise_if_wrong_type(error, "reclaim_prefix_blocks_for", {"prompt": prompt})
+                raise
             finally:
                 self._drained()
             host = self._tiers.host if self._tiers is not None else None
@@ -519,7 +554,11 @@ class HybridModel(LifecycleDefaults):
             if self._drop_queue:
                 self._reap_dropped()
             if not self._demoting:
-                return self._core.attach_seq(seq, prompt, grow_to)
+                try:
+                    return self._core.attach_seq(seq, prompt, grow_to)
+                except InvalidId as error:
+                    _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                    raise
             return self._attach_tiered(seq, prompt, grow_to)
         self._handle(seq)
         with self._lock, self._device_work():
@@ -530,6 +569,9 @@ class HybridModel(LifecycleDefaults):
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
             except OutOfBlocks:  # the growth failed; the prefix is attached: its state is restored all the same
                 self._restore_prefix(seq)
+                raise
+            except InvalidId as error:
+                _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                 raise
             # (any other error refused the call before anything changed: the slot keeps its state)
             self._restore_prefix(seq)
@@ -547,6 +589,9 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             try:
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
+            except InvalidId as error:
+                _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                raise
             finally:
                 self._tiers.drain()  # what it evicted goes down before anything reuses the blocks
             tokens = np.asarray(prompt, dtype=np.int32)
@@ -624,13 +669,14 @@ class HybridModel(LifecycleDefaults):
 
     def step(
         self,
-        seqs: Sequence[SequenceState] | npt.NDArray[np.int64],
-        tokens: Sequence[int] | npt.NDArray[np.integer],
+        seqs: Sequence[SequenceState] | Sequence[int] | npt.NDArray[np.int64] | Any,
+        tokens: Sequence[int] | npt.NDArray[np.integer] | Any,
         *,
-        counts: Sequence[int] | npt.NDArray[np.integer] | None = None,
-        table: npt.NDArray[np.int32] | None = None,
-        rows: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        counts: Sequence[int] | npt.NDArray[np.integer] | Any | None = None,
+        table: npt.NDArray[np.int32] | Any | None = None,
+        rows: Sequence[int] | npt.NDArray[np.integer] | Any | None = None,
         cache: bool | None = None,
+        pad: int | None = None,
     ) -> npt.NDArray[np.int32]:
         """One decode step for the running sequences in one core call with the GIL released:
         append one token per sequence (or ``counts[i]`` of the concatenated ``tokens``), grow the
@@ -638,27 +684,82 @@ class HybridModel(LifecycleDefaults):
         ids into row ``rows[i]`` (default ``i``) of the engine's int32 ``table``, and cache the
         blocks that filled (``cache``; by default on a pure-attention model with the prefix cache
         on). ``seqs`` are the sequences or, cheaper for a scheduler that keeps them, their
-        ``handle`` values as an int64 array.
+        ``handle`` values (an int64 numpy array or CPU tensor, read in place; a list).
+
+        ``tokens``, ``counts`` and ``rows``: ints as numpy arrays, CPU tensors (int32 and
+        contiguous ones are read in place, others converted) or lists. ``table``: a numpy array, a
+        CPU tensor (DLPack) or anything with the buffer protocol, written in place; on a CUDA model
+        also a table in GPU memory (``__cuda_array_interface__``: torch, CuPy), whose rows of the
+        batch are then written whole, the columns past a sequence's blocks with ``pad`` (default:
+        the null block), in one host-to-device copy from the model's pinned staging, as
+        :meth:`write_block_tables` does. An argument of a type it cannot take is refused with
+        :class:`~lifecycle.errors.InvalidType` (a ``TypeError``).
 
         All or nothing per sequence: returns the positions of those that could not grow even
         after eviction, left exactly as they were, for the scheduler to preempt."""
+        handles: Any
         if isinstance(seqs, np.ndarray):
             handles = seqs
         else:
             try:
-                handles = np.fromiter((s.handle for s in seqs), np.int64, len(seqs))
-            except AttributeError:
-                raise InvalidId("step: seqs must be SequenceStates, or their handles as an int64 array") from None
+                handles = np.fromiter((s.handle for s in seqs), np.int64, len(seqs))  # type: ignore[union-attr]
+            except AttributeError:  # handles (a list, a tuple, a tensor): the core converts them
+                handles = seqs
+            except TypeError as error:
+                _raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": seqs})
+                raise
         if cache is None:
             cache = self._ssm is None and self._config.enable_prefix_cache
         if self._torn_down or self._drop_queue:
             self._enter()
-        if not self._demoting:
-            return self._core.step(handles, tokens, counts, table, rows, cache)
+        if table is not None and not isinstance(table, np.ndarray):
+            host = host_table(table, "step")
+            if host is None:
+                return self._step_cuda(handles, tokens, counts, table, rows, cache, pad)
+            if not host.flags.c_contiguous:  # rows apart in memory (a slice of rows): stepped in a copy
+                scratch = np.ascontiguousarray(host)
+                refused = self.step(handles, tokens, counts=counts, table=scratch, rows=rows, cache=cache)
+                host[...] = scratch
+                return refused
+            table = host
         try:
-            return self._core.step(handles, tokens, counts, table, rows, cache)
-        finally:
-            self._drained()
+            if not self._demoting:
+                return self._core.step(handles, tokens, counts, table, rows, cache)
+            try:
+                return self._core.step(handles, tokens, counts, table, rows, cache)
+            finally:
+                self._drained()
+        except InvalidId as error:
+            optional = {"counts": counts, "rows": rows}
+            inputs = {"seqs": handles, "tokens": tokens, **{k: v for k, v in optional.items() if v is not None}}
+            _raise_if_wrong_type(error, "step", inputs, {"table": table})
+            raise
+
+    def _step_cuda(
+        self, handles: object, tokens: object, counts: object, table: object, rows: object, cache: bool,
+        pad: int | None,
+    ) -> npt.NDArray[np.int32]:
+        """:meth:`step` into a table in CUDA memory (:func:`lifecycle.block_tables.step_cuda_table`)."""
+        try:
+            wanted = np.asarray(handles, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as error:
+            _raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": handles})
+            raise InvalidId(f"step: handles must be ints, got {handles!r:.60}") from error
+        if pad is None and self.null_block >= 0:
+            pad = self.null_block
+        with self._lock, self._device_work():
+            self._enter()
+            try:
+                return step_cuda_table(
+                    self._core, self._device, self._memory.tables, wanted, tokens, counts, table, rows, pad, cache
+                )
+            except InvalidId as error:
+                optional = {"counts": counts, "rows": rows}
+                inputs = {"tokens": tokens, **{k: v for k, v in optional.items() if v is not None}}
+                _raise_if_wrong_type(error, "step", inputs)
+                raise
+            finally:
+                self._drained()
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (a whole number of blocks, which the
@@ -782,7 +883,11 @@ class HybridModel(LifecycleDefaults):
         Returns the ids that left the cache."""
         with self._lock:
             self._enter()
-            return self._core.evict_blocks(block_ids)
+            try:
+                return self._core.evict_blocks(block_ids)
+            except InvalidId as error:
+                _raise_if_wrong_type(error, "evict_blocks", {"block_ids": block_ids})
+                raise
 
     def num_common_prefix_blocks(self, seqs: Sequence[SequenceState]) -> int:
         """How many leading blocks all of ``seqs`` share (cascade attention's common prefix)."""
@@ -798,7 +903,11 @@ class HybridModel(LifecycleDefaults):
         """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer the engine
         owns (a numpy row, anything with the buffer protocol, a CPU tensor through DLPack), the
         rest padded with ``pad`` (the null block) if given; returns the ids written."""
-        return int(self._core.write_table(self._handle(seq), out, pad))
+        try:
+            return int(self._core.write_table(self._handle(seq), out, pad))
+        except InvalidId as error:
+            _raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
+            raise
 
     def write_block_tables(
         self,

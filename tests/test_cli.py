@@ -136,7 +136,12 @@ def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
         (["--kv-budget", "lots"], "--kv-budget: 'lots' is not a size"),
         (["--kv-budget", "0"], "--kv-budget: '0' must be more than 0 bytes"),
         (["--blocks", "3"], "too small for chats"),
-        (["--model", "llama-like", "--snapshots", "4"], "num_snapshots=4 needs an SSM layer"),
+        (["--model", "llama-like", "--snapshots", "4"], "argument --snapshots: 4 needs an SSM layer"),
+        (["--kv-budget", "1K"], "argument --kv-budget: 1024 is too small for one block of 32768 bytes"),
+        (["--host-tier-mb", "16"], "argument --host-tier-mb: a host tier holds KV blocks only"),
+        (["--model", "small-attention", "--store", "redis://127.0.0.1:1"],
+         "argument --host-tier-mb: a store needs a host tier above it (--host-tier-mb > 0)"),
+        (["--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
         (["--snapshots", "-1"], "--snapshots: -1 must be >= 0"),
         (["--snapshot-every", "-2"], "--snapshot-every: -2 must be >= 0"),
         (["--swap-host-mb", "-1"], "--swap-host-mb: -1 must be >= 0"),
@@ -209,3 +214,177 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture[str])
         pytest.skip("a CUDA device is present")
     assert main([*SMALL, "--device", "cuda"]) == 2
     assert "--device: cuda is not available here" in capsys.readouterr().err
+
+
+def emulated_driver_env() -> dict[str, str]:
+    """The environment of a child process whose CUDA driver is the emulator (skips without cc)."""
+    from emu_cuda.build import build_emulator, compiler
+
+    if compiler() is None:
+        pytest.skip("no C compiler to build the emulated CUDA driver")
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(build_emulator()), env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+
+    import lifecycle
+
+    assert main(["--version"]) == 0
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert capsys.readouterr().out.strip() == f"lifecycle {project['version']}" == f"lifecycle {lifecycle.__version__}"
+
+
+def test_the_snapshots_help_states_the_default_runs_use(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.cli import SIMULATION_SIZING
+
+    assert main(["simulate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    sizing = SIMULATION_SIZING["small-hybrid"]
+    assert f"SSM snapshot pool size of a hybrid model (default: {sizing['num_snapshots']} for small-hybrid" in text
+    assert f"KV blocks in the pool (default: {sizing['num_blocks']} for small-hybrid" in text
+
+
+def test_in_options_names_the_option_that_sets_a_field() -> None:
+    from lifecycle.cli import in_options
+
+    assert in_options("num_blocks=3 must be >= 4") == ("--blocks", "--blocks 3 must be >= 4")
+    named = in_options("needs a host tier (host_tier_blocks > 0)")
+    assert named == ("--host-tier-mb", "needs a host tier (--host-tier-mb > 0)")
+    assert in_options("a message naming no field") == (None, "a message naming no field")
+
+
+def warn_during_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    import lifecycle.simulate
+
+    real_simulate = lifecycle.simulate.simulate
+
+    def warning_then_run(*args: Any, **kwargs: Any) -> Any:
+        logging.getLogger("lifecycle.tiers.store").warning("store at %s unreachable", "redis://cache:6379")
+        logging.getLogger("lifecycle.device").info("open_device: a record below the default level")
+        return real_simulate(*args, **kwargs)
+
+    monkeypatch.setattr(lifecycle.simulate, "simulate", warning_then_run)
+
+
+def test_library_warnings_are_shown_with_the_logger_that_raised_them(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warn_during_the_run(monkeypatch)
+    assert main(["simulate", "--requests", "3", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "lifecycle.tiers.store: WARNING: store at redis://cache:6379 unreachable" in err
+    assert "a record below the default level" not in err
+
+
+@pytest.mark.parametrize("where", ["before the command", "after the command"])
+def test_log_level_chooses_the_records_shown(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    warn_during_the_run(monkeypatch)
+    run = ["simulate", "--requests", "3", "--quiet"]
+    for level, shown in (("error", ()), ("info", ("WARNING: store at", "INFO: open_device: a record below"))):
+        options = ["--log-level", level, *run] if where == "before the command" else [*run, "--log-level", level]
+        assert main(options) == 0
+        err = capsys.readouterr().err
+        assert all(text in err for text in shown) and ("unreachable" in err) == bool(shown), err
+
+
+def test_the_log_handler_is_gone_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    before = list(logging.getLogger("lifecycle").handlers)
+    assert main(["info", "--json"]) == 0
+    assert logging.getLogger("lifecycle").handlers == before
+
+
+def test_ctrl_c_prints_no_teardown_report_of_the_live_sequences(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lifecycle.simulate
+
+    real_simulate, models = lifecycle.simulate.simulate, []
+
+    def interrupted_after_some_requests(model: Any, trace: Any, options: Any, **kwargs: Any) -> Any:
+        models.append(model)
+
+        def ctrl_c(done: int) -> None:
+            if done == 5:
+                raise KeyboardInterrupt
+
+        return real_simulate(model, trace, options, on_request_done=ctrl_c)
+
+    monkeypatch.setattr(lifecycle.simulate, "simulate", interrupted_after_some_requests)
+    assert main(["simulate", "--requests", "40", "--quiet"]) == 130
+    report = models[0].teardown_report
+    assert report is not None and report.leaked > 0  # sequences were live: the teardown had something to say
+    assert capsys.readouterr().err.splitlines() == ["lifecycle simulate: interrupted"]
+
+
+def test_a_teardown_report_outside_ctrl_c_is_shown() -> None:
+    import logging
+
+    from lifecycle.cli import _InterruptedTeardown
+
+    record = logging.LogRecord("lifecycle.model", logging.WARNING, __file__, 1, "teardown of %r ...", ("m",), None)
+    assert _InterruptedTeardown().filter(record)
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        assert not _InterruptedTeardown().filter(record)
+
+
+def test_the_library_logs_nothing_by_itself() -> None:
+    warn = "import logging; logging.getLogger('lifecycle.tiers.store').warning('store down')"
+    quiet = subprocess.run([sys.executable, "-c", f"import lifecycle._logging; {warn}"],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+    bare = subprocess.run([sys.executable, "-c", warn], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert quiet.returncode == bare.returncode == 0
+    assert quiet.stderr == "" and "store down" in bare.stderr  # Python's last resort prints it otherwise
+
+
+def test_info_says_what_open_device_auto_picks_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.device import open_device
+
+    device = open_device("auto")
+    kind = device.kind
+    device.close()
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f'open_device("auto")  {kind}:' in out
+    for name in ("lifecycle", "python", "numpy", "cuda-bindings", "CUDA driver", "device"):
+        assert any(line.strip().split("  ")[0] == name for line in out.splitlines()), name
+
+
+def test_info_json_names_versions_driver_and_device(capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    import lifecycle
+
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["lifecycle"] == lifecycle.__version__ and info["packages"]["numpy"] == np.__version__
+    assert info["auto_device"] in ("host", "cuda") and info["auto_reason"]
+    assert (info["cuda_driver"] is None) == (info["cuda_driver_missing"] is not None)
+
+
+def test_info_over_the_emulated_driver_reports_its_version_and_device() -> None:
+    done = subprocess.run([sys.executable, "-m", "lifecycle", "info", "--json"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=emulated_driver_env())
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["auto_device"] == "cuda" and "Emulated CUDA device" in info["device"]
+    assert info["cuda_driver"] == "13.0" and info["device_memory"]["total"] > 0
+
+
+def test_info_names_the_extra_for_a_driver_older_than_the_bindings() -> None:
+    from lifecycle.cli import DRIVER_MINIMUM, _bindings_note
+
+    assert f"NVIDIA drivers {DRIVER_MINIMUM[13]} or newer" in _bindings_note("13.4.4", 13000)
+    note = _bindings_note("13.4.4", 12040)
+    assert "this driver is CUDA 12.4: too old for them; pip install 'kv-lifecycle[cuda12]'" in note
+    assert "too old" not in _bindings_note("12.9.4", 13000)

@@ -155,8 +155,8 @@ def _same(table: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
 
 Table = npt.NDArray[np.int32]
 HOST_REFUSALS: dict[str, tuple[Callable[[Table], Any], dict[str, Any], str]] = {
-    "wrong dtype": (lambda t: t.astype(np.int64), {}, "expected 2-D int32"),
-    "1-D": (lambda t: t[0], {}, "expected 2-D int32"),
+    "wrong dtype": (lambda t: t.astype(np.int64), {}, "the table holds int64, expected int32"),
+    "1-D": (lambda t: t[0], {}, r"the table is 1-D, expected 2-D \(rows, blocks\)"),
     "rows not contiguous": (lambda t: t[:, ::2], {}, "rows are not contiguous"),
     "read-only": (_read_only, {}, "read-only"),
     "row out of range": (_same, {"rows": [0, 5]}, r"row 5 \(sequence 1\) out of range \[0, 5\)"),
@@ -512,3 +512,76 @@ def test_a_torch_table_on_the_gpu_is_written_on_the_engines_stream() -> None:
     gpu_model.teardown()
     report = gpu_model.teardown_report
     assert report is not None and report.leaked == 0
+
+
+# -- HybridModel.step into a CUDA table ------------------------------------------------------------
+
+
+def test_step_writes_the_batchs_rows_of_a_cuda_table_whole_in_one_copy(
+    cuda_model: HybridModel, engine_table: EngineTable, emu: Emulator
+) -> None:
+    seqs = serve(cuda_model, 4, 8)  # each last block full: the step grows both
+    emu.count_calls("cuMemcpyHtoDAsync")
+    refused = cuda_model.step(seqs, [7, 8], table=engine_table.view(), rows=[2, 1], pad=0)
+    assert refused.size == 0 and emu.counted_calls == 1
+    cuda_model.device.synchronize()
+    table = engine_table.read()
+    assert [seq.num_blocks for seq in seqs] == [2, 3]
+    for row, seq in zip([2, 1], seqs):
+        assert table[row].tolist() == expected_row(seq, 0, table[row])
+    assert (table[[0, 3, 4]] == UNTOUCHED).all()
+    cuda_model.check_invariants()
+    free(cuda_model, seqs)
+
+
+def test_step_pads_a_cuda_table_with_the_null_block_by_default(device: Device) -> None:
+    if device.kind != "cuda":
+        pytest.skip("needs LIFECYCLE_TEST_DEVICE=cuda (the emulated driver in CI)")
+    model = HybridModel(CONFIG, device, null_block=True)
+    table = EngineTable()
+    try:
+        seqs = serve(model, 4)
+        assert model.step(seqs, [7], table=table.view()).size == 0
+        model.device.synchronize()
+        row = table.read()[0]
+        assert row.tolist() == expected_row(seqs[0], model.null_block, row)
+        free(model, seqs)
+    finally:
+        table.close()
+        model.teardown()
+    assert model.teardown_report is not None and model.teardown_report.leaked == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "give pad="),
+        ({"pad": 0, "rows": [0, 2]}, r"rows \[1\] of them are not given"),
+        ({"pad": 0, "shape": (5, 1)}, "the sequence holds 2 blocks, the buffer takes 1"),
+        ({"pad": 0, "shape": (5, 2)}, "request 1 would hold 3 blocks"),
+    ],
+    ids=["no pad", "a gap in the rows", "narrower than a table", "narrower than the grown table"],
+)
+def test_step_into_a_bad_cuda_table_changes_nothing_and_copies_nothing(
+    cuda_model: HybridModel, engine_table: EngineTable, emu: Emulator, options: dict[str, Any], message: str
+) -> None:
+    seqs = serve(cuda_model, 1, 8)
+    shape = options.pop("shape", engine_table.shape)
+    before = [(seq.num_tokens, seq.block_table.tolist()) for seq in seqs]
+    emu.count_calls("cuMemcpyHtoDAsync")
+    with pytest.raises(InvalidId, match=message):
+        cuda_model.step(seqs, [7, 8], table=CudaTableView(engine_table.ptr, shape), **options)
+    assert [(seq.num_tokens, seq.block_table.tolist()) for seq in seqs] == before and emu.counted_calls == 0
+    cuda_model.device.synchronize()
+    assert (engine_table.read() == UNTOUCHED).all()
+    free(cuda_model, seqs)
+
+
+def test_step_into_a_cuda_table_on_a_host_model_is_refused() -> None:
+    model = HybridModel(CONFIG, HostDevice())
+    seqs = serve(model, 4)
+    with pytest.raises(InvalidId, match="step: a CUDA table needs a model on a CUDA device"):
+        model.step(seqs, [7], table=CudaTableView(0x1000, (1, WIDTH)), pad=0)
+    assert seqs[0].num_tokens == 4
+    free(model, seqs)
+    model.teardown()

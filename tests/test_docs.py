@@ -26,8 +26,8 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     for page in (
-        "index", "architecture", "integration", "integrations", "kv-events", "tiers", "content-hashes", "api",
-        "swap-format", "reliability",
+        "index", "install", "architecture", "engine-api", "integrations", "kv-events", "tiers", "content-hashes",
+        "api", "swap-format", "reliability",
     ):
         assert (tmp_path / "html" / f"{page}.html").is_file(), page
 

@@ -3,6 +3,7 @@ the checkout a user works in."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,46 @@ def test_a_copy_running_inside_a_checkout_is_reported(tmp_path: Path) -> None:
     (checkout / "docs").mkdir()
     installed = tmp_path / "site-packages" / "lifecycle"
     assert _packaging.shadowed_checkout(checkout / "docs", installed) == checkout
+
+
+def copy_of(checkout: Path, site_packages: Path) -> Path:
+    installed = site_packages / "lifecycle"
+    shutil.copytree(checkout / "lifecycle", installed)
+    return installed
+
+
+def test_a_fresh_pip_install_of_the_checkout_is_not_reported(tmp_path: Path) -> None:
+    checkout = make_checkout(tmp_path / "src")
+    (checkout / "lifecycle" / "model.py").write_text("x = 1\n")
+    installed = copy_of(checkout, tmp_path / "site-packages")
+    (installed / "_kvcache.pyi").write_text("")  # the wheel's stubs are not sources
+    assert _packaging.shadowed_checkout(checkout, installed) is None
+
+
+@pytest.mark.parametrize("change", ["edited", "added", "removed"])
+def test_a_copy_older_than_the_checkouts_edits_is_reported(tmp_path: Path, change: str) -> None:
+    checkout = make_checkout(tmp_path / "src")
+    (checkout / "lifecycle" / "model.py").write_text("x = 1\n")
+    installed = copy_of(checkout, tmp_path / "site-packages")
+    if change == "edited":
+        (checkout / "lifecycle" / "model.py").write_text("x = 2\n")
+    elif change == "added":
+        (checkout / "lifecycle" / "sub").mkdir()
+        (checkout / "lifecycle" / "sub" / "new.py").write_text("")
+    else:
+        (checkout / "lifecycle" / "model.py").unlink()
+    assert _packaging.shadowed_checkout(checkout, installed) == checkout
+
+
+def test_the_warning_says_the_sources_differ_and_how_to_run_the_checkout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    checkout = make_checkout(tmp_path / "src")
+    monkeypatch.setattr(_packaging, "PACKAGE_DIR", tmp_path / "site-packages" / "lifecycle")
+    monkeypatch.setattr(_packaging, "shadowed_checkout", lambda cwd: checkout)
+    warning = _packaging.shadowed_checkout_warning(checkout)
+    assert warning is not None and "sources differ from the checkout" in warning
+    assert f"pip install -e '{checkout}[test,plot]'" in warning and "editable" not in warning.split(";")[0]
 
 
 def test_the_checkout_itself_running_is_not_reported(tmp_path: Path) -> None:
