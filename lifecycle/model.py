@@ -6,7 +6,7 @@ attention and SSM layers, composed of the layers below it:
 - the slot pool (``lifecycle._slots``): SSM state slots, each owned through a guard;
 - the device pools (:mod:`lifecycle.pools`, :mod:`lifecycle.snapshots`) and the swap format
   (:mod:`lifecycle.swap`), which move bytes;
-- the adapter table (:mod:`lifecycle.adapters`).
+- the adapter table (:mod:`lifecycle.lora`).
 
 The model keeps no copy of what those own. Bookkeeping calls on a pure-attention model go straight
 to the core (which has its own lock); calls that touch device memory or the adapter table take the
@@ -31,7 +31,7 @@ import numpy.typing as npt
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._slots import SlotPool
-from lifecycle.adapters import AdapterInfo, AdapterTable, adapter_key
+from lifecycle.lora import AdapterInfo, AdapterTable, adapter_key
 from lifecycle.block_tables import host_table, step_cuda_table, write_block_tables
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
