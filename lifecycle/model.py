@@ -54,10 +54,11 @@ from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.snapshots import cache_sequence, snapshot_point
 from lifecycle.cache_keys import MMKey, identity_tokens, salted_key
-from lifecycle.events import KVEventBatch
+from lifecycle.events.translate import KVEventLog
+from lifecycle.events.types import KVEventBatch
 from lifecycle.stats import Stats, TeardownReport
 from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
-from lifecycle.tiering import ModelTiers
+from lifecycle.tiering import ModelTiers, check_host_blocks
 from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
@@ -177,16 +178,23 @@ class HybridModel(LifecycleDefaults):
         self._salted: dict[int, tuple[int, bytes | str | int]] = {}
         self._stats_base: Stats | None = None
         self._tiers: ModelTiers | None = None
+        self._events = (
+            KVEventLog(config.block_size, adapter_of=self._adapter_of, salt_of=self._salt_of) if events else None
+        )
         if events or host_tier_blocks or store is not None:
             try:
                 if host_tier_blocks and self._ssm is not None:
                     raise ConfigError(
                         "a host tier holds KV blocks only; a model with SSM layers reuses through snapshots"
                     )
-                self._tiers = ModelTiers(
-                    self._core, self._device, self._kv, config, host_blocks=host_tier_blocks, store_url=store,
-                    events=events, adapter_of=self._adapter_of, salt_of=self._salt_of,
-                )
+                if host_tier_blocks or store is not None:
+                    self._tiers = ModelTiers(
+                        self._core, self._device, self._kv, config, host_blocks=host_tier_blocks, store_url=store,
+                        events=self._events,
+                    )
+                else:  # events only: the core's log is read directly (take_events)
+                    check_host_blocks(host_tier_blocks)
+                    self._core.set_events(True, demote=False)
             except BaseException:
                 self._core.close()
                 self._memory.release()
@@ -646,6 +654,15 @@ class HybridModel(LifecycleDefaults):
         salted = self._salted.get(key)
         return None if salted is None else salted[1]
 
+    def _read_events(self) -> None:
+        """The core's pending log into the event log, through the tiers where there are some (what
+        it evicted is demoted on the way)."""
+        assert self._events is not None
+        if self._tiers is not None:
+            self._tiers.drain()
+        else:
+            self._events.read(self._core)
+
     def _drained(self) -> None:
         """After a core call that may have evicted: demote what it evicted (host tier)."""
         if self._demoting:
@@ -790,9 +807,10 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             slot = self._adapters.load(name)
             generation = self._adapters.info(slot).generation
-            if generation > 1 and self._tiers is not None:
+            if generation > 1 and self._events is not None:
                 old = adapter_key(name, generation - 1)
-                self._tiers.retire({old} | {key for key, (base, _) in self._salted.items() if base == old})
+                self._read_events()
+                self._events.retire({old} | {key for key, (base, _) in self._salted.items() if base == old})
             return slot
 
     def unload_adapter(self, name: str) -> None:
@@ -863,9 +881,10 @@ class HybridModel(LifecycleDefaults):
         the model was built without ``events=True``."""
         with self._lock:
             self._enter()
-            if self._tiers is None or not self._tiers.events:
+            if self._events is None:
                 return KVEventBatch(ts=time.time(), events=(), data_parallel_rank=data_parallel_rank)
-            return self._tiers.take_events(data_parallel_rank)
+            self._read_events()
+            return self._events.take(data_parallel_rank)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, and the host tier's, if no running sequence holds a cached

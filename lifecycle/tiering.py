@@ -1,13 +1,13 @@
 """The model's side of the tiers below the device pool (:mod:`lifecycle.tiers`) and of its KV events.
 
-``ModelTiers`` is what ``HybridModel`` delegates to when it was built with a host tier, a store or
-events:
+````ModelTiers`` is what ``HybridModel`` delegates to when it was built with a host tier or a store
+(without one, the model reads the core's event log itself):
 
 - after every core call that may evict cached blocks, :meth:`ModelTiers.drain` takes the core's
   event log: removed blocks (logged with their block ids and tokens, the core's *demotion*) are
   copied into the host tier before the call returns, so no engine kernel can have written the
-  blocks again; with events on, the core's events and then the host tier's changes go into one
-  log, in the order they happened, for :meth:`ModelTiers.take_events`;
+  blocks again; with events on, the core's events and then the host tier's changes go into the
+  model's event log (:class:`~lifecycle.events.KVEventLog`), in the order they happened;
 - at admission, :meth:`ModelTiers.promote` continues the lookup past the device match, into the
   host tier and then the store (one round trip), and copies what it finds into the request's
   fresh blocks, which then count as cached and enter the device prefix cache.
@@ -28,23 +28,13 @@ from lifecycle._kvcache import REMOVED, KVCacheCore, RawEvents
 from lifecycle.config import ModelConfig
 from lifecycle.device import Device
 from lifecycle.errors import ConfigError, OutOfBlocks
-from lifecycle.events import (
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    AdapterLookup,
-    AllBlocksCleared,
-    BlockRemoved,
-    KVEvent,
-    KVEventBatch,
-    KVEventTranslator,
-    SaltLookup,
-    raw_entries,
-)
+from lifecycle.events.translate import KVEventLog
+from lifecycle.events.types import MEDIUM_CPU
 from lifecycle.pools import KVPool
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.records import BlockRecord
 
-__all__ = ["ModelTiers", "TierCounters"]
+__all__ = ["ModelTiers", "TierCounters", "check_host_blocks"]
 
 _HASHES: Final = 1 << 64
 #: The content hash's chain multiplier (docs/content-hashes.md, step 5) and its inverse mod 2**64.
@@ -64,9 +54,15 @@ class TierCounters:
     tier_ns: int = 0  # time in demotion and promotion (copies included)
 
 
+def check_host_blocks(host_blocks: object) -> None:
+    """A host tier's size is an int >= 0 (0: none)."""
+    if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
+        raise ConfigError(f"host_tier_blocks={host_blocks!r} must be an int >= 0")
+
+
 class ModelTiers:
-    """A host tier of ``host_blocks`` blocks (0: none) with an optional store at ``store_url``
-    under it, and the KV event log (``events``), for one model's core and KV pool."""
+    """A host tier of ``host_blocks`` blocks with an optional store at ``store_url`` under it, for
+    one model's core and KV pool; their events go into ``events`` (None: no events)."""
 
     def __init__(
         self,
@@ -77,12 +73,9 @@ class ModelTiers:
         *,
         host_blocks: int = 0,
         store_url: str | None = None,
-        events: bool = False,
-        adapter_of: AdapterLookup | None = None,
-        salt_of: SaltLookup | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
-        if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
-            raise ConfigError(f"host_tier_blocks={host_blocks!r} must be an int >= 0")
+        check_host_blocks(host_blocks)
         if store_url is not None and host_blocks == 0:
             raise ConfigError("a store needs a host tier above it (host_tier_blocks > 0): blocks enter it from there")
         if host_blocks and (kv_pool is None or not config.enable_prefix_cache):
@@ -95,16 +88,6 @@ class ModelTiers:
         self._host: HostTier | None = None
         self._store = None
         self._events = events
-        self._translators = {
-            medium: KVEventTranslator(config.block_size, adapter_of=adapter_of, salt_of=salt_of, medium=medium)
-            for medium in (MEDIUM_GPU, MEDIUM_CPU)
-        }
-        self._log: list[KVEvent] = []  # every tier's events since take_events, in the order they happened
-        # Per tier, the cache key of each block published as stored under a key other than 0 (an
-        # adapter's or a salt's): what a demoted block's store event names, and what a retired
-        # generation's removals are recognised by.
-        self._keys: dict[str, dict[int, int]] = {MEDIUM_GPU: {}, MEDIUM_CPU: {}}
-        self._retired: set[int] = set()  # cache keys of adapter generations that were reloaded
         self._roots: dict[int, int] = {}  # cache key -> the hash its chains start from
         if host_blocks:
             assert kv_pool is not None
@@ -115,20 +98,16 @@ class ModelTiers:
 
                     self._store = StoreTier(store_url, config, source=self._host)
                     self._host.subscribe(self._store.write_behind)
-                if events:
+                if events is not None:
                     self._host.record_changes(True)
             except BaseException:
                 self._host.close()
                 raise
-        core.set_events(events, demote=self._host is not None)
+        core.set_events(events is not None, demote=self._host is not None)
 
     @property
     def host(self) -> HostTier | None:
         return self._host
-
-    @property
-    def events(self) -> bool:
-        return self._events
 
     # -- after every core call that may evict ------------------------------------------------------
 
@@ -140,15 +119,15 @@ class ModelTiers:
         raw = self._core.take_events()
         demoted = self._demoted(raw) if self._host is not None else None
         leaving: dict[int, int] = {}  # the cache keys of the blocks that left the device, where not 0
-        if self._events:
-            self._log_device(raw, leaving)
+        if self._events is not None:
+            self._events.device(raw, leaving)
         if demoted is not None:
             hashes, ids, tokens = demoted
             started = time.perf_counter_ns()
             assert self._host is not None
             self.counters.blocks_demoted += self._host.demote(hashes, ids, tokens)
             self.counters.tier_ns += time.perf_counter_ns() - started
-            if self._events:
+            if self._events is not None:
                 demoted_hashes: list[int] = hashes.tolist()
                 keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
                 self._log_host(demoted_hashes, tokens.reshape(-1, self._block_size), keys, None)
@@ -235,7 +214,7 @@ class ModelTiers:
         if not hits:
             return 0
         self._host.load(hits)
-        if self._events:
+        if self._events is not None:
             run = len(hits)
             parents: list[int | None] = [hashes[i - 1] if i else None for i in range(first, first + run)]
             keys = [self._core.cache_key(handle)] * run
@@ -245,51 +224,17 @@ class ModelTiers:
 
     # -- events --------------------------------------------------------------------------------------
 
-    def _log_device(self, raw: RawEvents, leaving: dict[int, int]) -> None:
-        """The core's events into the log; ``leaving`` gets the key of each block removed."""
-        gpu, keys = self._translators[MEDIUM_GPU], self._keys[MEDIUM_GPU]
-        for entry in raw_entries(raw):
-            if entry[0] == "stored":
-                _, hashes, parent, tokens, key = entry
-                if key:
-                    keys.update(dict.fromkeys(hashes.tolist(), key))
-                    if key in self._retired:
-                        continue
-                self._log.append(gpu.stored(hashes, parent, tokens, key))
-            elif entry[0] == "removed":
-                self._log_removed(MEDIUM_GPU, entry[1].tolist(), leaving)
-            else:
-                for known in self._keys.values():
-                    known.clear()
-                self._log.append(AllBlocksCleared())
-
-    def _log_removed(self, medium: str, hashes: list[int], leaving: dict[int, int] | None = None) -> None:
-        """Blocks left ``medium``: a removal, but none for a retired generation's blocks (their
-        removal was published when the generation was retired). ``leaving`` gets their keys."""
-        keys = self._keys[medium]
-        if keys:
-            shown = []
-            for content_hash in hashes:
-                key = keys.pop(content_hash, 0)
-                if key and leaving is not None:
-                    leaving[content_hash] = key
-                if key not in self._retired:
-                    shown.append(content_hash)
-            hashes = shown
-        if hashes:
-            self._log.append(BlockRemoved(block_hashes=tuple(hashes), medium=medium))
-
     def _log_host(
         self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int], parents: list[int | None] | None
     ) -> None:
         """The host tier's changes in the call just made on ``hashes`` (their token ``rows``, cache
         ``keys`` and, where known, ``parents``; demoted blocks' parents are recovered from the
         chain) into the log."""
-        assert self._host is not None
+        assert self._host is not None and self._events is not None
         position: dict[int, int] | None = None
         for kind, changed in self._host.take_changes():
             if kind == "removed":
-                self._log_removed(MEDIUM_CPU, changed)
+                self._events.removed(MEDIUM_CPU, changed)
                 continue
             if position is None:
                 position = {content_hash: i for i, content_hash in enumerate(hashes)}
@@ -353,37 +298,10 @@ class ModelTiers:
                 chains[-1].extend(range(begin, end))
             else:
                 chains.append(list(range(begin, end)))
-        cpu, known = self._translators[MEDIUM_CPU], self._keys[MEDIUM_CPU]
+        assert self._events is not None
         for chain in chains:
-            head, key = chain[0], keys[chain[0]]
-            chain_hashes = [hashes[i] for i in chain]
-            if key:
-                known.update(dict.fromkeys(chain_hashes, key))
-                if key in self._retired:
-                    continue
-            self._log.append(cpu.stored(chain_hashes, parents[head], rows[chain], key))
-
-    def retire(self, keys: set[int]) -> None:
-        """Cache keys ``keys`` can no longer be matched (an adapter was reloaded as a new
-        generation): every block published under them is published as removed now, from every
-        tier, and nothing of theirs is published after (their blocks age out unseen). A router
-        that names blocks by adapter name and tokens would otherwise count the old generation's
-        blocks as the new one's."""
-        if not self._events or not keys:
-            return
-        self.drain()
-        self._retired |= keys
-        for medium, known in self._keys.items():
-            gone = [content_hash for content_hash, key in known.items() if key in keys]
-            if gone:
-                self._log.append(BlockRemoved(block_hashes=tuple(gone), medium=medium))
-
-    def take_events(self, data_parallel_rank: int | None = None) -> KVEventBatch:
-        """Every event since the last call, every tier's (the device pool's ``GPU``, the host
-        tier's ``CPU``), in the order they happened."""
-        self.drain()
-        events, self._log = self._log, []
-        return KVEventBatch(ts=time.time(), events=tuple(events), data_parallel_rank=data_parallel_rank)
+            head = chain[0]
+            self._events.stored(MEDIUM_CPU, [hashes[i] for i in chain], parents[head], rows[chain], keys[head])
 
     # -- state ---------------------------------------------------------------------------------------
 
