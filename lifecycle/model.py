@@ -58,7 +58,7 @@ from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import KVEventBatch
 from lifecycle.stats import Stats, TeardownReport
 from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
-from lifecycle.tiering import ModelTiers, check_host_blocks
+from lifecycle.tiers.promote import ModelTiers, check_host_blocks
 from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
@@ -121,7 +121,7 @@ class HybridModel(LifecycleDefaults):
     ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
     evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
     Redis / Valkey URL shared by engines, written behind the host tier (see
-    :mod:`lifecycle.tiering`). Tiers need a model without SSM layers (its reuse needs snapshots).
+    :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
     ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
     tables with it (vLLM's null block)."""
 

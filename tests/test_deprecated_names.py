@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import lifecycle.lora
+import lifecycle.tiers.promote
 
 
 def test_the_old_adapters_module_reexports_the_lora_slots_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,3 +18,13 @@ def test_the_old_adapters_module_reexports_the_lora_slots_and_warns(monkeypatch:
     for name in old.__all__:
         assert getattr(old, name) is getattr(lifecycle.lora, name), name
     assert set(old.__all__) == {"AdapterInfo", "AdapterTable", "adapter_key"}
+
+
+def test_the_old_tiering_module_reexports_the_model_tiers_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "lifecycle.tiering", raising=False)
+    warning = r"lifecycle\.tiering is deprecated: import from lifecycle\.tiers\.promote"
+    with pytest.warns(DeprecationWarning, match=warning):
+        old = importlib.import_module("lifecycle.tiering")
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(lifecycle.tiers.promote, name), name
+    assert "ModelTiers" in old.__all__
