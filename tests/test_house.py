@@ -239,3 +239,93 @@ def test_every_allowed_entry_gives_a_reason() -> None:
 def test_the_state_kept_for_the_core_is_still_where_the_list_says() -> None:
     for (name, field), _ in KEPT_STATE.items():
         assert f"self.{field}" in (ROOT / name).read_text(), f"{name} no longer keeps {field}: drop it from KEPT_STATE"
+
+
+# --- the house as the docs describe it ----------------------------------------------------------------
+
+_NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+_PATH = re.compile(r"(?<![\w./])(?:lifecycle|pyx|stubs|tests|bench|tools|docs)/[\w./-]*")
+
+
+def layout_entries(readme: str) -> dict[str, str]:
+    """The README's Layout section as ``{"lifecycle/": "its text on one line", ...}``."""
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = ""
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            current, _, text = line.partition(" ")
+            entries[current] = text.strip()
+        elif line.strip() and current:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def named_modules(entry: str) -> set[str]:
+    """The modules a Layout entry names: ``pkg/ (a, b)`` names ``pkg``, ``pkg/a`` and ``pkg/b``; any
+    other name is what follows the last colon of a comma- or semicolon-separated piece, with
+    remarks in parentheses left out."""
+    names: set[str] = set()
+    for package, members in re.findall(r"(\w+)/ \(([^)]*)\)", entry):
+        names.add(package)
+        names.update(f"{package}/{member.strip()}" for member in members.split(","))
+    rest = re.sub(r"\([^)]*\)", "", re.sub(r"\w+/ \([^)]*\)", "", entry))
+    for piece in re.split(r"[,;]", rest):
+        name = piece.rsplit(":", 1)[-1].strip().rstrip("/")
+        if name:
+            names.add(name)
+    return names
+
+
+def package_modules() -> set[str]:
+    """Every public module of ``lifecycle``, as the Layout names them (``model``, ``tiers``, ``tiers/host``)."""
+    found: set[str] = set()
+    for path in (ROOT / "lifecycle").rglob("*.py"):
+        parts = path.relative_to(ROOT / "lifecycle").with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and not any(part.startswith("_") for part in parts):
+            found.add("/".join(parts))
+    return found
+
+
+def test_the_layout_parser_reads_names_packages_and_members() -> None:
+    entry = "leaves: errors, stats (no compiled code); parts: pools, tiers/ (host, store), cli"
+    assert named_modules(entry) == {"errors", "stats", "pools", "tiers", "tiers/host", "tiers/store", "cli"}
+
+
+def test_the_readme_layout_names_every_module_of_the_package_and_nothing_else() -> None:
+    named = named_modules(layout_entries((ROOT / "README.md").read_text())["lifecycle/"])
+    modules = package_modules()
+    assert not modules - named, f"name in the README's Layout (lifecycle/): {sorted(modules - named)}"
+    assert not named - modules, f"gone, remove from the README's Layout (lifecycle/): {sorted(named - modules)}"
+
+
+def test_the_readme_layout_names_and_counts_every_cython_module() -> None:
+    entry = layout_entries((ROOT / "README.md").read_text())["pyx/"]
+    listed = entry.split(":", 1)[1].split(";", 1)[0]
+    named = {name.strip() for name in re.sub(r"\([^)]*\)", "", listed).split(",")}
+    modules = {path.stem for path in (ROOT / "pyx").glob("*.pyx")}
+    assert named == modules, f"the README's Layout (pyx/) names {sorted(named)}; pyx/ holds {sorted(modules)}"
+    assert f"the {_NUMBERS[len(modules)]} Cython modules" in entry
+
+
+def test_every_path_the_readme_layout_and_the_architecture_page_name_exists() -> None:
+    readme = (ROOT / "README.md").read_text()
+    texts = {
+        "README.md (Layout)": readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0],
+        "docs/architecture.md": (ROOT / "docs" / "architecture.md").read_text(),
+    }
+    missing = sorted(
+        f"{where}: {path}" for where, text in texts.items() for path in _PATH.findall(text)
+        if "NAME" not in path and not (ROOT / path.rstrip(".")).exists()  # NAME: a placeholder
+    )
+    assert not missing, f"paths named that do not exist: {missing}"
+
+
+def test_the_architecture_page_names_every_source_file_of_the_package() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    files = {path.relative_to(ROOT).as_posix() for path in (ROOT / "lifecycle").rglob("*.py")}
+    unnamed = sorted(name for name in files if f"`{name}`" not in page)
+    assert not unnamed, f"name in docs/architecture.md: {unnamed}"
