@@ -22,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
-from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO, Final
 
 import numpy as np
@@ -32,14 +31,13 @@ from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._slots import SlotPool
 from lifecycle.lora import AdapterInfo, AdapterTable, adapter_key
-from lifecycle.block_tables import host_table, step_cuda_table, write_block_tables
+from lifecycle.block_tables import host_table, raise_if_wrong_type, step_cuda_table, write_block_tables
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
 from lifecycle.errors import (
     ConfigError,
     ForeignSequence,
     InvalidId,
-    InvalidType,
     InvariantViolation,
     LifecycleError,
     OutOfBlocks,
@@ -56,61 +54,16 @@ from lifecycle.snapshots import cache_sequence, snapshot_point
 from lifecycle.cache_keys import MMKey, identity_tokens, salted_key
 from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import KVEventBatch
-from lifecycle.stats import Stats, TeardownReport
+from lifecycle.stats import ModelCounters, Stats, TeardownReport
 from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
 from lifecycle.tiers.promote import ModelTiers, check_host_blocks
 from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
 
-_INTS: Final = "ints (a numpy array, a CPU tensor, a list or tuple)"
-
-
-def _describe(value: object, array: npt.NDArray[np.generic] | None) -> str:
-    if array is None or array.ndim == 0 or array.dtype.kind in "OUS":
-        return f"{type(value).__name__} {value!r:.40}"
-    return f"{type(value).__name__} of {array.dtype}, shape {array.shape}"
-
-
-def _raise_if_wrong_type(
-    error: InvalidId, call: str, inputs: dict[str, object], outputs: dict[str, object] | None = None
-) -> None:
-    """After the core refused a call (off the fast path): raise :class:`InvalidType`, chained from
-    ``error``, for the first argument of a type the call cannot take: ``inputs`` must hold ints
-    (converted where they are not int32), ``outputs`` be int32 to be written in place. Returns when
-    every argument's type is usable: the refusal was of a value."""
-    for name, value in (*inputs.items(), *((k, v) for k, v in (outputs or {}).items() if v is not None)):
-        try:
-            array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        except Exception:  # e.g. a tensor in device memory, which numpy cannot read
-            array = None
-        if name in (outputs or {}):
-            if array is None or array.dtype != np.int32:
-                raise InvalidType(
-                    f"{call}: {name} must be int32 in host memory, got {_describe(value, array)} ({error})"
-                ) from error
-        elif array is None or array.ndim == 0 or (array.size and array.dtype.kind not in "iu"):
-            expected = f"SequenceStates, or their handles as {_INTS}" if name == "seqs" else _INTS
-            got = _describe(value, array)
-            raise InvalidType(f"{call}: {name} must be {expected} in host memory, got {got}") from error
-
 _log = logging.getLogger("lifecycle.model")
 _ACTIVE: Final = 1
 _RETIRED: Final = 2
-
-
-@dataclass(slots=True)
-class _DeviceCounters:
-    """What the model itself does around the core: moves of SSM state and swap records."""
-
-    compactions: int = 0
-    detaches: int = 0
-    swaps_out: int = 0
-    swaps_in: int = 0
-    swap_failures: int = 0
-    bytes_swapped_out: int = 0
-    bytes_swapped_in: int = 0
-    device_ns: int = 0  # time in calls that move device memory, the core's own time excluded
 
 
 class HybridModel(LifecycleDefaults):
@@ -144,7 +97,7 @@ class HybridModel(LifecycleDefaults):
         self._lock = threading.RLock()
         self._torn_down = False
         self.teardown_report: TeardownReport | None = None
-        self._counters = _DeviceCounters()
+        self._counters = ModelCounters()
         self._owns_device = isinstance(device, str)
         if isinstance(device, str):
             # A kind other than open_device's three is refused there, with ConfigError naming them.
@@ -504,7 +457,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 target, free = self._core.reclaim_for(prompt, key, blocks_needed)
             except InvalidId as error:
-                _raise_if_wrong_type(error, "reclaim_prefix_blocks_for", {"prompt": prompt})
+                raise_if_wrong_type(error, "reclaim_prefix_blocks_for", {"prompt": prompt})
                 raise
             finally:
                 self._drained()
@@ -565,7 +518,7 @@ class HybridModel(LifecycleDefaults):
                 try:
                     return self._core.attach_seq(seq, prompt, grow_to)
                 except InvalidId as error:
-                    _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                    raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                     raise
             return self._attach_tiered(seq, prompt, grow_to)
         self._handle(seq)
@@ -579,7 +532,7 @@ class HybridModel(LifecycleDefaults):
                 self._restore_prefix(seq)
                 raise
             except InvalidId as error:
-                _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                 raise
             # (any other error refused the call before anything changed: the slot keeps its state)
             self._restore_prefix(seq)
@@ -598,7 +551,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
             except InvalidId as error:
-                _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                 raise
             finally:
                 self._tiers.drain()  # what it evicted goes down before anything reuses the blocks
@@ -723,7 +676,7 @@ class HybridModel(LifecycleDefaults):
             except AttributeError:  # handles (a list, a tuple, a tensor): the core converts them
                 handles = seqs
             except TypeError as error:
-                _raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": seqs})
+                raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": seqs})
                 raise
         if cache is None:
             cache = self._ssm is None and self._config.enable_prefix_cache
@@ -749,7 +702,7 @@ class HybridModel(LifecycleDefaults):
         except InvalidId as error:
             optional = {"counts": counts, "rows": rows}
             inputs = {"seqs": handles, "tokens": tokens, **{k: v for k, v in optional.items() if v is not None}}
-            _raise_if_wrong_type(error, "step", inputs, {"table": table})
+            raise_if_wrong_type(error, "step", inputs, {"table": table})
             raise
 
     def _step_cuda(
@@ -760,7 +713,7 @@ class HybridModel(LifecycleDefaults):
         try:
             wanted = np.asarray(handles, dtype=np.int64)
         except (TypeError, ValueError, OverflowError) as error:
-            _raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": handles})
+            raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": handles})
             raise InvalidId(f"step: handles must be ints, got {handles!r:.60}") from error
         if pad is None and self.null_block >= 0:
             pad = self.null_block
@@ -773,7 +726,7 @@ class HybridModel(LifecycleDefaults):
             except InvalidId as error:
                 optional = {"counts": counts, "rows": rows}
                 inputs = {"tokens": tokens, **{k: v for k, v in optional.items() if v is not None}}
-                _raise_if_wrong_type(error, "step", inputs)
+                raise_if_wrong_type(error, "step", inputs)
                 raise
             finally:
                 self._drained()
@@ -905,7 +858,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 return self._core.evict_blocks(block_ids)
             except InvalidId as error:
-                _raise_if_wrong_type(error, "evict_blocks", {"block_ids": block_ids})
+                raise_if_wrong_type(error, "evict_blocks", {"block_ids": block_ids})
                 raise
 
     def num_common_prefix_blocks(self, seqs: Sequence[SequenceState]) -> int:
@@ -925,7 +878,7 @@ class HybridModel(LifecycleDefaults):
         try:
             return int(self._core.write_table(self._handle(seq), out, pad))
         except InvalidId as error:
-            _raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
+            raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
             raise
 
     def write_block_tables(
@@ -966,12 +919,8 @@ class HybridModel(LifecycleDefaults):
         ``reset=True`` since the last such call (what a metrics exporter reads)."""
         with self._lock:
             self._enter()
-            counts = self._core.counters()
-            own = asdict(self._counters)
-            counts["time_in_library_ns"] += own.pop("device_ns")
             tiers = self._tiers.stats() if self._tiers is not None else {}
-            counts["time_in_library_ns"] += tiers.pop("tier_ns", 0)
-            total = Stats(**counts, **own, **tiers)
+            total = Stats.of_model(self._core.counters(), self._counters, tiers)
             since = total.minus(self._stats_base) if self._stats_base is not None else total
             if reset:
                 self._stats_base = total
