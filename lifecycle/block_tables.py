@@ -307,4 +307,4 @@ def raise_if_wrong_type(
         elif array is None or array.ndim == 0 or (array.size and array.dtype.kind not in "iu"):
             expected = f"SequenceStates, or their handles as {_INTS}" if name == "seqs" else _INTS
             got = _describe(value, array)
-            raise InvalidType(f"{call}: {name} must be {expected} in host memory, got {got}") from error
+            raise InvalidType(f"{call}: {name} must be {expected} in host memory, got {got} ({error})") from error
