@@ -329,3 +329,28 @@ def test_the_architecture_page_names_every_source_file_of_the_package() -> None:
     files = {path.relative_to(ROOT).as_posix() for path in (ROOT / "lifecycle").rglob("*.py")}
     unnamed = sorted(name for name in files if f"`{name}`" not in page)
     assert not unnamed, f"name in docs/architecture.md: {unnamed}"
+
+
+# --- KV events without a tier ------------------------------------------------------------------------
+
+
+def test_a_model_with_events_and_no_tier_reads_the_cores_log_itself() -> None:
+    from lifecycle.config import AttentionLayer, ModelConfig
+    from lifecycle.events import BlockStored
+    from lifecycle.model import HybridModel
+
+    config = ModelConfig(layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=4, num_blocks=8, max_seqs=2)
+    model = HybridModel(config, "host", events=True)
+    try:
+        assert model._tiers is None  # no tiers object stands between the core's log and take_events
+        seq = model.alloc_sequence_for(10)
+        model.attach_prefix(seq, list(range(9)), grow_to=9)
+        model.finish_sequence(seq)
+        model.check_invariants()
+        events = model.take_events().events
+        assert events and all(type(event) is BlockStored for event in events)
+        stored = [token for event in events for token in event.token_ids]  # type: ignore[union-attr]
+        assert stored == list(range(8))  # the two whole blocks, the ninth token's block not full
+        assert model.take_events().events == ()
+    finally:
+        model.teardown()
