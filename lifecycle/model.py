@@ -56,7 +56,7 @@ from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import KVEventBatch
 from lifecycle.stats import ModelCounters, Stats, TeardownReport
 from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
-from lifecycle.tiers.promote import ModelTiers, check_host_blocks
+from lifecycle.tiers.promote import ModelTiers, open_tiers
 from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
@@ -136,18 +136,10 @@ class HybridModel(LifecycleDefaults):
         )
         if events or host_tier_blocks or store is not None:
             try:
-                if host_tier_blocks and self._ssm is not None:
-                    raise ConfigError(
-                        "a host tier holds KV blocks only; a model with SSM layers reuses through snapshots"
-                    )
-                if host_tier_blocks or store is not None:
-                    self._tiers = ModelTiers(
-                        self._core, self._device, self._kv, config, host_blocks=host_tier_blocks, store_url=store,
-                        events=self._events,
-                    )
-                else:  # events only: the core's log is read directly (take_events)
-                    check_host_blocks(host_tier_blocks)
-                    self._core.set_events(True, demote=False)
+                self._tiers = open_tiers(
+                    self._core, self._device, self._kv, config, ssm=self._ssm is not None,
+                    host_blocks=host_tier_blocks, store_url=store, events=self._events,
+                )
             except BaseException:
                 self._core.close()
                 self._memory.release()

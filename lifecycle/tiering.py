@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import warnings
 
-from lifecycle.tiers.promote import ModelTiers, TierCounters, check_host_blocks
+from lifecycle.tiers.promote import ModelTiers, TierCounters, check_host_blocks, open_tiers
 
-__all__ = ["ModelTiers", "TierCounters", "check_host_blocks"]
+__all__ = ["ModelTiers", "TierCounters", "check_host_blocks", "open_tiers"]
 
 warnings.warn(
     "lifecycle.tiering is deprecated: import from lifecycle.tiers.promote",

@@ -34,7 +34,7 @@ from lifecycle.pools import KVPool
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.records import BlockRecord
 
-__all__ = ["ModelTiers", "TierCounters", "check_host_blocks"]
+__all__ = ["ModelTiers", "TierCounters", "check_host_blocks", "open_tiers"]
 
 _HASHES: Final = 1 << 64
 #: The content hash's chain multiplier (docs/content-hashes.md, step 5) and its inverse mod 2**64.
@@ -335,3 +335,26 @@ class ModelTiers:
         finally:
             if self._host is not None:
                 self._host.close()
+
+
+def open_tiers(
+    core: KVCacheCore,
+    device: Device,
+    kv_pool: KVPool | None,
+    config: ModelConfig,
+    *,
+    ssm: bool,
+    host_blocks: int,
+    store_url: str | None,
+    events: KVEventLog | None,
+) -> ModelTiers | None:
+    """A model's tiers (a host tier of ``host_blocks``, a store at ``store_url`` under it), or None
+    without either: events alone are then read from the core's log by the model, with no tier
+    between. ``ssm``: the model has SSM layers (which reuse through snapshots, not a host tier)."""
+    if host_blocks and ssm:
+        raise ConfigError("a host tier holds KV blocks only; a model with SSM layers reuses through snapshots")
+    if host_blocks or store_url is not None:
+        return ModelTiers(core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events)
+    check_host_blocks(host_blocks)
+    core.set_events(events is not None, demote=False)
+    return None
