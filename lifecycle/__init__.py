@@ -85,7 +85,7 @@ _MODULE_OF_NAMES: dict[str, tuple[str, ...]] = {
     "lifecycle._kvcache": ("KVCacheCore",),
     "lifecycle._radix": ("RadixTrie",),
     "lifecycle._slots": ("SlotGuard", "SlotPool"),
-    "lifecycle.adapters": ("AdapterInfo",),
+    "lifecycle.lora": ("AdapterInfo",),
     "lifecycle.config": ("AttentionLayer", "ModelConfig", "ModelDims", "SSMLayer"),
     "lifecycle.device": ("Device", "HostDevice", "open_device"),
     "lifecycle.errors": (
@@ -110,7 +110,7 @@ if TYPE_CHECKING:
     from lifecycle._kvcache import KVCacheCore
     from lifecycle._radix import RadixTrie
     from lifecycle._slots import SlotGuard, SlotPool
-    from lifecycle.adapters import AdapterInfo
+    from lifecycle.lora import AdapterInfo
     from lifecycle.config import AttentionLayer, ModelConfig, ModelDims, SSMLayer
     from lifecycle.device import Device, HostDevice, open_device
     from lifecycle.errors import (

@@ -30,7 +30,7 @@ from lifecycle.device.base import Device
 from lifecycle.device.dlpack import KDL_CPU, KDL_CUDA
 from lifecycle.errors import InvalidId, InvalidType, SequenceStateError
 
-__all__ = ["CudaTable", "TableStaging", "step_cuda_table", "write_block_tables"]
+__all__ = ["CudaTable", "TableStaging", "raise_if_wrong_type", "step_cuda_table", "write_block_tables"]
 
 _CALL: Final = "write_block_tables"
 _ID_BYTES: Final = 4
@@ -274,3 +274,37 @@ def step_cuda_table(core: KVCacheCore, device: Device, staging: TableStaging, ha
     refused = core.step(wanted, tokens, counts, staged, positions - first, cache)  # type: ignore[arg-type]
     _send(device, staging, target, first, staged)
     return refused
+
+
+# --- the types of the hot path's arguments, checked after the core refused a call -------------------------
+
+_INTS: Final = "ints (a numpy array, a CPU tensor, a list or tuple)"
+
+
+def _describe(value: object, array: npt.NDArray[np.generic] | None) -> str:
+    if array is None or array.ndim == 0 or array.dtype.kind in "OUS":
+        return f"{type(value).__name__} {value!r:.40}"
+    return f"{type(value).__name__} of {array.dtype}, shape {array.shape}"
+
+
+def raise_if_wrong_type(
+    error: InvalidId, call: str, inputs: dict[str, object], outputs: dict[str, object] | None = None
+) -> None:
+    """After the core refused a call (off the fast path): raise :class:`InvalidType`, chained from
+    ``error``, for the first argument of a type the call cannot take: ``inputs`` must hold ints
+    (converted where they are not int32), ``outputs`` be int32 to be written in place. Returns when
+    every argument's type is usable: the refusal was of a value."""
+    for name, value in (*inputs.items(), *((k, v) for k, v in (outputs or {}).items() if v is not None)):
+        try:
+            array = value if isinstance(value, np.ndarray) else np.asarray(value)
+        except Exception:  # e.g. a tensor in device memory, which numpy cannot read
+            array = None
+        if name in (outputs or {}):
+            if array is None or array.dtype != np.int32:
+                raise InvalidType(
+                    f"{call}: {name} must be int32 in host memory, got {_describe(value, array)} ({error})"
+                ) from error
+        elif array is None or array.ndim == 0 or (array.size and array.dtype.kind not in "iu"):
+            expected = f"SequenceStates, or their handles as {_INTS}" if name == "seqs" else _INTS
+            got = _describe(value, array)
+            raise InvalidType(f"{call}: {name} must be {expected} in host memory, got {got} ({error})") from error

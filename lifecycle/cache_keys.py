@@ -4,7 +4,7 @@ A block is matched and hashed under its request's *cache key* (the prefix trie's
 token ids. Three things besides the tokens decide whether KV can be shared, and each enters the
 identity here:
 
-- the **adapter**, by name and generation (:func:`lifecycle.adapters.adapter_key`): a key per
+- the **adapter**, by name and generation (:func:`lifecycle.lora.adapter_key`): a key per
   loaded generation, the same in every process;
 - a **cache salt** (vLLM's ``cache_salt``: a tenant or a secret), mixed into the key by
   :func:`salted_key`, so salted requests share blocks only with requests of the same salt;

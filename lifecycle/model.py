@@ -6,7 +6,7 @@ attention and SSM layers, composed of the layers below it:
 - the slot pool (``lifecycle._slots``): SSM state slots, each owned through a guard;
 - the device pools (:mod:`lifecycle.pools`, :mod:`lifecycle.snapshots`) and the swap format
   (:mod:`lifecycle.swap`), which move bytes;
-- the adapter table (:mod:`lifecycle.adapters`).
+- the adapter table (:mod:`lifecycle.lora`).
 
 The model keeps no copy of what those own. Bookkeeping calls on a pure-attention model go straight
 to the core (which has its own lock); calls that touch device memory or the adapter table take the
@@ -22,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
-from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO, Final
 
 import numpy as np
@@ -31,15 +30,14 @@ import numpy.typing as npt
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._slots import SlotPool
-from lifecycle.adapters import AdapterInfo, AdapterTable, adapter_key
-from lifecycle.block_tables import host_table, step_cuda_table, write_block_tables
+from lifecycle.lora import AdapterInfo, AdapterTable, adapter_key
+from lifecycle.block_tables import host_table, raise_if_wrong_type, step_cuda_table, write_block_tables
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
 from lifecycle.errors import (
     ConfigError,
     ForeignSequence,
     InvalidId,
-    InvalidType,
     InvariantViolation,
     LifecycleError,
     OutOfBlocks,
@@ -54,62 +52,18 @@ from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
 from lifecycle.sequence import NO_ADAPTER, SequenceState
 from lifecycle.snapshots import cache_sequence, snapshot_point
 from lifecycle.cache_keys import MMKey, identity_tokens, salted_key
-from lifecycle.events import KVEventBatch
-from lifecycle.stats import Stats, TeardownReport
+from lifecycle.events.translate import KVEventLog
+from lifecycle.events.types import KVEventBatch
+from lifecycle.stats import ModelCounters, Stats, TeardownReport
 from lifecycle.swap import SwapContext, restore as swap_restore, save as swap_save
-from lifecycle.tiering import ModelTiers
+from lifecycle.tiers.promote import ModelTiers, open_tiers
 from lifecycle.tiers.host import HostTier
 
 __all__ = ["HybridModel", "TeardownReport"]
 
-_INTS: Final = "ints (a numpy array, a CPU tensor, a list or tuple)"
-
-
-def _describe(value: object, array: npt.NDArray[np.generic] | None) -> str:
-    if array is None or array.ndim == 0 or array.dtype.kind in "OUS":
-        return f"{type(value).__name__} {value!r:.40}"
-    return f"{type(value).__name__} of {array.dtype}, shape {array.shape}"
-
-
-def _raise_if_wrong_type(
-    error: InvalidId, call: str, inputs: dict[str, object], outputs: dict[str, object] | None = None
-) -> None:
-    """After the core refused a call (off the fast path): raise :class:`InvalidType`, chained from
-    ``error``, for the first argument of a type the call cannot take: ``inputs`` must hold ints
-    (converted where they are not int32), ``outputs`` be int32 to be written in place. Returns when
-    every argument's type is usable: the refusal was of a value."""
-    for name, value in (*inputs.items(), *((k, v) for k, v in (outputs or {}).items() if v is not None)):
-        try:
-            array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        except Exception:  # e.g. a tensor in device memory, which numpy cannot read
-            array = None
-        if name in (outputs or {}):
-            if array is None or array.dtype != np.int32:
-                raise InvalidType(
-                    f"{call}: {name} must be int32 in host memory, got {_describe(value, array)} ({error})"
-                ) from error
-        elif array is None or array.ndim == 0 or (array.size and array.dtype.kind not in "iu"):
-            expected = f"SequenceStates, or their handles as {_INTS}" if name == "seqs" else _INTS
-            got = _describe(value, array)
-            raise InvalidType(f"{call}: {name} must be {expected} in host memory, got {got}") from error
-
 _log = logging.getLogger("lifecycle.model")
 _ACTIVE: Final = 1
 _RETIRED: Final = 2
-
-
-@dataclass(slots=True)
-class _DeviceCounters:
-    """What the model itself does around the core: moves of SSM state and swap records."""
-
-    compactions: int = 0
-    detaches: int = 0
-    swaps_out: int = 0
-    swaps_in: int = 0
-    swap_failures: int = 0
-    bytes_swapped_out: int = 0
-    bytes_swapped_in: int = 0
-    device_ns: int = 0  # time in calls that move device memory, the core's own time excluded
 
 
 class HybridModel(LifecycleDefaults):
@@ -120,7 +74,7 @@ class HybridModel(LifecycleDefaults):
     ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
     evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
     Redis / Valkey URL shared by engines, written behind the host tier (see
-    :mod:`lifecycle.tiering`). Tiers need a model without SSM layers (its reuse needs snapshots).
+    :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
     ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
     tables with it (vLLM's null block)."""
 
@@ -143,7 +97,7 @@ class HybridModel(LifecycleDefaults):
         self._lock = threading.RLock()
         self._torn_down = False
         self.teardown_report: TeardownReport | None = None
-        self._counters = _DeviceCounters()
+        self._counters = ModelCounters()
         self._owns_device = isinstance(device, str)
         if isinstance(device, str):
             # A kind other than open_device's three is refused there, with ConfigError naming them.
@@ -177,15 +131,14 @@ class HybridModel(LifecycleDefaults):
         self._salted: dict[int, tuple[int, bytes | str | int]] = {}
         self._stats_base: Stats | None = None
         self._tiers: ModelTiers | None = None
+        self._events = (
+            KVEventLog(config.block_size, adapter_of=self._adapter_of, salt_of=self._salt_of) if events else None
+        )
         if events or host_tier_blocks or store is not None:
             try:
-                if host_tier_blocks and self._ssm is not None:
-                    raise ConfigError(
-                        "a host tier holds KV blocks only; a model with SSM layers reuses through snapshots"
-                    )
-                self._tiers = ModelTiers(
-                    self._core, self._device, self._kv, config, host_blocks=host_tier_blocks, store_url=store,
-                    events=events, adapter_of=self._adapter_of, salt_of=self._salt_of,
+                self._tiers = open_tiers(
+                    self._core, self._device, self._kv, config, ssm=self._ssm is not None,
+                    host_blocks=host_tier_blocks, store_url=store, events=self._events,
                 )
             except BaseException:
                 self._core.close()
@@ -496,7 +449,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 target, free = self._core.reclaim_for(prompt, key, blocks_needed)
             except InvalidId as error:
-                _raise_if_wrong_type(error, "reclaim_prefix_blocks_for", {"prompt": prompt})
+                raise_if_wrong_type(error, "reclaim_prefix_blocks_for", {"prompt": prompt})
                 raise
             finally:
                 self._drained()
@@ -557,7 +510,7 @@ class HybridModel(LifecycleDefaults):
                 try:
                     return self._core.attach_seq(seq, prompt, grow_to)
                 except InvalidId as error:
-                    _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                    raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                     raise
             return self._attach_tiered(seq, prompt, grow_to)
         self._handle(seq)
@@ -571,7 +524,7 @@ class HybridModel(LifecycleDefaults):
                 self._restore_prefix(seq)
                 raise
             except InvalidId as error:
-                _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                 raise
             # (any other error refused the call before anything changed: the slot keeps its state)
             self._restore_prefix(seq)
@@ -590,7 +543,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
             except InvalidId as error:
-                _raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                 raise
             finally:
                 self._tiers.drain()  # what it evicted goes down before anything reuses the blocks
@@ -645,6 +598,15 @@ class HybridModel(LifecycleDefaults):
         """The cache salt of a salted cache key, for KV events (None for another key)."""
         salted = self._salted.get(key)
         return None if salted is None else salted[1]
+
+    def _read_events(self) -> None:
+        """The core's pending log into the event log, through the tiers where there are some (what
+        it evicted is demoted on the way)."""
+        assert self._events is not None
+        if self._tiers is not None:
+            self._tiers.drain()
+        else:
+            self._events.read(self._core)
 
     def _drained(self) -> None:
         """After a core call that may have evicted: demote what it evicted (host tier)."""
@@ -706,7 +668,7 @@ class HybridModel(LifecycleDefaults):
             except AttributeError:  # handles (a list, a tuple, a tensor): the core converts them
                 handles = seqs
             except TypeError as error:
-                _raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": seqs})
+                raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": seqs})
                 raise
         if cache is None:
             cache = self._ssm is None and self._config.enable_prefix_cache
@@ -732,7 +694,7 @@ class HybridModel(LifecycleDefaults):
         except InvalidId as error:
             optional = {"counts": counts, "rows": rows}
             inputs = {"seqs": handles, "tokens": tokens, **{k: v for k, v in optional.items() if v is not None}}
-            _raise_if_wrong_type(error, "step", inputs, {"table": table})
+            raise_if_wrong_type(error, "step", inputs, {"table": table})
             raise
 
     def _step_cuda(
@@ -743,7 +705,7 @@ class HybridModel(LifecycleDefaults):
         try:
             wanted = np.asarray(handles, dtype=np.int64)
         except (TypeError, ValueError, OverflowError) as error:
-            _raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": handles})
+            raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": handles})
             raise InvalidId(f"step: handles must be ints, got {handles!r:.60}") from error
         if pad is None and self.null_block >= 0:
             pad = self.null_block
@@ -756,7 +718,7 @@ class HybridModel(LifecycleDefaults):
             except InvalidId as error:
                 optional = {"counts": counts, "rows": rows}
                 inputs = {"tokens": tokens, **{k: v for k, v in optional.items() if v is not None}}
-                _raise_if_wrong_type(error, "step", inputs)
+                raise_if_wrong_type(error, "step", inputs)
                 raise
             finally:
                 self._drained()
@@ -790,9 +752,10 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             slot = self._adapters.load(name)
             generation = self._adapters.info(slot).generation
-            if generation > 1 and self._tiers is not None:
+            if generation > 1 and self._events is not None:
                 old = adapter_key(name, generation - 1)
-                self._tiers.retire({old} | {key for key, (base, _) in self._salted.items() if base == old})
+                self._read_events()
+                self._events.retire({old} | {key for key, (base, _) in self._salted.items() if base == old})
             return slot
 
     def unload_adapter(self, name: str) -> None:
@@ -863,9 +826,10 @@ class HybridModel(LifecycleDefaults):
         the model was built without ``events=True``."""
         with self._lock:
             self._enter()
-            if self._tiers is None or not self._tiers.events:
+            if self._events is None:
                 return KVEventBatch(ts=time.time(), events=(), data_parallel_rank=data_parallel_rank)
-            return self._tiers.take_events(data_parallel_rank)
+            self._read_events()
+            return self._events.take(data_parallel_rank)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, and the host tier's, if no running sequence holds a cached
@@ -886,7 +850,7 @@ class HybridModel(LifecycleDefaults):
             try:
                 return self._core.evict_blocks(block_ids)
             except InvalidId as error:
-                _raise_if_wrong_type(error, "evict_blocks", {"block_ids": block_ids})
+                raise_if_wrong_type(error, "evict_blocks", {"block_ids": block_ids})
                 raise
 
     def num_common_prefix_blocks(self, seqs: Sequence[SequenceState]) -> int:
@@ -906,7 +870,7 @@ class HybridModel(LifecycleDefaults):
         try:
             return int(self._core.write_table(self._handle(seq), out, pad))
         except InvalidId as error:
-            _raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
+            raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
             raise
 
     def write_block_tables(
@@ -947,12 +911,8 @@ class HybridModel(LifecycleDefaults):
         ``reset=True`` since the last such call (what a metrics exporter reads)."""
         with self._lock:
             self._enter()
-            counts = self._core.counters()
-            own = asdict(self._counters)
-            counts["time_in_library_ns"] += own.pop("device_ns")
             tiers = self._tiers.stats() if self._tiers is not None else {}
-            counts["time_in_library_ns"] += tiers.pop("tier_ns", 0)
-            total = Stats(**counts, **own, **tiers)
+            total = Stats.of_model(self._core.counters(), self._counters, tiers)
             since = total.minus(self._stats_base) if self._stats_base is not None else total
             if reset:
                 self._stats_base = total

@@ -22,6 +22,20 @@ class TeardownReport:
 
 
 @dataclass(slots=True)
+class ModelCounters:
+    """What the model itself does around the core: moves of SSM state and swap records."""
+
+    compactions: int = 0
+    detaches: int = 0
+    swaps_out: int = 0
+    swaps_in: int = 0
+    swap_failures: int = 0
+    bytes_swapped_out: int = 0
+    bytes_swapped_in: int = 0
+    device_ns: int = 0  # time in calls that move device memory, the core's own time excluded
+
+
+@dataclass(slots=True)
 class Stats:
     """Monotonic counters since the model was built (or since the last ``stats(reset=True)``).
     ``time_in_library_ns`` sums the wall time spent inside the public methods that mutate state.
@@ -72,6 +86,15 @@ class Stats:
 
     def copy(self) -> Stats:
         return Stats(**asdict(self))
+
+    @classmethod
+    def of_model(cls, core: dict[str, int], model: ModelCounters, tiers: dict[str, int]) -> Stats:
+        """A model's counters: the core's, the model's own and the tiers' (``tier_ns``, and the
+        model's ``device_ns``, count as time in the library)."""
+        own = asdict(model)
+        tiers = dict(tiers)
+        time_ns = core["time_in_library_ns"] + own.pop("device_ns") + tiers.pop("tier_ns", 0)
+        return cls(**{**core, "time_in_library_ns": time_ns}, **own, **tiers)
 
     def minus(self, earlier: Stats) -> Stats:
         """The counts since ``earlier`` (a snapshot of the same model)."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
-from lifecycle.adapters import adapter_key
+from lifecycle.lora import adapter_key
 from lifecycle.cache_keys import IDENTITY_TOKEN_BASE, identity_tokens, salted_key
 from lifecycle.cli import main as cli_main
 from lifecycle.errors import ConfigError, InvalidId, SequenceStateError

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from lifecycle.swap.format import ConfigLike, _Layout
 
 if TYPE_CHECKING:
-    from lifecycle.adapters import AdapterInfo
+    from lifecycle.lora import AdapterInfo
     from lifecycle.device.base import Device
     from lifecycle.swap.staging import StagingBuffer
 
@@ -30,7 +30,7 @@ class SSMLayout(Protocol):
 
 
 class AdapterLookup(Protocol):
-    """The part of :class:`~lifecycle.adapters.AdapterTable` swap reads."""
+    """The part of :class:`~lifecycle.lora.AdapterTable` swap reads."""
 
     def info(self, slot: int) -> AdapterInfo: ...
 
