@@ -32,7 +32,7 @@ from devices import (
 from lifecycle.device import open_device
 from lifecycle.device.base import Device
 from lifecycle.device.host import HostDevice
-from lifecycle.errors import ConfigError, CudaError, DeviceError, DriverNotFound, InvalidId, TornDown
+from lifecycle.errors import ConfigError, CudaError, DeviceError, DriverNotFound, InvalidId, InvalidType, TornDown
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -336,6 +336,28 @@ def test_memset_refuses_a_value_outside_a_byte(device: Device, value: int) -> No
     ptr = device.alloc(16)
     with pytest.raises(InvalidId, match=f"value={value}"):
         device.memset(ptr, value, 16)
+    device.free(ptr)
+
+
+@pytest.mark.parametrize("nbytes", [8.5, "8", None, True])
+def test_a_byte_count_that_is_not_an_int_is_refused_by_name(device: Device, nbytes: object) -> None:
+    src, dst = device.alloc(16), device.alloc(16)
+    with pytest.raises(InvalidType, match="nbytes"):
+        device.alloc(nbytes)  # type: ignore[arg-type]
+    with pytest.raises(InvalidType, match="nbytes"):
+        device.copy_dtod(dst, src, nbytes)  # type: ignore[arg-type]
+    with pytest.raises(InvalidType, match="nbytes"):
+        device.memset(dst, 0, nbytes)  # type: ignore[arg-type]
+    assert live_allocations(device) == 2
+    device.free(src)
+    device.free(dst)
+
+
+@pytest.mark.parametrize("value", [1.5, "1", None, True])
+def test_memset_refuses_a_value_that_is_not_an_int(device: Device, value: object) -> None:
+    ptr = device.alloc(16)
+    with pytest.raises(InvalidType, match="value"):
+        device.memset(ptr, value, 16)  # type: ignore[arg-type]
     device.free(ptr)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle._hostcopy import first_bad_row, first_overlap
-from lifecycle.errors import InvalidId, TornDown
+from lifecycle.errors import InvalidId, InvalidType, TornDown
 
 #: A batch of copies as an (n, 3) int64 array of rows (dst, src, nbytes).
 CopyArray = npt.NDArray[np.int64]
@@ -36,8 +36,17 @@ def as_copy_array(call: str, copies: Sequence[tuple[int, int, int]] | CopyArray)
     return arr
 
 
+def check_int(call: str, name: str, value: object) -> None:
+    """Refuse an argument that is not an int (a numpy integer is one; a bool, float or str is
+    not): a float would reach the driver truncated or as a ctypes TypeError."""
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+        raise InvalidType(f"{call}: {name}={value!r} must be an int")
+
+
 def check_nbytes(call: str, nbytes: int) -> None:
-    """Refuse a negative byte count (zero is a legal no-op for copies and memset)."""
+    """Refuse a byte count that is not an int, or negative (zero is a legal no-op for copies and
+    memset)."""
+    check_int(call, "nbytes", nbytes)
     if nbytes < 0:
         raise InvalidId(f"{call}: nbytes={nbytes} must be >= 0")
 
@@ -56,6 +65,7 @@ def view_size(call: str, shape: Sequence[int], dtype: npt.DTypeLike) -> tuple[tu
 
 def check_alloc_size(call: str, nbytes: int) -> None:
     """Refuse an allocation of fewer than one byte (the CUDA driver refuses it too)."""
+    check_int(call, "nbytes", nbytes)
     if nbytes < 1:
         raise InvalidId(f"{call}: nbytes={nbytes} must be >= 1")
 

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle.device.allocations import AllocationTable, BatchChecker, CopyArray, TrackedDevice
-from lifecycle.device.allocations import check_alloc_size, check_nbytes
+from lifecycle.device.allocations import check_alloc_size, check_int, check_nbytes
 from lifecycle.errors import InvalidId
 
 DeviceKind = Literal["host", "cuda"]
@@ -269,6 +269,7 @@ class CheckedDevice(TrackedDevice):
         with self._lock:
             self._check_open("memset")
             check_nbytes("memset", nbytes)
+            check_int("memset", "value", value)
             if not 0 <= value <= 255:
                 raise InvalidId(f"memset: value={value} must be in 0..255")
             if nbytes:

@@ -279,14 +279,19 @@ class HostTier:
         rows: npt.NDArray[np.int64] = (base + slot_col * slot_step + block_col * block_step).reshape(-1, 3)
         return rows
 
-    def _take_slots(self, count: int) -> list[int]:
-        """``count`` free slots, evicting the least recently used entries for the missing ones."""
+    def _take_slots(self, count: int, stored_now: list[int] | None = None) -> list[int]:
+        """``count`` free slots, evicting the least recently used entries for the missing ones.
+        An entry the running call stored (``stored_now``) leaves that list instead of being
+        recorded as removed: its events then never say it is held."""
         free, index = self._free, self._index
         for _ in range(count - len(free)):
             key, slot = index.popitem(last=False)
             free.append(slot)
             self._counts["evicted"] += 1
-            self._evicted_now.append(key)
+            if stored_now is not None and key in stored_now:
+                stored_now.remove(key)  # a replaced entry's removal is recorded already
+            else:
+                self._evicted_now.append(key)
         slots = free[len(free) - count :]
         del free[len(free) - count :]
         return slots
@@ -429,7 +434,8 @@ class HostTier:
 
     def load(self, records: Sequence[BlockRecord]) -> int:
         """Put blocks read from the store into the tier, as :meth:`demote` puts device blocks
-        (same recency and room rules); returns the blocks stored. A record whose hash is held with
+        (same recency and room rules); returns the blocks stored and still held (of more records than
+        the tier holds, a later one evicts an earlier one). A record whose hash is held with
         other tokens takes that entry's place (the caller verified the record's tokens; the
         entry's are a collision's), counted as ``replaced``."""
         for index, record in enumerate(records):
@@ -455,13 +461,13 @@ class HostTier:
                     self._counts["replaced"] += 1
                     self._evicted_now.append(key)
                 else:
-                    (slot,) = self._take_slots(1)
+                    (slot,) = self._take_slots(1, stored)
                 start = slot * self._slot_bytes
                 self._memory[start : start + self._slot_bytes] = np.frombuffer(record.kv, dtype=np.uint8)
                 self._tokens[slot] = row
                 self._index[key] = slot
                 stored.append(key)
-            self._counts["loaded"] += len(stored)
+                self._counts["loaded"] += 1
             self._record(stored)
             return len(stored)
 
