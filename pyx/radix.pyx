@@ -22,7 +22,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from lifecycle._blockpool cimport lc_mutex_init, lc_mutex_lock, lc_mutex_unlock
+from lifecycle._sync cimport lc_enter_gil, lc_leave, lc_mutex_init
 from lifecycle._hash cimport LC_GOLDEN, lc_block_equal, lc_equal_blocks, lc_fill_keys, lc_fmix64, lc_nh_block
 
 from lifecycle.errors import ConfigError, InvariantViolation
@@ -413,6 +413,11 @@ cdef class RadixTrie:
         """Bytes of one node slot and its hash bucket."""
         return sizeof(RNode) + sizeof(int32_t)
 
+    cdef void _share_lock(self, object owner, lc_mutex_t *lock) noexcept:
+        """Guard the trie with ``lock``, which ``owner`` holds (the KV cache core's pool)."""
+        self._lock_owner = owner
+        self._lock = lock
+
     # -- growth --
 
     cdef int _reserve(self, Py_ssize_t extra) noexcept nogil:
@@ -766,12 +771,11 @@ cdef class RadixTrie:
         the LRU list is doubly linked, holds exactly the unprotected nodes, lists every node after
         its children, and its block count matches.
         """
-        with nogil:
-            lc_mutex_lock(self._lock)
+        lc_enter_gil(self._lock)
         try:
             problem = self._problem()
         finally:
-            lc_mutex_unlock(self._lock)
+            lc_leave(self._lock, NULL)
         if problem:
             raise InvariantViolation(f"RadixTrie: {problem}")
 

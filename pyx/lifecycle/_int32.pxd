@@ -5,6 +5,7 @@ from cpython.object cimport PyObject
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport int32_t, int64_t
+from libc.stdlib cimport realloc
 
 
 cdef inline bint int32_vector(object values, const int32_t **data, Py_ssize_t *n):
@@ -23,6 +24,41 @@ cdef inline bint int32_vector(object values, const int32_t **data, Py_ssize_t *n
     data[0] = <const int32_t *>cnp.PyArray_DATA(array)
     n[0] = cnp.PyArray_DIM(array, 0)
     return True
+
+
+cdef inline cnp.ndarray writeable_int32(object values, int ndim, str what, str layout=""):
+    """``values`` when it is a writeable, C-contiguous ``ndim``-D native int32 numpy array (a
+    table the caller fills in place), else ``InvalidId`` naming ``what`` (``layout``: how its
+    rows are read, for the message)."""
+    if not (
+        cnp.PyArray_Check(values)
+        and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT32
+        and cnp.PyArray_NDIM(<cnp.ndarray>values) == ndim
+        and cnp.PyArray_ISCARRAY(<cnp.ndarray>values)
+    ):
+        from lifecycle.errors import InvalidId
+        raise InvalidId(
+            f"{what} must be a writeable C-contiguous {ndim}-D int32 numpy array{layout}, got "
+            f"{type(values).__name__} {getattr(values, 'dtype', '')} {getattr(values, 'shape', '')}"
+        )
+    return <cnp.ndarray>values
+
+
+cdef inline int grow_array(void **array, Py_ssize_t *capacity, Py_ssize_t needed, size_t item) noexcept nogil:
+    """Make room for ``needed`` items of ``item`` bytes (doubling); 1 when out of memory (nothing
+    changed)."""
+    cdef Py_ssize_t grown = capacity[0] if capacity[0] > 0 else 64
+    cdef void *moved
+    if needed <= capacity[0]:
+        return 0
+    while grown < needed:
+        grown *= 2
+    moved = realloc(array[0], grown * item)
+    if moved == NULL:
+        return 1
+    array[0] = moved
+    capacity[0] = grown
+    return 0
 
 
 cdef inline cnp.ndarray empty_int32(Py_ssize_t n):
