@@ -25,43 +25,26 @@ event log share it, as one ``CoreLock``), taken in the one form of ``_sync.pxd``
 """
 
 cimport cython
-from cpython.pyport cimport PY_SSIZE_T_MAX
 cimport numpy as cnp
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from cpython.pyport cimport PY_SSIZE_T_MAX
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
-from lifecycle._blockpool cimport BlockPool
+from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._evlog cimport EvLog, new_event_log
-from lifecycle._hash cimport (
-    LC_GOLDEN,
-    lc_content_hashes,
-    lc_fmix64,
-    lc_nh_block,
-    lc_root_hash,
-    lc_stream_tokens_checked,
+from lifecycle._hash cimport lc_content_hashes, lc_root_hash, lc_stream_tokens_checked, lc_tokens_differ
+from lifecycle._int32 cimport (
+    adapter_key as _adapter_key, block_ids, empty_int32 as _empty_int32, first_negative as _first_negative,
+    grow_array, int32_buffer, int32_column, int64_vector, shrink as _shrink, token_vector as _token_vector,
+    writeable_int32,
 )
 from lifecycle._radix cimport Chunk, RNode, WalkEnd, chunk_decref, chunk_new
+from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._records cimport (
-    ACTIVE,
-    E_CLOSED,
-    E_GROWN,
-    E_INVALID_ARG,
-    E_INVARIANT,
-    E_NEGATIVE_TOKEN,
-    E_NO_MEMORY,
-    E_NOT_CACHED,
-    E_OTHER_TOKENS,
-    E_OUT_OF_BLOCKS,
-    E_REFUSED,
-    E_TOO_LONG,
-    FREE,
-    OK,
-    blocks_for,
-    new_records,
-    new_sequence,
-    ok,
+    E_CLOSED, E_GROWN, E_INVALID_ARG, E_INVARIANT, E_NEGATIVE_TOKEN, E_NO_MEMORY, E_NOT_CACHED,
+    E_OTHER_TOKENS, E_OUT_OF_BLOCKS, E_REFUSED, E_TOO_LONG, OK, blocks_for, handle_arg as _handle_arg,
+    new_records, new_sequence, ok,
 )
 from lifecycle._slots cimport SlotGuard, SlotPool
 from lifecycle._snapids cimport new_snapshot_ids
@@ -72,29 +55,9 @@ import numpy as np
 # The event log's and the records' Python names, offered here as before they had modules of their own.
 from lifecycle._evlog import CLEARED, EVENT_DTYPE, REMOVED, STORED, RawEvents  # no-cython-lint
 from lifecycle._records import SeqStatus, SequenceState  # no-cython-lint
-from lifecycle.errors import (
-    ConfigError,
-    ForeignSequence,
-    InvalidId,
-    InvariantViolation,
-    OutOfBlocks,
-    SequenceStateError,
-    TornDown,
-)
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, TornDown
 
 cnp.import_array()
-
-from lifecycle._args cimport _ssize_arg_other, ssize_arg as _as_count
-from lifecycle._int32 cimport (
-    adapter_key as _adapter_key,
-    empty_int32 as _empty_int32,
-    first_negative as _first_negative,
-    grow_array,
-    int32_vector as _int32_vector_in,
-    shrink as _shrink,
-    token_vector as _token_vector,
-    writeable_int32,
-)
 
 _STATUS_NAMES = ("freed", "active", "retired")
 
@@ -102,38 +65,9 @@ cdef enum:
     LONG_CALL = NOGIL_MIN_WORK   # ``CoreLock.enter`` work that always releases the GIL
 
 
-cdef inline uint64_t *_chunk_hashes(Chunk *chunk) noexcept nogil:
-    """The chunk's content-hash array (one slot per block position), made on first use; NULL when
-    out of memory."""
-    if chunk.hashes == NULL:
-        chunk.hashes = <uint64_t *>calloc(max(<Py_ssize_t>chunk.block_capacity, <Py_ssize_t>1), sizeof(uint64_t))
-    return chunk.hashes
-
-
-cdef inline uint64_t _last_hash(const RNode *node) noexcept nogil:
-    """The content hash of a node's last block (0 if its chunk keeps none: out of memory)."""
-    if node.chunk.hashes == NULL:
-        return 0
-    return node.chunk.hashes[node.start + node.length - 1]
-
-
-cdef inline int64_t _handle_arg(object handle, str call) except? -1:
-    """A record handle as given to ``call``: an exact int in [0, 2**63) costs one inline
-    conversion; numpy integers pass through ``__index__``; anything else (a float, a string,
-    None, a bool, an int out of range) is refused by name rather than truncated or converted.
-    (Handles fit a Py_ssize_t: 64-bit platforms only, as the build requires.)"""
-    cdef int overflow = 0
-    cdef long long value
-    if PyLong_CheckExact(handle):
-        value = PyLong_AsLongLongAndOverflow(handle, &overflow)
-        if not overflow and value >= 0:
-            return <int64_t>value
-    return _ssize_arg_other(handle, f"{call}: handle", 0, PY_SSIZE_T_MAX)  # names the value and the range
-
-
 @cython.final
 @cython.auto_pickle(False)
-@cython.no_gc_clear  # __dealloc__ returns its records' chunks to the trie: a cycle's clear must leave it
+@cython.no_gc_clear  # sequences in a cycle with it still read through it: a cycle's clear must leave its parts
 cdef class KVCacheCore:
     """Block pool + prefix trie + per-request records, with one call per scheduler step.
 
@@ -171,7 +105,9 @@ cdef class KVCacheCore:
         )
         self._lock = core_lock(pool, pool.mutex())
         self._trie._share_lock(pool, pool.mutex())
-        self._records = new_records(self._trie, pool, self._lock, self._block_size, self._max_tokens_per_seq)
+        self._records = new_records(
+            self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
+        )
         self._snaps = new_snapshot_ids(num)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
         self._pool = pool
@@ -369,38 +305,22 @@ cdef class KVCacheCore:
 
     cdef void _log_stored(self, int32_t v, Py_ssize_t count) noexcept nogil:
         """The last ``count`` blocks of node ``v`` were just cached: keep their content hashes in
-        the node's chunk, at the blocks' positions (chained from the block before them), and, with
-        events on, log them."""
-        cdef RNode *node = &self._trie._nodes[v]
-        cdef RNode *up
-        cdef Py_ssize_t bs = self._block_size, first = node.start + node.length - count
+        the node's chunk and, with events on, log them."""
         cdef uint64_t parent
         cdef int64_t key
-        cdef bint has_parent = True
-        cdef const int32_t *tokens = node.chunk.tokens + first * bs
-        cdef uint64_t *hashes
+        cdef bint has_parent
+        cdef const uint64_t *hashes
+        cdef const int32_t *tokens
+        cdef RNode *node
         if not self._track or count <= 0:
             return
-        hashes = _chunk_hashes(node.chunk)
+        hashes = self._trie._hash_tail(v, count, &key, &parent, &has_parent)
         if hashes == NULL:
             self._evlog.lost()  # out of memory: these blocks' removals will name hash 0
-            return
-        up = node
-        while up.parent >= 0:
-            up = &self._trie._nodes[up.parent]
-        key = <int64_t>up.key
-        if count < node.length:
-            parent = hashes[first - 1]
-        else:
-            up = &self._trie._nodes[node.parent]
-            if up.parent < 0:
-                parent = lc_root_hash(key)
-                has_parent = False
-            else:
-                parent = _last_hash(up)
-        lc_content_hashes(parent, tokens, count, bs, self._trie._keys, hashes + first)
-        if self._evlog.events:
-            self._evlog.stored(key, parent, has_parent, hashes + first, tokens, count)
+        elif self._evlog.events:
+            node = &self._trie._nodes[v]
+            tokens = node.chunk.tokens + (node.start + node.length - count) * self._block_size
+            self._evlog.stored(key, parent, has_parent, hashes, tokens, count)
 
     cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
         """Extend the record's table to ``num_blocks`` fresh blocks, evicting when short; all or
@@ -485,7 +405,7 @@ cdef class KVCacheCore:
         cdef int32_t root = -1
         if retry:
             self._records.materialize(rec)
-            if rec.num_tokens != n or memcmp_tokens(rec.chunk.tokens, tokens, n):
+            if rec.num_tokens != n or lc_tokens_differ(rec.chunk.tokens, tokens, n):
                 f.code = E_OTHER_TOKENS
                 f.value = rec.seq_id
                 f.limit = rec.num_tokens
@@ -729,25 +649,10 @@ cdef class KVCacheCore:
         cdef int64_t key = _adapter_key(adapter)
         cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", -1, INT32_MAX)
         cdef int64_t seq_id
-        return self._open(
+        return self._records.open_record(
             key, slot, _as_count(token_capacity, "token_capacity", 0, self._max_tokens_per_seq),
             &seq_id,
         )
-
-    cdef int64_t _open(self, int64_t key, int32_t slot, Py_ssize_t tokens, int64_t *seq_id) except -1:
-        cdef Failure f
-        cdef int64_t handle
-        cdef PyThreadState *released
-        ok(&f)
-        tokens = max(tokens, self._block_size)
-        released = self._lock.enter(0)
-        handle = self._records.open(key, slot, tokens, &f)
-        if handle >= 0:
-            seq_id[0] = self._records.of(handle).seq_id
-        self._lock.leave(released)
-        if handle < 0:
-            self._records.raise_failure(&f, "open")
-        return handle
 
     def alloc(self, SlotPool slots not None, budget_tokens, addrs_by_slot, drop_queue):
         """A new request: a slot from ``slots`` (its guard records the request as the slot's
@@ -760,7 +665,7 @@ cdef class KVCacheCore:
         cdef int64_t seq_id, handle
         cdef SlotGuard guard = slots._acquire()
         try:
-            handle = self._open(0, -1, budget, &seq_id)
+            handle = self._records.open_record(0, -1, budget, &seq_id)
         except BaseException:
             guard._let_go()
             raise
@@ -772,7 +677,7 @@ cdef class KVCacheCore:
         slot first (unless detached), then the record (``finish``), then ``on_adapter(slot)`` for
         the adapter slot the request held, if any, whatever failed before. A second call does
         nothing."""
-        cdef _Sequence face = self._face(seq)
+        cdef _Sequence face = self._records.face(seq)
         cdef object guard
         cdef int32_t slot = -1
         if not face._open:
@@ -791,115 +696,37 @@ cdef class KVCacheCore:
     def handle_of(self, seq):
         """The handle of ``seq``'s record; ``ForeignSequence`` for anything but a sequence of
         this core."""
-        return self._face(seq)._handle
+        return self._records.face(seq)._handle
 
     def attach_seq(self, seq, prompt, grow_to=None):
         """``attach`` for a ``SequenceState`` (a model's ``attach_prefix``): ``grow_to`` counts
         tokens (None: no growth). Returns the reused token count."""
-        cdef int64_t h = self._open_handle(seq, "attach_prefix")
+        cdef int64_t h = self._records.open_handle(seq, "attach_prefix")
         cdef Py_ssize_t wanted = -1
         if grow_to is not None:
-            wanted = self._blocks_for_tokens(h, grow_to, "attach_prefix")
+            wanted = self._records.blocks_for_tokens(h, grow_to, "attach_prefix")
         return self.attach(h, prompt, wanted) * self._block_size
 
     def grow_seq(self, seq, num_tokens):
         """``grow`` for a ``SequenceState``, to cover ``num_tokens`` tokens; the blocks added."""
-        cdef int64_t h = self._open_handle(seq, "grow")
-        return self.grow(h, self._blocks_for_tokens(h, num_tokens, "grow"))
-
-    cdef _Sequence _face(self, object seq):
-        if type(seq) is not _Sequence:
-            raise ForeignSequence(f"expected a SequenceState, got {type(seq).__name__}")
-        if (<_Sequence>seq).handle_in(self._records) < 0:
-            raise ForeignSequence(f"sequence {(<_Sequence>seq).seq_id} belongs to another model")
-        return <_Sequence>seq
-
-    cdef int64_t _open_handle(self, object seq, str call) except -1:
-        cdef _Sequence face = self._face(seq)
-        if not face._open:
-            raise SequenceStateError(f"{call}: sequence {face.seq_id} is freed, not active")
-        return face._handle
-
-    cdef Py_ssize_t _blocks_for_tokens(self, int64_t h, object num_tokens, str call) except -1:
-        """Blocks covering ``num_tokens`` tokens (an int >= 0) within the per-sequence limit; a
-        record that is not active is refused for that first."""
-        cdef int overflow = 0
-        cdef long long n = -1
-        cdef Py_ssize_t limit = self._max_blocks_per_seq
-        if PyLong_CheckExact(num_tokens):
-            n = PyLong_AsLongLongAndOverflow(num_tokens, &overflow)
-            if not overflow and 0 <= n <= <long long>limit * self._block_size:
-                return <Py_ssize_t>((n + self._block_size - 1) // self._block_size)
-        if self._records.field(h, 6) != ACTIVE:
-            status = _STATUS_NAMES[self._records.field(h, 6)]
-            raise SequenceStateError(f"{call}: sequence {self._records.seq_id_of(h)} is {status}, not active")
-        if isinstance(num_tokens, int) and not isinstance(num_tokens, bool) and num_tokens >= 0:
-            wanted = -(-num_tokens // self._block_size)
-            raise InvalidId(f"{call}: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
-        raise InvalidId(f"{call}: num_tokens={num_tokens!r} must be an int >= 0")
+        cdef int64_t h = self._records.open_handle(seq, "grow")
+        return self.grow(h, self._records.blocks_for_tokens(h, num_tokens, "grow"))
 
     def clear(self, handle):
         """Take a record back to how ``open`` left it (keeping its adapter): its pin, block
         references and tokens go. For undoing a step that failed after the core's part."""
         cdef int64_t h = _handle_arg(handle, "clear")
         cdef Failure f
-        cdef SeqRec *rec
-        cdef Chunk *fresh = NULL
+        cdef PyThreadState *released
         ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        rec = self._records.get(h, &f)
-        if rec != NULL and rec.chunk.refs > 1:
-            # Trie nodes hold runs of this chunk: the record's next tokens and blocks must not
-            # be written over them.
-            fresh = chunk_new(self._trie._chunk_cache(), rec.chunk.block_capacity, rec.chunk.token_capacity)
-            if fresh == NULL:
-                f.code = E_NO_MEMORY
-                rec = NULL
-        if rec != NULL:
-            if rec.pin_node >= 0:
-                self._trie._unpin(rec.pin_node)
-            self._counters.blocks_freed += self._pool._dec_ref_locked(rec.chunk.blocks, rec.num_blocks, &f.batch)
-            if f.batch.failed_at >= 0:
-                f.code = E_INVARIANT
-            rec.pin_node = -1
-            rec.pin_blocks = 0
-            rec.num_blocks = 0
-            rec.num_tokens = 0
-            rec.prompt_len = 0
-            rec.cached_tokens = 0
-            rec.lazy_tokens = 0
-            rec.ssm_tokens = -1
-            if fresh != NULL:
-                chunk_decref(self._trie._chunk_cache(), rec.chunk)
-                rec.chunk = fresh
-            else:
-                rec.chunk.num_hashed = 0  # the hashes were those of the old tokens
+        released = self._lock.enter(LONG_CALL)
+        self._counters.blocks_freed += self._records.clear_locked(h, &f)
         self._lock.leave(released)
         self._records.raise_failure(&f, "clear")
 
     def adapter_slots(self):
         """The adapter slot of every live record that holds one (int32), for recounts."""
-        cdef Py_ssize_t i, count = 0
-        cdef cnp.ndarray out
-        cdef int32_t *dest
-        cdef SeqRec *rec
-        self._lock.enter_gil()
-        try:
-            for i in range(self._records.high_water()):
-                rec = self._records.slot(i)
-                if rec.status != FREE and rec.adapter_slot >= 0:
-                    count += 1
-            out = _empty_int32(count)
-            dest = <int32_t *>cnp.PyArray_DATA(out)
-            count = 0
-            for i in range(self._records.high_water()):
-                rec = self._records.slot(i)
-                if rec.status != FREE and rec.adapter_slot >= 0:
-                    dest[count] = rec.adapter_slot
-                    count += 1
-        finally:
-            self._lock.leave(NULL)
-        return out
+        return self._records.adapter_slots()
 
     def attach(self, handle, tokens, grow_to=-1, max_prefix=-1):
         """Record ``tokens`` as the request's prompt, find its longest cached prefix (whole
@@ -994,36 +821,7 @@ cdef class KVCacheCore:
         are free. ``call`` names the caller in errors."""
         cdef int64_t h = _handle_arg(handle, "allocate")
         cdef Py_ssize_t wanted = _as_count(num_blocks, f"{call}: num_blocks", 0, self._max_blocks_per_seq)
-        cdef Failure f
-        cdef SeqRec *rec
-        cdef int64_t seq_id = -1, held_blocks = 0, held_tokens = 0
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        rec = self._records.active(h, &f)
-        if rec != NULL:
-            if rec.num_blocks or rec.num_tokens:
-                seq_id, held_blocks, held_tokens = rec.seq_id, rec.num_blocks, rec.num_tokens
-            elif self._records.reserve(rec, wanted, 0):
-                f.code = E_NO_MEMORY
-            elif not self._pool._allocate_locked(rec.chunk.blocks, wanted):
-                f.code = E_OUT_OF_BLOCKS
-                f.value = wanted
-                f.limit = self._pool._num_free
-            else:
-                rec.num_blocks = <int32_t>wanted
-                self._counters.blocks_allocated += wanted
-        self._lock.leave(released)
-        if seq_id >= 0:
-            raise SequenceStateError(
-                f"{call}: sequence {seq_id} already holds {held_blocks} blocks and {held_tokens} tokens; "
-                "it needs a freshly allocated sequence"
-            )
-        if f.code == E_OUT_OF_BLOCKS:
-            raise OutOfBlocks(
-                f"{call}: {f.value} blocks are needed, {f.limit} are free "
-                "(this never evicts: reclaim_prefix_blocks first)"
-            )
-        self._records.raise_failure(&f, call)
+        self._counters.blocks_allocated += self._records.allocate(h, wanted, call)
 
     def cache(self, handle, num_blocks):
         """Insert the record's first ``num_blocks`` full blocks into the prefix cache (nodes that
@@ -1088,31 +886,13 @@ cdef class KVCacheCore:
 
     def cache_key(self, handle):
         """The prefix-cache key (trie root) the record's blocks are matched and cached under."""
-        cdef int64_t h = _handle_arg(handle, "cache_key")
-        self._lock.enter_gil()
-        try:
-            return self._records.read(h, "cache_key").adapter
-        finally:
-            self._lock.leave(NULL)
+        return self._records.cache_key(_handle_arg(handle, "cache_key"))
 
     def set_cache_key(self, handle, key):
         """Match and cache the record under ``key`` (an adapter's key mixed with a cache salt),
         before it has blocks or tokens."""
         cdef int64_t h = _handle_arg(handle, "set_cache_key")
-        cdef int64_t value = _adapter_key(key)
-        cdef SeqRec *rec
-        self._lock.enter_gil()
-        try:
-            rec = self._records.read(h, "set_cache_key")
-            if rec.status != ACTIVE:
-                raise SequenceStateError(
-                    f"set_cache_key: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active"
-                )
-            if rec.num_blocks or rec.num_tokens:
-                raise SequenceStateError(f"set_cache_key: sequence {rec.seq_id} already has KV blocks or tokens")
-            rec.adapter = value
-        finally:
-            self._lock.leave(NULL)
+        self._records.bind(h, "set_cache_key", -1, _adapter_key(key))
 
     cdef int32_t _cache_checked(self, int64_t handle, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil:
         cdef SeqRec *rec = self._records.get(handle, f)
@@ -1151,7 +931,7 @@ cdef class KVCacheCore:
     ) noexcept nogil:
         cdef SeqRec *rec = self._records.get(handle, f)
         cdef Py_ssize_t taken
-        cdef int32_t end, sid, previous, victim
+        cdef int32_t end, sid, previous
         cdef RNode *node
         if rec == NULL:
             return -1
@@ -1162,38 +942,22 @@ cdef class KVCacheCore:
             return -1
         if not self._enabled or rec.failed or self._snaps.num == 0:
             return -1
-        previous = rec.rolling
-        if previous >= 0 and (
-            self._snaps.generation_of(previous) != rec.rolling_generation or self._snaps.node_of(previous) < 0
-        ):
-            previous = -1  # the pool reused it since: no longer this record's to drop
-            rec.rolling = -1
+        previous = self._snaps.rolling_of(rec)
         if rolling and previous >= 0:
             node = &self._trie._nodes[self._snaps.node_of(previous)]
             if node.depth + node.length != full:
-                self._trie._set_tag(self._snaps.node_of(previous), -1)
-                self._snaps.release(previous)
+                self._snaps.drop(self._trie, previous)
                 rec.rolling = -1
                 previous = -1
         end = self._cache_locked(rec, full, &taken, f)
         if end < 0:
             return -1
-        node = &self._trie._nodes[end]
-        if node.tag >= 0:
-            sid = node.tag
-            self._snaps.touch(sid)
-            if not (rolling and previous == sid):
+        sid = self._snaps.tag(self._trie, end, fresh)
+        if sid < 0 or not fresh[0]:
+            if sid >= 0 and not (rolling and previous == sid):
                 rec.rolling = -1
             return sid
-        sid = self._snaps.take(&victim)
-        if sid < 0:
-            return -1
-        if victim >= 0:
-            self._trie._set_tag(victim, -1)  # the least recently used snapshot's node keeps its KV
-        self._trie._set_tag(end, sid)
-        self._snaps.keep_at(sid, end)
         self._counters.snapshots_saved += 1
-        fresh[0] = True
         rec.rolling = sid if rolling else -1
         rec.rolling_generation = self._snaps.generation_of(sid)
         return sid
@@ -1207,8 +971,7 @@ cdef class KVCacheCore:
         if self._records.closed:
             f.code = E_CLOSED
         elif sid < self._snaps.num and self._snaps.node_of(sid) >= 0:
-            self._trie._set_tag(self._snaps.node_of(sid), -1)
-            self._snaps.release(sid)
+            self._snaps.drop(self._trie, sid)
         self._lock.leave(released)
         self._records.raise_failure(&f, "drop_snapshot")
 
@@ -1223,24 +986,11 @@ cdef class KVCacheCore:
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         rec = self._records.get(h, &f)
         if rec != NULL and rec.pin_node >= 0 and rec.cached_tokens > 0:
-            sid = self._tag_at(rec.pin_node, rec.cached_tokens // self._block_size)
+            # (a record caching past its reused prefix moved its pin further down)
+            sid = self._trie._tag_at(rec.pin_node, rec.cached_tokens // self._block_size)
         self._lock.leave(released)
         self._records.raise_failure(&f, "prefix_snapshot")
         return sid
-
-    cdef int32_t _tag_at(self, int32_t node, Py_ssize_t blocks) noexcept nogil:
-        """The snapshot tag at exactly ``blocks`` blocks along the path ending at ``node`` (a
-        record caching past its reused prefix moves its pin further down), -1 when none ends
-        there."""
-        cdef RNode *n
-        while node >= 0:
-            n = &self._trie._nodes[node]
-            if n.parent < 0 or n.depth + n.length < blocks:
-                return -1
-            if n.depth + n.length == blocks:
-                return n.tag
-            node = n.parent
-        return -1
 
     def finish(self, handle, bint cache=True):
         """What a finishing request does, in one call: cache its full blocks (unless ``cache`` is
@@ -1289,7 +1039,7 @@ cdef class KVCacheCore:
         cdef const int32_t *cnt = NULL
         cdef const int32_t *row_of = NULL
         cdef int32_t *tab = NULL
-        cdef cnp.ndarray handle_array = _int64_vector(handles, "step: handles")
+        cdef cnp.ndarray handle_array = int64_vector(handles, "step: handles")
         cdef cnp.ndarray count_array, row_array, table_array, refused
         cdef Failure f
         cdef Py_ssize_t num_refused = 0, bad = -1
@@ -1297,7 +1047,7 @@ cdef class KVCacheCore:
         hs = <const int64_t *>cnp.PyArray_DATA(handle_array)
         tokens = _token_vector(tokens, &tok, &num_tok)
         if counts is not None:
-            count_array = _int32_column(counts, n, "step: counts")
+            count_array = int32_column(counts, n, "step: counts")
             cnt = <const int32_t *>cnp.PyArray_DATA(count_array)
             if int(count_array.sum()) != num_tok:
                 raise InvalidId(f"step: {num_tok} tokens given, but the counts add up to {int(count_array.sum())}")
@@ -1308,7 +1058,7 @@ cdef class KVCacheCore:
             nrows, ncols = cnp.PyArray_DIM(table_array, 0), cnp.PyArray_DIM(table_array, 1)
             tab = <int32_t *>cnp.PyArray_DATA(table_array)
             if rows is not None:
-                row_array = _int32_column(rows, n, "step: rows")
+                row_array = int32_column(rows, n, "step: rows")
                 row_of = <const int32_t *>cnp.PyArray_DATA(row_array)
             elif n > nrows:
                 raise InvalidId(f"step: a table of {nrows} rows for {n} requests (give rows)")
@@ -1317,10 +1067,7 @@ cdef class KVCacheCore:
         refused = _empty_int32(n)
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        self._step_stamp += 1
-        if self._step_stamp == 0:
-            self._step_stamp = 1  # 0 is a fresh record's
-        bad = self._step_check(hs, n, tok, num_tok, cnt, row_of, nrows, ncols, &f)
+        bad = self._records.check_step(hs, n, tok, num_tok, cnt, row_of, nrows, ncols, &f)
         if bad < 0:
             num_refused = self._step_locked(
                 hs, n, tok, cnt, tab, row_of, ncols, cache, <int32_t *>cnp.PyArray_DATA(refused), &f
@@ -1340,51 +1087,6 @@ cdef class KVCacheCore:
                 raise InvalidId(f"step: {f.value} is outside [0, {f.limit}] (entry {bad})")
             self._records.raise_failure(&f, "step")
         return _shrink(refused, num_refused)
-
-    cdef Py_ssize_t _step_check(
-        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
-        const int32_t *row_of, Py_ssize_t nrows, Py_ssize_t ncols, Failure *f
-    ) noexcept nogil:
-        """(Lock held) the index of the first request the step refuses as bad input, or -1."""
-        cdef Py_ssize_t i, added, blocks
-        cdef SeqRec *rec
-        for i in range(n):
-            rec = self._records.active(hs[i], f)
-            if rec == NULL:
-                return i
-            added = cnt[i] if cnt != NULL else 1
-            if added < 0:
-                f.code = E_INVALID_ARG
-                f.value = added
-                f.limit = self._max_tokens_per_seq
-                return i
-            if rec.num_tokens + added > self._max_tokens_per_seq:
-                f.code = E_TOO_LONG
-                f.value = rec.num_tokens + added
-                f.limit = self._max_tokens_per_seq
-                return i
-            blocks = blocks_for(rec.num_tokens + added, self._block_size)
-            if blocks > self._max_blocks_per_seq or (ncols >= 0 and blocks > ncols):
-                f.code = E_TOO_LONG
-                f.value = blocks
-                f.limit = min(self._max_blocks_per_seq, ncols) if ncols >= 0 else self._max_blocks_per_seq
-                return i
-            if rec.step_stamp == self._step_stamp:
-                f.code = E_INVALID_ARG
-                f.value = hs[i]
-                f.limit = -1  # listed twice
-                return i
-            rec.step_stamp = self._step_stamp
-            if row_of != NULL and not 0 <= row_of[i] < nrows:
-                f.code = E_INVALID_ARG
-                f.value = row_of[i]
-                f.limit = nrows - 1
-                return i
-        for i in range(num_tok):
-            if tok[i] < 0:
-                f.code = E_NEGATIVE_TOKEN
-                return i
-        return -1
 
     cdef Py_ssize_t _step_locked(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
@@ -1556,25 +1258,7 @@ cdef class KVCacheCore:
         before it has blocks)."""
         cdef int64_t h = _handle_arg(handle, "bind_adapter")
         cdef int64_t key = _adapter_key(adapter)
-        cdef int32_t slot = <int32_t>_as_count(adapter_slot, "adapter_slot", 0, INT32_MAX)
-        cdef SeqRec *rec
-        self._lock.enter_gil()
-        try:
-            rec = self._records.read(h, "bind_adapter")
-            if rec.status != ACTIVE:
-                raise SequenceStateError(
-                    f"bind_adapter: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active"
-                )
-            if rec.adapter_slot >= 0:
-                raise SequenceStateError(
-                    f"bind_adapter: sequence {rec.seq_id} already holds adapter slot {rec.adapter_slot}"
-                )
-            if rec.num_blocks or rec.num_tokens:
-                raise SequenceStateError(f"bind_adapter: sequence {rec.seq_id} already has KV blocks or tokens")
-            rec.adapter_slot = slot
-            rec.adapter = key
-        finally:
-            self._lock.leave(NULL)
+        self._records.bind(h, "bind_adapter", <int32_t>_as_count(adapter_slot, "adapter_slot", 0, INT32_MAX), key)
 
     # -- the whole cache ----------------------------------------------------------------------------
 
@@ -1606,15 +1290,7 @@ cdef class KVCacheCore:
 
     def live_totals(self):
         """``(live records, blocks they hold)``."""
-        cdef Py_ssize_t i, blocks = 0
-        cdef SeqRec *rec
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        for i in range(self._records.high_water()):
-            rec = self._records.slot(i)
-            if rec.status != FREE:
-                blocks += rec.num_blocks
-        self._lock.leave(released)
-        return self._records.num_live, blocks
+        return self._records.live_totals()
 
     def close(self):
         """Drop every record and cached block without touching the pool (whose memory goes with
@@ -1638,30 +1314,10 @@ cdef class KVCacheCore:
         """Bytes of host memory the cache's metadata holds: ``trie`` (node slots, buckets),
         ``chunks`` (chunk headers and block-id arrays of cached runs), ``tokens`` (token arrays of
         cached runs), ``hashes``, ``records`` (the record table), as a dict."""
-        cdef Py_ssize_t i
-        seen = set()
-        cdef Py_ssize_t chunk_bytes = 0, token_bytes = 0, hash_bytes = 0
-        cdef Chunk *chunk
         self._lock.enter_gil()
         try:
-            for i in range(self._trie._high_water):
-                if self._trie._nodes[i].parent >= 0 and self._trie._nodes[i].chunk != NULL:
-                    chunk = self._trie._nodes[i].chunk
-                    if <size_t>chunk in seen:
-                        continue
-                    seen.add(<size_t>chunk)
-                    chunk_bytes += sizeof(Chunk) + chunk.block_capacity * sizeof(int32_t)
-                    token_bytes += chunk.token_capacity * sizeof(int32_t)
-                    if chunk.hashes != NULL:
-                        hash_bytes += chunk.block_capacity * sizeof(uint64_t)
-            return {
-                "trie": self._trie.nbytes,
-                "chunks": chunk_bytes,
-                "tokens": token_bytes,
-                "hashes": hash_bytes,
-                "records": self._records.nbytes(),
-                "cached_blocks": self._trie._num_blocks,
-            }
+            return {"trie": self._trie.nbytes, **self._trie._chunk_bytes(), "records": self._records.nbytes(),
+                    "cached_blocks": self._trie._num_blocks}
         finally:
             self._lock.leave(NULL)
 
@@ -1704,8 +1360,8 @@ cdef class KVCacheCore:
         cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
         self._lock.enter_gil()
         try:
-            if track and not self._track:
-                self._hash_all_cached()
+            if track and not self._track and self._trie._hash_all():
+                raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
             self._track = track
             self._evlog.configure(events, demote, cap)
         finally:
@@ -1715,27 +1371,6 @@ cdef class KVCacheCore:
     def events_on(self):
         """``(events, demote)`` as set."""
         return bool(self._evlog.events), bool(self._evlog.demote)
-
-    cdef void _hash_all_cached(self) except *:
-        """(Lock held) the content hash of every cached block, parents before children."""
-        cdef RadixTrie trie = self._trie
-        cdef Py_ssize_t i, bs = self._block_size
-        cdef RNode *node
-        cdef RNode *up
-        cdef uint64_t parent
-        cdef uint64_t *hashes
-        order = sorted(
-            (trie._nodes[i].depth, i) for i in range(trie._high_water) if trie._nodes[i].parent >= 0
-        )
-        for _, i in order:
-            node = &trie._nodes[i]
-            hashes = _chunk_hashes(node.chunk)
-            if hashes == NULL:
-                raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
-            up = &trie._nodes[node.parent]
-            parent = lc_root_hash(<int64_t>up.key) if up.parent < 0 else _last_hash(up)
-            lc_content_hashes(parent, node.chunk.tokens + node.start * bs, node.length, bs, trie._keys,
-                              hashes + node.start)
 
     def take_events(self):
         """Drain the event log into a ``RawEvents`` (entries in the order things happened: see
@@ -1763,16 +1398,15 @@ cdef class KVCacheCore:
         invalid. Blocks on the path of a running request are left alone (it still reads them).
         Returns the ids of the blocks that left the cache (int32, the given ones and those after
         them); ids that are not cached are ignored. Costs one pass over the trie's nodes."""
-        cdef cnp.ndarray wanted = _block_ids(ids, self._pool._num_blocks, "evict_blocks")
+        cdef cnp.ndarray wanted = block_ids(ids, self._pool._num_blocks, "evict_blocks")
         cdef const int32_t *data = <const int32_t *>cnp.PyArray_DATA(wanted)
-        cdef Py_ssize_t i, j, n = cnp.PyArray_DIM(wanted, 0), nb = self._pool._num_blocks, count, total = 0
+        cdef Py_ssize_t i, n = cnp.PyArray_DIM(wanted, 0), nb = self._pool._num_blocks, count, total = 0
         cdef RadixTrie trie = self._trie
-        cdef RNode *node
         cdef int32_t top
         cdef Failure f
         ok(&f)
         marked = np.zeros(nb + 1, dtype=np.bool_)
-        cdef cnp.npy_bool *mark = <cnp.npy_bool *>cnp.PyArray_DATA(marked)
+        cdef uint8_t *mark = <uint8_t *>cnp.PyArray_DATA(marked)
         for i in range(n):
             mark[data[i]] = True
         dropped = []
@@ -1780,31 +1414,13 @@ cdef class KVCacheCore:
         try:
             if self._records.closed:
                 raise TornDown("evict_blocks: the KV cache core was closed (torn down)")
-            # The first marked block of each unprotected node, cut off as the top of a subtree to drop.
-            tops = []
-            for i in range(trie._high_water):
-                node = &trie._nodes[i]
-                if node.parent < 0 or node.lock_count > 0:
-                    continue
-                for j in range(node.length):
-                    if mark[node.chunk.blocks[node.start + j]]:
-                        tops.append((i, j))
-                        break
-            for i, _ in tops:
+            for i in trie._marked_nodes(mark):
                 # Looked at again: an earlier drop may have taken this node (and a cut reused its slot).
-                node = &trie._nodes[i]
-                if node.parent < 0 or node.lock_count > 0 or i >= trie._high_water:
+                top = trie._cut_at_mark(<int32_t>i, mark)
+                if top == -2:
+                    raise MemoryError("evict_blocks: out of host memory")
+                if top < 0:
                     continue
-                j = 0
-                while j < node.length and not mark[node.chunk.blocks[node.start + j]]:
-                    j += 1
-                if j == node.length:
-                    continue
-                top = <int32_t>i
-                if j > 0:
-                    if trie._reserve(1):
-                        raise MemoryError("evict_blocks: out of host memory")
-                    trie._split(top, <int32_t>j)  # the head keeps the blocks before the marked one
                 # Their KV is invalid: logged as removed (hashes only), never demoted.
                 if self._reserve_scratch(trie._lru_blocks) or self._reserve_token_scratch(trie._lru_blocks, False):
                     raise MemoryError("evict_blocks: out of host memory")
@@ -1828,31 +1444,10 @@ cdef class KVCacheCore:
     def num_common_prefix_blocks(self, handles):
         """How many leading blocks every one of the given live records shares (the same block
         ids), as cascade attention wants; 0 for no records."""
-        cdef cnp.ndarray handle_array = _int64_vector(handles, "num_common_prefix_blocks: handles")
-        cdef const int64_t *hs = <const int64_t *>cnp.PyArray_DATA(handle_array)
-        cdef Py_ssize_t i, j, n = cnp.PyArray_DIM(handle_array, 0), common = 0
-        cdef SeqRec *first
-        cdef SeqRec *rec
-        cdef Failure f
-        ok(&f)
-        if n == 0:
-            return 0
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        first = self._records.get(hs[0], &f)
-        if first != NULL:
-            common = first.num_blocks
-            for i in range(1, n):
-                rec = self._records.get(hs[i], &f)
-                if rec == NULL:
-                    break
-                common = min(common, <Py_ssize_t>rec.num_blocks)
-                j = 0
-                while j < common and rec.chunk.blocks[j] == first.chunk.blocks[j]:
-                    j += 1
-                common = j
-        self._lock.leave(released)
-        self._records.raise_failure(&f, "num_common_prefix_blocks")
-        return common
+        cdef cnp.ndarray handle_array = int64_vector(handles, "num_common_prefix_blocks: handles")
+        return self._records.common_prefix(
+            <const int64_t *>cnp.PyArray_DATA(handle_array), cnp.PyArray_DIM(handle_array, 0)
+        )
 
     def write_table(self, handle, out, pad=None):
         """Write the record's block ids into ``out``, a writable 1-D int32 buffer the engine owns
@@ -1861,32 +1456,10 @@ cdef class KVCacheCore:
         it wrote before the padding. ``out`` shorter than the table is refused, nothing written."""
         cdef int64_t h = _handle_arg(handle, "write_table")
         cdef int32_t pad_id = -1
-        cdef int32_t[::1] dest = _writable_int32(out, "write_table")
-        cdef Py_ssize_t n = 0, size = dest.shape[0], i
-        cdef SeqRec *rec
-        cdef Failure f
+        cdef int32_t[::1] dest = int32_buffer(out, "write_table")
         if pad is not None:
             pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self._pool._num_blocks - 1, 0))
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        rec = self._records.get(h, &f)
-        if rec != NULL:
-            n = rec.num_blocks
-            if n > size:
-                f.code = E_TOO_LONG
-                f.value = n
-                f.limit = size
-            else:
-                if n:
-                    memcpy(&dest[0], rec.chunk.blocks, n * sizeof(int32_t))
-                if pad is not None:
-                    for i in range(n, size):
-                        dest[i] = pad_id
-        self._lock.leave(released)
-        if f.code == E_TOO_LONG:
-            raise InvalidId(f"write_table: the sequence holds {f.value} blocks, the buffer takes {f.limit}")
-        self._records.raise_failure(&f, "write_table")
-        return n
+        return self._records.write_table(h, dest, pad_id)
 
     def check_invariants(self):
         """Recount everything from scratch under the lock and raise ``InvariantViolation`` on any
@@ -1913,50 +1486,16 @@ cdef class KVCacheCore:
             raise InvariantViolation(problem)
 
     cdef str _recount(self):
-        cdef Py_ssize_t i, j, nb = self._pool._num_blocks, live = 0
-        cdef SeqRec *rec
+        cdef Py_ssize_t i, j, nb = self._pool._num_blocks
         cdef RNode *node
         cdef RadixTrie trie = self._trie
         expected = np.zeros(nb + 1, dtype=np.int64)
         cdef int64_t[::1] refs = expected
         pins = {}
         chunk_refs = {}
-        for i in range(self._records.high_water()):
-            rec = self._records.slot(i)
-            if rec.status == FREE:
-                continue
-            live += 1
-            if (
-                rec.chunk == NULL or rec.num_blocks > rec.chunk.block_capacity
-                or rec.num_tokens > rec.chunk.token_capacity
-            ):
-                return f"sequence {rec.seq_id} holds {rec.num_blocks} blocks, {rec.num_tokens} tokens beyond its chunk"
-            if rec.lazy_tokens > rec.pin_blocks * self._block_size or rec.lazy_tokens % self._block_size:
-                return f"sequence {rec.seq_id} leaves {rec.lazy_tokens} tokens to its pinned {rec.pin_blocks} blocks"
-            if rec.prompt_len > rec.num_tokens or rec.ssm_tokens > rec.num_tokens:
-                return (
-                    f"sequence {rec.seq_id} has prompt_len {rec.prompt_len} / ssm_tokens {rec.ssm_tokens} "
-                    f"over its {rec.num_tokens} tokens"
-                )
-            chunk_refs[<size_t>rec.chunk] = chunk_refs.get(<size_t>rec.chunk, 0) + 1
-            for j in range(rec.num_blocks):
-                if not 0 <= rec.chunk.blocks[j] < nb:
-                    return f"sequence {rec.seq_id} holds block id {rec.chunk.blocks[j]} out of range [0, {nb})"
-                refs[rec.chunk.blocks[j]] += 1
-            if rec.pin_node >= 0:
-                if rec.pin_node >= trie._high_water or trie._nodes[rec.pin_node].parent < 0:
-                    return f"sequence {rec.seq_id} pins node {rec.pin_node}, which is not a cached node"
-                node = &trie._nodes[rec.pin_node]
-                if node.depth + node.length != rec.pin_blocks:
-                    return (
-                        f"sequence {rec.seq_id} pins node {rec.pin_node} ending at block "
-                        f"{node.depth + node.length}, not {rec.pin_blocks}"
-                    )
-                pins[rec.pin_node] = pins.get(rec.pin_node, 0) + 1
-            elif rec.pin_blocks != 0:
-                return f"sequence {rec.seq_id} pins {rec.pin_blocks} blocks without a node"
-        if live != self._records.num_live:
-            return f"{live} live sequences, the counter says {self._records.num_live}"
+        problem = self._records.problem(refs, pins, chunk_refs)
+        if problem is not None:
+            return problem
         if self._null_block >= 0:
             refs[self._null_block] += 1
         tags = 0
@@ -1984,107 +1523,4 @@ cdef class KVCacheCore:
         problem = self._snaps.problem(trie, tags)
         if problem is not None:
             return problem
-        return self._recount_hashes()
-
-    cdef str _recount_hashes(self):
-        """With hashes kept: every cached block's hash follows from the one before it on its path
-        and its own tokens (so, by induction, every one is the content hash of its path)."""
-        cdef RadixTrie trie = self._trie
-        cdef Py_ssize_t i, j, bs = self._block_size
-        cdef RNode *node
-        cdef RNode *up
-        cdef uint64_t parent
-        if not self._track:
-            return None
-        for i in range(trie._high_water):
-            node = &trie._nodes[i]
-            if node.parent < 0:
-                continue
-            if node.chunk.hashes == NULL:
-                return f"node {i} keeps no content hashes"
-            up = &trie._nodes[node.parent]
-            parent = lc_root_hash(<int64_t>up.key) if up.parent < 0 else _last_hash(up)
-            for j in range(node.start, node.start + node.length):
-                parent = lc_fmix64(lc_nh_block(node.chunk.tokens + j * bs, bs, trie._keys)) + parent * LC_GOLDEN
-                if node.chunk.hashes[j] != parent:
-                    return f"cached block {node.chunk.blocks[j]} (node {i}) has a stale content hash"
-        return None
-
-
-# -- argument conversion for the batched calls (GIL held) -------------------------------------------
-
-cdef int32_t[::1] _writable_int32(object out, str call):
-    """``out`` as a writable contiguous 1-D int32 view: the buffer protocol first, then DLPack
-    (a CPU tensor); a device tensor, another dtype or shape, or a read-only buffer is refused."""
-    view = None
-    try:
-        view = memoryview(out)
-    except TypeError:
-        if hasattr(out, "__dlpack__"):
-            device = out.__dlpack_device__()[0] if hasattr(out, "__dlpack_device__") else 1
-            if device != 1:
-                raise InvalidId(f"{call}: a tensor on DLPack device type {device} is not host memory; write it "
-                                "through the model (write_block_tables), which batches the copy") from None
-            view = memoryview(np.from_dlpack(out))
-    if view is None:
-        raise InvalidId(f"{call}: {type(out).__name__} has neither the buffer protocol nor __dlpack__")
-    if view.readonly:
-        raise InvalidId(f"{call}: the buffer is read-only")
-    if view.ndim != 1 or view.format not in ("i", "=i", "<i", "@i") or view.itemsize != 4 or not view.c_contiguous:
-        raise InvalidId(
-            f"{call}: needs a contiguous 1-D int32 buffer, got format {view.format!r}, {view.ndim}-D, "
-            f"itemsize {view.itemsize}"
-        )
-    return view
-
-
-cdef cnp.ndarray _int64_vector(object values, str what):
-    """A 1-D int64 array (handles) as given when it is one, else converted; ``InvalidId`` when not
-    integers."""
-    if isinstance(values, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT64 and \
-            cnp.PyArray_NDIM(<cnp.ndarray>values) == 1 and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>values):
-        return <cnp.ndarray>values
-    try:
-        array = np.asarray(values)
-    except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidId(f"{what} must be a 1-D sequence of ints, got {values!r}") from error
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidId(f"{what} must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
-    return np.require(array, dtype=np.int64, requirements=["C", "A"])
-
-
-cdef cnp.ndarray _block_ids(object values, Py_ssize_t num_blocks, str call):
-    """Block ids as a fresh int32 array, each in [0, num_blocks)."""
-    cdef cnp.ndarray wide = _int64_vector(values, f"{call}: ids")
-    if wide.size and (wide.min() < 0 or wide.max() >= num_blocks):
-        bad = wide[(wide < 0) | (wide >= num_blocks)][0]
-        raise InvalidId(f"{call}: block id {int(bad)} is outside [0, {num_blocks - 1}]")
-    return wide.astype(np.int32)
-
-
-cdef cnp.ndarray _int32_column(object values, Py_ssize_t n, str what):
-    """``n`` int32 values (a count or a row per request)."""
-    cdef const int32_t *data = NULL
-    cdef Py_ssize_t size = 0
-    if not _int32_vector_in(values, &data, &size):
-        try:
-            array = np.asarray(values)
-        except (TypeError, ValueError, OverflowError) as error:
-            raise InvalidId(f"{what} must be {n} ints, got {values!r}") from error
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu") or (
-            array.size and (array.min() < 0 or array.max() > INT32_MAX)
-        ):
-            raise InvalidId(f"{what} must be {n} ints in [0, {INT32_MAX}], got {array!r}")
-        values = np.require(array, dtype=np.int32, requirements=["C", "A"])
-        _int32_vector_in(values, &data, &size)
-    if size != n:
-        raise InvalidId(f"{what}: {size} values for {n} requests")
-    return <cnp.ndarray>values
-
-
-cdef inline bint memcmp_tokens(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        if a[i] != b[i]:
-            return True
-    return False
+        return self._trie._hash_problem() if self._track else None

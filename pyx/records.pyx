@@ -21,14 +21,16 @@ from libc.string cimport memcpy
 
 from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash
 from lifecycle._int32 cimport empty_int32 as _empty_int32, first_negative as _first_negative, token_vector
-from lifecycle._radix cimport chunk_decref, chunk_new, chunk_reserve
-from lifecycle._sync cimport PyThreadState
+from lifecycle._radix cimport RNode, chunk_decref, chunk_new, chunk_reserve
+from lifecycle._sync cimport NOGIL_MIN_WORK, PyThreadState
 
 import enum
 
 import numpy as np
 
-from lifecycle.errors import InvalidId, InvariantViolation, OutOfBlocks, SequenceStateError, TornDown
+from lifecycle.errors import (
+    ForeignSequence, InvalidId, InvariantViolation, OutOfBlocks, SequenceStateError, TornDown,
+)
 
 cnp.import_array()
 
@@ -38,15 +40,17 @@ cdef uint32_t _last_generation_base = 0
 _STATUS_NAMES = ("freed", "active", "retired")
 
 
-cdef Records new_records(RadixTrie trie, BlockPool pool, CoreLock lock, Py_ssize_t block_size, Py_ssize_t max_tokens):
+cdef Records new_records(RadixTrie trie, BlockPool pool, CoreLock lock, Py_ssize_t block_size,
+                         Py_ssize_t max_blocks, Py_ssize_t max_tokens):
     """An empty record table whose chunks come from ``trie``'s cache, under ``lock``; a record
-    holds at most ``max_tokens`` tokens."""
+    holds at most ``max_blocks`` blocks and ``max_tokens`` tokens."""
     global _last_generation_base
     cdef Records records = Records.__new__(Records)
     _last_generation_base = (_last_generation_base + 0x9E3779B9) & GENERATION_MASK
     records._generation_base = _last_generation_base
     records._free = -1
     records._block_size = block_size
+    records._max_blocks = max_blocks
     records._max_tokens = max_tokens
     records.trie = trie
     records.pool = pool
@@ -161,6 +165,40 @@ cdef class Records:
         self.closed = True
         return blocks
 
+    cdef Py_ssize_t clear_locked(self, int64_t handle, Failure *f) noexcept nogil:
+        """Take a record back to how ``open`` left it (keeping its adapter): its pin, block
+        references and tokens go; how many blocks became free."""
+        cdef SeqRec *rec = self.get(handle, f)
+        cdef Chunk *fresh = NULL
+        cdef Py_ssize_t freed = 0
+        if rec != NULL and rec.chunk.refs > 1:
+            # Trie nodes hold runs of this chunk: the record's next tokens and blocks must not
+            # be written over them.
+            fresh = chunk_new(self.trie._chunk_cache(), rec.chunk.block_capacity, rec.chunk.token_capacity)
+            if fresh == NULL:
+                f.code = E_NO_MEMORY
+                rec = NULL
+        if rec != NULL:
+            if rec.pin_node >= 0:
+                self.trie._unpin(rec.pin_node)
+            freed = self.pool._dec_ref_locked(rec.chunk.blocks, rec.num_blocks, &f.batch)
+            if f.batch.failed_at >= 0:
+                f.code = E_INVARIANT
+            rec.pin_node = -1
+            rec.pin_blocks = 0
+            rec.num_blocks = 0
+            rec.num_tokens = 0
+            rec.prompt_len = 0
+            rec.cached_tokens = 0
+            rec.lazy_tokens = 0
+            rec.ssm_tokens = -1
+            if fresh != NULL:
+                chunk_decref(self.trie._chunk_cache(), rec.chunk)
+                rec.chunk = fresh
+            else:
+                rec.chunk.num_hashed = 0  # the hashes were those of the old tokens
+        return freed
+
     cdef int reserve(self, SeqRec *rec, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
         """Room in the record's chunk; 1 when out of memory. A chunk trie nodes hold too never
         moves: the record moves to a bigger copy instead."""
@@ -213,6 +251,101 @@ cdef class Records:
             f.code = E_NEGATIVE_TOKEN
             return
         rec.num_tokens = <int32_t>total
+
+    cdef Py_ssize_t check_step(
+        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
+        const int32_t *row_of, Py_ssize_t nrows, Py_ssize_t ncols, Failure *f
+    ) noexcept nogil:
+        """(Lock held) the index of the first request a decode step (``KVCacheCore.step``) refuses
+        as bad input, or -1: every handle active and listed once, counts within the limits of its
+        record and of a table of ``ncols`` columns (-1: none), rows in ``[0, nrows)``, tokens >= 0."""
+        cdef Py_ssize_t i, added, blocks
+        cdef SeqRec *rec
+        self._step_stamp += 1
+        if self._step_stamp == 0:
+            self._step_stamp = 1  # 0 is a fresh record's
+        for i in range(n):
+            rec = self.active(hs[i], f)
+            if rec == NULL:
+                return i
+            added = cnt[i] if cnt != NULL else 1
+            if added < 0:
+                f.code = E_INVALID_ARG
+                f.value = added
+                f.limit = self._max_tokens
+                return i
+            if rec.num_tokens + added > self._max_tokens:
+                f.code = E_TOO_LONG
+                f.value = rec.num_tokens + added
+                f.limit = self._max_tokens
+                return i
+            blocks = blocks_for(rec.num_tokens + added, self._block_size)
+            if blocks > self._max_blocks or (ncols >= 0 and blocks > ncols):
+                f.code = E_TOO_LONG
+                f.value = blocks
+                f.limit = min(self._max_blocks, ncols) if ncols >= 0 else self._max_blocks
+                return i
+            if rec.step_stamp == self._step_stamp:
+                f.code = E_INVALID_ARG
+                f.value = hs[i]
+                f.limit = -1  # listed twice
+                return i
+            rec.step_stamp = self._step_stamp
+            if row_of != NULL and not 0 <= row_of[i] < nrows:
+                f.code = E_INVALID_ARG
+                f.value = row_of[i]
+                f.limit = nrows - 1
+                return i
+        for i in range(num_tok):
+            if tok[i] < 0:
+                f.code = E_NEGATIVE_TOKEN
+                return i
+        return -1
+
+    cdef str problem(self, int64_t[::1] refs, dict pins, dict chunk_refs):
+        """(Lock held) the first inconsistency of the records (their chunks, pins and counters),
+        or None; adds one to ``refs[block]`` for every block a table holds, to ``pins[node]`` for
+        every record pinning ``node`` and to ``chunk_refs[chunk address]`` per record."""
+        cdef Py_ssize_t i, j, nb = self.pool._num_blocks, live = 0
+        cdef SeqRec *rec
+        cdef RNode *node
+        for i in range(self._high_water):
+            rec = &self._recs[i]
+            if rec.status == FREE:
+                continue
+            live += 1
+            if (
+                rec.chunk == NULL or rec.num_blocks > rec.chunk.block_capacity
+                or rec.num_tokens > rec.chunk.token_capacity
+            ):
+                return f"sequence {rec.seq_id} holds {rec.num_blocks} blocks, {rec.num_tokens} tokens beyond its chunk"
+            if rec.lazy_tokens > rec.pin_blocks * self._block_size or rec.lazy_tokens % self._block_size:
+                return f"sequence {rec.seq_id} leaves {rec.lazy_tokens} tokens to its pinned {rec.pin_blocks} blocks"
+            if rec.prompt_len > rec.num_tokens or rec.ssm_tokens > rec.num_tokens:
+                return (
+                    f"sequence {rec.seq_id} has prompt_len {rec.prompt_len} / ssm_tokens {rec.ssm_tokens} "
+                    f"over its {rec.num_tokens} tokens"
+                )
+            chunk_refs[<size_t>rec.chunk] = chunk_refs.get(<size_t>rec.chunk, 0) + 1
+            for j in range(rec.num_blocks):
+                if not 0 <= rec.chunk.blocks[j] < nb:
+                    return f"sequence {rec.seq_id} holds block id {rec.chunk.blocks[j]} out of range [0, {nb})"
+                refs[rec.chunk.blocks[j]] += 1
+            if rec.pin_node >= 0:
+                if rec.pin_node >= self.trie._high_water or self.trie._nodes[rec.pin_node].parent < 0:
+                    return f"sequence {rec.seq_id} pins node {rec.pin_node}, which is not a cached node"
+                node = &self.trie._nodes[rec.pin_node]
+                if node.depth + node.length != rec.pin_blocks:
+                    return (
+                        f"sequence {rec.seq_id} pins node {rec.pin_node} ending at block "
+                        f"{node.depth + node.length}, not {rec.pin_blocks}"
+                    )
+                pins[rec.pin_node] = pins.get(rec.pin_node, 0) + 1
+            elif rec.pin_blocks != 0:
+                return f"sequence {rec.seq_id} pins {rec.pin_blocks} blocks without a node"
+        if live != self.num_live:
+            return f"{live} live sequences, the counter says {self.num_live}"
+        return None
 
     # -- errors (GIL held, lock released) ---------------------------------------------------------
 
@@ -404,6 +537,205 @@ cdef class Records:
         finally:
             self.lock.leave(NULL)
         return 0
+
+    cdef int64_t open_record(self, int64_t key, int32_t slot, Py_ssize_t tokens, int64_t *seq_id) except -1:
+        """``open`` (the lock taken here): a new record's handle, its sequence id in ``seq_id``."""
+        cdef Failure f
+        cdef int64_t handle
+        cdef PyThreadState *released
+        ok(&f)
+        tokens = max(tokens, self._block_size)
+        released = self.lock.enter(0)
+        handle = self.open(key, slot, tokens, &f)
+        if handle >= 0:
+            seq_id[0] = self.of(handle).seq_id
+        self.lock.leave(released)
+        if handle < 0:
+            self.raise_failure(&f, "open")
+        return handle
+
+    cdef int bind(self, int64_t handle, str call, int32_t adapter_slot, int64_t key) except -1:
+        """Match and cache a record that has no blocks or tokens yet under ``key``, and, unless
+        ``adapter_slot`` is -1, record the adapter slot reference it holds (it must hold none)."""
+        cdef SeqRec *rec
+        self.lock.enter_gil()
+        try:
+            rec = self.read(handle, call)
+            if rec.status != ACTIVE:
+                raise SequenceStateError(
+                    f"{call}: sequence {rec.seq_id} is {_STATUS_NAMES[rec.status]}, not active"
+                )
+            if adapter_slot >= 0 and rec.adapter_slot >= 0:
+                raise SequenceStateError(
+                    f"{call}: sequence {rec.seq_id} already holds adapter slot {rec.adapter_slot}"
+                )
+            if rec.num_blocks or rec.num_tokens:
+                raise SequenceStateError(f"{call}: sequence {rec.seq_id} already has KV blocks or tokens")
+            if adapter_slot >= 0:
+                rec.adapter_slot = adapter_slot
+            rec.adapter = key
+        finally:
+            self.lock.leave(NULL)
+        return 0
+
+    cdef int64_t cache_key(self, int64_t handle) except? -1:
+        self.lock.enter_gil()
+        try:
+            return self.read(handle, "cache_key").adapter
+        finally:
+            self.lock.leave(NULL)
+
+    cdef object adapter_slots(self):
+        cdef Py_ssize_t i, count = 0
+        cdef cnp.ndarray out
+        cdef int32_t *dest
+        self.lock.enter_gil()
+        try:
+            for i in range(self._high_water):
+                if self._recs[i].status != FREE and self._recs[i].adapter_slot >= 0:
+                    count += 1
+            out = _empty_int32(count)
+            dest = <int32_t *>cnp.PyArray_DATA(out)
+            count = 0
+            for i in range(self._high_water):
+                if self._recs[i].status != FREE and self._recs[i].adapter_slot >= 0:
+                    dest[count] = self._recs[i].adapter_slot
+                    count += 1
+        finally:
+            self.lock.leave(NULL)
+        return out
+
+    cdef tuple live_totals(self):
+        cdef Py_ssize_t i, blocks = 0
+        cdef PyThreadState *released = self.lock.enter(NOGIL_MIN_WORK)
+        for i in range(self._high_water):
+            if self._recs[i].status != FREE:
+                blocks += self._recs[i].num_blocks
+        self.lock.leave(released)
+        return self.num_live, blocks
+
+    cdef Py_ssize_t common_prefix(self, const int64_t *hs, Py_ssize_t n) except -1:
+        """The leading blocks the ``n`` records of ``hs`` share (the same block ids)."""
+        cdef Py_ssize_t i, j, common = 0
+        cdef SeqRec *first
+        cdef SeqRec *rec
+        cdef Failure f
+        cdef PyThreadState *released
+        ok(&f)
+        if n == 0:
+            return 0
+        released = self.lock.enter(NOGIL_MIN_WORK)
+        first = self.get(hs[0], &f)
+        if first != NULL:
+            common = first.num_blocks
+            for i in range(1, n):
+                rec = self.get(hs[i], &f)
+                if rec == NULL:
+                    break
+                common = min(common, <Py_ssize_t>rec.num_blocks)
+                j = 0
+                while j < common and rec.chunk.blocks[j] == first.chunk.blocks[j]:
+                    j += 1
+                common = j
+        self.lock.leave(released)
+        self.raise_failure(&f, "num_common_prefix_blocks")
+        return common
+
+    cdef Py_ssize_t write_table(self, int64_t handle, int32_t[::1] dest, int32_t pad_id) except -1:
+        """The record's block ids into ``dest``, the rest of it filled with ``pad_id`` unless -1;
+        how many ids it wrote before the padding."""
+        cdef Py_ssize_t n = 0, size = dest.shape[0], i
+        cdef SeqRec *rec
+        cdef Failure f
+        cdef PyThreadState *released
+        ok(&f)
+        released = self.lock.enter(NOGIL_MIN_WORK)
+        rec = self.get(handle, &f)
+        if rec != NULL:
+            n = rec.num_blocks
+            if n > size:
+                f.code = E_TOO_LONG
+                f.value = n
+                f.limit = size
+            else:
+                if n:
+                    memcpy(&dest[0], rec.chunk.blocks, n * sizeof(int32_t))
+                if pad_id >= 0:
+                    for i in range(n, size):
+                        dest[i] = pad_id
+        self.lock.leave(released)
+        if f.code == E_TOO_LONG:
+            raise InvalidId(f"write_table: the sequence holds {f.value} blocks, the buffer takes {f.limit}")
+        self.raise_failure(&f, "write_table")
+        return n
+
+    cdef Py_ssize_t allocate(self, int64_t handle, Py_ssize_t wanted, str call) except -1:
+        """Give a fresh record (no blocks, no tokens) exactly ``wanted`` free blocks, never
+        evicting; ``OutOfBlocks`` when too few are free. Returns ``wanted``."""
+        cdef Failure f
+        cdef SeqRec *rec
+        cdef int64_t seq_id = -1, held_blocks = 0, held_tokens = 0
+        cdef PyThreadState *released
+        ok(&f)
+        released = self.lock.enter(NOGIL_MIN_WORK)
+        rec = self.active(handle, &f)
+        if rec != NULL:
+            if rec.num_blocks or rec.num_tokens:
+                seq_id, held_blocks, held_tokens = rec.seq_id, rec.num_blocks, rec.num_tokens
+            elif self.reserve(rec, wanted, 0):
+                f.code = E_NO_MEMORY
+            elif not self.pool._allocate_locked(rec.chunk.blocks, wanted):
+                f.code = E_OUT_OF_BLOCKS
+                f.value = wanted
+                f.limit = self.pool._num_free
+            else:
+                rec.num_blocks = <int32_t>wanted
+        self.lock.leave(released)
+        if seq_id >= 0:
+            raise SequenceStateError(
+                f"{call}: sequence {seq_id} already holds {held_blocks} blocks and {held_tokens} tokens; "
+                "it needs a freshly allocated sequence"
+            )
+        if f.code == E_OUT_OF_BLOCKS:
+            raise OutOfBlocks(
+                f"{call}: {f.value} blocks are needed, {f.limit} are free "
+                "(this never evicts: reclaim_prefix_blocks first)"
+            )
+        self.raise_failure(&f, call)
+        return wanted
+
+    cdef SequenceState face(self, object seq):
+        """``seq`` as a sequence of these records; ``ForeignSequence`` for anything else."""
+        if type(seq) is not SequenceState:
+            raise ForeignSequence(f"expected a SequenceState, got {type(seq).__name__}")
+        if (<SequenceState>seq).handle_in(self) < 0:
+            raise ForeignSequence(f"sequence {(<SequenceState>seq).seq_id} belongs to another model")
+        return <SequenceState>seq
+
+    cdef int64_t open_handle(self, object seq, str call) except -1:
+        """The handle of ``seq``, refused for a freed sequence as ``call``'s error."""
+        cdef SequenceState face = self.face(seq)
+        if not face._open:
+            raise SequenceStateError(f"{call}: sequence {face.seq_id} is freed, not active")
+        return face._handle
+
+    cdef Py_ssize_t blocks_for_tokens(self, int64_t h, object num_tokens, str call) except -1:
+        """Blocks covering ``num_tokens`` tokens (an int >= 0) within the per-sequence limit; a
+        record that is not active is refused for that first."""
+        cdef int overflow = 0
+        cdef long long n = -1
+        cdef Py_ssize_t limit = self._max_blocks
+        if PyLong_CheckExact(num_tokens):
+            n = PyLong_AsLongLongAndOverflow(num_tokens, &overflow)
+            if not overflow and 0 <= n <= <long long>limit * self._block_size:
+                return <Py_ssize_t>((n + self._block_size - 1) // self._block_size)
+        if self.field(h, 6) != ACTIVE:
+            status = _STATUS_NAMES[self.field(h, 6)]
+            raise SequenceStateError(f"{call}: sequence {self.seq_id_of(h)} is {status}, not active")
+        if isinstance(num_tokens, int) and not isinstance(num_tokens, bool) and num_tokens >= 0:
+            wanted = -(-num_tokens // self._block_size)
+            raise InvalidId(f"{call}: {num_tokens} tokens need {wanted} blocks, over the per-sequence limit of {limit}")
+        raise InvalidId(f"{call}: num_tokens={num_tokens!r} must be an int >= 0")
 
     cdef int64_t seq_id_of(self, int64_t handle):
         """The record's sequence id, -1 for a stale handle."""

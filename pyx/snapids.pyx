@@ -105,9 +105,37 @@ cdef class SnapshotIds:
         self._append(sid)
         return sid
 
-    cdef void keep_at(self, int32_t sid, int32_t node) noexcept nogil:
-        """``sid`` (just taken) is kept at ``node``, whose tag the caller set to it."""
+    cdef int32_t rolling_of(self, SeqRec *rec) noexcept nogil:
+        """The record's rolling snapshot id; -1 (and forgotten there) when the id was reused
+        since, so it is no longer the record's to drop."""
+        cdef int32_t sid = rec.rolling
+        if sid >= 0 and (self._generation[sid] != rec.rolling_generation or self._node[sid] < 0):
+            rec.rolling = -1
+            return -1
+        return sid
+
+    cdef void drop(self, RadixTrie trie, int32_t sid) noexcept nogil:
+        """Free kept id ``sid``; its node loses the tag and keeps its KV."""
+        trie._set_tag(self._node[sid], -1)
+        self.release(sid)
+
+    cdef int32_t tag(self, RadixTrie trie, int32_t node, bint *fresh) noexcept nogil:
+        """The snapshot id at the end of ``node``'s run: the one there (made the most recently
+        used), else a new one (``fresh``), the least recently used one's node losing it when
+        none is free; -1 when there are no ids."""
+        cdef int32_t sid = trie._nodes[node].tag, victim
+        if sid >= 0:
+            self.touch(sid)
+            return sid
+        sid = self.take(&victim)
+        if sid < 0:
+            return -1
+        if victim >= 0:
+            trie._set_tag(victim, -1)
+        trie._set_tag(node, sid)
         self._node[sid] = node
+        fresh[0] = True
+        return sid
 
     cdef str problem(self, RadixTrie trie, Py_ssize_t tags):
         """(Lock held) the first inconsistency of the LRU list against ``trie``'s tags (``tags``

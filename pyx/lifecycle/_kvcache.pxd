@@ -11,7 +11,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from lifecycle._blockpool cimport BlockPool
 from lifecycle._evlog cimport EventLog
 from lifecycle._radix cimport RadixTrie
-from lifecycle._records cimport Failure, Records, SeqRec, SequenceState as _Sequence
+from lifecycle._records cimport Failure, Records, SeqRec
 from lifecycle._snapids cimport SnapshotIds
 from lifecycle._sync cimport CoreLock
 
@@ -54,7 +54,6 @@ cdef class KVCacheCore:
     cdef Py_ssize_t _token_scratch_capacity
     cdef uint64_t *_hash_scratch
     cdef Py_ssize_t _hash_scratch_capacity
-    cdef uint32_t _step_stamp
 
     # -- the surface: the lock (``lock().enter_gil()`` ... ``lock().leave(NULL)``), then locked calls --
     cdef inline CoreLock lock(self):
@@ -96,7 +95,6 @@ cdef class KVCacheCore:
                                    Py_ssize_t grow_to, Failure *f) noexcept nogil
     cdef int32_t _cache_locked(self, SeqRec *rec, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
     cdef int32_t _node_at(self, SeqRec *rec, Py_ssize_t blocks, Failure *f) noexcept nogil
-    cdef int32_t _tag_at(self, int32_t node, Py_ssize_t blocks) noexcept nogil
     cdef Py_ssize_t _finish_locked(self, SeqRec *rec, bint cache, Failure *f) noexcept nogil
     cdef Py_ssize_t _attach_checked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
                                     Py_ssize_t wanted, Failure *f) noexcept nogil
@@ -105,18 +103,8 @@ cdef class KVCacheCore:
     cdef int32_t _snapshot_locked(
         self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f
     ) noexcept nogil
-    cdef Py_ssize_t _step_check(
-        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
-        const int32_t *row_of, Py_ssize_t nrows, Py_ssize_t ncols, Failure *f
-    ) noexcept nogil
     cdef Py_ssize_t _step_locked(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
         const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, Failure *f
     ) noexcept nogil
-    cdef int64_t _open(self, int64_t key, int32_t slot, Py_ssize_t tokens, int64_t *seq_id) except -1
-    cdef _Sequence _face(self, object seq)
-    cdef int64_t _open_handle(self, object seq, str call) except -1
-    cdef Py_ssize_t _blocks_for_tokens(self, int64_t h, object num_tokens, str call) except -1
-    cdef void _hash_all_cached(self) except *
     cdef str _recount(self)
-    cdef str _recount_hashes(self)

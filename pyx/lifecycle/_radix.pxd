@@ -3,7 +3,7 @@
 # the trie is given (the owner's), and every cdef method is called with that lock held.
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from lifecycle._sync cimport lc_mutex_t
 
@@ -136,5 +136,13 @@ cdef class RadixTrie:
         self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
     ) noexcept nogil
     cdef void _clear(self) noexcept nogil
+    cdef const uint64_t *_hash_tail(self, int32_t v, Py_ssize_t count, int64_t *key, uint64_t *parent,
+                                    bint *has_parent) noexcept nogil
+    cdef dict _chunk_bytes(self)
+    cdef list _marked_nodes(self, const uint8_t *mark)
+    cdef int32_t _cut_at_mark(self, int32_t v, const uint8_t *mark) noexcept nogil
+    cdef int _hash_all(self) except -1
+    cdef str _hash_problem(self)
+    cdef int32_t _tag_at(self, int32_t v, Py_ssize_t blocks) noexcept nogil
     cdef str _problem(self)
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos)

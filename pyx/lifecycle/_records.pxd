@@ -4,7 +4,11 @@
 # Everything is guarded by the core's lock (``CoreLock``); the core owns the one ``Records``.
 
 cimport cython
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
+
+from lifecycle._args cimport _ssize_arg_other
 
 from lifecycle._blockpool cimport BatchResult, BlockPool
 from lifecycle._radix cimport Chunk, ChunkCache, RadixTrie
@@ -80,6 +84,23 @@ cdef inline Py_ssize_t record_index(int64_t handle) noexcept nogil:
     return <Py_ssize_t>(handle & 0xFFFFFFFFLL)
 
 
+cdef inline int64_t handle_arg(object handle, str call) except? -1:
+    """A record handle as given to ``call``: an exact int in [0, 2**63) costs one inline
+    conversion; numpy integers pass through ``__index__``; anything else (a float, a string,
+    None, a bool, an int out of range) is refused by name rather than truncated or converted.
+    (Handles fit a Py_ssize_t: 64-bit platforms only, as the build requires.)"""
+    cdef int overflow = 0
+    cdef long long value
+    if PyLong_CheckExact(handle):
+        value = PyLong_AsLongLongAndOverflow(handle, &overflow)
+        if not overflow and value >= 0:
+            return <int64_t>value
+    return _ssize_arg_other(handle, f"{call}: handle", 0, PY_SSIZE_T_MAX)  # names the value and the range
+
+
+cdef class SequenceState
+
+
 @cython.final
 cdef class Records:
     cdef SeqRec *_recs
@@ -88,7 +109,9 @@ cdef class Records:
     cdef int32_t _free              # first unused slot below _high_water, -1 = none
     cdef uint32_t _generation_base  # generations of these record slots start after it
     cdef Py_ssize_t _block_size
+    cdef Py_ssize_t _max_blocks     # blocks a record may hold
     cdef Py_ssize_t _max_tokens     # tokens a record may hold
+    cdef uint32_t _step_stamp       # the last decode step's (0: none; see SeqRec.step_stamp)
     cdef readonly Py_ssize_t num_live
     cdef readonly int64_t num_opened
     cdef readonly int64_t num_closed
@@ -156,10 +179,16 @@ cdef class Records:
     cdef void withdraw(self) noexcept nogil
     cdef Py_ssize_t close_all(self) noexcept nogil
     cdef int reserve(self, SeqRec *rec, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil
+    cdef Py_ssize_t clear_locked(self, int64_t handle, Failure *f) noexcept nogil
     cdef void append_locked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Failure *f) noexcept nogil
+    cdef Py_ssize_t check_step(
+        self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,
+        const int32_t *row_of, Py_ssize_t nrows, Py_ssize_t ncols, Failure *f
+    ) noexcept nogil
 
     # -- (GIL held, lock released) --
 
+    cdef str problem(self, int64_t[::1] refs, dict pins, dict chunk_refs)
     cdef int raise_failure(self, Failure *f, str call, object tokens=*) except -1
     cdef SeqRec *read(self, int64_t handle, str call) except NULL
     cdef object tokens(self, int64_t handle)
@@ -168,12 +197,24 @@ cdef class Records:
     cdef tuple info(self, int64_t handle)
     cdef int32_t field(self, int64_t handle, int which) except? -2
     cdef int set_field(self, int64_t handle, int which, int64_t value, str call) except -1
+    cdef int64_t open_record(self, int64_t key, int32_t slot, Py_ssize_t tokens, int64_t *seq_id) except -1
+    cdef int bind(self, int64_t handle, str call, int32_t adapter_slot, int64_t key) except -1
+    cdef int64_t cache_key(self, int64_t handle) except? -1
+    cdef object adapter_slots(self)
+    cdef tuple live_totals(self)
+    cdef Py_ssize_t common_prefix(self, const int64_t *hs, Py_ssize_t n) except -1
+    cdef Py_ssize_t write_table(self, int64_t handle, int32_t[::1] dest, int32_t pad_id) except -1
+    cdef Py_ssize_t allocate(self, int64_t handle, Py_ssize_t wanted, str call) except -1
+    cdef SequenceState face(self, object seq)
+    cdef int64_t open_handle(self, object seq, str call) except -1
+    cdef Py_ssize_t blocks_for_tokens(self, int64_t handle, object num_tokens, str call) except -1
     cdef int64_t seq_id_of(self, int64_t handle)
     cdef int append(self, int64_t handle, object tokens) except -1
     cdef bint is_live(self, int64_t handle) noexcept
 
 
-cdef Records new_records(RadixTrie trie, BlockPool pool, CoreLock lock, Py_ssize_t block_size, Py_ssize_t max_tokens)
+cdef Records new_records(RadixTrie trie, BlockPool pool, CoreLock lock, Py_ssize_t block_size,
+                         Py_ssize_t max_blocks, Py_ssize_t max_tokens)
 
 
 @cython.final

@@ -7,6 +7,7 @@ cimport cython
 from libc.stdint cimport int32_t, int64_t, uint32_t
 
 from lifecycle._radix cimport RadixTrie
+from lifecycle._records cimport SeqRec
 
 
 @cython.final
@@ -34,7 +35,9 @@ cdef class SnapshotIds:
     cdef void touch(self, int32_t sid) noexcept nogil
     cdef void release(self, int32_t sid) noexcept nogil
     cdef int32_t take(self, int32_t *victim) noexcept nogil
-    cdef void keep_at(self, int32_t sid, int32_t node) noexcept nogil
+    cdef int32_t rolling_of(self, SeqRec *rec) noexcept nogil
+    cdef void drop(self, RadixTrie trie, int32_t sid) noexcept nogil
+    cdef int32_t tag(self, RadixTrie trie, int32_t node, bint *fresh) noexcept nogil
     cdef str problem(self, RadixTrie trie, Py_ssize_t tags)
 
 
