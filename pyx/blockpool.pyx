@@ -39,7 +39,7 @@ cdef extern from "numpy/arrayobject.h":
 cnp.import_array()
 
 from lifecycle._args cimport ssize_arg
-from lifecycle._int32 cimport int32_vector as _ids_fast, writeable_int32
+from lifecycle._int32 cimport int32_vector as _ids_fast, vector_1d, writeable_int32
 from lifecycle._sync cimport PyThreadState, lc_enter, lc_enter_gil, lc_leave, lc_mutex_destroy, lc_mutex_init
 
 
@@ -86,13 +86,7 @@ cdef inline PyThreadState *_enter(BlockPool pool, Py_ssize_t batch) noexcept:
 
 cdef object _id_vector(object ids):
     """Any sequence -> a 1-D numpy array of it (any dtype), or ``InvalidId``."""
-    try:
-        array = np.asarray(ids)
-    except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidId(f"block ids must be a 1-D sequence of ints, got {ids!r}") from error
-    if array.ndim != 1:
-        raise InvalidId(f"block ids must be a 1-D sequence of ints, got shape {array.shape}")
-    return array
+    return vector_1d(ids, "block ids must be a 1-D sequence of ints")
 
 
 cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):

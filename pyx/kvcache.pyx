@@ -108,7 +108,7 @@ cdef class KVCacheCore:
         self._records = new_records(
             self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
         )
-        self._snaps = new_snapshot_ids(num)
+        self._snaps = new_snapshot_ids(num, self._trie)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
         self._pool = pool
         self._enabled = bool(enable_prefix_cache)
@@ -946,13 +946,13 @@ cdef class KVCacheCore:
         if rolling and previous >= 0:
             node = &self._trie._nodes[self._snaps.node_of(previous)]
             if node.depth + node.length != full:
-                self._snaps.drop(self._trie, previous)
+                self._snaps.drop(previous)
                 rec.rolling = -1
                 previous = -1
         end = self._cache_locked(rec, full, &taken, f)
         if end < 0:
             return -1
-        sid = self._snaps.tag(self._trie, end, fresh)
+        sid = self._snaps.tag(end, fresh)
         if sid < 0 or not fresh[0]:
             if sid >= 0 and not (rolling and previous == sid):
                 rec.rolling = -1
@@ -971,7 +971,7 @@ cdef class KVCacheCore:
         if self._records.closed:
             f.code = E_CLOSED
         elif sid < self._snaps.num and self._snaps.node_of(sid) >= 0:
-            self._snaps.drop(self._trie, sid)
+            self._snaps.drop(sid)
         self._lock.leave(released)
         self._records.raise_failure(&f, "drop_snapshot")
 
@@ -1520,7 +1520,7 @@ cdef class KVCacheCore:
         for i in range(nb):
             if refs[i] != self._pool._refcounts[i]:
                 return f"block {i}: refcount {self._pool._refcounts[i]} but sequences and cache hold {refs[i]}"
-        problem = self._snaps.problem(trie, tags)
+        problem = self._snaps.problem(tags)
         if problem is not None:
             return problem
         return self._trie._hash_problem() if self._track else None

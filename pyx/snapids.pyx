@@ -11,11 +11,12 @@ cimport cython
 from libc.stdlib cimport free, malloc
 
 
-cdef SnapshotIds new_snapshot_ids(int32_t num):
-    """``num`` free ids."""
+cdef SnapshotIds new_snapshot_ids(int32_t num, RadixTrie trie):
+    """``num`` free ids, to be kept at nodes of ``trie``."""
     cdef SnapshotIds ids = SnapshotIds.__new__(SnapshotIds)
     cdef Py_ssize_t i
     ids.num = num
+    ids._trie = trie
     ids._head = -1
     ids._tail = -1
     ids._free = -1
@@ -114,16 +115,16 @@ cdef class SnapshotIds:
             return -1
         return sid
 
-    cdef void drop(self, RadixTrie trie, int32_t sid) noexcept nogil:
+    cdef void drop(self, int32_t sid) noexcept nogil:
         """Free kept id ``sid``; its node loses the tag and keeps its KV."""
-        trie._set_tag(self._node[sid], -1)
+        self._trie._set_tag(self._node[sid], -1)
         self.release(sid)
 
-    cdef int32_t tag(self, RadixTrie trie, int32_t node, bint *fresh) noexcept nogil:
+    cdef int32_t tag(self, int32_t node, bint *fresh) noexcept nogil:
         """The snapshot id at the end of ``node``'s run: the one there (made the most recently
         used), else a new one (``fresh``), the least recently used one's node losing it when
         none is free; -1 when there are no ids."""
-        cdef int32_t sid = trie._nodes[node].tag, victim
+        cdef int32_t sid = self._trie._nodes[node].tag, victim
         if sid >= 0:
             self.touch(sid)
             return sid
@@ -131,14 +132,14 @@ cdef class SnapshotIds:
         if sid < 0:
             return -1
         if victim >= 0:
-            trie._set_tag(victim, -1)
-        trie._set_tag(node, sid)
+            self._trie._set_tag(victim, -1)
+        self._trie._set_tag(node, sid)
         self._node[sid] = node
         fresh[0] = True
         return sid
 
-    cdef str problem(self, RadixTrie trie, Py_ssize_t tags):
-        """(Lock held) the first inconsistency of the LRU list against ``trie``'s tags (``tags``
+    cdef str problem(self, Py_ssize_t tags):
+        """(Lock held) the first inconsistency of the LRU list against the trie's tags (``tags``
         nodes are tagged), or None."""
         cdef Py_ssize_t count = 0
         cdef int32_t sid = self._head
@@ -146,7 +147,7 @@ cdef class SnapshotIds:
             count += 1
             if count > self.num:
                 return "snapshot LRU list has a cycle"
-            if self._node[sid] < 0 or trie._nodes[self._node[sid]].tag != sid:
+            if self._node[sid] < 0 or self._trie._nodes[self._node[sid]].tag != sid:
                 return f"snapshot {sid} is listed as used but no node is tagged with it"
             sid = self._next[sid]
         if count != tags or count != self.used:

@@ -182,15 +182,24 @@ cdef inline object _tokens_from_list(object tokens):
     return out
 
 
-cdef inline object _coerce_tokens(object tokens):
+cdef inline object vector_1d(object values, str expected):
+    """``values`` as a 1-D numpy array of any dtype, or ``InvalidId`` saying what was
+    ``expected`` and what came."""
     import numpy as np
     from lifecycle.errors import InvalidId
     try:
-        array = np.asarray(tokens)
+        array = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidId(f"token ids must be a 1-D sequence of ints in [0, 2147483647], got {tokens!r}") from error
+        raise InvalidId(f"{expected}, got {values!r}") from error
     if array.ndim != 1:
-        raise InvalidId(f"token ids must be a 1-D sequence of ints in [0, 2147483647], got shape {array.shape}")
+        raise InvalidId(f"{expected}, got shape {array.shape}")
+    return array
+
+
+cdef inline object _coerce_tokens(object tokens):
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    array = vector_1d(tokens, "token ids must be a 1-D sequence of ints in [0, 2147483647]")
     if array.size == 0:
         return np.empty(0, dtype=np.int32)
     kind = array.dtype.kind

@@ -19,6 +19,7 @@ cdef class SnapshotIds:
     cdef int32_t _head
     cdef int32_t _tail
     cdef int32_t _free
+    cdef RadixTrie _trie            # whose nodes the ids are kept at (their tags name them)
     cdef readonly int32_t num       # ids handed out, at most
     cdef readonly int32_t used      # ids kept at a node now
     cdef readonly int64_t evicted   # ids freed since (dropped, evicted or reused)
@@ -36,9 +37,9 @@ cdef class SnapshotIds:
     cdef void release(self, int32_t sid) noexcept nogil
     cdef int32_t take(self, int32_t *victim) noexcept nogil
     cdef int32_t rolling_of(self, SeqRec *rec) noexcept nogil
-    cdef void drop(self, RadixTrie trie, int32_t sid) noexcept nogil
-    cdef int32_t tag(self, RadixTrie trie, int32_t node, bint *fresh) noexcept nogil
-    cdef str problem(self, RadixTrie trie, Py_ssize_t tags)
+    cdef void drop(self, int32_t sid) noexcept nogil
+    cdef int32_t tag(self, int32_t node, bint *fresh) noexcept nogil
+    cdef str problem(self, Py_ssize_t tags)
 
 
-cdef SnapshotIds new_snapshot_ids(int32_t num)
+cdef SnapshotIds new_snapshot_ids(int32_t num, RadixTrie trie)

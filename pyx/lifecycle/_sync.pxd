@@ -8,6 +8,11 @@
 # needs Python under the mutex takes it with ``enter_gil`` (the GIL released only while waiting, so
 # that a holder that needs the GIL can finish) and leaves with ``leave(NULL)``. Nothing holding the
 # mutex waits for anything else.
+#
+# Cython compiles the code between ``enter`` and ``leave`` as code that holds the GIL, so nothing
+# there checks it: only C statements and calls of nogil functions with C arguments belong there
+# (passing ``self._part`` to a function takes a reference, which must not happen without the GIL;
+# a part that needs another holds it itself).
 
 cimport cython
 from cpython.pystate cimport PyThreadState
