@@ -52,7 +52,7 @@ from lifecycle._sync cimport NOGIL_MIN_WORK, PyThreadState, core_lock
 
 import numpy as np
 
-# The event log's and the records' Python names, offered here as before they had modules of their own.
+# The event log's and the records' names that callers import from this module.
 from lifecycle._evlog import CLEARED, EVENT_DTYPE, REMOVED, STORED, RawEvents  # no-cython-lint
 from lifecycle._records import SeqStatus, SequenceState  # no-cython-lint
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, TornDown

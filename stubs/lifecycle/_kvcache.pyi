@@ -2,7 +2,7 @@
 
 A request is a handle (``SeqHandle``, an int refused once its record is closed); the core keeps
 its tokens, block table, pinned prefix and content hashes in its records (``lifecycle._records``).
-The event log's and the records' names are re-exported here, where they were first defined.
+The event log's and the records' names that callers import from here are re-exported.
 """
 
 from collections import deque
