@@ -213,7 +213,7 @@ def write_block_tables(core: KVCacheCore, device: Device, staging: TableStaging,
         num_rows, width = host.shape
     positions = _rows_of(rows, len(handles), num_rows)
     for seq in seqs:
-        if not seq._open:
+        if not seq.is_open:
             raise SequenceStateError(f"{_CALL}: sequence {seq.seq_id} was freed")
         if seq.num_blocks > width:
             raise InvalidId(f"{_CALL}: sequence {seq.seq_id} holds {seq.num_blocks} blocks, the table has {width} "

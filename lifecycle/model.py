@@ -36,7 +36,6 @@ from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
 from lifecycle.errors import (
     ConfigError,
-    ForeignSequence,
     InvalidId,
     InvariantViolation,
     LifecycleError,
@@ -170,11 +169,7 @@ class HybridModel(LifecycleDefaults):
 
     def _handle(self, seq: SequenceState) -> int:
         """The core handle of a sequence of this model."""
-        if type(seq) is not SequenceState:
-            raise ForeignSequence(f"expected a SequenceState, got {type(seq).__name__}")
-        if seq._core is not self._core:
-            raise ForeignSequence(f"sequence {seq.seq_id} belongs to another model")
-        return seq._handle
+        return self._core.handle_of(seq)
 
     def _reap_dropped(self) -> None:
         """Release what sequences dropped without ``free_sequence`` still held (their slot guard
@@ -238,7 +233,7 @@ class HybridModel(LifecycleDefaults):
         self._handle(seq)
         with self._lock, self._device_work():
             self._enter()
-            if seq._open:
+            if seq.is_open:
                 cache_sequence(self._core, self._snapshots, seq, self._block_size)
 
     def finish_sequence(self, seq: SequenceState) -> None:
@@ -250,7 +245,7 @@ class HybridModel(LifecycleDefaults):
             self._handle(seq)
             with self._lock, self._device_work():
                 self._enter()
-                if seq._open:
+                if seq.is_open:
                     try:
                         cache_sequence(self._core, self._snapshots, seq, self._block_size)
                     finally:
@@ -280,7 +275,7 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             if self._core.status(handle) != _ACTIVE:
                 raise SequenceStateError(f"compact_sequence: sequence {seq.seq_id} is {seq.status.value}, not active")
-            old_guard = seq._guard
+            old_guard = seq.guard
             if old_guard is None or not old_guard.held:
                 raise SequenceStateError(f"compact_sequence: sequence {seq.seq_id} is detached and owns no slot")
             if isinstance(new_slot, bool) or not isinstance(new_slot, int) or not 0 <= new_slot < self._config.max_seqs:
@@ -304,7 +299,7 @@ class HybridModel(LifecycleDefaults):
             else:
                 new_guard = self._slots.claim_specific(new_slot)
             new_guard.owner = handle
-            seq._guard = new_guard
+            seq.rebind_guard(new_guard)
             old_guard.release()
             self._counters.compactions += 1
 
@@ -314,7 +309,7 @@ class HybridModel(LifecycleDefaults):
         self._handle(seq)
         with self._lock:
             self._enter()
-            guard, seq._guard = seq._guard, None
+            guard = seq.detach_guard()
             if guard is not None and guard.held:
                 guard.take()
                 self._counters.detaches += 1
@@ -381,7 +376,7 @@ class HybridModel(LifecycleDefaults):
         self._handle(seq)
         with self._lock:
             self._enter()
-            if not seq._open:
+            if not seq.is_open:
                 raise SequenceStateError(f"save_sequence_state: sequence {seq.seq_id} was freed")
             try:
                 with self._device_work():
@@ -516,7 +511,7 @@ class HybridModel(LifecycleDefaults):
         self._handle(seq)
         with self._lock, self._device_work():
             self._enter()
-            if seq._open and seq.is_detached:
+            if seq.is_open and seq.is_detached:
                 raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
             try:
                 reused: int = self._core.attach_seq(seq, prompt, grow_to)
@@ -531,7 +526,7 @@ class HybridModel(LifecycleDefaults):
             return reused
 
     def _restore_prefix(self, seq: SequenceState) -> None:
-        if seq._open and self._snapshots is not None:
+        if seq.is_open and self._snapshots is not None:
             self._snapshots.restore_prefix(self._core, seq)
 
     def _attach_tiered(
@@ -737,7 +732,7 @@ class HybridModel(LifecycleDefaults):
         self._handle(seq)
         with self._lock:
             self._enter()
-            if self._snapshots is None or not self._core.enabled or not seq._open or seq.failed:
+            if self._snapshots is None or not self._core.enabled or not seq.is_open or seq.failed:
                 return False
             blocks = snapshot_point(seq, num_tokens, self._block_size)
             with self._device_work():
@@ -776,7 +771,7 @@ class HybridModel(LifecycleDefaults):
         handle = self._handle(seq)
         with self._lock:
             self._enter()
-            if not seq._open or self._core.status(handle) != _ACTIVE:
+            if not seq.is_open or self._core.status(handle) != _ACTIVE:
                 raise SequenceStateError(f"bind_adapter: sequence {seq.seq_id} is {seq.status.value}, not active")
             uid = self._adapters.acquire(adapter_slot)
             try:

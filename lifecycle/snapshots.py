@@ -114,7 +114,7 @@ class SnapshotPool:
         """Cache the sequence's first ``blocks`` blocks with an SSM snapshot at their end: the
         core names the snapshot (a fresh id, or the one already there), a fresh one gets the slot's
         state. False when the core keeps none (snapshots off, a failed sequence)."""
-        snapshot_id, fresh = core.snapshot_point(seq._handle, blocks, rolling)
+        snapshot_id, fresh = core.snapshot_point(seq.handle, blocks, rolling)
         if fresh:
             self.save(core, snapshot_id, seq.slot_idx)
         return snapshot_id >= 0
@@ -122,12 +122,12 @@ class SnapshotPool:
     def restore_prefix(self, core: KVCacheCore, seq: SequenceState) -> None:
         """Copy the snapshot at the end of the sequence's attached prefix into its slot; if the
         copy fails, the attach is undone (the sequence is as before it)."""
-        snapshot_id = core.prefix_snapshot(seq._handle)
+        snapshot_id = core.prefix_snapshot(seq.handle)
         if snapshot_id >= 0:
             try:
                 self.restore_into(snapshot_id, seq.slot_idx)
             except BaseException:
-                core.clear(seq._handle)
+                core.clear(seq.handle)
                 raise
 
 
@@ -135,7 +135,7 @@ def cache_sequence(core: KVCacheCore, snapshots: SnapshotPool | None, seq: Seque
     """The sequence's full blocks into the prefix cache (pinned while it lives), with an SSM
     snapshot at their end when the state consumed exactly those tokens. A failed sequence is
     never cached."""
-    _, _, num_tokens, _, num_blocks, _, ssm_tokens, failed, _ = core.info(seq._handle)
+    _, _, num_tokens, _, num_blocks, _, ssm_tokens, failed, _ = core.info(seq.handle)
     if failed:
         return
     if snapshots is not None and not seq.is_detached:
@@ -143,4 +143,4 @@ def cache_sequence(core: KVCacheCore, snapshots: SnapshotPool | None, seq: Seque
         if blocks:
             snapshots.snapshot(core, seq, blocks)
             return
-    core.cache(seq._handle, min(num_tokens // block_size, num_blocks))
+    core.cache(seq.handle, min(num_tokens // block_size, num_blocks))

@@ -39,7 +39,9 @@ cdef extern from "numpy/arrayobject.h":
 cnp.import_array()
 
 from lifecycle._args cimport ssize_arg
-from lifecycle._int32 cimport int32_vector as _ids_fast
+from lifecycle._int32 cimport int32_vector as _ids_fast, vector_1d, writeable_int32
+from lifecycle._sync cimport PyThreadState, lc_enter, lc_enter_gil, lc_leave, lc_mutex_destroy, lc_mutex_init
+
 
 # The dtype of every id array this module creates, looked up once: allocate() is on the hot path.
 cdef cnp.dtype _ID_DTYPE = np.dtype(np.int32)
@@ -78,28 +80,13 @@ cdef enum:
     NOGIL_MIN_BATCH = 512
 
 
-cdef inline void _locked(BlockPool pool) noexcept nogil:
-    lc_mutex_lock(&pool._lock)
-
-
-cdef inline bint _locked_with_gil(BlockPool pool, Py_ssize_t batch) noexcept:
-    """Take the lock without releasing the GIL if ``batch`` is short and nobody holds it."""
-    return batch < NOGIL_MIN_BATCH and lc_mutex_trylock(&pool._lock)
-
-
-cdef inline void _unlocked(BlockPool pool) noexcept nogil:
-    lc_mutex_unlock(&pool._lock)
+cdef inline PyThreadState *_enter(BlockPool pool, Py_ssize_t batch) noexcept:
+    return lc_enter(&pool._lock, batch < NOGIL_MIN_BATCH)
 
 
 cdef object _id_vector(object ids):
     """Any sequence -> a 1-D numpy array of it (any dtype), or ``InvalidId``."""
-    try:
-        array = np.asarray(ids)
-    except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidId(f"block ids must be a 1-D sequence of ints, got {ids!r}") from error
-    if array.ndim != 1:
-        raise InvalidId(f"block ids must be a 1-D sequence of ints, got shape {array.shape}")
-    return array
+    return vector_1d(ids, "block ids must be a 1-D sequence of ints")
 
 
 cdef object _coerce_ids(object ids, Py_ssize_t num_blocks):
@@ -218,17 +205,7 @@ cdef class BlockPool:
         cdef Py_ssize_t length
         cdef Py_ssize_t first = ssize_arg(start, "allocate_into: start", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
         cdef Py_ssize_t count = ssize_arg(n, "allocate_into: n", PY_SSIZE_T_MIN, PY_SSIZE_T_MAX)
-        if not (
-            cnp.PyArray_Check(out)
-            and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_INT32
-            and cnp.PyArray_NDIM(<cnp.ndarray>out) == 1
-            and cnp.PyArray_ISCARRAY(<cnp.ndarray>out)
-        ):
-            raise InvalidId(
-                "allocate_into: out must be a writeable C-contiguous 1-D int32 numpy array, "
-                f"got {type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}"
-            )
-        table = <cnp.ndarray>out
+        table = writeable_int32(out, 1, "allocate_into: out")
         length = cnp.PyArray_DIM(table, 0)
         if count < 0:
             raise InvalidId(f"cannot allocate {count} blocks: the count must be >= 0")
@@ -250,17 +227,13 @@ cdef class BlockPool:
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0
         cdef BatchResult result
+        cdef PyThreadState *released
         if not _ids_fast(ids, &data, &n):
             ids = _coerce_ids(ids, self._num_blocks)
             _ids_fast(ids, &data, &n)
-        if _locked_with_gil(self, n):
-            _inc_ref_batch(self, data, n, &result)
-            _unlocked(self)
-        else:
-            with nogil:
-                _locked(self)
-                _inc_ref_batch(self, data, n, &result)
-                _unlocked(self)
+        released = _enter(self, n)
+        _inc_ref_batch(self, data, n, &result)
+        lc_leave(&self._lock, released)
         if result.failed_at >= 0:
             _raise_refusal(self, &result, "inc_ref")
 
@@ -317,11 +290,10 @@ cdef class BlockPool:
         cdef cnp.npy_intp dim = self._num_blocks
         out = _new_ids(dim)
         cdef int32_t *dest = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
-        with nogil:
-            _locked(self)
-            if self._num_blocks:
-                memcpy(dest, self._refcounts, self._num_blocks * sizeof(int32_t))
-            _unlocked(self)
+        cdef PyThreadState *released = lc_enter(&self._lock, False)
+        if self._num_blocks:
+            memcpy(dest, self._refcounts, self._num_blocks * sizeof(int32_t))
+        lc_leave(&self._lock, released)
         return out
 
     def check_invariants(self):
@@ -330,12 +302,11 @@ cdef class BlockPool:
         Checked: the free stack holds only in-range ids with refcount 0, each once; no refcount is
         negative; the number of refcount-0 blocks equals ``num_free``.
         """
-        with nogil:
-            _locked(self)
+        lc_enter_gil(&self._lock)
         try:
             problem = self._problem()
         finally:
-            _unlocked(self)
+            lc_leave(&self._lock, NULL)
         if problem is not None:
             raise InvariantViolation(f"BlockPool: {problem}")
 
@@ -389,6 +360,17 @@ cdef class BlockPool:
             6: f"{zeros} blocks have refcount 0 but num_free is {self._num_free}",
         }
         return messages[problem]
+
+    cdef bint _allocate_ids(self, int32_t *dest, Py_ssize_t n) noexcept:
+        """``n`` fresh ids into ``dest`` under the lock; False, nothing taken, when too few are free."""
+        cdef PyThreadState *released = _enter(self, n)
+        cdef bint ok = _pop_free(self, dest, n)
+        lc_leave(&self._lock, released)
+        return ok
+
+    cdef Py_ssize_t _release_ids(self, const int32_t *ids, Py_ssize_t n, str call) except -1:
+        """``dec_ref`` of ``n`` ids under the lock, refused as ``call``'s error; how many became free."""
+        return _release(self, ids, n, call)
 
     cdef bint _allocate_locked(self, int32_t *dest, Py_ssize_t n) noexcept nogil:
         return _pop_free(self, dest, n)
@@ -525,16 +507,7 @@ cdef inline Py_ssize_t _dec_ref_batch(
 cdef inline int _take(BlockPool self, int32_t *dest, Py_ssize_t n) except -1:
     """``n`` fresh ids into ``dest`` under the lock (the GIL kept for a short batch on a free
     lock), or ``OutOfBlocks`` with nothing taken."""
-    cdef bint short
-    if _locked_with_gil(self, n):
-        short = not _pop_free(self, dest, n)
-        _unlocked(self)
-    else:
-        with nogil:
-            _locked(self)
-            short = not _pop_free(self, dest, n)
-            _unlocked(self)
-    if short:
+    if not self._allocate_ids(dest, n):
         _raise_out_of_blocks(self, n)
     return 0
 
@@ -542,15 +515,9 @@ cdef inline Py_ssize_t _release(BlockPool self, const int32_t *data, Py_ssize_t 
     """One release batch under the lock (the GIL kept for a short batch on a free lock), raising
     the refusal as ``call``'s; how many blocks became free."""
     cdef BatchResult result
-    cdef Py_ssize_t freed
-    if _locked_with_gil(self, n):
-        freed = _dec_ref_batch(self, data, n, &result)
-        _unlocked(self)
-    else:
-        with nogil:
-            _locked(self)
-            freed = _dec_ref_batch(self, data, n, &result)
-            _unlocked(self)
+    cdef PyThreadState *released = _enter(self, n)
+    cdef Py_ssize_t freed = _dec_ref_batch(self, data, n, &result)
+    lc_leave(&self._lock, released)
     if result.failed_at >= 0:
         _raise_refusal(self, &result, call)
     return freed

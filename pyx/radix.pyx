@@ -22,8 +22,17 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
-from lifecycle._blockpool cimport lc_mutex_init, lc_mutex_lock, lc_mutex_unlock
-from lifecycle._hash cimport LC_GOLDEN, lc_block_equal, lc_equal_blocks, lc_fill_keys, lc_fmix64, lc_nh_block
+from lifecycle._sync cimport lc_enter_gil, lc_leave, lc_mutex_init
+from lifecycle._hash cimport (
+    LC_GOLDEN,
+    lc_block_equal,
+    lc_content_hashes,
+    lc_equal_blocks,
+    lc_fill_keys,
+    lc_fmix64,
+    lc_nh_block,
+    lc_root_hash,
+)
 
 from lifecycle.errors import ConfigError, InvariantViolation
 
@@ -322,6 +331,21 @@ cdef inline void _remove_leaf(RadixTrie t, int32_t v) noexcept nogil:
         t._num_roots -= 1
 
 
+cdef inline uint64_t *_chunk_hashes(Chunk *chunk) noexcept nogil:
+    """The chunk's content-hash array (one slot per block position), made on first use; NULL when
+    out of memory."""
+    if chunk.hashes == NULL:
+        chunk.hashes = <uint64_t *>calloc(max(<Py_ssize_t>chunk.block_capacity, <Py_ssize_t>1), sizeof(uint64_t))
+    return chunk.hashes
+
+
+cdef inline uint64_t _last_hash(const RNode *node) noexcept nogil:
+    """The content hash of a node's last block (0 if its chunk keeps none: out of memory)."""
+    if node.chunk.hashes == NULL:
+        return 0
+    return node.chunk.hashes[node.start + node.length - 1]
+
+
 @cython.final
 @cython.auto_pickle(False)
 cdef class RadixTrie:
@@ -412,6 +436,11 @@ cdef class RadixTrie:
     def node_bytes():
         """Bytes of one node slot and its hash bucket."""
         return sizeof(RNode) + sizeof(int32_t)
+
+    cdef void _share_lock(self, object owner, lc_mutex_t *lock) noexcept:
+        """Guard the trie with ``lock``, which ``owner`` holds (the KV cache core's pool)."""
+        self._lock_owner = owner
+        self._lock = lock
 
     # -- growth --
 
@@ -754,6 +783,146 @@ cdef class RadixTrie:
         self._lru_tail = -1
         self._lru_blocks = 0
 
+    cdef dict _chunk_bytes(self):
+        """(Lock held) bytes of the chunks cached runs lie in: ``chunks`` (headers and block-id
+        arrays), ``tokens`` (token arrays), ``hashes``; a chunk shared by runs counts once."""
+        cdef Py_ssize_t i, chunk_bytes = 0, token_bytes = 0, hash_bytes = 0
+        cdef Chunk *chunk
+        seen = set()
+        for i in range(self._high_water):
+            if self._nodes[i].parent >= 0 and self._nodes[i].chunk != NULL:
+                chunk = self._nodes[i].chunk
+                if <size_t>chunk in seen:
+                    continue
+                seen.add(<size_t>chunk)
+                chunk_bytes += sizeof(Chunk) + chunk.block_capacity * sizeof(int32_t)
+                token_bytes += chunk.token_capacity * sizeof(int32_t)
+                if chunk.hashes != NULL:
+                    hash_bytes += chunk.block_capacity * sizeof(uint64_t)
+        return {"chunks": chunk_bytes, "tokens": token_bytes, "hashes": hash_bytes}
+
+    cdef list _marked_nodes(self, const uint8_t *mark):
+        """(Lock held) the nodes neither pinned nor above a pinned node that hold a block marked
+        in ``mark`` (indexed by block id)."""
+        cdef Py_ssize_t i, j
+        cdef RNode *node
+        found = []
+        for i in range(self._high_water):
+            node = &self._nodes[i]
+            if node.parent < 0 or node.lock_count > 0:
+                continue
+            for j in range(node.length):
+                if mark[node.chunk.blocks[node.start + j]]:
+                    found.append(i)
+                    break
+        return found
+
+    cdef int32_t _cut_at_mark(self, int32_t v, const uint8_t *mark) noexcept nogil:
+        """The run of node ``v`` from its first marked block on, as a node of its own (``v``, its
+        head cut off if it has unmarked blocks before it): the top of a subtree to drop. -1 when
+        ``v`` is no longer an unprotected node with a marked block, -2 when out of memory."""
+        cdef RNode *node
+        cdef int32_t j = 0
+        if v >= self._high_water:
+            return -1
+        node = &self._nodes[v]
+        if node.parent < 0 or node.lock_count > 0:
+            return -1
+        while j < node.length and not mark[node.chunk.blocks[node.start + j]]:
+            j += 1
+        if j == node.length:
+            return -1
+        if j > 0:
+            if self._reserve(1):
+                return -2
+            self._split(v, j)  # the head keeps the blocks before the marked one
+        return v
+
+    # -- content hashes of cached blocks (kept in their chunks while the owner asks for them) --
+
+    cdef const uint64_t *_hash_tail(self, int32_t v, Py_ssize_t count, int64_t *key, uint64_t *parent,
+                                    bint *has_parent) noexcept nogil:
+        """Hash the last ``count`` blocks of node ``v`` into its chunk, at the blocks' positions,
+        chained from the block before them; returns their hashes (NULL when out of memory), with
+        the root's key, the hash before them and whether a cached block precedes them."""
+        cdef RNode *node = &self._nodes[v]
+        cdef RNode *up = node
+        cdef Py_ssize_t bs = self._block_size, first = node.start + node.length - count
+        cdef uint64_t *hashes = _chunk_hashes(node.chunk)
+        if hashes == NULL:
+            return NULL
+        while up.parent >= 0:
+            up = &self._nodes[up.parent]
+        key[0] = <int64_t>up.key
+        has_parent[0] = True
+        if count < node.length:
+            parent[0] = hashes[first - 1]
+        else:
+            up = &self._nodes[node.parent]
+            if up.parent < 0:
+                parent[0] = lc_root_hash(key[0])
+                has_parent[0] = False
+            else:
+                parent[0] = _last_hash(up)
+        lc_content_hashes(parent[0], node.chunk.tokens + first * bs, count, bs, self._keys, hashes + first)
+        return hashes + first
+
+    cdef int _hash_all(self) except -1:
+        """The content hash of every cached block, parents before children; 1 when out of memory."""
+        cdef Py_ssize_t i, bs = self._block_size
+        cdef RNode *node
+        cdef RNode *up
+        cdef uint64_t parent
+        cdef uint64_t *hashes
+        order = sorted(
+            (self._nodes[i].depth, i) for i in range(self._high_water) if self._nodes[i].parent >= 0
+        )
+        for _, i in order:
+            node = &self._nodes[i]
+            hashes = _chunk_hashes(node.chunk)
+            if hashes == NULL:
+                return 1
+            up = &self._nodes[node.parent]
+            parent = lc_root_hash(<int64_t>up.key) if up.parent < 0 else _last_hash(up)
+            lc_content_hashes(parent, node.chunk.tokens + node.start * bs, node.length, bs, self._keys,
+                              hashes + node.start)
+        return 0
+
+    cdef str _hash_problem(self):
+        """(Lock held, hashes kept) every cached block's hash follows from the one before it on
+        its path and its own tokens (so, by induction, every one is the content hash of its
+        path); the first that does not, or None."""
+        cdef Py_ssize_t i, j, bs = self._block_size
+        cdef RNode *node
+        cdef RNode *up
+        cdef uint64_t parent
+        for i in range(self._high_water):
+            node = &self._nodes[i]
+            if node.parent < 0:
+                continue
+            if node.chunk.hashes == NULL:
+                return f"node {i} keeps no content hashes"
+            up = &self._nodes[node.parent]
+            parent = lc_root_hash(<int64_t>up.key) if up.parent < 0 else _last_hash(up)
+            for j in range(node.start, node.start + node.length):
+                parent = lc_fmix64(lc_nh_block(node.chunk.tokens + j * bs, bs, self._keys)) + parent * LC_GOLDEN
+                if node.chunk.hashes[j] != parent:
+                    return f"cached block {node.chunk.blocks[j]} (node {i}) has a stale content hash"
+        return None
+
+    cdef int32_t _tag_at(self, int32_t v, Py_ssize_t blocks) noexcept nogil:
+        """The tag at exactly ``blocks`` blocks along the path ending at node ``v`` (-1 when no
+        node ends there, or it has none)."""
+        cdef RNode *node
+        while v >= 0:
+            node = &self._nodes[v]
+            if node.parent < 0 or node.depth + node.length < blocks:
+                return -1
+            if node.depth + node.length == blocks:
+                return node.tag
+            v = node.parent
+        return -1
+
     # -- checking --
 
     def check_invariants(self):
@@ -766,12 +935,11 @@ cdef class RadixTrie:
         the LRU list is doubly linked, holds exactly the unprotected nodes, lists every node after
         its children, and its block count matches.
         """
-        with nogil:
-            lc_mutex_lock(self._lock)
+        lc_enter_gil(self._lock)
         try:
             problem = self._problem()
         finally:
-            lc_mutex_unlock(self._lock)
+            lc_leave(self._lock, NULL)
         if problem:
             raise InvariantViolation(f"RadixTrie: {problem}")
 

@@ -29,6 +29,7 @@ from lifecycle.errors import (
     SlotOutOfRange,
 )
 
+
 cdef enum:
     FREE = 0
     GUARDED = 1
@@ -376,7 +377,11 @@ cdef class SlotGuard:
     def owner(self, int64_t value):
         if self._slot < 0:
             raise InvariantViolation("an empty guard has no slot to record an owner on")
-        self._pool._owners[self._slot] = value
+        self._record_owner(value)
+
+    cdef void _record_owner(self, int64_t owner) noexcept:
+        """Record ``owner`` as the owner of the (held) slot, for ``SlotPool.owner_of``."""
+        self._pool._owners[self._slot] = owner
 
     def release(self):
         """Put the slot back on the free list and empty the guard. Returns False (and does nothing)

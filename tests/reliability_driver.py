@@ -369,7 +369,7 @@ class Driver:
             if s.slot_idx in slots:
                 raise self._fail(f"slot {s.slot_idx} is held by two live sequences")
             slots.add(s.slot_idx)
-            if self.model.slots.owner_of(s.slot_idx) != s._handle:
+            if self.model.slots.owner_of(s.slot_idx) != s.handle:
                 raise self._fail(
                     f"sequence {s.seq_id} reports slot {s.slot_idx}, "
                     f"whose guard records owner {self.model.slots.owner_of(s.slot_idx)}"

@@ -21,17 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: (file, "owner._field") -> why the write stays for now.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("lifecycle/model.py", "seq._guard"): (
-        "compaction and detach rebind or empty the sequence's slot guard; SequenceState gets methods for "
-        "both in the pyx split, and the model calls them"
-    ),
-    ("pyx/kvcache.pyx", "slots._owners"): "the core marks the owner of a claimed slot: removed by the pyx split",
-    ("pyx/kvcache.pyx", "self._trie._lock"): "the core shares its lock with the trie: removed by the pyx split",
-    ("pyx/kvcache.pyx", "self._trie._num_evicted_tags"): (
-        "the core counts the trie's evicted snapshot tags: removed by the pyx split (the snapshot ids module)"
-    ),
     ("pyx/slots.pyx", "self._pool._owners"): (
-        "a guard clears its slot's owner in its pool, a class of the same module: removed by the pyx split"
+        "a guard clears its slot's owner in its pool: both classes are slots.pyx's own (a guard is its pool's part)"
     ),
 }
 

@@ -24,7 +24,7 @@ import pytest
 
 from engine_suites import assert_import_loads_none_of, run_suite
 from lifecycle._blockpool import BlockPool
-from lifecycle._pagetree import page_indices, pages_of, release_indices
+from lifecycle._sglang_pagetree import page_indices, pages_of, release_indices
 from lifecycle.errors import ConfigError, DoubleFree, InvalidId, LifecycleError, SequenceStateError
 from lifecycle.integrations.sglang import PageNode, PageTree, dfs_weight_order
 

@@ -199,13 +199,12 @@ def test_every_configuration_gets_a_clean_episode() -> None:
 
 def test_the_driver_catches_a_reference_the_model_forgets() -> None:
     """The driver's checks can fail: a model whose free_sequence releases the slot but forgets
-    the sequence's record keeps its pins and blocks, which the driver's leak checks report."""
+    the sequence's record keeps its pins and blocks, which the driver's checks report."""
     dev = HostDevice()
     driver = Driver(CONFIGS["attention"], dev, RandomChooser(3))
 
     def forgetful_free(seq: SequenceState) -> None:
-        guard, seq._guard = seq._guard, None
-        seq._open = False
+        guard = seq.detach_guard()
         if guard is not None:
             guard.release()
 

@@ -252,7 +252,7 @@ def test_check_invariants_holds_while_a_dropped_sequence_is_being_released() -> 
     dev = make_device()
     m = HybridModel(CONFIG, dev)
     seq = m.alloc_sequence()
-    in_flight = seq._guard  # the guard of a sequence whose weakref died, its release not yet run
+    in_flight = seq.guard  # the guard of a sequence whose weakref died, its release not yet run
     del seq
     try:
         m.check_invariants()

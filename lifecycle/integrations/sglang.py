@@ -20,7 +20,7 @@ given are its own until ``insert`` / ``checkpoint`` hands them to the cache, whi
 it evicts them and frees them to the allocator; ``insert`` reports how much of the key was cached
 already, and the caller frees its duplicates. Either cache works with either allocator.
 
-Inside the cache, the prefix tree is a :class:`PageTree` (compiled, ``lifecycle._pagetree``; each
+Inside the cache, the prefix tree is a :class:`PageTree` (compiled, ``lifecycle._sglang_pagetree``; each
 of SGLang's calls is one C call there): lifecycle's KV cache core over *tree slots*, one per cached
 page, whose block ids index a table of the engine's KV indices. The core
 matches keys by their tokens (whole pages, exact compare), keeps the LRU order, pins locked paths
@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle._blockpool import BlockPool
-from lifecycle._pagetree import PageNode, PageTree, page_indices, pages_of
+from lifecycle._sglang_pagetree import PageNode, PageTree, page_indices, pages_of
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 

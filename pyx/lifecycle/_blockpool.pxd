@@ -6,54 +6,7 @@
 cimport cython
 from libc.stdint cimport int32_t
 
-cdef extern from *:
-    """
-    /* The pool's own lock. Critical sections are short batches, so: one compare-and-swap to take
-     * it, one release store to drop it (several times cheaper than an uncontended pthread mutex,
-     * which matters at one call per scheduled sequence); a waiter spins briefly, then yields its
-     * core until the holder is done. Waiters never hold the GIL (see _locked_with_gil). */
-    #ifdef _WIN32
-    #include <windows.h>
-    typedef SRWLOCK lc_mutex_t;
-    static inline void lc_mutex_init(lc_mutex_t *m) { InitializeSRWLock(m); }
-    static inline int lc_mutex_trylock(lc_mutex_t *m) { return TryAcquireSRWLockExclusive(m) != 0; }
-    static inline void lc_mutex_lock(lc_mutex_t *m) { AcquireSRWLockExclusive(m); }
-    static inline void lc_mutex_unlock(lc_mutex_t *m) { ReleaseSRWLockExclusive(m); }
-    static inline void lc_mutex_destroy(lc_mutex_t *m) { (void)m; }
-    #else
-    #include <sched.h>
-    typedef struct { int held; } lc_mutex_t;
-    static inline void lc_mutex_init(lc_mutex_t *m) { __atomic_store_n(&m->held, 0, __ATOMIC_RELEASE); }
-    static inline int lc_mutex_trylock(lc_mutex_t *m) {
-        int expected = 0;
-        return __atomic_compare_exchange_n(&m->held, &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
-    }
-    static inline void lc_mutex_lock(lc_mutex_t *m) {
-        for (unsigned spins = 0; !lc_mutex_trylock(m); spins++) {
-            /* Wait on a plain load (no cache-line ping-pong), then retry the CAS. */
-            while (__atomic_load_n(&m->held, __ATOMIC_RELAXED)) {
-                if (spins++ < 128) {
-    #if defined(__x86_64__) || defined(__i386__)
-                    __builtin_ia32_pause();
-    #endif
-                } else {
-                    sched_yield();
-                }
-            }
-        }
-    }
-    static inline void lc_mutex_unlock(lc_mutex_t *m) { __atomic_store_n(&m->held, 0, __ATOMIC_RELEASE); }
-    static inline void lc_mutex_destroy(lc_mutex_t *m) { (void)m; }
-    #endif
-    """
-    ctypedef struct lc_mutex_t:
-        pass
-    void lc_mutex_init(lc_mutex_t *mutex) noexcept nogil
-    bint lc_mutex_trylock(lc_mutex_t *mutex) noexcept nogil
-    void lc_mutex_lock(lc_mutex_t *mutex) noexcept nogil
-    void lc_mutex_unlock(lc_mutex_t *mutex) noexcept nogil
-    void lc_mutex_destroy(lc_mutex_t *mutex) noexcept nogil
-
+from lifecycle._sync cimport lc_mutex_t
 
 # Why a batch was refused (reported with the index of the offending entry).
 cdef enum Refusal:
@@ -77,7 +30,22 @@ cdef class BlockPool:
     cdef int32_t *_free_stack     # free ids; the top is _free_stack[_num_free - 1]
     cdef Py_ssize_t _num_blocks
     cdef Py_ssize_t _num_free
-    cdef lc_mutex_t _lock         # taken with the GIL released, except by short batches (see .pyx)
+    cdef lc_mutex_t _lock         # taken in the one form of _sync.pxd (the GIL kept for short batches)
+
+    cdef inline lc_mutex_t *mutex(self) noexcept nogil:
+        """The pool's mutex, which a KV cache core over the pool shares (``_sync.CoreLock``)."""
+        return &self._lock
+
+    cdef inline Py_ssize_t free_count(self) noexcept nogil:
+        return self._num_free
+
+    cdef inline const int32_t *last_freed(self, Py_ssize_t n) noexcept nogil:
+        """(Lock held) the ``n`` ids freed last, before any was taken again: the top of the free stack."""
+        return self._free_stack + self._num_free - n
+
+    # Whole calls for other Cython modules (an engine's page allocator): each takes the lock.
+    cdef bint _allocate_ids(self, int32_t *dest, Py_ssize_t n) noexcept
+    cdef Py_ssize_t _release_ids(self, const int32_t *ids, Py_ssize_t n, str call) except -1
 
     # C-level batch operations for other Cython modules (the prefix cache's fused calls). The
     # caller holds ``_lock``; each has the all-or-nothing semantics of its Python counterpart.

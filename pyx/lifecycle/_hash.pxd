@@ -184,3 +184,12 @@ cdef extern from *:
     bint lc_copy_tokens_checked(int32_t *dst, const int32_t *src, Py_ssize_t n) noexcept nogil
     bint lc_stream_tokens_checked(int32_t *dst, const int32_t *src, Py_ssize_t n) noexcept nogil
     uint64_t LC_GOLDEN
+
+
+cdef inline bint lc_tokens_differ(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil:
+    """Whether the ``n`` token ids at ``a`` and ``b`` differ anywhere."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if a[i] != b[i]:
+            return True
+    return False

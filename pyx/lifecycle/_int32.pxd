@@ -4,7 +4,8 @@ from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t
+from libc.stdlib cimport realloc
 
 
 cdef inline bint int32_vector(object values, const int32_t **data, Py_ssize_t *n):
@@ -23,6 +24,41 @@ cdef inline bint int32_vector(object values, const int32_t **data, Py_ssize_t *n
     data[0] = <const int32_t *>cnp.PyArray_DATA(array)
     n[0] = cnp.PyArray_DIM(array, 0)
     return True
+
+
+cdef inline cnp.ndarray writeable_int32(object values, int ndim, str what, str layout=""):
+    """``values`` when it is a writeable, C-contiguous ``ndim``-D native int32 numpy array (a
+    table the caller fills in place), else ``InvalidId`` naming ``what`` (``layout``: how its
+    rows are read, for the message)."""
+    if not (
+        cnp.PyArray_Check(values)
+        and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT32
+        and cnp.PyArray_NDIM(<cnp.ndarray>values) == ndim
+        and cnp.PyArray_ISCARRAY(<cnp.ndarray>values)
+    ):
+        from lifecycle.errors import InvalidId
+        raise InvalidId(
+            f"{what} must be a writeable C-contiguous {ndim}-D int32 numpy array{layout}, got "
+            f"{type(values).__name__} {getattr(values, 'dtype', '')} {getattr(values, 'shape', '')}"
+        )
+    return <cnp.ndarray>values
+
+
+cdef inline int grow_array(void **array, Py_ssize_t *capacity, Py_ssize_t needed, size_t item) noexcept nogil:
+    """Make room for ``needed`` items of ``item`` bytes (doubling); 1 when out of memory (nothing
+    changed)."""
+    cdef Py_ssize_t grown = capacity[0] if capacity[0] > 0 else 64
+    cdef void *moved
+    if needed <= capacity[0]:
+        return 0
+    while grown < needed:
+        grown *= 2
+    moved = realloc(array[0], grown * item)
+    if moved == NULL:
+        return 1
+    array[0] = moved
+    capacity[0] = grown
+    return 0
 
 
 cdef inline cnp.ndarray empty_int32(Py_ssize_t n):
@@ -146,15 +182,24 @@ cdef inline object _tokens_from_list(object tokens):
     return out
 
 
-cdef inline object _coerce_tokens(object tokens):
+cdef inline object vector_1d(object values, str expected):
+    """``values`` as a 1-D numpy array of any dtype, or ``InvalidId`` saying what was
+    ``expected`` and what came."""
     import numpy as np
     from lifecycle.errors import InvalidId
     try:
-        array = np.asarray(tokens)
+        array = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidId(f"token ids must be a 1-D sequence of ints in [0, 2147483647], got {tokens!r}") from error
+        raise InvalidId(f"{expected}, got {values!r}") from error
     if array.ndim != 1:
-        raise InvalidId(f"token ids must be a 1-D sequence of ints in [0, 2147483647], got shape {array.shape}")
+        raise InvalidId(f"{expected}, got shape {array.shape}")
+    return array
+
+
+cdef inline object _coerce_tokens(object tokens):
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    array = vector_1d(tokens, "token ids must be a 1-D sequence of ints in [0, 2147483647]")
     if array.size == 0:
         return np.empty(0, dtype=np.int32)
     kind = array.dtype.kind
@@ -185,3 +230,96 @@ cdef inline object first_negative(const int32_t *data, Py_ssize_t n):
         if data[i] < 0:
             return InvalidId(f"token id {data[i]} (at index {i}) is outside [0, 2147483647]")
     return InvalidId("token ids must lie in [0, 2147483647]")
+
+
+# -- the batched calls' arguments (GIL held; off the fast paths, imports where they run) --
+
+cdef inline int32_t[::1] int32_buffer(object out, str call):
+    """``out`` as a writable contiguous 1-D int32 view: the buffer protocol first, then DLPack
+    (a CPU tensor); a device tensor, another dtype or shape, or a read-only buffer is refused."""
+    view = None
+    try:
+        view = memoryview(out)
+    except TypeError:
+        if hasattr(out, "__dlpack__"):
+            device = out.__dlpack_device__()[0] if hasattr(out, "__dlpack_device__") else 1
+            if device != 1:
+                from lifecycle.errors import InvalidId
+                raise InvalidId(f"{call}: a tensor on DLPack device type {device} is not host memory; write it "
+                                "through the model (write_block_tables), which batches the copy") from None
+            import numpy as np
+            view = memoryview(np.from_dlpack(out))
+    if view is None or view.readonly or view.ndim != 1 or view.format not in ("i", "=i", "<i", "@i") or \
+            view.itemsize != 4 or not view.c_contiguous:
+        _refuse_buffer(view, out, call)
+    return view
+
+
+cdef inline int _refuse_buffer(object view, object out, str call) except -1:
+    from lifecycle.errors import InvalidId
+    if view is None:
+        raise InvalidId(f"{call}: {type(out).__name__} has neither the buffer protocol nor __dlpack__")
+    if view.readonly:
+        raise InvalidId(f"{call}: the buffer is read-only")
+    raise InvalidId(
+        f"{call}: needs a contiguous 1-D int32 buffer, got format {view.format!r}, {view.ndim}-D, "
+        f"itemsize {view.itemsize}"
+    )
+
+
+cdef inline cnp.ndarray int64_vector(object values, str what):
+    """A 1-D int64 array (handles) as given when it is one, else converted; ``InvalidId`` when not
+    integers."""
+    if isinstance(values, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_INT64 and \
+            cnp.PyArray_NDIM(<cnp.ndarray>values) == 1 and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>values):
+        return <cnp.ndarray>values
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidId(f"{what} must be a 1-D sequence of ints, got {values!r}") from error
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidId(f"{what} must be a 1-D sequence of ints, got {array.dtype} of shape {array.shape}")
+    if array.size and array.dtype.kind == "u" and array.max() > 0x7FFFFFFFFFFFFFFF:
+        # refused by its own value: the int64 copy below would name a negative one
+        raise InvalidId(f"{what}: {int(array.max())} is past the int64 limit {0x7FFFFFFFFFFFFFFF}")
+    return np.require(array, dtype=np.int64, requirements=["C", "A"])
+
+
+cdef inline cnp.ndarray block_ids(object values, Py_ssize_t num_blocks, str call):
+    """Block ids as a fresh int32 array, each in [0, num_blocks)."""
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    cdef cnp.ndarray wide = int64_vector(values, f"{call}: ids")
+    if wide.size and (wide.min() < 0 or wide.max() >= num_blocks):
+        bad = wide[(wide < 0) | (wide >= num_blocks)][0]
+        raise InvalidId(f"{call}: block id {int(bad)} is outside [0, {num_blocks - 1}]")
+    return wide.astype(np.int32)
+
+
+cdef inline cnp.ndarray int32_column(object values, Py_ssize_t n, str what):
+    """``n`` int32 values (a count or a row per request)."""
+    cdef const int32_t *data = NULL
+    cdef Py_ssize_t size = 0
+    if not int32_vector(values, &data, &size):
+        values = _int32_column_other(values, n, what)
+        int32_vector(values, &data, &size)
+    if size != n:
+        from lifecycle.errors import InvalidId
+        raise InvalidId(f"{what}: {size} values for {n} requests")
+    return <cnp.ndarray>values
+
+
+cdef inline object _int32_column_other(object values, Py_ssize_t n, str what):
+    import numpy as np
+    from lifecycle.errors import InvalidId
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidId(f"{what} must be {n} ints, got {values!r}") from error
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu") or (
+        array.size and (array.min() < 0 or array.max() > INT32_MAX)
+    ):
+        raise InvalidId(f"{what} must be {n} ints in [0, {INT32_MAX}], got {array!r}")
+    return np.require(array, dtype=np.int32, requirements=["C", "A"])

@@ -3,9 +3,9 @@
 # the trie is given (the owner's), and every cdef method is called with that lock held.
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-from lifecycle._blockpool cimport lc_mutex_t
+from lifecycle._sync cimport lc_mutex_t
 
 
 # Token ids, block ids and (optionally) content hashes of one run of whole blocks, shared by the
@@ -93,9 +93,28 @@ cdef class RadixTrie:
     cdef int32_t _lru_head
     cdef int32_t _lru_tail
     cdef Py_ssize_t _lru_blocks     # blocks of the nodes on the LRU list (evictable)
-    cdef lc_mutex_t *_lock          # the owner's lock
+    cdef lc_mutex_t *_lock          # the owner's lock (see _share_lock)
     cdef lc_mutex_t _own_lock       # used when no owner gave one
+    cdef object _lock_owner         # what holds ``_lock``, kept alive
     cdef ChunkCache _chunks
+
+    cdef void _share_lock(self, object owner, lc_mutex_t *lock) noexcept
+
+    cdef inline Py_ssize_t _take_evicted_tags(self, const int32_t **tags) noexcept nogil:
+        """The tags of the nodes trimmed or dropped since the last call (``tags`` points at them
+        until the next trim); the owner frees the snapshots they name."""
+        cdef Py_ssize_t n = self._num_evicted_tags
+        tags[0] = self._evicted_tags
+        self._num_evicted_tags = 0
+        return n
+
+    cdef inline void _set_tag(self, int32_t v, int32_t tag) noexcept nogil:
+        """Keep snapshot ``tag`` at the end of node ``v``'s run (-1: none)."""
+        self._nodes[v].tag = tag
+
+    cdef inline ChunkCache *_chunk_cache(self) noexcept nogil:
+        """The chunks' free lists, shared with the owner's records (whose chunks nodes take over)."""
+        return &self._chunks
 
     cdef int _reserve(self, Py_ssize_t nodes) noexcept nogil
     cdef int32_t _find_root(self, int64_t adapter) noexcept nogil
@@ -117,5 +136,13 @@ cdef class RadixTrie:
         self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
     ) noexcept nogil
     cdef void _clear(self) noexcept nogil
+    cdef const uint64_t *_hash_tail(self, int32_t v, Py_ssize_t count, int64_t *key, uint64_t *parent,
+                                    bint *has_parent) noexcept nogil
+    cdef dict _chunk_bytes(self)
+    cdef list _marked_nodes(self, const uint8_t *mark)
+    cdef int32_t _cut_at_mark(self, int32_t v, const uint8_t *mark) noexcept nogil
+    cdef int _hash_all(self) except -1
+    cdef str _hash_problem(self)
+    cdef int32_t _tag_at(self, int32_t v, Py_ssize_t blocks) noexcept nogil
     cdef str _problem(self)
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos)

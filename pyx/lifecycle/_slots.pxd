@@ -39,3 +39,4 @@ cdef class SlotGuard:
     cdef int32_t _slot
 
     cdef bint _let_go(self) except -1
+    cdef void _record_owner(self, int64_t owner) noexcept

@@ -1,7 +1,7 @@
 """Refcounted pool of KV block ids on C arrays (compiled from pyx/blockpool.pyx)."""
 
 from collections.abc import Sequence
-from typing import Any, SupportsIndex, TypeAlias, final
+from typing import Any, NewType, SupportsIndex, TypeAlias, final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -9,6 +9,9 @@ from numpy.typing import NDArray
 # int32 arrays are read in place; other integer arrays and sequences of ints are converted. Counts,
 # starts and ids are ints or numpy integers; anything else (or past 64 bits) raises InvalidId.
 _BlockIds: TypeAlias = NDArray[np.integer[Any]] | Sequence[int]
+
+#: A block id, ``0 .. num_blocks - 1``, where the API hands one out alone (arrays of them are int32).
+BlockId = NewType("BlockId", int)
 
 @final
 class BlockPool:

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
-"""Engine page trees over the KV cache core (module lifecycle._pagetree).
+"""SGLang's page tree over the KV cache core (module lifecycle._sglang_pagetree).
 
 An engine whose prefix cache maps keys to KV indices of its own (SGLang's ``RadixCache``: a
 ``match`` returns the indices of the cached prefix, an ``insert`` hands the tree a request's
@@ -29,8 +29,9 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcmp, memcpy, memset
 
-from lifecycle._blockpool cimport BatchResult, BlockPool, lc_mutex_lock, lc_mutex_trylock, lc_mutex_unlock
-from lifecycle._kvcache cimport Failure, KVCacheCore, SeqRec
+from lifecycle._blockpool cimport BlockPool
+from lifecycle._kvcache cimport KVCacheCore
+from lifecycle._records cimport Failure, ok
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._hash cimport lc_copy_tokens_checked
 from lifecycle._int32 cimport adapter_key as _adapter_key, ints_into, shrink as _shrink
@@ -49,11 +50,6 @@ cnp.import_array()
 cdef inline cnp.ndarray _empty(Py_ssize_t n, int typenum):
     cdef cnp.npy_intp dim = n
     return cnp.PyArray_EMPTY(1, &dim, typenum, 0)
-
-
-cdef inline void _ok(Failure *f) noexcept nogil:
-    f.code = 0
-    f.batch.failed_at = -1
 
 
 # -- token keys -----------------------------------------------------------------------------------
@@ -427,13 +423,6 @@ cdef class PageTree:
         free(self._rowed)
         free(self._first)
 
-    # -- the lock ---------------------------------------------------------------------------------
-
-    cdef inline void _enter(self):
-        if not self._core._lock_with_gil(0):
-            with nogil:
-                self._core._lock()
-
     # -- sizes, in pages --------------------------------------------------------------------------
 
     @property
@@ -452,19 +441,19 @@ cdef class PageTree:
 
     @property
     def cached_pages(self):
-        return self._core._trie._num_blocks
+        return self._core.num_cached()
 
     @property
     def evictable_pages(self):
         """Cached pages no lock holds (eviction may drop them)."""
         self._settle()
-        return self._core._trie._lru_blocks
+        return self._core.num_evictable()
 
     @property
     def protected_pages(self):
         """Cached pages on a locked path."""
         self._settle()
-        return self._core._trie._num_blocks - self._core._trie._lru_blocks
+        return self._core.num_cached() - self._core.num_evictable()
 
     @property
     def run_pages(self):
@@ -494,8 +483,8 @@ cdef class PageTree:
         cdef cnp.ndarray key, slots
         cdef Failure f
         cdef int64_t handle
-        cdef SeqRec *rec
-        cdef Py_ssize_t matched = 0, evictable
+        cdef const int32_t *blocks
+        cdef Py_ssize_t matched = 0, evictable, cached_tokens
         cdef KVCacheCore core = self._core
         if self._probe >= 0:
             self._settle()
@@ -504,21 +493,20 @@ cdef class PageTree:
             return self.root
         key = _key(tokens, pages * self._page_size)
         slots = _empty(pages, cnp.NPY_INT32)
-        _ok(&f)
-        self._enter()
-        evictable = core._trie._lru_blocks
-        handle = core._admit_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), pages * self._page_size + 1,
-                                    pages, 0, &f)
+        ok(&f)
+        core.lock().enter_gil()
+        evictable = core.num_evictable()
+        handle = core.admit_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), pages * self._page_size + 1,
+                                   pages, 0, &f)
         if handle >= 0:
-            rec = core._rec(handle, &f)
-            matched = rec.num_blocks
-            memcpy(cnp.PyArray_DATA(slots), rec.chunk.blocks, matched * sizeof(int32_t))
+            blocks = core.table_locked(handle, &matched, &cached_tokens)
+            memcpy(cnp.PyArray_DATA(slots), blocks, matched * sizeof(int32_t))
             if matched == 0:
-                core._finish_locked(rec, False, &f)
-            evictable -= core._trie._lru_blocks
-        core._unlock()
+                core.finish_locked(handle, False, &f)
+            evictable -= core.num_evictable()
+        core.lock().leave(NULL)
         if f.code:
-            core._raise(&f, "match", key)
+            core.raise_failure(&f, "match", key)
         if matched == 0:
             return self.root
         node = _node(self._id, self._generation, ns, _shrink(key, matched * self._page_size + 1),
@@ -538,8 +526,8 @@ cdef class PageTree:
         cdef cnp.ndarray key, slots
         cdef Failure f
         cdef int64_t handle
-        cdef SeqRec *rec
-        cdef Py_ssize_t cached = 0, i, short, num_values = 0
+        cdef const int32_t *blocks
+        cdef Py_ssize_t cached = 0, i, short, num_values = 0, held, cached_tokens
         cdef const int64_t *source = NULL
         cdef KVCacheCore core = self._core
         if self._probe >= 0:
@@ -552,7 +540,7 @@ cdef class PageTree:
         if num_values < pages * ps:
             raise InvalidId(f"insert: {num_values} KV indices for a key of {pages} pages of {ps}")
         key = _key(tokens, pages * ps)
-        short = pages - self._pool._num_free
+        short = pages - self._pool.free_count()
         if short > 0:
             # A full tree: room first (for the key's new pages only, its cached prefix kept), so no
             # slot is reused unseen; a refused insert must not have evicted anything, so every
@@ -561,27 +549,27 @@ cdef class PageTree:
                 _raise_negative(source, 0, pages * ps)
             self._evict(pages, None, key, ns)
         slots = _empty(pages, cnp.NPY_INT32)
-        _ok(&f)
-        self._enter()
-        handle = core._admit_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), pages * ps + 1, pages, pages, &f)
+        ok(&f)
+        core.lock().enter_gil()
+        handle = core.admit_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), pages * ps + 1, pages, pages, &f)
         if handle >= 0:
-            rec = core._rec(handle, &f)
-            memcpy(cnp.PyArray_DATA(slots), rec.chunk.blocks, pages * sizeof(int32_t))
-            if rec.num_blocks:
-                cached = rec.cached_tokens // ps
+            blocks = core.table_locked(handle, &held, &cached_tokens)
+            memcpy(cnp.PyArray_DATA(slots), blocks, pages * sizeof(int32_t))
+            if held:
+                cached = cached_tokens // ps
             # The new pages' indices must be KV indices; else nothing is cached.
             negative = _any_negative(source + cached * ps, (pages - cached) * ps)
             if negative:
-                core._finish_locked(rec, False, &f)
+                core.finish_locked(handle, False, &f)
             else:
                 for i in range(cached, pages):
-                    self._store(rec.chunk.blocks[i], source + i * ps)
-                core._finish_locked(rec, True, &f)
-        core._unlock()
+                    self._store(blocks[i], source + i * ps)
+                core.finish_locked(handle, True, &f)
+        core.lock().leave(NULL)
         if negative:
             _raise_negative(source, cached * ps, pages * ps)
         if f.code:
-            core._raise(&f, "insert", key)
+            core.raise_failure(&f, "insert", key)
         if self._events:
             self._drain()
         return cached, _node(self._id, self._generation, ns, key, slots)
@@ -641,9 +629,9 @@ cdef class PageTree:
         how many pages it took from the evictable ones. A node whose path was evicted since it
         was returned raises ``SequenceStateError``."""
         cdef int64_t handle
-        cdef Py_ssize_t delta, held = 0, evictable
+        cdef Py_ssize_t delta, held = 0, evictable, cached_tokens
         cdef Failure f
-        cdef SeqRec *rec
+        cdef const int32_t *blocks
         cdef bint same = False
         cdef KVCacheCore core = self._core
         cdef cnp.ndarray key, slots
@@ -660,22 +648,21 @@ cdef class PageTree:
                 raise SequenceStateError(f"lock: the node is from before a reset (generation {node.generation}, "
                                          f"now {self._generation})")
             key, slots = node.tokens, node.slots
-            _ok(&f)
-            self._enter()
-            evictable = core._trie._lru_blocks
-            handle = core._admit_locked(node.namespace, <const int32_t *>cnp.PyArray_DATA(key),
-                                        cnp.PyArray_DIM(key, 0), node.num_pages, 0, &f)
+            ok(&f)
+            core.lock().enter_gil()
+            evictable = core.num_evictable()
+            handle = core.admit_locked(node.namespace, <const int32_t *>cnp.PyArray_DATA(key),
+                                       cnp.PyArray_DIM(key, 0), node.num_pages, 0, &f)
             if handle >= 0:
-                rec = core._rec(handle, &f)
-                held = rec.num_blocks
+                blocks = core.table_locked(handle, &held, &cached_tokens)
                 same = held == node.num_pages and not memcmp(
-                    rec.chunk.blocks, cnp.PyArray_DATA(slots), held * sizeof(int32_t))
+                    blocks, cnp.PyArray_DATA(slots), held * sizeof(int32_t))
                 if not same:
-                    core._finish_locked(rec, False, &f)
-            delta = evictable - core._trie._lru_blocks
-            core._unlock()
+                    core.finish_locked(handle, False, &f)
+            delta = evictable - core.num_evictable()
+            core.lock().leave(NULL)
             if f.code:
-                core._raise(&f, "lock", key)
+                core.raise_failure(&f, "lock", key)
             if not same:
                 raise SequenceStateError(
                     f"lock: the node's path of {node.num_pages} pages was evicted ({held} of them are cached now)"
@@ -714,9 +701,9 @@ cdef class PageTree:
         if not handles:
             del self._locks[end]
         self._num_locks -= 1
-        evictable = core._trie._lru_blocks
-        core._finish(handle, False)
-        return core._trie._lru_blocks - evictable
+        evictable = core.num_evictable()
+        core.finish_record(handle, False)
+        return core.num_evictable() - evictable
 
     def evict(self, pages, BlockPool release=None):
         """Drop up to ``pages`` least recently used unlocked pages; returns how many were dropped.
@@ -740,25 +727,25 @@ cdef class PageTree:
         cdef int64_t first
         cdef Py_ssize_t needed = n
         if key is not None:
-            n = needed - self._pool._num_free  # the most a reclaim for ``needed`` pages frees
+            n = needed - self._pool.free_count()  # the most a reclaim for ``needed`` pages frees
         # At most the evictable pages go: the output is made for them before the lock is taken
         # (nothing is allocated under it). The tree serves one scheduler, so they stay as many.
-        n = min(n, core._trie._lru_blocks)
+        n = min(n, core.num_evictable())
         if n <= 0:
             return 0
         out = _empty(n * ps, cnp.NPY_INT64) if release is None else _empty(n, cnp.NPY_INT32)
-        _ok(&f)
-        self._enter()
+        ok(&f)
+        core.lock().enter_gil()
         if key is None:
-            freed = core._evict_locked(n, &f)  # (at most n: it trims min(n - freed, evictable) a round)
+            freed = core.evict_locked(n, &f)  # (at most n: it trims min(n - freed, evictable) a round)
         else:
-            before = self._pool._num_free
-            core._reclaim_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), cnp.PyArray_DIM(key, 0), needed, &f)
-            freed = self._pool._num_free - before
+            before = self._pool.free_count()
+            core.reclaim_locked(ns, <const int32_t *>cnp.PyArray_DATA(key), cnp.PyArray_DIM(key, 0), needed, &f)
+            freed = self._pool.free_count() - before
         if freed:
             # The slots the core just freed are the top of its pool's free stack; each must have
             # been a page of the tree, or this is not what happened and nothing is handed on.
-            slots = self._pool._free_stack + self._pool._num_free - freed
+            slots = self._pool.last_freed(freed)
             for i in range(freed):
                 if not self._in_tree[slots[i]]:
                     bad = slots[i]
@@ -775,20 +762,20 @@ cdef class PageTree:
                         page_ids[i] = <int32_t>(first // ps) if 0 <= first and first // ps <= INT32_MAX else -1
                 for i in range(freed):
                     self._in_tree[slots[i]] = 0
-        core._unlock()
+        core.lock().leave(NULL)
         if bad >= 0:
             raise InvariantViolation(f"evict: slot {bad}, freed by the core, was not a page of the tree")
         if freed:
             out = _shrink(out, freed * ps if release is None else freed)
             # Before any failure of the core is raised: the freed pages are not lost.
             if release is not None:
-                _release_pages(release, <const int32_t *>cnp.PyArray_DATA(out), freed, "evict")
+                release._release_ids(<const int32_t *>cnp.PyArray_DATA(out), freed, "evict")
             elif self._on_evict is not None:
                 self._on_evict(out)
             if self._events:
                 self._drain()
         if f.code:
-            core._raise(&f, "evict")
+            core.raise_failure(&f, "evict")
         return freed
 
     def reset(self):
@@ -823,9 +810,9 @@ cdef class PageTree:
         cdef const int64_t *row
         self._settle()
         self._core.check_invariants()
-        if self._core._num_live != self._num_locks:
+        if self._core.num_live() != self._num_locks:
             raise InvariantViolation(
-                f"{self._core._num_live} core records are live but {self._num_locks} locks are held"
+                f"{self._core.num_live()} core records are live but {self._num_locks} locks are held"
             )
         if self._num_locks != sum(len(handles) for handles in self._locks.values()):
             raise InvariantViolation(f"{self._num_locks} locks are counted but the lock table holds others")
@@ -834,16 +821,16 @@ cdef class PageTree:
             row = self._values_data + i * self._page_size
             if self._in_tree[i] and self._rowed[i] and _row_is_run(row, self._page_size):
                 raise InvariantViolation(f"slot {i} keeps a row of KV indices that run: it should keep its first")
-        if marked != self._core._trie._num_blocks:
+        if marked != self._core.num_cached():
             raise InvariantViolation(f"{marked} slots are marked as pages but the core caches "
-                                     f"{self._core._trie._num_blocks}")
+                                     f"{self._core.num_cached()}")
 
     cdef void _settle(self) except *:
         """Drop the last match's probe (unless a lock took it over)."""
         cdef int64_t handle
         if self._probe >= 0:
             handle, self._probe, self._probe_node = self._probe, -1, None
-            self._core._finish(handle, False)
+            self._core.finish_record(handle, False)
 
     cdef void _drain(self) except *:
         raw = self._core.take_events()
@@ -863,18 +850,14 @@ def page_indices(BlockPool pool not None, need_size, page_size):
     cdef cnp.ndarray out
     cdef int64_t *dest
     cdef int32_t *ids
-    cdef bint ok
-    if pages > pool._num_free:
+    if pages > pool.free_count():
         return None
     out = _empty(pages * ps, cnp.NPY_INT64)
     dest = <int64_t *>cnp.PyArray_DATA(out)
     # The page ids go into the tail of the output (int32 in the space of int64s), expanded from
     # the front: slot k's ids are read before any write reaches them.
     ids = <int32_t *>(dest + pages * ps) - pages
-    _lock_pool(pool)
-    ok = pool._allocate_locked(ids, pages)
-    lc_mutex_unlock(&pool._lock)
-    if not ok:
+    if not pool._allocate_ids(ids, pages):
         return None
     for i in range(pages):
         _expand_run(dest + i * ps, <int64_t>ids[i] * ps, ps)  # (reads ids[i] before writing over it)
@@ -887,29 +870,7 @@ def release_indices(BlockPool pool not None, indices, page_size, bint first_of_p
     returns how many became free. A page listed twice apart is refused by the pool
     (``DoubleFree``), changing nothing: :func:`pages_of` with ``unique`` is then the caller's."""
     cdef cnp.ndarray pages = pages_of(indices, page_size, first_of_page, False)
-    return _release_pages(pool, <const int32_t *>cnp.PyArray_DATA(pages), cnp.PyArray_DIM(pages, 0), "free")
-
-
-cdef inline void _lock_pool(BlockPool pool):
-    """Take the pool's lock, the GIL released only while waiting for it."""
-    if not lc_mutex_trylock(&pool._lock):
-        with nogil:
-            lc_mutex_lock(&pool._lock)
-
-
-cdef Py_ssize_t _release_pages(BlockPool pool, const int32_t *ids, Py_ssize_t n, str call) except -1:
-    """Drop one reference from each of ``n`` pages of ``pool`` (all or nothing, refused as
-    ``call``'s ``DoubleFree`` or out-of-range error); how many became free."""
-    cdef BatchResult result
-    cdef Py_ssize_t freed
-    if n == 0:
-        return 0
-    _lock_pool(pool)
-    freed = pool._dec_ref_locked(ids, n, &result)
-    lc_mutex_unlock(&pool._lock)
-    if result.failed_at >= 0:
-        pool._raise_refused(&result, call)
-    return freed
+    return pool._release_ids(<const int32_t *>cnp.PyArray_DATA(pages), cnp.PyArray_DIM(pages, 0), "free")
 
 
 def pages_of(indices, page_size, bint first_of_page=False, bint unique=False):
