@@ -345,3 +345,14 @@ def test_a_model_with_events_and_no_tier_reads_the_cores_log_itself() -> None:
         assert model.take_events().events == ()
     finally:
         model.teardown()
+
+
+def test_every_package_of_the_source_tree_is_in_the_distribution() -> None:
+    """A package missing from pyproject.toml's list installs from a checkout but not from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "lifecycle").rglob("__init__.py")
+    }
+    assert listed == found, f"pyproject.toml lists {sorted(listed)}; the tree has {sorted(found)}"
