@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from replay import PrefixTrace  # noqa: E402
 from w3 import splitmix64  # noqa: E402
 
 Ints = NDArray[np.int64]
@@ -57,23 +58,8 @@ Ints = NDArray[np.int64]
 NEVER = 1 << 62
 
 
-class ReplayTrace(Protocol):
-    """What the block model reads of a W2/W3 trace (``w2.W2Trace`` and ``w3.W3Trace`` both are)."""
-
-    @property
-    def tokens(self) -> list[NDArray[np.int32]]: ...
-    @property
-    def prompt_lens(self) -> list[int]: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def max_live(self) -> int: ...
-    @property
-    def num_requests(self) -> int: ...
-    def blocks_needed(self, i: int) -> int: ...
-    def reusable_blocks(self, i: int) -> int: ...
+#: What the block model reads of a W2/W3 trace: what the library's own replay reads.
+ReplayTrace = PrefixTrace
 
 
 @dataclass(frozen=True)
