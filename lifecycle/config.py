@@ -473,10 +473,8 @@ class ModelConfig:
             raise ConfigError(f"layers must be a non-empty tuple of layers (KV layers, SSMLayer), got {self.layers!r}")
         for index, layer in enumerate(layers):
             if not isinstance(layer, (*_KV_LAYER_TYPES, SSMLayer)):
-                raise ConfigError(
-                    f"layers[{index}]={layer!r} is neither a KV layer ({', '.join(t.__name__ for t in _KV_LAYER_TYPES)}) "
-                    "nor an SSMLayer"
-                )
+                kinds = ", ".join(kind.__name__ for kind in _KV_LAYER_TYPES)
+                raise ConfigError(f"layers[{index}]={layer!r} is neither a KV layer ({kinds}) nor an SSMLayer")
         _check_int("block_size", self.block_size, 1, _INT32_MAX)
         _check_int("max_seqs", self.max_seqs, 1, _INT32_MAX - 1)  # + 1 padding slot stays an int32
         _check_int("num_adapter_slots", self.num_adapter_slots, 0, _INT32_MAX)
@@ -601,7 +599,9 @@ class ModelConfig:
     def _counts(num_blocks: object, num_groups: int) -> list[int]:
         if isinstance(num_blocks, tuple):
             if len(num_blocks) != num_groups:
-                raise ConfigError(f"num_blocks={num_blocks!r} has {len(num_blocks)} counts; the model has {num_groups} KV groups")
+                raise ConfigError(
+                    f"num_blocks={num_blocks!r} has {len(num_blocks)} counts; the model has {num_groups} KV groups"
+                )
             for index, count in enumerate(num_blocks):
                 _check_int(f"num_blocks[{index}]", count, 1, _INT32_MAX)
             return list(num_blocks)

@@ -81,7 +81,9 @@ def _field(hf: dict[str, Any], name: str, minimum: int = 1) -> int:
 def _model_dtype(hf: dict[str, Any], override: str | None) -> DType:
     if override is not None:
         if override not in get_args(DType):
-            raise ConfigError(f"kv_cache_dtype={override!r} is not a supported dtype; expected one of {get_args(DType)}")
+            raise ConfigError(
+                f"kv_cache_dtype={override!r} is not a supported dtype; expected one of {get_args(DType)}"
+            )
         return override  # type: ignore[return-value]  # checked against DType's names just above
     name = "torch_dtype" if "torch_dtype" in hf else "dtype"
     value = hf.get(name, "bfloat16")
@@ -133,7 +135,9 @@ def _layer_kinds(hf: dict[str, Any], num_layers: int) -> list[str]:
             int((index + 1) % int(hf.get("no_rope_layer_interval", 4)) != 0) for index in range(num_layers)
         ]
         if len(rope) != num_layers:
-            raise ConfigError(f"config.json field no_rope_layers has {len(rope)} entries; num_hidden_layers={num_layers}")
+            raise ConfigError(
+                f"config.json field no_rope_layers has {len(rope)} entries; num_hidden_layers={num_layers}"
+            )
         return ["chunked" if uses_rope else "full" for uses_rope in rope]
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):  # every layer windowed
         return ["sliding"] * num_layers

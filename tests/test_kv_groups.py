@@ -164,7 +164,8 @@ def test_a_group_needs_its_window_plus_one_block_per_sequence() -> None:
 
 def test_one_attention_group_keeps_its_canonical_form() -> None:
     cfg = ModelConfig(layers=(FULL, SSM, FULL), block_size=4, num_blocks=10)
-    assert cfg._canonical() == "lifecycle-config-v1;block_size=4;A(2,8,float16,0);S(256,float32,64,float16);A(2,8,float16,0)"
+    canonical = "lifecycle-config-v1;block_size=4;A(2,8,float16,0);S(256,float32,64,float16);A(2,8,float16,0)"
+    assert cfg._canonical() == canonical
 
 
 def test_one_attention_group_budget_buys_whole_blocks_as_before() -> None:
@@ -268,7 +269,8 @@ def test_budget_fractions_with_block_counts_are_refused() -> None:
 
 
 def test_a_budget_too_small_for_a_block_of_every_group_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"kv_budget_bytes=300 gives group 0 \(full\) \d+ bytes, too few for one block of 512 bytes"):
+    message = r"kv_budget_bytes=300 gives group 0 \(full\) \d+ bytes, too few for one block of 512 bytes"
+    with pytest.raises(ConfigError, match=message):
         hybrid(kv_budget_bytes=300)
 
 
