@@ -488,6 +488,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_json(), "memory_plan": plan_json(config)}, sort_keys=True))
     else:
         _print_summary(result)
+        print(_groups_line(config))
     if args.plot is not None:
         from lifecycle.simulate import plot
 
@@ -521,6 +522,16 @@ def plan_json(config: ModelConfig) -> dict[str, Any]:
             "padding_waste": round(reference.padding_waste(tokens), 6),
         }
     return plan
+
+
+def _groups_line(config: ModelConfig) -> str:
+    """One line naming each KV group's blocks and bytes."""
+    parts = [
+        f"group {group.index} {group.kind} ({len(group.layer_indices)} layers): {group.num_blocks:,} blocks of "
+        f"{human_bytes(group.block_bytes)} = {human_bytes(group.num_blocks * group.block_bytes)}"
+        for group in config.kv_groups
+    ]
+    return "KV memory per group: " + ("; ".join(parts) if parts else "none (no KV layers)")
 
 
 def _plan(config: ModelConfig, as_json: bool, *, replay: bool) -> int:

@@ -444,3 +444,9 @@ def test_a_replay_reports_its_memory_plan_too(capsys: pytest.CaptureFixture[str]
     result = run_json(capsys)
     (group,) = result["memory_plan"]["groups"]
     assert group["kind"] == "full" and group["num_blocks"] == result["pools"]["kv_blocks"] == 512
+
+
+def test_a_replay_table_ends_with_the_memory_per_group(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--quiet"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("KV memory per group: group 0 full (2 layers): 512 blocks of")
