@@ -791,9 +791,11 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes`` applied and validated again. Giving one of ``num_blocks`` /
-        ``kv_budget_bytes`` drops the other, so a preset can be resized either way."""
+        ``kv_budget_bytes`` drops the other, so a preset can be resized either way (block counts
+        also drop ``group_budget_fractions``, which only split a budget)."""
         if "num_blocks" in changes and "kv_budget_bytes" not in changes:
             changes["kv_budget_bytes"] = None
+            changes.setdefault("group_budget_fractions", None)
         elif "kv_budget_bytes" in changes and "num_blocks" not in changes:
             changes["num_blocks"] = None
         try:

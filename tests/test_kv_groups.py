@@ -279,6 +279,11 @@ def test_replace_resizes_every_group() -> None:
     assert cfg.num_blocks_per_group == (8, 4) and cfg.kv_budget_bytes is None
 
 
+def test_replace_with_block_counts_drops_the_budget_split() -> None:
+    cfg = hybrid(group_budget_fractions=(0.5, 0.5)).replace(num_blocks=(8, 4))
+    assert cfg.group_budget_fractions is None and cfg.num_blocks_per_group == (8, 4)
+
+
 # --- memory plan ----------------------------------------------------------------------------------------
 
 
