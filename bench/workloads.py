@@ -11,12 +11,20 @@
     python bench/workloads.py w4 --json         # W4 decode steps: the model's and the core's step, the core's own time
     python bench/workloads.py w3-policies --json  # eviction policies beside the offline optimum (bench/policies.py)
     python bench/workloads.py w2-policies --json  # likewise on W2
+    python bench/workloads.py w3-groups --json  # issue 31's presets: their KV memory per group at its budget
 
 Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
 ``bench/data/traces.npz`` (see bench/data/README.md; ``--trace PATH`` names another file, compact or
 in the original ``traces.npz`` format); W3 reads ``bench/data/mooncake_synthetic.jsonl.xz``
 (``--trace PATH`` names another Mooncake JSONL file, plain or ``.xz``); W4 generates its trace
 (bench/w4.py) and takes no ``--trace``.
+
+``w3-groups`` prints one record per published-model preset (lifecycle/presets.py) with its layout at
+the budget issue 31 measures at (half the all-full-attention footprint of 262,144 blocks of 16
+tokens): ``concurrent_32k_sequences``, ``ideal_32k_sequences``, ``padding_waste`` and the blocks of
+each group. The replay fields of the issue's record (``us_per_request``, ``hit_tokens``,
+``prompt_tokens``) need the groups core, which this build lacks: they are left out of the record,
+not estimated, and ``replay`` says so.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ from traces import MOONCAKE_TRACE, TRACES  # noqa: E402
 DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
 WORKLOADS = (
-    "w1", "w2", "w2-model", "w2-events", "w2-policies", "w3", "w3-model", "w3-events", "w3-tiers", "w3-policies", "w4"
+    "w1", "w2", "w2-model", "w2-events", "w2-policies", "w3", "w3-model", "w3-events", "w3-tiers", "w3-policies",
+    "w3-groups", "w4",
 )
 #: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
 #: longer than W2's, so fewer of them give as steady a minimum.
@@ -86,7 +95,32 @@ def run_w4(repeats: int | None = None) -> list[Result]:
     return run(generate(), W4_REPEATS if repeats is None else repeats)
 
 
+def run_w3_groups() -> list[Result]:
+    """Each published-model preset's KV memory at the reference budget: one record per preset."""
+    from lifecycle.presets import PUBLISHED_CONFIGS, preset, reference_kv_budget
+
+    tokens = 32768
+    records = []
+    for name in PUBLISHED_CONFIGS:
+        base = preset(name)
+        plan = base.replace(kv_budget_bytes=reference_kv_budget(base)).memory_plan()
+        records.append({
+            "preset": name,
+            "concurrent_32k_sequences": plan.concurrent_sequences(tokens),
+            "ideal_32k_sequences": plan.ideal_sequences(tokens),
+            "padding_waste": round(plan.padding_waste(tokens), 6),
+            "kv_budget_bytes": plan.budget_bytes,
+            "groups": [f"{group.kind}:{group.layers}x{group.num_blocks}" for group in plan.groups],
+            "replay": "us_per_request, hit_tokens, prompt_tokens need the groups core (not measured)",
+        })
+    return records
+
+
 def results(workload: str, trace: Path | None) -> list[Result]:
+    if workload == "w3-groups":
+        if trace is not None:
+            raise SystemExit("w3-groups lays the presets out at the reference budget; --trace does not apply yet")
+        return run_w3_groups()
     if workload == "w1":
         from w1 import run as run_w1
 

@@ -26,6 +26,7 @@ __all__ = [
     "AttentionLayer",
     "BlockIdOutOfRange",
     "BlockPool",
+    "ChunkedLocalLayer",
     "ConfigError",
     "CudaError",
     "Device",
@@ -36,14 +37,18 @@ __all__ = [
     "ForkedAfterCudaInit",
     "HostDevice",
     "HybridModel",
+    "IndexerLayer",
     "InvalidId",
     "InvalidType",
     "InvariantViolation",
     "KVCacheCore",
+    "KVGroupSpec",
     "KVPool",
     "LifecycleDefaults",
     "LifecycleError",
+    "MLALayer",
     "MalformedEvent",
+    "MemoryPlan",
     "ModelConfig",
     "ModelDims",
     "ModelLifecycle",
@@ -57,6 +62,7 @@ __all__ = [
     "SeqStatus",
     "SequenceState",
     "SequenceStateError",
+    "SlidingWindowLayer",
     "SlotGuard",
     "SlotInUse",
     "SlotOutOfRange",
@@ -86,7 +92,10 @@ _MODULE_OF_NAMES: dict[str, tuple[str, ...]] = {
     "lifecycle._radix": ("RadixTrie",),
     "lifecycle._slots": ("SlotGuard", "SlotPool"),
     "lifecycle.lora": ("AdapterInfo",),
-    "lifecycle.config": ("AttentionLayer", "ModelConfig", "ModelDims", "SSMLayer"),
+    "lifecycle.config": (
+        "AttentionLayer", "ChunkedLocalLayer", "IndexerLayer", "KVGroupSpec", "MLALayer", "MemoryPlan", "ModelConfig",
+        "ModelDims", "SSMLayer", "SlidingWindowLayer",
+    ),
     "lifecycle.device": ("Device", "HostDevice", "open_device"),
     "lifecycle.errors": (
         "AdapterError", "BlockIdOutOfRange", "ConfigError", "CudaError", "DeviceError", "DoubleFree",
@@ -111,7 +120,18 @@ if TYPE_CHECKING:
     from lifecycle._radix import RadixTrie
     from lifecycle._slots import SlotGuard, SlotPool
     from lifecycle.lora import AdapterInfo
-    from lifecycle.config import AttentionLayer, ModelConfig, ModelDims, SSMLayer
+    from lifecycle.config import (
+        AttentionLayer,
+        ChunkedLocalLayer,
+        IndexerLayer,
+        KVGroupSpec,
+        MemoryPlan,
+        MLALayer,
+        ModelConfig,
+        ModelDims,
+        SlidingWindowLayer,
+        SSMLayer,
+    )
     from lifecycle.device import Device, HostDevice, open_device
     from lifecycle.errors import (
         AdapterError,

@@ -2,7 +2,9 @@
 
 ``lifecycle simulate`` replays a synthetic multi-turn serving trace through the whole lifecycle API
 (see :mod:`lifecycle.simulate`) and prints a summary: a progress bar on stderr while it runs, then a
-table (or, with ``--json``, one JSON object) on stdout. ``lifecycle info`` prints the versions, the
+table (or, with ``--json``, one JSON object) on stdout. ``--plan`` prints the model's KV memory per
+group instead (what a model with several KV groups, or MLA layers, always gets: their serving replay
+needs the groups core). ``lifecycle info`` prints the versions, the
 CUDA driver and device, and what ``open_device("auto")`` picks here. ``--version``; ``--log-level``
 shows the library's log records (warnings by default) on stderr.
 
@@ -235,6 +237,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plot", type=Path, metavar="FILE.png", help="draw pool occupancy and hit rate over time (needs matplotlib)"
     )
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the KV memory per group (blocks, bytes, concurrent max_model_len sequences, padding) and "
+        "exit; the only output for models with several KV groups or MLA layers until the groups core",
+    )
     _log_level_option(out, argparse.SUPPRESS)
     sim.set_defaults(command_parser=sim)  # errors found after parsing print this command's usage
     return parser
@@ -429,6 +437,8 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
 
     config = _config(parser, args)
+    if args.plan or not config.is_single_attention_group:
+        return _plan(config, args.json, replay=config.is_single_attention_group)
     _check_turns(parser, args, config)
     options = SimulationOptions(
         max_live=args.max_live if args.max_live is not None else config.max_seqs,
@@ -475,9 +485,10 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device.close()
 
     if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
+        print(json.dumps({**result.to_json(), "memory_plan": plan_json(config)}, sort_keys=True))
     else:
         _print_summary(result)
+        print(_groups_line(config))
     if args.plot is not None:
         from lifecycle.simulate import plot
 
@@ -485,6 +496,79 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0 if result.summary.leaked == 0 else 1
+
+
+_NO_REPLAY: Final = (
+    "the serving replay of a model with several KV groups (or MLA / indexer layers) needs the groups core, "
+    "which this build does not have yet: its memory plan is shown instead"
+)
+
+
+def plan_json(config: ModelConfig) -> dict[str, Any]:
+    """The model's memory per group and its figures at ``max_model_len`` tokens, at its own budget
+    and at the reference budget (half the all-full-attention footprint of 262,144 blocks)."""
+    from lifecycle.presets import REFERENCE_BLOCKS, reference_kv_budget
+
+    tokens = config.max_model_len
+    plan = config.memory_plan().as_dict(tokens)
+    if config.kv_groups:
+        reference = config.replace(kv_budget_bytes=reference_kv_budget(config)).memory_plan()
+        plan["reference"] = {
+            "all_full_blocks": REFERENCE_BLOCKS,
+            "budget_bytes": reference.budget_bytes,
+            "num_blocks": [group.num_blocks for group in reference.groups],
+            "concurrent_sequences": reference.concurrent_sequences(tokens),
+            "ideal_sequences": reference.ideal_sequences(tokens),
+            "padding_waste": round(reference.padding_waste(tokens), 6),
+        }
+    return plan
+
+
+def _groups_line(config: ModelConfig) -> str:
+    """One line naming each KV group's blocks and bytes."""
+    parts = [
+        f"group {group.index} {group.kind} ({len(group.layer_indices)} layers): {group.num_blocks:,} blocks of "
+        f"{human_bytes(group.block_bytes)} = {human_bytes(group.num_blocks * group.block_bytes)}"
+        for group in config.kv_groups
+    ]
+    return "KV memory per group: " + ("; ".join(parts) if parts else "none (no KV layers)")
+
+
+def _plan(config: ModelConfig, as_json: bool, *, replay: bool) -> int:
+    plan = plan_json(config)
+    if as_json:
+        print(json.dumps({"model": config.name, "memory_plan": plan, "replay": None if replay else _NO_REPLAY}))
+        return 0
+    tokens = plan["tokens"]
+    row = "{:>5}  {:<14}  {:>6}  {:>6}  {:>11}  {:>10}  {:>11}  {:>10}"
+    lines = [
+        f"{config.name}: KV memory per group ({config.block_size}-token blocks)",
+        row.format("group", "kind", "window", "layers", "bytes/token", "block", "blocks", "bytes"),
+    ]
+    for group in plan["groups"]:
+        window = group["window"] + group["sink_tokens"]
+        lines.append(
+            row.format(
+                group["index"], group["kind"], f"{window:,}" if window else "-", group["layers"],
+                f"{group['bytes_per_token']:,}", human_bytes(group["block_bytes"]), f"{group['num_blocks']:,}",
+                human_bytes(group["bytes"]),
+            )
+        )
+    lines.append(
+        f"budget {human_bytes(plan['budget_bytes'])}: {plan['concurrent_sequences']:,} concurrent sequences of "
+        f"{tokens:,} tokens (ideal {plan['ideal_sequences']:,}), padding {100 * plan['padding_waste']:.2f}%"
+    )
+    reference = plan.get("reference")
+    if reference is not None:
+        lines.append(
+            f"reference budget {human_bytes(reference['budget_bytes'])} (half the all-full-attention footprint of "
+            f"{reference['all_full_blocks']:,} blocks): {reference['concurrent_sequences']:,} sequences "
+            f"(ideal {reference['ideal_sequences']:,}), padding {100 * reference['padding_waste']:.2f}%"
+        )
+    if not replay:
+        lines.append(f"note: {_NO_REPLAY}")
+    print("\n".join(lines))
+    return 0
 
 
 def _with_progress(run: Any, total: int) -> Any:

@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from lifecycle.config import DTYPE_SIZES, AttentionLayer, DType, ModelConfig, SSMLayer, StorageScalar
 from lifecycle.device.base import Copy, Device
-from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown
+from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown, Unsupported
 
 if TYPE_CHECKING:
     from lifecycle.device.cuda import CudaArrayView
@@ -161,6 +161,12 @@ class KVPool(LayerPool[AttentionLayer]):
     _layer_name = "attention layer"
 
     def __init__(self, device: Device, config: ModelConfig) -> None:
+        if not config.is_single_attention_group:
+            groups = ", ".join(f"{group.kind} ({len(group.layer_indices)} layers)" for group in config.kv_groups)
+            raise Unsupported(
+                f"KVPool: {config.name!r} has KV groups {groups}; this pool holds one group of AttentionLayers "
+                "(several groups and MLA or indexer layers need the groups core)"
+            )
         super().__init__(device, config.attention_layers)
         self._num_blocks = config.num_blocks_resolved
         self._block_size = config.block_size

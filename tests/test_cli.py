@@ -388,3 +388,65 @@ def test_info_names_the_extra_for_a_driver_older_than_the_bindings() -> None:
     note = _bindings_note("13.4.4", 12040)
     assert "this driver is CUDA 12.4: too old for them; pip install 'kv-lifecycle[cuda12]'" in note
     assert "too old" not in _bindings_note("12.9.4", 13000)
+
+
+# --- --model PRESET with several KV groups: the memory plan per group --------------------------------
+
+PUBLISHED = ("gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "llama-4-scout", "deepseek-v3", "deepseek-v3.2",
+             "qwen3-next-80b-a3b", "nemotron-h")
+
+
+def plan_of(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["simulate", *args, "--json"]) == 0
+    result: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return result
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_plan_reports_memory_per_group_of_every_published_preset(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    from lifecycle.presets import preset
+
+    config = preset(name)
+    plan = plan_of(capsys, "--model", name, "--plan")["memory_plan"]
+    assert [(g["kind"], g["num_blocks"]) for g in plan["groups"]] == [(g.kind, g.num_blocks) for g in config.kv_groups]
+    assert sum(g["bytes"] for g in plan["groups"]) == config.kv_pool_bytes()
+    assert plan["reference"]["concurrent_sequences"] >= 0.95 * plan["reference"]["ideal_sequences"] > 0
+
+
+def test_a_model_with_several_groups_prints_its_plan_and_says_the_replay_needs_the_groups_core(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result = plan_of(capsys, "--model", "gpt-oss-20b", "--requests", "5")
+    assert "groups core" in result["replay"]
+    assert [g["kind"] for g in result["memory_plan"]["groups"]] == ["full", "sliding_window"]
+
+
+def test_the_plan_table_names_each_group_and_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "llama-4-scout", "--kv-budget", "16G"]) == 0
+    out = capsys.readouterr().out
+    assert "chunked_local" in out and "8,192" in out
+    assert "concurrent sequences of 32,768 tokens" in out and "reference budget" in out
+    assert "needs the groups core" in out
+
+
+def test_the_plan_follows_the_kv_budget_option(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_of(capsys, "--model", "gemma-3-27b", "--kv-budget", "64G")["memory_plan"]
+    assert plan["budget_bytes"] == 64 << 30
+    assert plan["concurrent_sequences"] > 0
+
+
+def test_one_block_count_for_several_groups_is_refused_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "gpt-oss-20b", "--blocks", "100"]) == 2
+    assert "argument --blocks: 100 is one count; the model has 2 KV groups" in capsys.readouterr().err
+
+
+def test_a_replay_reports_its_memory_plan_too(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_json(capsys)
+    (group,) = result["memory_plan"]["groups"]
+    assert group["kind"] == "full" and group["num_blocks"] == result["pools"]["kv_blocks"] == 512
+
+
+def test_a_replay_table_ends_with_the_memory_per_group(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--quiet"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("KV memory per group: group 0 full (2 layers): 512 blocks of")

@@ -113,6 +113,7 @@ SHORT: dict[str, list[str]] = {
                                                    "run: python bench/workloads.py w3-events --json --trace {w3}"],
     "python bench/workloads.py w2-events": ["run: python bench/workloads.py w2-events --trace {w2}"],
     "python bench/workloads.py w3-tiers --json": ["run: python bench/workloads.py w3-tiers --json --trace {w3}"],
+    "python bench/workloads.py w3-groups --json": ["run: python bench/workloads.py w3-groups --json"],
     "python bench/tiers_bench.py": ["run: python bench/tiers_bench.py --part copies --repeats 1"],
     "python bench/memory.py --json": ["run: python bench/memory.py --blocks 20000 --json"],
     "python bench/memory.py": ["run: python bench/memory.py --blocks 20000"],
