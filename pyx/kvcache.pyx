@@ -266,7 +266,7 @@ cdef class KVCacheCore:
             )
             if count < 0:
                 f.code = E_INVARIANT
-                f.value = self._trie._lru_head
+                f.value = self._trie._victim()
                 break
             self._counters.blocks_evicted += count
             if logging and count > 0:
