@@ -92,9 +92,9 @@ _MODULE_OF_NAMES: dict[str, tuple[str, ...]] = {
     "lifecycle.errors": (
         "AdapterError", "BlockIdOutOfRange", "ConfigError", "CudaError", "DeviceError", "DoubleFree",
         "DriverNotFound", "ForeignSequence", "ForkedAfterCudaInit", "InvalidId", "InvalidType", "InvariantViolation",
-        "LifecycleError", "MalformedEvent", "OutOfBlocks", "OutOfSlots", "PoolExhausted", "SequenceStateError",
-        "RetentionError", "SlotInUse", "SlotOutOfRange", "SwapChecksumError", "SwapError", "SwapFormatError", "SwapModelMismatch",
-        "SwapStreamError", "TornDown", "Unsupported",
+        "LifecycleError", "MalformedEvent", "OutOfBlocks", "OutOfSlots", "PoolExhausted", "RetentionError",
+        "SequenceStateError", "SlotInUse", "SlotOutOfRange", "SwapChecksumError", "SwapError", "SwapFormatError",
+        "SwapModelMismatch", "SwapStreamError", "TornDown", "Unsupported",
     ),
     "lifecycle.model": ("HybridModel", "TeardownReport"),
     "lifecycle.pools": ("KVPool", "SSMPool"),

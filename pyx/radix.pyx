@@ -265,9 +265,10 @@ cdef inline void _return_slot(RadixTrie t, int32_t v) noexcept nogil:
 
 # -- the eviction lists (retention) ------------------------------------------------------------
 #
-# One LRU list per retention priority (0..100); the victim is the head of the lowest non-empty list. Every list lists a node after its descendants in it, and a
-# node's priority is at least its children's (``_lift`` keeps both when a priority changes), so
-# that head is an unpinned leaf, as the single list's head was. A priority above the default
+# One LRU list per retention priority (0..100); the victim is the head of the lowest non-empty
+# list. Every list lists a node after its descendants in it, and a node's priority is at least its
+# children's (``_lift`` keeps both when a priority changes), so that head is an unpinned leaf, as
+# the single list's head was. A priority above the default
 # that expires decays to the default (``_decay``, from a heap of expiries); to keep a parent from
 # decaying below its child, a parent that outranks a hinted child keeps its rank until the
 # child's expiry.
