@@ -592,14 +592,14 @@ cdef class KVCacheCore:
         how many blocks became free."""
         cdef Py_ssize_t bs = self._block_size, d = rec.pin_blocks, full = 0, pos = 0, matched, length
         cdef Py_ssize_t freed
-        cdef int32_t start, v, leaf = -1, tip = -1
+        cdef int32_t start, v, leaf = -1, tip
         cdef WalkEnd walk
         cdef Chunk *chunk = rec.chunk
         cdef Chunk *copy
+        tip = rec.pin_node if self._enabled and not rec.failed else -1  # the request's cached path
         if cache and self._enabled and not rec.failed:
             full = min(<Py_ssize_t>rec.num_tokens // bs, <Py_ssize_t>rec.num_blocks)
             pos = full
-            tip = rec.pin_node
             if full > d:
                 if self._trie._reserve(3):
                     f.code = E_NO_MEMORY
@@ -633,7 +633,7 @@ cdef class KVCacheCore:
                         self._log_stored(leaf, length)
                 tip = leaf if length > 0 else v
         if self._retention._num_hints:
-            self._retention.apply(rec, tip, pos)
+            self._retention.apply(rec, tip, rec.cached_tokens // bs)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
         # The blocks [pos, full) now belong to the cache: the record's references changed owner.

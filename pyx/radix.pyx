@@ -442,6 +442,8 @@ cdef void _lift(RadixTrie t, int32_t v) noexcept nogil:
         else:
             if q > DEFAULT_PRIORITY and up.expiry < at:
                 _set_expiry(t, u, at)
+            elif up.lock_count != 0:
+                return  # its ancestors are locked (off the lists) and at least as high already
             if up.lock_count == 0:
                 _lru_remove(t, u)
                 _lru_append(t, u)

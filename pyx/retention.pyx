@@ -29,6 +29,8 @@ from lifecycle.errors import RetentionError
 
 cnp.import_array()
 
+#: The priority of a block no hint speaks for (TensorRT-LLM's default).
+DEFAULT_RETENTION = DEFAULT_PRIORITY
 # A session TTL keeps a path just above the default: it goes after every unhinted block and
 # before any range given a higher priority.
 TTL_PRIORITY = DEFAULT_PRIORITY + 1
@@ -106,6 +108,53 @@ def block_spans(ranges, Py_ssize_t prompt_len, Py_ssize_t block_size, decode_pri
         if not out or (out[len(out) - 1][1], out[len(out) - 1][2]) != best:
             out.append((b, best[0], best[1]))
     return out
+
+
+cdef void _apply_spans(RadixTrie t, int32_t end, const Span *spans, Py_ssize_t n, Py_ssize_t first_new) noexcept nogil:
+    """Give the path ending at node ``end`` the spans' priorities: its runs are cut where a span
+    starts inside one, then, root first, a run from block ``first_new`` on takes its span's
+    priority and an older run only a higher one (or the same for longer). Out of memory:
+    nothing."""
+    cdef Py_ssize_t i, k, count = 0
+    cdef int32_t v, b, lo, hi
+    cdef int32_t *path
+    cdef RNode *node
+    cdef double now, at
+    if t._reserve(n):
+        return
+    v = end
+    while t._nodes[v].parent >= 0:
+        lo = t._nodes[v].depth
+        hi = lo + t._nodes[v].length
+        for k in range(n - 1, 0, -1):
+            b = spans[k].start
+            if lo < b < hi:
+                v = t._split(v, b - lo)
+                hi = b
+        v = t._nodes[v].parent
+    v = end
+    while t._nodes[v].parent >= 0:
+        count += 1
+        v = t._nodes[v].parent
+    path = <int32_t *>malloc(count * sizeof(int32_t))
+    if path == NULL:
+        return
+    v = end
+    for k in range(count - 1, -1, -1):
+        path[k] = v
+        v = t._nodes[v].parent
+    now = t._now()
+    k = 0
+    for i in range(count):
+        node = &t._nodes[path[i]]
+        while k + 1 < n and spans[k + 1].start <= node.depth:
+            k += 1
+        at = now + spans[k].duration if spans[k].duration >= 0 else INFINITY
+        if node.depth >= first_new or spans[k].priority > node.priority or (
+            spans[k].priority == node.priority and at > node.expiry
+        ):
+            t._set_priority(path[i], spans[k].priority, at)
+    free(path)
 
 
 @cython.final
@@ -220,57 +269,42 @@ cdef class Retention:
     cdef void apply(self, SeqRec *rec, int32_t end, Py_ssize_t first_new) noexcept nogil:
         """(Lock held, at the finish of ``rec``, before its pin goes) Apply and forget its hint:
         its cached path ends at node ``end`` (-1: nothing cached) and its nodes from block
-        ``first_new`` on were made by this finish. Out of memory the hint is dropped unapplied."""
-        cdef Py_ssize_t i, k, n, count, which = -1
-        cdef Hint *hint = NULL
-        cdef int32_t v, b, lo, hi
-        cdef int32_t *path
-        cdef RNode *node
-        cdef double now, at
+        ``first_new`` on were cached by it (past its prefix hit). Out of memory the hint is
+        dropped unapplied."""
+        cdef Py_ssize_t i
         for i in range(self._num_hints):
             if self._hints[i].seq_id == rec.seq_id:
-                hint = &self._hints[i]
-                which = i
-                break
-        if hint == NULL:
-            return
-        n = hint.num_spans
-        if end >= 0 and self._trie._reserve(n) == 0:
-            # Cut the path's runs where a span starts inside one, deepest first.
-            v = end
-            while self._trie._nodes[v].parent >= 0:
-                lo = self._trie._nodes[v].depth
-                hi = lo + self._trie._nodes[v].length
-                for k in range(n - 1, 0, -1):
-                    b = hint.spans[k].start
-                    if lo < b < hi:
-                        v = self._trie._split(v, b - lo)
-                        hi = b
-                v = self._trie._nodes[v].parent
-            count = 0
-            v = end
-            while self._trie._nodes[v].parent >= 0:
-                count += 1
-                v = self._trie._nodes[v].parent
-            path = <int32_t *>malloc(count * sizeof(int32_t))
-            if path != NULL:
-                v = end
-                for k in range(count - 1, -1, -1):
-                    path[k] = v
-                    v = self._trie._nodes[v].parent
-                now = self._trie._now()
-                k = 0
-                for i in range(count):
-                    node = &self._trie._nodes[path[i]]
-                    while k + 1 < n and hint.spans[k + 1].start <= node.depth:
-                        k += 1
-                    at = now + hint.spans[k].duration if hint.spans[k].duration >= 0 else INFINITY
-                    if node.depth >= first_new or hint.spans[k].priority > node.priority or (
-                        hint.spans[k].priority == node.priority and at > node.expiry
-                    ):
-                        self._trie._set_priority(path[i], hint.spans[k].priority, at)
-                free(path)
-        self._drop(which)
+                if end >= 0:
+                    _apply_spans(self._trie, end, self._hints[i].spans, self._hints[i].num_spans, first_new)
+                self._drop(i)
+                return
+
+    def prioritize(self, tokens, int64_t key, priority, duration_s=None):
+        """Raise the cached whole blocks of ``tokens`` under adapter ``key`` to ``priority``
+        (0-100) for ``duration_s`` seconds (None: for good), as SGLang's priority policy keeps a
+        node at the highest priority of the requests that inserted it; a block already higher
+        keeps its own. Returns how many blocks it reached."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, matched = 0
+        cdef WalkEnd walk
+        cdef int32_t root
+        cdef Span span
+        span.start = 0
+        span.priority = _priority(priority, "priority")
+        span.duration = _seconds(duration_s, "duration_s")
+        tokens = _token_vector(tokens, &data, &n)
+        self._lock.enter_gil()
+        try:
+            root = self._trie._find_root(key)
+            if root >= 0 and n >= self._block_size:
+                matched = self._trie._walk(root, data, n // self._block_size, &walk)
+            if matched > 0:
+                if self._trie._reserve(1):
+                    raise MemoryError("prioritize: cannot grow the trie")
+                _apply_spans(self._trie, self._trie._settle(&walk), &span, 1, matched)
+        finally:
+            self._lock.leave(NULL)
+        return matched
 
     # -- pins --
 

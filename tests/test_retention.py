@@ -262,3 +262,66 @@ def test_flood_of_low_priority_one_offs_keeps_every_hit_of_a_high_priority_prefi
         _serve(core, _tokens(900_000 + 1000 * i, 24), [(0, 24 * BS, 0)])
     assert core.counters()["blocks_evicted"] > 4 * 256
     assert hit == served
+
+
+def test_a_hint_reaches_blocks_cached_mid_life_when_the_request_finishes_uncached(core: Core) -> None:
+    """The engines cache blocks as they fill (``cache``) and release without caching more."""
+    older = _tokens(100, 6)
+    _serve(core, older)
+    mine = _tokens(500, 3)
+    h = core.admit(mine + [1], 4)
+    core.set_retention(h, [(0, len(mine), 0)])
+    core.cache(h, 3)
+    core.finish(h, cache=False)
+    _squeeze(core, 3)  # under LRU the older request's blocks would go
+    assert _hits(core, older) == len(older)
+    assert _hits(core, mine) == 0
+
+
+def test_prioritize_raises_a_cached_prefix_for_its_duration(core: Core) -> None:
+    system = _tokens(100, 4)
+    _serve(core, system + _tokens(500, 2))
+    assert core.retention.prioritize(system, 0, 90, 10.0) == 4
+    _flood(core, 10_000, 30)
+    assert _hits(core, system) == len(system)
+    core.retention.set_time(11.0)
+    _flood(core, 50_000, 30)
+    assert _hits(core, system) == 0
+
+
+@pytest.mark.parametrize(("priority", "duration"), [(101, None), (-1, None), (50, -1.0)])
+def test_prioritize_refuses_a_bad_priority_or_duration(core: Core, priority: int, duration: float | None) -> None:
+    system = _tokens(100, 4)
+    _serve(core, system)
+    with pytest.raises(RetentionError, match=str(priority if duration is None else duration)):
+        core.retention.prioritize(system, 0, priority, duration)
+    _flood(core, 10_000, 30)
+    assert _hits(core, system) == 0
+
+
+def test_the_model_passes_hints_and_pins_to_its_core() -> None:
+    from lifecycle import AttentionLayer, HybridModel, ModelConfig
+
+    config = ModelConfig(layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=BS, num_blocks=48,
+                         max_seqs=4, name="retention")
+    model = HybridModel(config, "host")
+    system = _tokens(100, 4)
+    seq = model.alloc_sequence()
+    model.attach_prefix(seq, system + [1], grow_to=len(system) + 1)
+    model.set_retention(seq, [(0, len(system), 90)])
+    model.finish_sequence(seq)
+    for i in range(30):
+        flood = model.alloc_sequence()
+        prompt = _tokens(10_000 + 1000 * i, 4) + [1]
+        model.attach_prefix(flood, prompt, grow_to=len(prompt))
+        model.finish_sequence(flood)
+    probe = model.alloc_sequence()
+    assert model.attach_prefix(probe, system + [2]) == len(system)
+    model.free_sequence(probe)
+    model.set_pin_budget(4)
+    assert model.pin_prefix(system) == 4
+    with pytest.raises(RetentionError, match="budget of 4"):
+        model.pin_prefix(system)
+    assert model.unpin_prefix(system) == 4
+    model.check_invariants()
+    model.teardown()

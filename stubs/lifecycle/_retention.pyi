@@ -6,6 +6,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+DEFAULT_RETENTION: int
 TTL_PRIORITY: int
 
 def block_spans(
@@ -38,6 +39,10 @@ class Retention:
         decode_duration_s: float | None = None,
         ttl_s: float | None = None,
     ) -> list[tuple[int, int, float]]: ...
+    def prioritize(
+        self, tokens: npt.NDArray[np.integer[Any]] | Sequence[int], key: int, priority: int,
+        duration_s: float | None = None,
+    ) -> int: ...
     def set_pin_budget(self, blocks: int | np.integer[Any]) -> None: ...
     def pin(self, tokens: npt.NDArray[np.integer[Any]] | Sequence[int], key: int) -> int: ...
     def unpin(self, tokens: npt.NDArray[np.integer[Any]] | Sequence[int], key: int) -> int: ...
