@@ -437,6 +437,9 @@ cdef void _lift(RadixTrie t, int32_t v) noexcept nogil:
                 return
             _set_expiry(t, u, at)
         elif up.priority < q:
+            # Its other children may outlive ``at`` above the default: its old expiry bounds theirs.
+            if up.priority > DEFAULT_PRIORITY and up.expiry > at:
+                at = up.expiry
             _move(t, u, q)
             _set_expiry(t, u, at if q > DEFAULT_PRIORITY else INFINITY)
         else:

@@ -112,9 +112,9 @@ def block_spans(ranges, Py_ssize_t prompt_len, Py_ssize_t block_size, decode_pri
 
 cdef void _apply_spans(RadixTrie t, int32_t end, const Span *spans, Py_ssize_t n, Py_ssize_t first_new) noexcept nogil:
     """Give the path ending at node ``end`` the spans' priorities: its runs are cut where a span
-    starts inside one, then, root first, a run from block ``first_new`` on takes its span's
-    priority and an older run only a higher one (or the same for longer). Out of memory:
-    nothing."""
+    starts inside one, then, root first, a run from block ``first_new`` on with no branch off the
+    path takes its span's priority and any other run only a higher one (or the same for longer).
+    Out of memory: nothing."""
     cdef Py_ssize_t i, k, count = 0
     cdef int32_t v, b, lo, hi
     cdef int32_t *path
@@ -150,9 +150,14 @@ cdef void _apply_spans(RadixTrie t, int32_t end, const Span *spans, Py_ssize_t n
         while k + 1 < n and spans[k + 1].start <= node.depth:
             k += 1
         at = now + spans[k].duration if spans[k].duration >= 0 else INFINITY
-        if node.depth >= first_new or spans[k].priority > node.priority or (
-            spans[k].priority == node.priority and at > node.expiry
-        ):
+        # A run may go lower only if the request cached it and nothing branches off it below
+        # (a lower parent than its child would break the lists' order).
+        if node.depth >= first_new and node.num_children == (0 if i == count - 1 else 1):
+            t._set_priority(path[i], spans[k].priority, at)
+        elif spans[k].priority > node.priority or (spans[k].priority == node.priority and at > node.expiry):
+            # Raised, it keeps its old rank's expiry if later: its children's ranks last that long.
+            if node.priority > DEFAULT_PRIORITY and node.expiry > at:
+                at = node.expiry
             t._set_priority(path[i], spans[k].priority, at)
     free(path)
 

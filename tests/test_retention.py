@@ -325,3 +325,51 @@ def test_the_model_passes_hints_and_pins_to_its_core() -> None:
     assert model.unpin_prefix(system) == 4
     model.check_invariants()
     model.teardown()
+
+
+def test_random_hinted_traffic_keeps_every_invariant() -> None:
+    """Requests over a few shared prefixes with random hints, mid-life caching, decays, pins,
+    raised prefixes and evictions: the recount (lists, priorities, pins, references) holds after
+    every step and nothing leaks."""
+    import random
+
+    rng = random.Random(5)
+    core = make_core(96, BS)
+    core.retention.set_time(0.0)
+    core.retention.set_pin_budget(12)
+    prefixes = [_tokens(100 * (k + 1), rng.randint(1, 4)) for k in range(4)]
+    pinned: list[list[int]] = []
+    now = 0.0
+    for step in range(400):
+        tokens = rng.choice(prefixes) + _tokens(10_000 + 100 * rng.randint(0, 40), rng.randint(0, 5)) + [1]
+        h = core.admit(tokens, len(tokens) // BS + 1)
+        ranges = []
+        for _ in range(rng.randint(0, 3)):
+            start = rng.randrange(0, len(tokens))
+            ranges.append((start, rng.randint(start + 1, len(tokens)), rng.randint(0, 100),
+                           rng.choice([None, 0.0, 1.0, 5.0])))
+        core.set_retention(h, ranges, decode_priority=rng.choice([None, 0, 70]),
+                           ttl_s=rng.choice([None, 2.0, 10.0]))
+        core.append(h, _tokens(90_000 + step * 8, rng.randint(0, 2)))
+        if rng.random() < 0.3:
+            core.cache(h, min(len(tokens) // BS, core.num_blocks(h)))
+        core.finish(h, cache=rng.random() < 0.8)
+        now += rng.choice([0.0, 0.5, 3.0])
+        core.retention.set_time(now)
+        choice = rng.random()
+        if choice < 0.1:
+            core.evict(rng.randint(1, 20))
+        elif choice < 0.15 and not pinned:
+            prefix = rng.choice(prefixes)
+            try:
+                if core.pin_prefix(prefix):
+                    pinned.append(prefix)
+            except RetentionError:
+                pass
+        elif choice < 0.2 and pinned:
+            core.unpin_prefix(pinned.pop())
+        elif choice < 0.25:
+            core.retention.prioritize(rng.choice(prefixes), 0, rng.randint(0, 100), rng.choice([None, 2.0]))
+        core.check_invariants()
+        assert core.pool.num_free + core.num_cached_blocks == core.pool.num_total
+    assert core.retention.num_hinted == 0
