@@ -406,9 +406,12 @@ cdef void _heap_pop(RadixTrie t) noexcept nogil:
 
 
 cdef inline void _set_expiry(RadixTrie t, int32_t v, double at) noexcept nogil:
-    # Out of heap memory the priority stays without decaying: retention lasts longer than asked.
+    # A finite expiry has an entry in the heap at or before it (``_decay`` pushes a later expiry
+    # again when that entry comes due), so pushing is needed only when it gets earlier. Out of
+    # heap memory the priority stays without decaying: retention lasts longer than asked.
+    cdef double old = t._nodes[v].expiry
     t._nodes[v].expiry = at
-    if at < INFINITY and _heap_push(t, at, v):
+    if at < INFINITY and not (old < INFINITY and at >= old) and _heap_push(t, at, v):
         t._nodes[v].expiry = INFINITY
 
 
@@ -732,6 +735,7 @@ cdef class RadixTrie:
         head.lru_prev = -1
         head.lru_next = -1
         head.priority = tail.priority
+        head.expiry = INFINITY
         _set_expiry(self, h, tail.expiry)
         _chain_unlink(self, v)
         tail.start += blocks
@@ -861,8 +865,12 @@ cdef class RadixTrie:
             top = self._heap[0]
             _heap_pop(self)
             node = &self._nodes[top.node]
-            if top.node < self._high_water and node.parent >= 0 and node.expiry == top.at:
+            if top.node >= self._high_water or node.parent < 0:
+                continue
+            if node.expiry == top.at:
                 self._set_priority(top.node, DEFAULT_PRIORITY, INFINITY)
+            elif top.at < node.expiry < INFINITY and _heap_push(self, node.expiry, top.node):
+                node.expiry = INFINITY  # extended since: due later (out of memory: kept)
 
     cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil:
         """Write the block ids of the path ending at ``v`` to ``dest`` (root side first); returns
