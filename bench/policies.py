@@ -892,12 +892,93 @@ def label(policy: Ranked) -> str:
     return f"{policy.name}+ttl-{ttl}"
 
 
-def run(workload: Workload, *, check_library: bool = True) -> list[dict[str, Any]]:
+#: The session TTL the core's records use (seconds of trace time), the model's best.
+CORE_TTL_S = 120.0
+
+
+def replay_core_hinted(
+    trace: PrefixTrace, times: Ints | None = None, continues: Ints | None = None, ttl_s: float = CORE_TTL_S,
+    repeats: int = 3,
+) -> tuple[float, int, int]:
+    """The library's own replay (as ``replay.replay_core``), with session TTL hints through
+    ``KVCacheCore.set_retention`` when ``continues`` is given: the retention clock follows the
+    trace's timestamps (``times``, ms) and every request continuing a conversation gets
+    ``ttl_s``. Returns (seconds per request, best of ``repeats``; hit tokens; blocks evicted)."""
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._kvcache import KVCacheCore
+    from w2 import no_gc
+
+    requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
+    clock = [] if times is None else (np.asarray(times, dtype=np.float64) / 1000.0).tolist()
+    hinted = [] if continues is None else (np.asarray(continues) >= 0).tolist()
+    best, hit, evicted = float("inf"), 0, 0
+    for _ in range(repeats):
+        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size)
+        admit, finish, hint, set_time = core.admit, core.finish, core.set_retention, core.retention.set_time
+        live: deque[int] = deque()
+        max_live = trace.max_live
+        with no_gc():
+            start = time.perf_counter()
+            if continues is None:
+                for tokens, needed, reusable in requests:
+                    if len(live) == max_live:
+                        finish(live.popleft())
+                    live.append(admit(tokens, needed, reusable))
+            else:
+                for i, (tokens, needed, reusable) in enumerate(requests):
+                    set_time(clock[i])
+                    if len(live) == max_live:
+                        finish(live.popleft())
+                    h = admit(tokens, needed, reusable)
+                    if hinted[i]:
+                        hint(h, ttl_s=ttl_s)
+                    live.append(h)
+            while live:
+                finish(live.popleft())
+            best = min(best, time.perf_counter() - start)
+        core.check_invariants()
+        counters = core.counters()
+        hit, evicted = counters["prefix_hit_tokens"], counters["blocks_evicted"]
+    return best / trace.num_requests, hit, evicted
+
+
+def core_records(workload: Workload, lru: int, gap: int, continues: Ints) -> list[dict[str, Any]]:
+    """The policies the core ships, measured through it: ``core:lru`` (the default, every block
+    at the default priority) and ``core:lru+ttl-120s`` (session TTL hints through
+    ``set_retention``, the clock on the trace's time); ``us_per_request`` is the library's."""
+    trace = workload.trace
+    if trace is None:
+        return []
+    out = []
+    for name, hints in (("core:lru", None), (f"core:lru+ttl-{int(CORE_TTL_S)}s", continues)):
+        seconds, hit, evicted = replay_core_hinted(trace, workload.blocks.times, hints)
+        record: dict[str, Any] = {
+            "workload": workload.name,
+            "policy": name,
+            "hit_tokens": hit,
+            "hit_rate": round(hit / workload.blocks.prompt_tokens, 6),
+            "gain_over_lru": round(hit / lru - 1, 4) if lru else 0.0,
+            "gap_closed": round((hit - lru) / gap, 4) if gap else 0.0,
+            "blocks_evicted": evicted,
+            "us_per_request": round(seconds * 1e6, 2),
+            "prompt_tokens": workload.blocks.prompt_tokens,
+        }
+        if hints is not None:
+            record["hints"] = {
+                "session_ttl_s": CORE_TTL_S, "unit": "s", "sessions_hinted": int((continues >= 0).sum()),
+            }
+        out.append(record)
+    out[1]["cost_vs_lru"] = round(out[1]["us_per_request"] / out[0]["us_per_request"], 3)
+    return out
+
+
+def run(workload: Workload, *, check_library: bool = True, core: bool = True) -> list[dict[str, Any]]:
     """Every policy, the hinted ones and the optimum on one workload, one replay each: one
     record per policy (``policy``, ``hit_tokens``, ``hit_rate``, ``us_per_request``: the block
     model's own replay time per request, Python, not the library's cost; ``hints`` where hints
-    were used), the optimum last with the never-evict ceiling beside it. The LRU record must
-    equal the library's own replay (``replay.replay_core``) to the token."""
+    were used), then the core's own policies measured through it (:func:`core_records`), the
+    optimum last with the never-evict ceiling beside it. The LRU record must equal the library's
+    own replay (``replay.replay_core``) to the token."""
     blocks = workload.blocks
     continues = conversations(workload.chains)
     outcomes = [(policy, replay(blocks, policy)) for policy in plain_policies() + hinted_policies(continues)]
@@ -932,6 +1013,8 @@ def run(workload: Workload, *, check_library: bool = True) -> list[dict[str, Any
         if library != lru:
             raise AssertionError(f"{workload.name}: the model's LRU hit {lru} tokens, the library {library}")
         records[0]["library_hit_tokens"] = library
+    if core:
+        records += core_records(workload, lru, gap, continues)
     optimum = entry("optimum", best)
     optimum["never_evict_hit_tokens"] = ceiling.hit_tokens
     records.append(optimum)

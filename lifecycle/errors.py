@@ -69,6 +69,11 @@ class AdapterError(LifecycleError):
     """A LoRA adapter slot reference is invalid (unknown slot, released twice, stale generation)."""
 
 
+class RetentionError(LifecycleError, ValueError):
+    """A retention hint or pin refused: a range past the prompt, a priority outside 0-100, a
+    negative duration or TTL, a pin over the budget."""
+
+
 class InvariantViolation(LifecycleError, AssertionError):
     """``check_invariants()`` found a count that does not match a recount from scratch."""
 

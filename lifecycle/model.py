@@ -979,3 +979,48 @@ class HybridModel(LifecycleDefaults):
                 )
             if self._tiers is not None:
                 self._tiers.check_invariants()
+
+    # ------------------------------------------------------------------ retention (lifecycle._retention)
+
+    def set_retention(
+        self,
+        seq: SequenceState,
+        ranges: Sequence[tuple[int, int, int] | tuple[int, int, int, float | None]] = (),
+        *,
+        decode_priority: int | None = None,
+        decode_duration_s: float | None = None,
+        ttl_s: float | None = None,
+    ) -> list[tuple[int, int, float]]:
+        """What to keep of the sequence's blocks once it finishes, TensorRT-LLM's way: token
+        ``ranges`` of its prompt as ``(start, end, priority[, duration_s])`` (priority 0-100, the
+        default 35; after ``duration_s`` it decays to the default), ``decode_priority`` (and
+        ``decode_duration_s``) for its generated tokens, ``ttl_s`` to keep its whole path (a
+        conversation's tail) just above the default for that long. Eviction takes the lowest
+        priority first. Call it after ``attach_prefix``; returns the spans kept, ``(first block,
+        priority, duration or -1)``. Bad input raises ``RetentionError``; the old hint stands."""
+        with self._lock:
+            self._enter()
+            return self._core.set_retention(
+                self._handle(seq), ranges, decode_priority=decode_priority,
+                decode_duration_s=decode_duration_s, ttl_s=ttl_s,
+            )
+
+    def pin_prefix(self, tokens: Sequence[int] | npt.NDArray[np.integer], *, adapter_slot: int = NO_ADAPTER) -> int:
+        """Keep the cached whole blocks of ``tokens`` (a system prompt) until ``unpin_prefix``,
+        within ``set_pin_budget``; returns how many blocks it pinned (0: none cached yet). Over
+        the budget: ``RetentionError``, nothing pinned."""
+        with self._lock:
+            self._enter()
+            return int(self._core.retention.pin(tokens, self._root_of(adapter_slot)))
+
+    def unpin_prefix(self, tokens: Sequence[int] | npt.NDArray[np.integer], *, adapter_slot: int = NO_ADAPTER) -> int:
+        """Undo ``pin_prefix`` of the same prefix; returns the blocks it had pinned."""
+        with self._lock:
+            self._enter()
+            return int(self._core.retention.unpin(tokens, self._root_of(adapter_slot)))
+
+    def set_pin_budget(self, num_blocks: int) -> None:
+        """At most ``num_blocks`` blocks in pinned prefixes (0 until set)."""
+        with self._lock:
+            self._enter()
+            self._core.retention.set_pin_budget(num_blocks)

@@ -56,6 +56,8 @@ class Stats:
     prefix_lookup_tokens: int = 0
     blocks_cached: int = 0
     blocks_evicted: int = 0
+    cache_read_tokens: int = 0  # prompt tokens served from the cache, as API providers bill them
+    cache_write_tokens: int = 0  # tokens of the blocks written into the cache
     compactions: int = 0
     detaches: int = 0
     snapshots_saved: int = 0

@@ -41,6 +41,7 @@ from lifecycle._int32 cimport (
 )
 from lifecycle._radix cimport Chunk, RNode, WalkEnd, chunk_decref, chunk_new
 from lifecycle._records cimport SequenceState as _Sequence
+from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
     E_CLOSED, E_GROWN, E_INVALID_ARG, E_INVARIANT, E_NEGATIVE_TOKEN, E_NO_MEMORY, E_NOT_CACHED,
     E_OTHER_TOKENS, E_OUT_OF_BLOCKS, E_REFUSED, E_TOO_LONG, OK, blocks_for, handle_arg as _handle_arg,
@@ -109,6 +110,7 @@ cdef class KVCacheCore:
             self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
         )
         self._snaps = new_snapshot_ids(num, self._trie)
+        self._retention = new_retention(self._trie, self._records, self._lock, self._block_size)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
         self._pool = pool
         self._enabled = bool(enable_prefix_cache)
@@ -266,7 +268,7 @@ cdef class KVCacheCore:
             )
             if count < 0:
                 f.code = E_INVARIANT
-                f.value = self._trie._lru_head
+                f.value = self._trie._victim()
                 break
             self._counters.blocks_evicted += count
             if logging and count > 0:
@@ -590,10 +592,11 @@ cdef class KVCacheCore:
         how many blocks became free."""
         cdef Py_ssize_t bs = self._block_size, d = rec.pin_blocks, full = 0, pos = 0, matched, length
         cdef Py_ssize_t freed
-        cdef int32_t start, v, leaf = -1
+        cdef int32_t start, v, leaf = -1, tip
         cdef WalkEnd walk
         cdef Chunk *chunk = rec.chunk
         cdef Chunk *copy
+        tip = rec.pin_node if self._enabled and not rec.failed else -1  # the request's cached path
         if cache and self._enabled and not rec.failed:
             full = min(<Py_ssize_t>rec.num_tokens // bs, <Py_ssize_t>rec.num_blocks)
             pos = full
@@ -628,6 +631,9 @@ cdef class KVCacheCore:
                     self._counters.blocks_cached += length
                     if self._track:
                         self._log_stored(leaf, length)
+                tip = leaf if length > 0 else v
+        if self._retention._num_hints:
+            self._retention.apply(rec, tip, rec.cached_tokens // bs)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
         # The blocks [pos, full) now belong to the cache: the record's references changed owner.
@@ -1283,8 +1289,29 @@ cdef class KVCacheCore:
             "snapshot_hits": c.snapshot_hits,
             "snapshot_hits_cut_short": c.snapshot_hits_cut_short,
             "snapshots_evicted": self._snaps.evicted,
+            "cache_read_tokens": c.prefix_hit_tokens,
+            "cache_write_tokens": c.blocks_cached * self._block_size,
             "time_in_library_ns": self._lock.held_ns(),
         }
+
+    # -- retention (lifecycle._retention) --
+
+    @property
+    def retention(self):
+        """The retention state: hints per request, pinned prefixes, the pin budget, the clock."""
+        return self._retention
+
+    def set_retention(self, handle, ranges=(), *, decode_priority=None, decode_duration_s=None, ttl_s=None):
+        """Retention hints for request ``handle``, applied at its finish (``Retention.set``)."""
+        return self._retention.set(handle, ranges, decode_priority, decode_duration_s, ttl_s)
+
+    def pin_prefix(self, tokens, adapter=0):
+        """Pin the cached whole blocks of ``tokens`` within the pin budget (``Retention.pin``)."""
+        return self._retention.pin(tokens, _adapter_key(adapter))
+
+    def unpin_prefix(self, tokens, adapter=0):
+        """Undo ``pin_prefix`` of the same prefix; returns its blocks (``Retention.unpin``)."""
+        return self._retention.unpin(tokens, _adapter_key(adapter))
 
     def time_ns(self):
         """Nanoseconds spent in the core's calls so far (under its lock)."""
@@ -1498,6 +1525,7 @@ cdef class KVCacheCore:
         problem = self._records.problem(refs, pins, chunk_refs)
         if problem is not None:
             return problem
+        self._retention.count_pins(pins)
         if self._null_block >= 0:
             refs[self._null_block] += 1
         tags = 0

@@ -9,9 +9,11 @@ only after that block's tokens compared equal; the rest of a run is compared tok
 walk costs one lookup per branch, and a hash never decides a match.
 
 Eviction follows least recent use per block, as a trie of single blocks would: every node that is
-neither pinned nor above a pinned node is on one LRU list that lists every node after all of its
+neither pinned nor above a pinned node is on an LRU list that lists every node after all of its
 descendants, so the head is always an unpinned leaf; eviction trims leaf runs from their tail,
-many blocks per step.
+many blocks per step. There is one such list per retention priority (0 to 100, a node's at least
+its children's), the lowest taken first; without hints every node has the default priority and
+the one list in use is plain LRU.
 
 The trie owns no block references: the KV cache core (``lifecycle._kvcache``) keeps the pool's
 refcounts and calls these methods with its lock held. Python sees introspection only.
@@ -20,7 +22,9 @@ refcounts and calls these methods with its lock held. Python sees introspection 
 cimport cython
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from lifecycle._sync cimport lc_enter_gil, lc_leave, lc_mutex_init
 from lifecycle._hash cimport (
@@ -259,34 +263,63 @@ cdef inline void _return_slot(RadixTrie t, int32_t v) noexcept nogil:
     t._num_free_slots += 1
 
 
+# -- the eviction lists (retention) ------------------------------------------------------------
+#
+# One LRU list per retention priority (0..100); the victim is the head of the lowest non-empty
+# list. Every list lists a node after its descendants in it, and a node's priority is at least its
+# children's (``_lift`` keeps both when a priority changes), so that head is an unpinned leaf, as
+# the single list's head was. A priority above the default
+# that expires decays to the default (``_decay``, from a heap of expiries); to keep a parent from
+# decaying below its child, a parent that outranks a hinted child keeps its rank until the
+# child's expiry.
+
+cdef extern from *:
+    """
+    static inline int lc_lowest_bit(unsigned long long x) {
+    #if defined(_MSC_VER)
+        unsigned long i; _BitScanForward64(&i, x); return (int)i;
+    #else
+        return __builtin_ctzll(x);
+    #endif
+    }
+    """
+    int lc_lowest_bit(uint64_t x) noexcept nogil
+
+
 cdef inline void _lru_append(RadixTrie t, int32_t v) noexcept nogil:
     cdef RNode *node = &t._nodes[v]
-    node.lru_prev = t._lru_tail
+    cdef int32_t q = node.priority
+    node.lru_prev = t._tails[q]
     node.lru_next = -1
-    if t._lru_tail >= 0:
-        t._nodes[t._lru_tail].lru_next = v
+    if t._tails[q] >= 0:
+        t._nodes[t._tails[q]].lru_next = v
     else:
-        t._lru_head = v
-    t._lru_tail = v
+        t._heads[q] = v
+        t._listed[q >> 6] |= (<uint64_t>1) << (q & 63)
+    t._tails[q] = v
     t._lru_blocks += node.length
 
 
 cdef inline void _lru_remove(RadixTrie t, int32_t v) noexcept nogil:
     cdef RNode *node = &t._nodes[v]
+    cdef int32_t q = node.priority
     if node.lru_prev >= 0:
         t._nodes[node.lru_prev].lru_next = node.lru_next
     else:
-        t._lru_head = node.lru_next
+        t._heads[q] = node.lru_next
+        if node.lru_next < 0:
+            t._listed[q >> 6] &= ~((<uint64_t>1) << (q & 63))
     if node.lru_next >= 0:
         t._nodes[node.lru_next].lru_prev = node.lru_prev
     else:
-        t._lru_tail = node.lru_prev
+        t._tails[q] = node.lru_prev
     node.lru_prev = -1
     node.lru_next = -1
     t._lru_blocks -= node.length
 
 
 cdef inline void _lru_insert_after(RadixTrie t, int32_t anchor, int32_t v) noexcept nogil:
+    # ``v`` joins ``anchor``'s list (it has ``anchor``'s priority).
     cdef RNode *node = &t._nodes[v]
     cdef int32_t after = t._nodes[anchor].lru_next
     node.lru_prev = anchor
@@ -295,8 +328,132 @@ cdef inline void _lru_insert_after(RadixTrie t, int32_t anchor, int32_t v) noexc
     if after >= 0:
         t._nodes[after].lru_prev = v
     else:
-        t._lru_tail = v
+        t._tails[node.priority] = v
     t._lru_blocks += node.length
+
+
+cdef inline int32_t _lowest_list(RadixTrie t, int32_t above) noexcept nogil:
+    """The lowest non-empty list above ``above``, -1 if none."""
+    cdef int32_t q = above + 1
+    cdef uint64_t bits
+    while q < NUM_LISTS:
+        bits = t._listed[q >> 6] >> (q & 63)
+        if bits:
+            return q + lc_lowest_bit(bits)
+        q = (q | 63) + 1
+    return -1
+
+
+cdef inline int32_t _lru_after(RadixTrie t, int32_t v) noexcept nogil:
+    """The node after ``v`` in the lists taken lowest first (the first one for ``v = -1``): every
+    node comes after its descendants."""
+    cdef int32_t q = -1
+    if v >= 0:
+        if t._nodes[v].lru_next >= 0:
+            return t._nodes[v].lru_next
+        q = t._nodes[v].priority
+    q += 1
+    while q < NUM_LISTS:
+        if t._heads[q] >= 0:
+            return t._heads[q]
+        q += 1
+    return -1
+
+
+cdef int _heap_push(RadixTrie t, double at, int32_t v) noexcept nogil:
+    # 1 when out of memory (nothing pushed).
+    cdef Py_ssize_t i, up, capacity
+    cdef Expiry *grown
+    if t._heap_size == t._heap_capacity:
+        capacity = max(<Py_ssize_t>64, 2 * t._heap_capacity)
+        grown = <Expiry *>realloc(t._heap, capacity * sizeof(Expiry))
+        if grown == NULL:
+            return 1
+        t._heap = grown
+        t._heap_capacity = capacity
+    i = t._heap_size
+    t._heap_size += 1
+    while i > 0:
+        up = (i - 1) >> 1
+        if t._heap[up].at <= at:
+            break
+        t._heap[i] = t._heap[up]
+        i = up
+    t._heap[i].at = at
+    t._heap[i].node = v
+    return 0
+
+
+cdef void _heap_pop(RadixTrie t) noexcept nogil:
+    cdef Py_ssize_t i = 0, c, n
+    cdef Expiry last
+    t._heap_size -= 1
+    n = t._heap_size
+    if n == 0:
+        return
+    last = t._heap[n]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and t._heap[c + 1].at < t._heap[c].at:
+            c += 1
+        if t._heap[c].at >= last.at:
+            break
+        t._heap[i] = t._heap[c]
+        i = c
+    t._heap[i] = last
+
+
+cdef inline void _set_expiry(RadixTrie t, int32_t v, double at) noexcept nogil:
+    # A finite expiry has an entry in the heap at or before it (``_decay`` pushes a later expiry
+    # again when that entry comes due), so pushing is needed only when it gets earlier. Out of
+    # heap memory the priority stays without decaying: retention lasts longer than asked.
+    cdef double old = t._nodes[v].expiry
+    t._nodes[v].expiry = at
+    if at < INFINITY and not (old < INFINITY and at >= old) and _heap_push(t, at, v):
+        t._nodes[v].expiry = INFINITY
+
+
+cdef inline void _move(RadixTrie t, int32_t v, int32_t q) noexcept nogil:
+    # Node v to list q, at its MRU end when listed.
+    cdef RNode *node = &t._nodes[v]
+    cdef bint listed = node.lock_count == 0
+    if listed:
+        _lru_remove(t, v)
+    node.priority = q
+    if listed:
+        _lru_append(t, v)
+
+
+cdef void _lift(RadixTrie t, int32_t v) noexcept nogil:
+    """Restore the lists' order above ``v`` after its priority changed: an ancestor below its
+    priority rises to it, one equal to it moves after it, and (above the default) an ancestor's
+    rank lasts at least as long as ``v``'s."""
+    cdef int32_t q = t._nodes[v].priority, u = t._nodes[v].parent
+    cdef double at = t._nodes[v].expiry
+    cdef RNode *up
+    while t._nodes[u].parent >= 0:
+        up = &t._nodes[u]
+        if up.priority > q:
+            if q <= DEFAULT_PRIORITY or up.expiry >= at:
+                return
+            _set_expiry(t, u, at)
+        elif up.priority < q:
+            # Its other children may outlive ``at`` above the default: its old expiry bounds theirs.
+            if up.priority > DEFAULT_PRIORITY and up.expiry > at:
+                at = up.expiry
+            _move(t, u, q)
+            _set_expiry(t, u, at if q > DEFAULT_PRIORITY else INFINITY)
+        else:
+            if q > DEFAULT_PRIORITY and up.expiry < at:
+                _set_expiry(t, u, at)
+            elif up.lock_count != 0:
+                return  # its ancestors are locked (off the lists) and at least as high already
+            if up.lock_count == 0:
+                _lru_remove(t, u)
+                _lru_append(t, u)
+        u = up.parent
 
 
 cdef inline int32_t _find_child(RadixTrie t, int32_t parent, const int32_t *tokens) noexcept nogil:
@@ -358,9 +515,9 @@ cdef class RadixTrie:
         lc_mutex_init(&self._own_lock)
         self._lock = &self._own_lock
         self._block_size = 1
-        self._lru_head = -1
-        self._lru_tail = -1
         self._free_head = -1
+        memset(self._heads, 0xFF, sizeof(self._heads))
+        memset(self._tails, 0xFF, sizeof(self._tails))
 
     def __init__(self, block_size, *, capacity=0):
         """An empty trie for blocks of ``block_size`` tokens, with room for ``capacity`` nodes."""
@@ -389,6 +546,7 @@ cdef class RadixTrie:
         free(self._buckets)
         free(self._keys)
         free(self._evicted_tags)
+        free(self._heap)
 
     def __repr__(self):
         return (
@@ -515,6 +673,8 @@ cdef class RadixTrie:
         node.lru_prev = -1
         node.lru_next = -1
         node.tag = -1
+        node.priority = MAX_PRIORITY
+        node.expiry = INFINITY
         _chain_link(self, v)
         self._num_roots += 1
         return v
@@ -574,6 +734,9 @@ cdef class RadixTrie:
         head.key = tail.key
         head.lru_prev = -1
         head.lru_next = -1
+        head.priority = tail.priority
+        head.expiry = INFINITY
+        _set_expiry(self, h, tail.expiry)
         _chain_unlink(self, v)
         tail.start += blocks
         tail.length -= blocks
@@ -583,7 +746,7 @@ cdef class RadixTrie:
         _chain_link(self, h)
         _chain_link(self, v)
         if tail.lock_count == 0:
-            # Same last use as the tail, and after it as every ancestor is.
+            # Same last use and list as the tail, and after it as every ancestor is.
             self._lru_blocks -= blocks
             _lru_insert_after(self, v, h)
         self._num_nodes += 1
@@ -613,6 +776,8 @@ cdef class RadixTrie:
         node.pin_count = 0
         node.lock_count = 0
         node.tag = -1
+        node.priority = DEFAULT_PRIORITY
+        node.expiry = INFINITY
         node.key = _child_key(self, parent, chunk.tokens + <Py_ssize_t>start * self._block_size)
         _chain_link(self, v)
         up.num_children += 1
@@ -620,6 +785,8 @@ cdef class RadixTrie:
         self._num_blocks += length
         _lru_append(self, v)
         self._touch(parent)
+        if up.parent >= 0 and up.priority < DEFAULT_PRIORITY:
+            _lift(self, v)
         return v
 
     cdef void _extend(self, int32_t v, int32_t blocks) noexcept nogil:
@@ -664,6 +831,47 @@ cdef class RadixTrie:
             _lru_append(self, v)
             v = self._nodes[v].parent
 
+    cdef void _set_time(self, double now) noexcept nogil:
+        """Run the retention clock by the owner's time from now on (a replay's or a test's)."""
+        self._manual_clock = True
+        self._time = now
+
+    cdef double _now(self) noexcept nogil:
+        """The retention clock in seconds: CLOCK_MONOTONIC, or the owner's time once it set one."""
+        cdef timespec ts
+        if self._manual_clock:
+            return self._time
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+    cdef int32_t _victim(self) noexcept nogil:
+        """The next node eviction takes: the head of the lowest non-empty list (-1: nothing is
+        evictable)."""
+        cdef int32_t q = _lowest_list(self, -1)
+        return self._heads[q] if q >= 0 else -1
+
+    cdef void _set_priority(self, int32_t v, int32_t priority, double expiry) noexcept nogil:
+        """Give node ``v`` (not a root) ``priority`` until ``expiry`` (INFINITY: for good); it
+        becomes the most recently used of its list, and its ancestors are kept above it."""
+        _move(self, v, priority)
+        _set_expiry(self, v, expiry)
+        _lift(self, v)
+
+    cdef void _decay(self, double now) noexcept nogil:
+        """Priorities that expired by ``now`` go back to the default."""
+        cdef Expiry top
+        cdef RNode *node
+        while self._heap_size and self._heap[0].at <= now:
+            top = self._heap[0]
+            _heap_pop(self)
+            node = &self._nodes[top.node]
+            if top.node >= self._high_water or node.parent < 0:
+                continue
+            if node.expiry == top.at:
+                self._set_priority(top.node, DEFAULT_PRIORITY, INFINITY)
+            elif top.at < node.expiry < INFINITY and _heap_push(self, node.expiry, top.node):
+                node.expiry = INFINITY  # extended since: due later (out of memory: kept)
+
     cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil:
         """Write the block ids of the path ending at ``v`` to ``dest`` (root side first); returns
         how many."""
@@ -692,13 +900,23 @@ cdef class RadixTrie:
         the LRU head was not a leaf, an invariant broke). Tags at trimmed ends go to the evicted
         tags."""
         cdef Py_ssize_t count = 0, take, bs = self._block_size
-        cdef int32_t v
+        cdef int32_t v, q
         cdef RNode *node
-        while count < n and self._lru_head >= 0:
-            v = self._lru_head
+        if self._heap_size and self._heap[0].at <= self._now():
+            self._decay(self._now())
+        while count < n:
+            v = self._victim()
+            if v < 0:
+                break
             node = &self._nodes[v]
             if node.num_children != 0:
-                return -1
+                # A child outranks it (not expected: _lift keeps parents at least as high):
+                # it takes the next rank up until it is a leaf.
+                q = _lowest_list(self, node.priority)
+                if q < 0:
+                    return -1
+                self._set_priority(v, q, INFINITY)
+                continue
             take = min(<Py_ssize_t>node.length, n - count)
             memcpy(dest + count, node.chunk.blocks + node.start + node.length - take, take * sizeof(int32_t))
             if token_dest != NULL:
@@ -727,9 +945,9 @@ cdef class RadixTrie:
     ) noexcept nogil:
         """Drop ``top`` and every node below it (none of them may be protected: ``top``'s lock
         count is 0), writing their block ids to ``dest`` (and tokens to ``token_dest`` unless NULL),
-        deepest first; returns how many blocks (-1: out of memory, nothing dropped). The LRU list
-        holds exactly these nodes among others and lists children before parents, so one pass
-        over it removes each node once its children are gone. Tags go to the evicted tags."""
+        deepest first; returns how many blocks (-1: out of memory, nothing dropped). The LRU lists
+        hold exactly these nodes among others and, taken lowest first, list children before
+        parents, so one pass over them removes each node once its children are gone. Tags go to the evicted tags."""
         cdef uint8_t *state = <uint8_t *>calloc(self._high_water + 1, sizeof(uint8_t))
         cdef Py_ssize_t count = 0, bs = self._block_size
         cdef int32_t v, u, after
@@ -738,9 +956,9 @@ cdef class RadixTrie:
         if state == NULL:
             return -1
         state[top] = 1  # 1: inside the subtree, 2: outside, 0: not yet known
-        v = self._lru_head
+        v = _lru_after(self, -1)
         while v >= 0:
-            after = self._nodes[v].lru_next
+            after = _lru_after(self, v)
             u = v
             while u >= 0 and state[u] == 0:
                 u = self._nodes[u].parent
@@ -779,9 +997,12 @@ cdef class RadixTrie:
         self._num_nodes = 0
         self._num_roots = 0
         self._num_blocks = 0
-        self._lru_head = -1
-        self._lru_tail = -1
+        memset(self._heads, 0xFF, sizeof(self._heads))
+        memset(self._tails, 0xFF, sizeof(self._tails))
+        self._listed[0] = 0
+        self._listed[1] = 0
         self._lru_blocks = 0
+        self._heap_size = 0
 
     cdef dict _chunk_bytes(self):
         """(Lock held) bytes of the chunks cached runs lie in: ``chunks`` (headers and block-id
@@ -961,7 +1182,7 @@ cdef class RadixTrie:
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos):
         cdef Py_ssize_t hw = self._high_water, bs = self._block_size
         cdef Py_ssize_t i, steps, live = 0, nodes = 0, roots = 0, blocks = 0, lru_blocks = 0
-        cdef int32_t v, p, prev
+        cdef int32_t v, p, prev, q
         cdef RNode *node
         cdef RNode *up
         if hw > self._capacity or self._num_free_slots > hw:
@@ -1051,25 +1272,30 @@ cdef class RadixTrie:
                     f"node {i} has lock count {node.lock_count}, expected pins {node.pin_count} "
                     f"+ protected children {protected_children[i]}"
                 )
-        v = self._lru_head
-        prev = -1
         steps = 0
-        while v >= 0:
-            if v >= hw or self._nodes[v].parent < 0 or lru_pos[v] >= 0:
-                return f"LRU list reaches slot {v}, which is not a node (or twice)"
-            if self._nodes[v].lru_prev != prev:
-                return f"LRU node {v} points back to {self._nodes[v].lru_prev}, not {prev}"
-            if self._nodes[v].lock_count != 0:
-                return f"LRU node {v} is protected (lock count {self._nodes[v].lock_count})"
-            lru_pos[v] = steps
-            lru_blocks += self._nodes[v].length
-            steps += 1
-            prev = v
-            v = self._nodes[v].lru_next
-        if prev != self._lru_tail:
-            return f"LRU tail is {self._lru_tail} but the list ends at {prev}"
+        for q in range(NUM_LISTS):
+            v = self._heads[q]
+            prev = -1
+            if (v >= 0) != (((self._listed[q >> 6] >> (q & 63)) & 1) == 1):
+                return f"list {q} has head {v} but its bit says otherwise"
+            while v >= 0:
+                if v >= hw or self._nodes[v].parent < 0 or lru_pos[v] >= 0:
+                    return f"LRU list {q} reaches slot {v}, which is not a node (or twice)"
+                if self._nodes[v].lru_prev != prev:
+                    return f"LRU node {v} points back to {self._nodes[v].lru_prev}, not {prev}"
+                if self._nodes[v].lock_count != 0:
+                    return f"LRU node {v} is protected (lock count {self._nodes[v].lock_count})"
+                if self._nodes[v].priority != q:
+                    return f"node {v} of priority {self._nodes[v].priority} is on list {q}"
+                lru_pos[v] = steps
+                lru_blocks += self._nodes[v].length
+                steps += 1
+                prev = v
+                v = self._nodes[v].lru_next
+            if prev != self._tails[q]:
+                return f"LRU list {q} has tail {self._tails[q]} but ends at {prev}"
         if lru_blocks != self._lru_blocks:
-            return f"LRU list holds {lru_blocks} blocks, its counter says {self._lru_blocks}"
+            return f"LRU lists hold {lru_blocks} evictable blocks, the counter says {self._lru_blocks}"
         for i in range(hw):
             node = &self._nodes[i]
             if node.parent < 0:

@@ -262,3 +262,25 @@ def test_run_reports_every_policy_then_the_optimum() -> None:
     assert all(("hints" in r) == ("+ttl" in r["policy"]) for r in records)
     assert records[-1]["hit_tokens"] == 3 and records[-1]["never_evict_hit_tokens"] == 4
     assert records[0]["gap_closed"] == 0 and records[-1]["gap_closed"] == 1
+
+
+def test_the_cores_records_measure_lru_and_session_ttls_through_the_library() -> None:
+    """The first 300 W3 requests on a pool of 30,000 blocks: ``core:lru`` is the library's own
+    replay, ``core:lru+ttl-120s`` the same with every continuing request hinted."""
+    pytest.importorskip("lifecycle._kvcache")
+    import json
+
+    from replay import replay_core
+    from traces import MOONCAKE_TRACE, mooncake_lines
+    from w3 import load_w3
+
+    trace = dataclasses.replace(load_w3(limit=300), num_blocks=30_000, max_live=4)
+    times = [int(json.loads(line)["timestamp"]) for line in mooncake_lines(MOONCAKE_TRACE)][:300]
+    cut = policies.Workload("W3", policies.block_trace(trace, times), trace.chunk_ids, trace)
+    continues = policies.conversations(cut.chains)
+    _, library, _ = replay_core(trace)
+    records = policies.core_records(cut, library, 1, continues)
+    assert [r["policy"] for r in records] == ["core:lru", "core:lru+ttl-120s"]
+    assert records[0]["hit_tokens"] == library
+    assert records[1]["hints"]["sessions_hinted"] == int((continues >= 0).sum()) > 0
+    assert records[1]["hit_tokens"] != library

@@ -740,3 +740,24 @@ def test_errors_are_lifecycle_errors() -> None:
 def test_sglangs_own_radix_cache_tests_pass_against_the_adapter() -> None:
     summary = run_suite("sglang", "suite_sglang.py")
     assert "failed" not in summary and "error" not in summary
+
+
+def test_a_prioritized_path_outlives_later_inserts_in_a_full_tree() -> None:
+    """SGLang's ``priority`` eviction policy: the cache raises an inserted key's pages to the
+    request's priority (``retention_priority``), so later default inserts evict around them."""
+    from lifecycle.integrations.sglang import retention_priority
+
+    t = Tree(num_pages=8)
+    kept = list(range(100, 100 + 3 * PS))
+    t.insert(kept, 0)
+    assert t.tree.core.retention.prioritize(kept, 0, retention_priority(10)) == 3
+    for i in range(6):
+        t.insert([1000 * (i + 1) + j for j in range(2 * PS)], 100 + 10 * PS * i)
+    assert len(t.match(kept)[0]) == 3 * PS
+    t.settled()
+
+
+def test_sglang_priorities_map_to_retention_around_the_default() -> None:
+    from lifecycle.integrations.sglang import retention_priority
+
+    assert [retention_priority(p) for p in (0, 10, -10, 1000, -1000)] == [35, 45, 25, 100, 0]

@@ -363,3 +363,26 @@ def test_the_scheduler_classes_without_vllm_name_the_extra(name: str) -> None:
 def test_vllms_own_prefix_caching_tests_pass_against_the_facade() -> None:
     summary = run_suite("vllm", "suite_vllm.py")
     assert "failed" not in summary and "error" not in summary
+
+
+def test_request_priority_maps_to_retention_around_the_default() -> None:
+    from lifecycle.integrations.vllm import retention_priority
+
+    assert [retention_priority(p) for p in (0, -10, 10, -1000, 1000)] == [35, 45, 25, 100, 0]
+
+
+def test_a_high_priority_request_keeps_its_blocks_through_a_flood_of_default_ones() -> None:
+    """vLLM #47802: a request's priority reaches the cache. Its 4 blocks outlive 10 later
+    default-priority prompts in a pool of 10 usable blocks."""
+    manager = make()
+    kept = FakeRequest("kept", list(range(100, 117)))
+    kept.priority = -50  # type: ignore[attr-defined]
+    prefill(manager, kept)
+    manager.free(kept)
+    for i in range(10):
+        one_off = FakeRequest(f"r{i}", [1000 * (i + 1) + t for t in range(17)])
+        prefill(manager, one_off)
+        manager.free(one_off)
+    _, hit, _ = manager.get_computed_blocks(FakeRequest("again", list(range(100, 117))))
+    assert hit == 16
+    settled(manager)

@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lifecycle._blockpool import BlockPool
+from lifecycle._retention import DEFAULT_RETENTION
 from lifecycle._sglang_pagetree import PageNode, PageTree, page_indices, pages_of
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
@@ -133,6 +134,13 @@ def dfs_weight_order(nodes: Sequence[PageNode]) -> list[int]:
 
 
 @functools.cache
+def retention_priority(priority: int) -> int:
+    """An SGLang request priority under the ``priority`` eviction policy (a node keeps the highest
+    priority that inserted it, the lower evicted first) as a retention priority: the core's
+    default (35) plus the request's, within 0-100."""
+    return min(100, max(0, DEFAULT_RETENTION + int(priority)))
+
+
 def radix_cache_class() -> type[Any]:
     """``LifecycleRadixCache``: SGLang's ``BasePrefixCache`` over a :class:`PageTree` (built once;
     needs SGLang)."""
@@ -169,8 +177,10 @@ def radix_cache_class() -> type[Any]:
             if getattr(params, "enable_mamba_extra_buffer", False):
                 raise Unsupported("LifecycleRadixCache: enable_mamba_extra_buffer: Mamba state is not supported")
             policy = str(params.eviction_policy).lower()
-            if policy != "lru":
-                raise Unsupported(f"LifecycleRadixCache: eviction_policy={policy!r}; only 'lru' is supported")
+            if policy not in ("lru", "priority"):
+                raise Unsupported(
+                    f"LifecycleRadixCache: eviction_policy={policy!r}; only 'lru' and 'priority' are supported"
+                )
             self.disable = params.disable
             self.req_to_token_pool = params.req_to_token_pool
             self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -273,6 +283,11 @@ def radix_cache_class() -> type[Any]:
             value = params.value  # a tensor (read in place when on the CPU), or the tokens themselves
             cached, node = self._tree.insert(tokens, length, tokens if value is None else value, self._namespace(key))
             ps = self.page_size
+            priority = getattr(params, "priority", None) if self.eviction_policy == "priority" else None
+            if priority:
+                self._tree.core.retention.prioritize(
+                    tokens[: length // ps * ps], self._namespace(key), retention_priority(priority)
+                )
             return InsertResult(prefix_len=cached * ps, total_len=length // ps * ps, last_device_node=node)
 
         def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:

@@ -41,6 +41,7 @@ import numpy.typing as npt
 
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
+from lifecycle._retention import DEFAULT_RETENTION
 from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
@@ -194,6 +195,12 @@ class Coordinator:
 
     def __init__(self, block_size: int, kv_cache_spec: Any) -> None:
         self.single_type_managers = (GroupManager(block_size, kv_cache_spec),)
+
+
+def retention_priority(priority: int) -> int:
+    """A vLLM request priority (lower is served first, 0 the default) as the retention priority
+    of its blocks: the core's default (35) less the request's priority, within 0-100."""
+    return min(100, max(0, DEFAULT_RETENTION - int(priority)))
 
 
 class LifecycleKVCacheManager:
@@ -427,11 +434,20 @@ class LifecycleKVCacheManager:
         if live is None:
             live = _Live(handle, request.num_tokens, have, self._cacheable_tokens(request) // bs)
             self._live[request_id] = live
+            self._retain(request, handle)
         if not delay_cache_blocks:
             self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))
         if needed <= have:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(core.block_table(handle)[have:needed])
+
+    def _retain(self, request: Any, handle: int) -> None:
+        """vLLM #47802: a request's priority reaches the cache. Its prompt and generated blocks
+        keep :func:`retention_priority` of it (the default priority asks for nothing)."""
+        priority = retention_priority(getattr(request, "priority", 0) or 0)
+        prompt = self.core.prompt_len(handle)
+        if priority != DEFAULT_RETENTION and prompt > 0:
+            self.core.set_retention(handle, [(0, prompt, priority)], decode_priority=priority)
 
     def _cache(self, request: Any, live: _Live, num_tokens: int) -> None:
         """Record the request's tokens up to ``num_tokens`` and cache their full blocks."""

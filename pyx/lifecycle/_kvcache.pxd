@@ -12,6 +12,7 @@ from lifecycle._blockpool cimport BlockPool
 from lifecycle._evlog cimport EventLog
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
+from lifecycle._retention cimport Retention
 from lifecycle._snapids cimport SnapshotIds
 from lifecycle._sync cimport CoreLock
 
@@ -54,6 +55,7 @@ cdef class KVCacheCore:
     cdef Py_ssize_t _token_scratch_capacity
     cdef uint64_t *_hash_scratch
     cdef Py_ssize_t _hash_scratch_capacity
+    cdef Retention _retention       # retention hints and pinned prefixes
 
     # -- the surface: the lock (``lock().enter_gil()`` ... ``lock().leave(NULL)``), then locked calls --
     cdef inline CoreLock lock(self):

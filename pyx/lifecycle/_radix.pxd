@@ -53,6 +53,8 @@ cdef struct RNode:
     int32_t hash_prev
     int32_t hash_next          # next node of the bucket (next unused slot when unused)
     int32_t tag                # a snapshot id kept at the run's end, -1 = none
+    int32_t priority           # its eviction list: a retention priority 0..100
+    double expiry              # when that priority decays to the default (trie clock); INFINITY: never
 
 
 # Where a walk down the trie ended.
@@ -66,6 +68,20 @@ cdef struct WalkEnd:
 cdef enum:
     ROOT_PARENT = -1
     FREE_PARENT = -2
+
+
+# Retention: one LRU list per priority, the lowest non-empty list evicted first. A node's priority
+# is at least its children's, so the lowest list's head is a leaf (see radix.pyx, "the eviction lists").
+cdef enum:
+    DEFAULT_PRIORITY = 35      # TensorRT-LLM's default retention priority
+    MAX_PRIORITY = 100
+    NUM_LISTS = 101
+
+
+# A node's priority expiring at ``at`` (a min-heap of them; an entry whose node's expiry changed is stale).
+cdef struct Expiry:
+    double at
+    int32_t node
 
 
 cdef Chunk *chunk_new(ChunkCache *cache, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil
@@ -90,9 +106,15 @@ cdef class RadixTrie:
     cdef Py_ssize_t _num_nodes      # live non-root nodes
     cdef Py_ssize_t _num_roots
     cdef Py_ssize_t _num_blocks     # blocks held by all nodes
-    cdef int32_t _lru_head
-    cdef int32_t _lru_tail
-    cdef Py_ssize_t _lru_blocks     # blocks of the nodes on the LRU list (evictable)
+    cdef int32_t _heads[NUM_LISTS]  # one LRU list per priority (see the retention enum)
+    cdef int32_t _tails[NUM_LISTS]
+    cdef uint64_t _listed[2]        # bit q: list q is not empty
+    cdef Py_ssize_t _lru_blocks     # blocks of the nodes on the lists (evictable)
+    cdef Expiry *_heap              # expiries of finite priorities, earliest first
+    cdef Py_ssize_t _heap_size
+    cdef Py_ssize_t _heap_capacity
+    cdef bint _manual_clock         # the retention clock is ``_time`` (set by the owner), not CLOCK_MONOTONIC
+    cdef double _time
     cdef lc_mutex_t *_lock          # the owner's lock (see _share_lock)
     cdef lc_mutex_t _own_lock       # used when no owner gave one
     cdef object _lock_owner         # what holds ``_lock``, kept alive
@@ -129,6 +151,11 @@ cdef class RadixTrie:
     cdef void _pin(self, int32_t v) noexcept nogil
     cdef void _unpin(self, int32_t v) noexcept nogil
     cdef void _touch(self, int32_t v) noexcept nogil
+    cdef void _set_time(self, double now) noexcept nogil
+    cdef double _now(self) noexcept nogil
+    cdef int32_t _victim(self) noexcept nogil
+    cdef void _set_priority(self, int32_t v, int32_t priority, double expiry) noexcept nogil
+    cdef void _decay(self, double now) noexcept nogil
     cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil
     cdef void _path_tokens(self, int32_t v, int32_t *dest, Py_ssize_t blocks) noexcept nogil
     cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest) noexcept nogil

@@ -6,7 +6,7 @@ The event log's and the records' names that callers import from here are re-expo
 """
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias, final
 
 import numpy as np
@@ -22,6 +22,7 @@ from lifecycle._radix import RadixTrie
 from lifecycle._records import SeqHandle as SeqHandle
 from lifecycle._records import SeqStatus as SeqStatus
 from lifecycle._records import SequenceState as SequenceState
+from lifecycle._retention import Retention
 from lifecycle._slots import SlotPool
 
 # A native 1-D int32 array is read in place; other integer arrays and sequences of ints are
@@ -138,6 +139,19 @@ class KVCacheCore:
         """(target, free)."""
     def adapter_slots(self) -> npt.NDArray[np.int32]: ...
     def counters(self) -> dict[str, int]: ...
+    @property
+    def retention(self) -> Retention: ...
+    def set_retention(
+        self,
+        handle: int,
+        ranges: Iterable[tuple[int, int, int] | tuple[int, int, int, float | None]] = (),
+        *,
+        decode_priority: int | None = None,
+        decode_duration_s: float | None = None,
+        ttl_s: float | None = None,
+    ) -> list[tuple[int, int, float]]: ...
+    def pin_prefix(self, tokens: _TokenIds, adapter: _Int = 0) -> int: ...
+    def unpin_prefix(self, tokens: _TokenIds, adapter: _Int = 0) -> int: ...
     def time_ns(self) -> int: ...
     def live_totals(self) -> tuple[int, int]:
         """(live records, blocks they hold)."""
