@@ -75,7 +75,8 @@ class HybridModel(LifecycleDefaults):
     Redis / Valkey URL shared by engines, written behind the host tier (see
     :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
     ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
-    tables with it (vLLM's null block)."""
+    tables with it (vLLM's null block). ``weights_fingerprint`` and ``tier_secret``: what the tiers
+    key blocks under besides the configuration (:mod:`lifecycle.tiers.keys`)."""
 
     def __init__(
         self,
@@ -87,6 +88,8 @@ class HybridModel(LifecycleDefaults):
         host_tier_blocks: int = 0,
         store: str | None = None,
         null_block: bool = False,
+        weights_fingerprint: bytes | str | None = None,
+        tier_secret: bytes | str | None = None,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -138,6 +141,7 @@ class HybridModel(LifecycleDefaults):
                 self._tiers = open_tiers(
                     self._core, self._device, self._kv, config, ssm=self._ssm is not None,
                     host_blocks=host_tier_blocks, store_url=store, events=self._events,
+                    weights_fingerprint=weights_fingerprint, secret=tier_secret,
                 )
             except BaseException:
                 self._core.close()
@@ -176,7 +180,9 @@ class HybridModel(LifecycleDefaults):
         already released the slot)."""
         while self._drop_queue:
             try:
-                slot = self._core.finish(self._drop_queue.popleft(), False)
+                handle = self._drop_queue.popleft()
+                self._tier_record(handle)
+                slot = self._core.finish(handle, False)
             except (SequenceStateError, TornDown, IndexError):
                 continue
             if slot != NO_ADAPTER:
@@ -234,7 +240,15 @@ class HybridModel(LifecycleDefaults):
         with self._lock, self._device_work():
             self._enter()
             if seq.is_open:
+                self._tier_record(seq.handle)
                 cache_sequence(self._core, self._snapshots, seq, self._block_size)
+
+    def _tier_record(self, handle: int) -> None:
+        """Before a sequence is cached or released: the tiers learn what its blocks hold."""
+        if self._demoting and self._core.is_live(handle):
+            assert self._tiers is not None
+            with self._lock:
+                self._tiers.record(handle)
 
     def finish_sequence(self, seq: SequenceState) -> None:
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
@@ -253,6 +267,8 @@ class HybridModel(LifecycleDefaults):
             return
         if self._torn_down or self._drop_queue:
             self._enter()
+        if self._demoting:
+            self._tier_record(seq.handle)
         self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
@@ -262,6 +278,8 @@ class HybridModel(LifecycleDefaults):
         but ``teardown`` does."""
         if self._torn_down or self._drop_queue:
             self._enter()
+        if self._demoting:
+            self._tier_record(seq.handle)
         self._core.release(seq, False, self._release_adapter)
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
@@ -452,11 +470,10 @@ class HybridModel(LifecycleDefaults):
             if host is None or target == 0:
                 return PrefixReclaim(target, free)
             # The host tier's leading run past the device match: promoted at attach, not prefilled.
+            assert self._tiers is not None
             tokens = np.asarray(prompt, dtype=np.int32)
             limit = min((len(tokens) - 1) // self._block_size, blocks_needed)
-            reused = blocks_needed - target
-            hashes = self._core.content_hashes(tokens[: limit * self._block_size], key)[reused:]
-            found = host.lookup(hashes, tokens[reused * self._block_size : limit * self._block_size])
+            found = self._tiers.lookup(key, tokens, blocks_needed - target, limit)
             return PrefixReclaim(target, free, host_blocks=found)
 
     # ------------------------------------------------------------------ companions

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -31,8 +31,14 @@ from lifecycle.errors import ConfigError, OutOfBlocks
 from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import MEDIUM_CPU
 from lifecycle.pools import KVPool
+from lifecycle.tiers._args import chained_parents
 from lifecycle.tiers.host import HostTier
+from lifecycle.tiers.keys import TierKeys
 from lifecycle.tiers.records import BlockRecord
+from lifecycle.tiers.store import DEFAULT_TTL_S
+
+if TYPE_CHECKING:
+    from lifecycle.tiers.store import StoreTier
 
 __all__ = ["ModelTiers", "TierCounters", "check_host_blocks", "open_tiers"]
 
@@ -51,7 +57,9 @@ class TierCounters:
     store_hit_blocks: int = 0  # blocks read from the store (then promoted through the host tier)
     blocks_demoted: int = 0  # evicted device blocks copied into the host tier
     blocks_promoted: int = 0
-    tier_ns: int = 0  # time in demotion and promotion (copies included)
+    tier_ns: int = 0  # time in the tiers: demotion, promotion, tier keys (copies and store reads included)
+    copy_ns: int = 0  # of which batched copies (with the tier's checks around them)
+    store_ns: int = 0  # of which store reads at admission
 
 
 def check_host_blocks(host_blocks: object) -> None:
@@ -62,7 +70,14 @@ def check_host_blocks(host_blocks: object) -> None:
 
 class ModelTiers:
     """A host tier of ``host_blocks`` blocks with an optional store at ``store_url`` under it, for
-    one model's core and KV pool; their events go into ``events`` (None: no events)."""
+    one model's core and KV pool; their events go into ``events`` (None: no events).
+
+    Blocks are found in the tiers by their tier keys (:mod:`lifecycle.tiers.keys`: ``namespace``
+    and ``secret``), computed from a request's own tokens: at admission for the lookup, and when a
+    holder caches or releases a sequence (:meth:`record`), for every block of its table, so a block
+    the device evicts goes down under the key of the prefix it was computed after.
+    ``store_admit``: see :data:`~lifecycle.tiers.store.ADMISSIONS`; ``store_ttl_s``: how long
+    records live in the store."""
 
     def __init__(
         self,
@@ -74,6 +89,10 @@ class ModelTiers:
         host_blocks: int = 0,
         store_url: str | None = None,
         events: KVEventLog | None = None,
+        weights_fingerprint: bytes | str | None = None,
+        secret: bytes | str | None = None,
+        store_admit: str = "reused",
+        store_ttl_s: float | None = DEFAULT_TTL_S,
     ) -> None:
         check_host_blocks(host_blocks)
         if store_url is not None and host_blocks == 0:
@@ -86,9 +105,20 @@ class ModelTiers:
         self._block_size = config.block_size
         self.counters = TierCounters()
         self._host: HostTier | None = None
-        self._store = None
+        self._store: StoreTier | None = None
         self._events = events
-        self._roots: dict[int, int] = {}  # cache key -> the hash its chains start from
+        self._keys = TierKeys(config, weights_fingerprint=weights_fingerprint, secret=secret)
+        self._roots: dict[int, int] = {}  # cache key -> the content hash its chains start from
+        self._chains: dict[int, npt.NDArray[np.uint64]] = {}  # handle -> tier keys of its admitted prompt
+        self._kept: set[int] = set()  # high words of keys marked to keep (written to the store)
+        self._event_hashes: dict[int, int] = {}  # with events: high word of a host entry -> its content hash
+        num_blocks = kv_pool.num_blocks if kv_pool is not None else 0
+        # What each device block holds, as its last holder recorded it: its key, its parent's, its
+        # content hash; valid until the block leaves the cache.
+        self._block_keys = np.zeros((num_blocks, 2), dtype=np.uint64)
+        self._block_parents = np.zeros((num_blocks, 2), dtype=np.uint64)
+        self._block_hashes = np.zeros(num_blocks, dtype=np.uint64)
+        self._block_valid = np.zeros(num_blocks, dtype=np.bool_)
         if host_blocks:
             assert kv_pool is not None
             self._host = HostTier(device, kv_pool, host_blocks, config.block_size)
@@ -96,8 +126,12 @@ class ModelTiers:
                 if store_url is not None:
                     from lifecycle.tiers.store import StoreTier
 
-                    self._store = StoreTier(store_url, config, source=self._host)
-                    self._host.subscribe(self._store.write_behind)
+                    self._store = StoreTier(
+                        store_url, config, source=self._host, namespace=self._keys.namespace, ttl_s=store_ttl_s,
+                        admit=store_admit,
+                    )
+                    if store_admit == "all":
+                        self._host.subscribe(self._store.write_behind)
                 if events is not None:
                     self._host.record_changes(True)
             except BaseException:
@@ -108,6 +142,54 @@ class ModelTiers:
     @property
     def host(self) -> HostTier | None:
         return self._host
+
+    @property
+    def store(self) -> StoreTier | None:
+        return self._store
+
+    @property
+    def keys(self) -> TierKeys:
+        return self._keys
+
+    # -- what each device block holds ---------------------------------------------------------------
+
+    def record(self, handle: int) -> None:
+        """Before a holder caches or releases ``handle``: the tier keys of every whole block of
+        its table, from its own tokens (the admitted prompt's keys are reused)."""
+        core = self._core
+        bs = self._block_size
+        full = min(core.num_tokens(handle) // bs, core.num_blocks(handle))
+        chain = self._chains.pop(handle, None)
+        if full == 0 or self._host is None:
+            return
+        started = time.perf_counter_ns()
+        root = self._keys.root(core.cache_key(handle))
+        done = 0 if chain is None else min(len(chain), full)
+        if done < full:
+            parent = root if done == 0 else (int(chain[done - 1, 0]), int(chain[done - 1, 1]))  # type: ignore[index]
+            rest = self._keys.chain(core.tokens(handle)[done * bs : full * bs], parent)
+            chain = rest if done == 0 else np.concatenate((chain[:done], rest))  # type: ignore[index]
+        assert chain is not None
+        chain = chain[:full]
+        ids = core.block_table(handle)[:full]
+        hashes = core.block_hashes(handle)[:full]
+        if len(hashes) < full:  # blocks not hashed yet hold nothing a tier can name
+            full = len(hashes)
+            ids, chain = ids[:full], chain[:full]
+        self._block_keys[ids] = chain
+        self._block_parents[ids] = chained_parents(chain, root)
+        self._block_hashes[ids] = hashes
+        self._block_valid[ids] = True
+        self.counters.tier_ns += time.perf_counter_ns() - started
+
+    def keep(self, handle: int) -> None:
+        """Mark the admitted prompt of ``handle`` to keep: its blocks go to the store when the
+        device evicts them, reused or not."""
+        chain = self._chains.get(handle)
+        if chain is not None and self._store is not None:
+            if len(self._kept) > 1 << 20:
+                self._kept.clear()
+            self._kept.update(chain[:, 0].tolist())
 
     # -- after every core call that may evict ------------------------------------------------------
 
@@ -121,16 +203,32 @@ class ModelTiers:
         leaving: dict[int, int] = {}  # the cache keys of the blocks that left the device, where not 0
         if self._events is not None:
             self._events.device(raw, leaving)
-        if demoted is not None:
-            hashes, ids, tokens = demoted
-            started = time.perf_counter_ns()
-            assert self._host is not None
-            self.counters.blocks_demoted += self._host.demote(hashes, ids, tokens)
-            self.counters.tier_ns += time.perf_counter_ns() - started
-            if self._events is not None:
-                demoted_hashes: list[int] = hashes.tolist()
-                keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
-                self._log_host(demoted_hashes, tokens.reshape(-1, self._block_size), keys, None)
+        if demoted is None:
+            return
+        hashes, ids, tokens = demoted
+        started = time.perf_counter_ns()
+        host = self._host
+        assert host is not None
+        # Only blocks whose last holder named them, as the block the core says left, go down.
+        known = self._block_valid[ids] & (self._block_hashes[ids] == hashes)
+        self._block_valid[ids] = False
+        if not known.all():
+            hashes, ids, tokens = hashes[known], ids[known], tokens.reshape(-1, self._block_size)[known]
+        keys, parents = self._block_keys[ids], self._block_parents[ids]
+        marked = time.perf_counter_ns()
+        self.counters.blocks_demoted += host.demote(keys, ids, tokens, parents)
+        copied = time.perf_counter_ns()
+        self.counters.copy_ns += copied - marked
+        if self._kept and self._store is not None:
+            kept = [key for key in keys[:, 0].tolist() if key in self._kept]
+            if kept:
+                self._kept.difference_update(kept)
+                self._store.write_behind(kept)
+        if self._events is not None:
+            demoted_hashes: list[int] = hashes.tolist()
+            cache_keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
+            self._log_host(keys[:, 0].tolist(), demoted_hashes, tokens.reshape(-1, self._block_size), cache_keys, None)
+        self.counters.tier_ns += time.perf_counter_ns() - started
 
     @staticmethod
     def _demoted(raw: RawEvents) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
@@ -151,12 +249,49 @@ class ModelTiers:
 
     # -- admission -----------------------------------------------------------------------------------
 
+    def _prompt_keys(self, handle: int, prompt: npt.NDArray[np.int32], limit: int) -> npt.NDArray[np.uint64]:
+        """The tier keys of the first ``limit`` blocks of ``prompt``, kept for :meth:`record`."""
+        chain = self._keys.chain(prompt[: limit * self._block_size], self._keys.root(self._core.cache_key(handle)))
+        self._chains[handle] = chain
+        return chain
+
+    def _parent(self, handle: int, chain: npt.NDArray[np.uint64], first: int) -> tuple[int, int]:
+        return _before(chain, first, self._keys.root(self._core.cache_key(handle)))
+
+    def lookup(self, cache_key: int, prompt: npt.NDArray[np.int32], reused_blocks: int, limit: int) -> int:
+        """How many blocks past ``reused_blocks`` of ``prompt`` (at most to ``limit``), under
+        ``cache_key``, the host tier holds, as :meth:`promote` would find them."""
+        if self._host is None or limit <= reused_blocks:
+            return 0
+        root = self._keys.root(cache_key)
+        chain = self._keys.chain(prompt[: limit * self._block_size], root)
+        bs = self._block_size
+        return self._host.lookup(
+            chain[reused_blocks:], prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root)
+        )
+
+    def prefetch(self, cache_key: int, prompt: npt.NDArray[np.int32]) -> int:
+        """Ask the store, on its reader thread, for the blocks of ``prompt`` (a queued request's,
+        under ``cache_key``) that the host tier does not hold; returns the blocks asked for."""
+        if self._store is None or self._host is None:
+            return 0
+        limit = (len(prompt) - 1) // self._block_size
+        if limit <= 0:
+            return 0
+        root = self._keys.root(cache_key)
+        chain = self._keys.chain(prompt[: limit * self._block_size], root)
+        bs = self._block_size
+        found = self._host.lookup(chain, prompt[: limit * bs], root)
+        if found == limit:
+            return 0
+        return self._store.prefetch(chain[found:], prompt[found * bs : limit * bs], _before(chain, found, root))
+
     def promote(self, handle: int, prompt: npt.NDArray[np.int32], reused_blocks: int) -> int:
         """Continue a request's lookup past its ``reused_blocks`` device blocks into the host
         tier and the store, up to the block before the one holding the prompt's last token, and
         copy the run found into the request's blocks (grown to cover it if they do not). Returns
-        the blocks promoted. Every block promoted holds the request's tokens: the host tier checks
-        them for what it held, the store for what it gives back, and the copy for both."""
+        the blocks promoted. Every block promoted is the block asked for: the host tier checks
+        each entry's key, parent key and tokens, the store each record's, and the copy both."""
         host = self._host
         limit = (len(prompt) - 1) // self._block_size
         if host is None or limit <= reused_blocks:
@@ -164,6 +299,7 @@ class ModelTiers:
         started = time.perf_counter_ns()
         core = self._core
         self.counters.tier_lookups += 1
+        tier_before = self.counters.tier_ns
         try:
             if core.num_blocks(handle) < limit:
                 try:
@@ -175,25 +311,33 @@ class ModelTiers:
             if limit <= reused_blocks:
                 return 0
             bs = self._block_size
-            chain = core.block_hashes(handle)[:limit]
+            chain = self._prompt_keys(handle, prompt, limit)
             wanted = chain[reused_blocks:]
+            parent = self._parent(handle, chain, reused_blocks)
             tokens = prompt[reused_blocks * bs : limit * bs]
-            found = host.lookup(wanted, tokens)
+            found = host.lookup(wanted, tokens, parent)
             self.counters.host_hit_blocks += found
+            from_host = found
             if found < len(wanted) and self._store is not None:
                 room = host.capacity_blocks - found  # loading must not push out what was found
+                reading = time.perf_counter_ns()
                 run = self._load(handle, chain, reused_blocks + found, tokens[found * bs :], room)
                 self.counters.store_hit_blocks += run
+                self.counters.store_ns += time.perf_counter_ns() - reading
                 found += run
             if found == 0:
                 return 0
             table = core.block_table(handle)
-            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs])
+            copying = time.perf_counter_ns()
+            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs], parent)
+            self.counters.copy_ns += time.perf_counter_ns() - copying
             core.mark_computed(handle, reused_blocks + found)
             self.counters.blocks_promoted += found
+            if from_host and self._store is not None and self._store.admit == "reused":
+                self._store.write_behind(wanted[:from_host, 0].tolist())  # reused: worth sharing
             return found
-        finally:
-            self.counters.tier_ns += time.perf_counter_ns() - started
+        finally:  # the drain's own time is inside this call's
+            self.counters.tier_ns = tier_before + time.perf_counter_ns() - started
 
     def _load(
         self, handle: int, chain: npt.NDArray[np.uint64], first: int, tokens: npt.NDArray[np.int32], room: int
@@ -201,50 +345,52 @@ class ModelTiers:
         """Read blocks ``chain[first:]`` (holding ``tokens``) from the store and load the leading
         run of valid records, at most ``room``, into the host tier; returns the run's length."""
         assert self._store is not None and self._host is not None
-        hashes: list[int] = chain.tolist()
-        records = self._store.get_many(chain[first:], tokens)
-        seen = set(hashes[:first])
+        records = self._store.get_many(chain[first:], tokens, self._parent(handle, chain, first))
         hits: list[BlockRecord] = []
         for record in records[:room]:
-            # A hash met twice in one chain (a collision) ends the run: one entry cannot hold both.
-            if record is None or record.content_hash in seen:
+            if record is None:
                 break
-            seen.add(record.content_hash)
             hits.append(record)
         if not hits:
             return 0
         self._host.load(hits)
         if self._events is not None:
             run = len(hits)
+            hashes: list[int] = self._core.block_hashes(handle)[: first + run].tolist()
             parents: list[int | None] = [hashes[i - 1] if i else None for i in range(first, first + run)]
             keys = [self._core.cache_key(handle)] * run
             rows = tokens[: run * self._block_size].reshape(run, self._block_size)
-            self._log_host(hashes[first : first + run], rows, keys, parents)
+            self._log_host(chain[first : first + run, 0].tolist(), hashes[first:], rows, keys, parents)
         return len(hits)
 
     # -- events --------------------------------------------------------------------------------------
 
     def _log_host(
-        self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int], parents: list[int | None] | None
+        self, tier_keys: list[int], hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int],
+        parents: list[int | None] | None,
     ) -> None:
-        """The host tier's changes in the call just made on ``hashes`` (their token ``rows``, cache
-        ``keys`` and, where known, ``parents``; demoted blocks' parents are recovered from the
-        chain) into the log."""
+        """The host tier's changes in the call just made on the blocks of ``tier_keys`` (high
+        words; their content ``hashes``, token ``rows``, cache ``keys`` and, where known,
+        ``parents``; demoted blocks' parents are recovered from the chain) into the log, named by
+        their content hashes as the device's events name them."""
         assert self._host is not None and self._events is not None
         position: dict[int, int] | None = None
+        named = self._event_hashes
         for kind, changed in self._host.take_changes():
             if kind == "removed":
-                self._events.removed(MEDIUM_CPU, changed)
+                self._events.removed(MEDIUM_CPU, [named.pop(key) for key in changed if key in named])
                 continue
             if position is None:
-                position = {content_hash: i for i, content_hash in enumerate(hashes)}
-            picked = [position[content_hash] for content_hash in changed]
+                position = {key: i for i, key in enumerate(tier_keys)}
+            picked = [position[key] for key in changed]
+            picked_hashes = [hashes[i] for i in picked]
+            named.update(zip(changed, picked_hashes))
             picked_keys = [keys[i] for i in picked]
             if parents is None:
-                picked_parents = self._parents(changed, rows[picked], picked_keys)
+                picked_parents = self._parents(picked_hashes, rows[picked], picked_keys)
             else:
                 picked_parents = [parents[i] for i in picked]
-            self._log_cpu_stored(changed, rows[picked], picked_parents, picked_keys)
+            self._log_cpu_stored(picked_hashes, rows[picked], picked_parents, picked_keys)
 
     def _parents(self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int]) -> list[int | None]:
         """The parent of each block (None for a sequence's first) from its hash and tokens: the
@@ -314,6 +460,8 @@ class ModelTiers:
         after every event before it, the host tier's included, and stands for the host tier's
         blocks too."""
         self.drain()
+        self._block_valid[:] = False
+        self._event_hashes.clear()
         if self._host is not None:
             self._host.clear()
 
@@ -337,6 +485,14 @@ class ModelTiers:
                 self._host.close()
 
 
+def _before(chain: npt.NDArray[np.uint64], first: int, root: tuple[int, int]) -> tuple[int, int]:
+    """The key before block ``first`` of ``chain`` (``root`` before the first)."""
+    if first == 0:
+        return root
+    high, low = chain[first - 1].tolist()
+    return high, low
+
+
 def open_tiers(
     core: KVCacheCore,
     device: Device,
@@ -347,14 +503,20 @@ def open_tiers(
     host_blocks: int,
     store_url: str | None,
     events: KVEventLog | None,
+    weights_fingerprint: bytes | str | None = None,
+    secret: bytes | str | None = None,
 ) -> ModelTiers | None:
     """A model's tiers (a host tier of ``host_blocks``, a store at ``store_url`` under it), or None
     without either: events alone are then read from the core's log by the model, with no tier
-    between. ``ssm``: the model has SSM layers (which reuse through snapshots, not a host tier)."""
+    between. ``ssm``: the model has SSM layers (which reuse through snapshots, not a host tier).
+    ``weights_fingerprint`` and ``secret``: see :mod:`lifecycle.tiers.keys`."""
     if host_blocks and ssm:
         raise ConfigError("a host tier holds KV blocks only; a model with SSM layers reuses through snapshots")
     if host_blocks or store_url is not None:
-        return ModelTiers(core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events)
+        return ModelTiers(
+            core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events,
+            weights_fingerprint=weights_fingerprint, secret=secret,
+        )
     check_host_blocks(host_blocks)
     core.set_events(events is not None, demote=False)
     return None
