@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any, BinaryIO, Final
 
@@ -76,7 +76,8 @@ class HybridModel(LifecycleDefaults):
     :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
     ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
     tables with it (vLLM's null block). ``weights_fingerprint`` and ``tier_secret``: what the tiers
-    key blocks under besides the configuration (:mod:`lifecycle.tiers.keys`)."""
+    key blocks under besides the configuration (:mod:`lifecycle.tiers.keys`); ``store_options``:
+    keywords of the store (:class:`~lifecycle.tiers.store.StoreTier`: ``admit``, ``ttl_s``, ...)."""
 
     def __init__(
         self,
@@ -90,6 +91,7 @@ class HybridModel(LifecycleDefaults):
         null_block: bool = False,
         weights_fingerprint: bytes | str | None = None,
         tier_secret: bytes | str | None = None,
+        store_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -141,7 +143,7 @@ class HybridModel(LifecycleDefaults):
                 self._tiers = open_tiers(
                     self._core, self._device, self._kv, config, ssm=self._ssm is not None,
                     host_blocks=host_tier_blocks, store_url=store, events=self._events,
-                    weights_fingerprint=weights_fingerprint, secret=tier_secret,
+                    weights_fingerprint=weights_fingerprint, secret=tier_secret, store_options=store_options,
                 )
             except BaseException:
                 self._core.close()
@@ -966,6 +968,11 @@ class HybridModel(LifecycleDefaults):
     def null_block(self) -> int:
         """The block held for padding tables (0), -1 without one."""
         return int(self._core.null_block)
+
+    @property
+    def tiers(self) -> ModelTiers | None:
+        """The tiers below the device (None without a host tier, a store or events)."""
+        return self._tiers
 
     @property
     def host_tier(self) -> HostTier | None:

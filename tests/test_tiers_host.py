@@ -1,4 +1,4 @@
-"""HostTier: whole blocks kept in host memory by content hash, verified by tokens, LRU, and the
+"""HostTier: whole blocks kept in host memory by key, verified by key, parent and tokens, LRU, and the
 copies to and from the device pool (on every device the suites run on)."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_promoted_blocks_stay_in_the_tier(tier: HostTier) -> None:
 
 def test_stats_count_the_bytes_moved(tier: HostTier) -> None:
     tier.demote([11, 12], [0, 1], tokens_of(0, 1))
-    tier.promote([12], [2], tokens_of(1))
+    tier.promote([12], [2], tokens_of(1), parent=11)
     stats = tier.stats()
     assert (stats.bytes_demoted, stats.bytes_promoted) == (2 * tier.block_bytes, tier.block_bytes)
 
@@ -216,7 +216,7 @@ def test_a_batch_larger_than_the_tier_keeps_its_last_blocks(pool: KVPool) -> Non
     with make_tier(pool, capacity=2) as tier:
         assert tier.demote([11, 12, 13], [0, 1, 2], tokens_of(0, 1, 2)) == 2
         tier.check_invariants()
-        assert tier.lookup([12, 13], tokens_of(1, 2)) == 2
+        assert tier.lookup([12, 13], tokens_of(1, 2), parent=11) == 2
 
 
 def test_an_evicted_slot_holds_the_new_block(pool: KVPool) -> None:
@@ -235,13 +235,14 @@ def test_read_blocks_gives_tokens_and_bytes_of_held_blocks(tier: HostTier, pool:
     tier.demote([11], [3], tokens_of(3))
     held, absent = tier.read_blocks([11, 12])
     assert absent is None and held is not None
-    assert held[0].tolist() == tokens_of(3)[0].tolist()
-    assert held[1] == block_bytes(pool.device, pool, 3)
+    assert (held.key, held.parent) == ((11, 0), (0, 0))
+    assert held.tokens.tolist() == tokens_of(3)[0].tolist()
+    assert held.kv == block_bytes(pool.device, pool, 3)
 
 
 def test_loaded_records_promote_like_demoted_blocks(tier: HostTier, pool: KVPool) -> None:
     kv = bytes(range(256)) * (tier.block_bytes // 256) + bytes(tier.block_bytes % 256)
-    assert tier.load([BlockRecord(21, 0, tokens_of(1)[0], kv)]) == 1
+    assert tier.load([BlockRecord((21, 0), (0, 0), tokens_of(1)[0], kv)]) == 1
     tier.check_invariants()
     assert tier.lookup([21], tokens_of(1)) == 1
     tier.promote([21], [5], tokens_of(1))
@@ -250,7 +251,7 @@ def test_loaded_records_promote_like_demoted_blocks(tier: HostTier, pool: KVPool
 
 def test_a_record_of_another_size_is_refused(tier: HostTier) -> None:
     with pytest.raises(InvalidId, match=f"a block takes {tier.block_bytes}"):
-        tier.load([BlockRecord(21, 0, tokens_of(1)[0], b"short")])
+        tier.load([BlockRecord((21, 0), (0, 0), tokens_of(1)[0], b"short")])
 
 
 # -- construction and teardown ----------------------------------------------------------------------
@@ -333,7 +334,7 @@ def test_a_block_id_that_is_not_an_int_is_refused_not_truncated(
 def test_promote_refuses_an_entry_holding_other_tokens_and_copies_nothing(tier: HostTier, pool: KVPool) -> None:
     tier.demote([11], [0], tokens_of(0))
     before, stats = block_bytes(pool.device, pool, 5), tier.stats()
-    with pytest.raises(InvalidId, match="0x000000000000000b with other tokens"):
+    with pytest.raises(InvalidId, match="key 0x000000000000000b as another block"):
         tier.promote([11], [5], tokens_of(1))  # hash 11, but not the block stored under it
     assert block_bytes(pool.device, pool, 5) == before and tier.stats() == stats
 
@@ -343,7 +344,7 @@ def test_a_record_whose_hash_collides_with_an_entry_takes_its_place_and_promotes
 ) -> None:
     tier.demote([11], [0], tokens_of(0))
     kv = bytes(range(256)) * (tier.block_bytes // 256) + bytes(tier.block_bytes % 256)
-    assert tier.load([BlockRecord(11, 0, tokens_of(1)[0], kv)]) == 1  # verified by the store for tokens_of(1)
+    assert tier.load([BlockRecord((11, 0), (0, 0), tokens_of(1)[0], kv)]) == 1  # verified by the store for tokens_of(1)
     tier.check_invariants()
     assert tier.stats().replaced == 1 and tier.lookup([11], tokens_of(1)) == 1
     tier.promote([11], [5], tokens_of(1))
@@ -352,7 +353,7 @@ def test_a_record_whose_hash_collides_with_an_entry_takes_its_place_and_promotes
 
 def test_a_record_of_a_block_held_with_its_tokens_is_a_duplicate(tier: HostTier, pool: KVPool) -> None:
     tier.demote([11], [0], tokens_of(0))
-    assert tier.load([BlockRecord(11, 0, tokens_of(0)[0], bytes(tier.block_bytes))]) == 0
+    assert tier.load([BlockRecord((11, 0), (0, 0), tokens_of(0)[0], bytes(tier.block_bytes))]) == 0
     assert tier.stats().duplicates == 1
     tier.promote([11], [5], tokens_of(0))
     assert block_bytes(pool.device, pool, 5) == block_bytes(pool.device, pool, 0)
@@ -371,7 +372,7 @@ def test_recorded_changes_come_in_the_order_they_happened(pool: KVPool) -> None:
         tier.demote([11], [0], tokens_of(0))
         tier.demote([12], [1], tokens_of(1))  # 11 makes room
         tier.demote([11], [0], tokens_of(0))  # 12 makes room
-        tier.load([BlockRecord(11, 0, tokens_of(3)[0], bytes(tier.block_bytes))])  # replaces 11
+        tier.load([BlockRecord((11, 0), (0, 0), tokens_of(3)[0], bytes(tier.block_bytes))])  # replaces 11
         assert tier.take_changes() == [
             ("stored", [11]), ("removed", [11]), ("stored", [12]), ("removed", [12]), ("stored", [11]),
             ("removed", [11]), ("stored", [11]),
@@ -383,7 +384,7 @@ def test_a_load_larger_than_the_tier_records_only_what_it_keeps(pool: KVPool) ->
     with make_tier(pool, capacity=2) as tier:
         tier.record_changes()
         kv = bytes(tier.block_bytes)
-        tier.load([BlockRecord(h, 0, tokens_of(b)[0], kv) for b, h in enumerate((21, 22, 23))])
+        tier.load([BlockRecord((h, 0), (0, 0), tokens_of(b)[0], kv) for b, h in enumerate((21, 22, 23))])
         changes = tier.take_changes()
         held: set[int] = set()
         for kind, hashes in changes:  # replayed in order, as a KV-event consumer does
@@ -414,7 +415,8 @@ class HostTierMachine(RuleBasedStateMachine):
         blocks = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=len(hashes), max_size=len(hashes),
                                     unique=True))
         seeds = [h % 3 for h in hashes]  # hashes 1 and 4 share tokens: equal tokens, other hash
-        stored = self.tier.demote(hashes, blocks, tokens_of(*seeds))
+        # every key's parent is the key before it (0 before 1): lookups ask for runs of keys
+        stored = self.tier.demote(hashes, blocks, tokens_of(*seeds), parents=[h - 1 for h in hashes])
         fresh: dict[int, tuple[int, bytes]] = {}
         for key, block, seed in zip(hashes, blocks, seeds):
             if key in self.model:
@@ -427,8 +429,9 @@ class HostTierMachine(RuleBasedStateMachine):
                 self.model.popitem(last=False)
         assert stored == min(len(fresh), self.CAPACITY)
 
-    @rule(hashes=st.lists(st.integers(1, 6), min_size=1, max_size=4, unique=True), other_tokens=st.booleans())
-    def lookup(self, hashes: list[int], other_tokens: bool) -> None:
+    @rule(first=st.integers(1, 6), length=st.integers(1, 4), other_tokens=st.booleans())
+    def lookup(self, first: int, length: int, other_tokens: bool) -> None:
+        hashes = list(range(first, min(first + length, 7)))
         seeds = [h % 3 for h in hashes]
         if other_tokens:  # the last block's tokens differ from those stored under its hash
             seeds[-1] = 7
@@ -439,14 +442,14 @@ class HostTierMachine(RuleBasedStateMachine):
             expected += 1
         for key in reversed(hashes[:expected]):
             self.model.move_to_end(key)
-        assert self.tier.lookup(hashes, tokens_of(*seeds)) == expected
+        assert self.tier.lookup(hashes, tokens_of(*seeds), parent=first - 1) == expected
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())
     def promote(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.model)))
         block = data.draw(st.integers(0, NUM_BLOCKS - 1))
-        self.tier.promote([key], [block], tokens_of(self.model[key][0]))
+        self.tier.promote([key], [block], tokens_of(self.model[key][0]), parent=key - 1)
         assert block_bytes(self.dev, self.pool, block) == self.model[key][1]
 
     @invariant()
@@ -506,9 +509,9 @@ def replayed(model: HybridModel, index: EventIndex) -> list[KVEvent]:
     """Replay the window's events into ``index`` and check they tell what every tier holds."""
     events = list(model.take_events().events)
     index.apply(events)
-    host = model.host_tier
-    assert host is not None
-    assert len(index.holds("CPU")) == host.num_blocks and all(h in host for h in index.holds("CPU"))
+    host, tiers = model.host_tier, model.tiers
+    assert host is not None and tiers is not None
+    assert len(index.holds("CPU")) == host.num_blocks and index.holds("CPU") == tiers.held_hashes()
     assert len(index.holds("GPU")) == model.core.num_cached_blocks
     model.check_invariants()
     return events
@@ -525,10 +528,11 @@ def test_a_block_demoted_dropped_and_demoted_again_in_one_window_reads_as_held(m
     cache_prompt(model, 2)
     cache_prompt(model, 3)
     demote_everything(model)
-    assert model.host_tier is not None and first not in model.host_tier  # the host tier dropped it for room
+    tiers = model.tiers
+    assert tiers is not None and first not in tiers.held_hashes()  # the host tier dropped it for room
     cache_prompt(model, 1)
     demote_everything(model)
-    assert first in model.host_tier
+    assert first in tiers.held_hashes()
     replayed(model, index)
     assert first in index.holds("CPU")
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Final
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +36,6 @@ from lifecycle.tiers._args import chained_parents
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.keys import TierKeys
 from lifecycle.tiers.records import BlockRecord
-from lifecycle.tiers.store import DEFAULT_TTL_S
 
 if TYPE_CHECKING:
     from lifecycle.tiers.store import StoreTier
@@ -58,8 +58,8 @@ class TierCounters:
     blocks_demoted: int = 0  # evicted device blocks copied into the host tier
     blocks_promoted: int = 0
     tier_ns: int = 0  # time in the tiers: demotion, promotion, tier keys (copies and store reads included)
-    copy_ns: int = 0  # of which batched copies (with the tier's checks around them)
-    store_ns: int = 0  # of which store reads at admission
+    tier_copy_ns: int = 0  # of which batched copies (with the tier's checks around them)
+    tier_store_ns: int = 0  # of which store reads at admission
 
 
 def check_host_blocks(host_blocks: object) -> None:
@@ -76,8 +76,8 @@ class ModelTiers:
     and ``secret``), computed from a request's own tokens: at admission for the lookup, and when a
     holder caches or releases a sequence (:meth:`record`), for every block of its table, so a block
     the device evicts goes down under the key of the prefix it was computed after.
-    ``store_admit``: see :data:`~lifecycle.tiers.store.ADMISSIONS`; ``store_ttl_s``: how long
-    records live in the store."""
+    ``store_options``: keywords of the :class:`~lifecycle.tiers.store.StoreTier` (its ``admit``
+    policy, ``ttl_s``, timeouts, ...)."""
 
     def __init__(
         self,
@@ -91,8 +91,7 @@ class ModelTiers:
         events: KVEventLog | None = None,
         weights_fingerprint: bytes | str | None = None,
         secret: bytes | str | None = None,
-        store_admit: str = "reused",
-        store_ttl_s: float | None = DEFAULT_TTL_S,
+        store_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_host_blocks(host_blocks)
         if store_url is not None and host_blocks == 0:
@@ -119,6 +118,7 @@ class ModelTiers:
         self._block_parents = np.zeros((num_blocks, 2), dtype=np.uint64)
         self._block_hashes = np.zeros(num_blocks, dtype=np.uint64)
         self._block_valid = np.zeros(num_blocks, dtype=np.bool_)
+        self._block_reused = np.zeros(num_blocks, dtype=np.bool_)  # hit on the device since it was cached
         if host_blocks:
             assert kv_pool is not None
             self._host = HostTier(device, kv_pool, host_blocks, config.block_size)
@@ -127,10 +127,10 @@ class ModelTiers:
                     from lifecycle.tiers.store import StoreTier
 
                     self._store = StoreTier(
-                        store_url, config, source=self._host, namespace=self._keys.namespace, ttl_s=store_ttl_s,
-                        admit=store_admit,
+                        store_url, config, source=self._host, namespace=self._keys.namespace,
+                        **dict(store_options or {}),
                     )
-                    if store_admit == "all":
+                    if self._store.admit == "all":
                         self._host.subscribe(self._store.write_behind)
                 if events is not None:
                     self._host.record_changes(True)
@@ -150,6 +150,11 @@ class ModelTiers:
     @property
     def keys(self) -> TierKeys:
         return self._keys
+
+    def held_hashes(self) -> set[int]:
+        """With events on: the content hashes of the blocks the host tier holds (as its events
+        named them); empty otherwise."""
+        return set(self._event_hashes.values())
 
     # -- what each device block holds ---------------------------------------------------------------
 
@@ -211,19 +216,26 @@ class ModelTiers:
         assert host is not None
         # Only blocks whose last holder named them, as the block the core says left, go down.
         known = self._block_valid[ids] & (self._block_hashes[ids] == hashes)
+        reused = self._block_reused[ids]
         self._block_valid[ids] = False
+        self._block_reused[ids] = False
         if not known.all():
             hashes, ids, tokens = hashes[known], ids[known], tokens.reshape(-1, self._block_size)[known]
+            reused = reused[known]
         keys, parents = self._block_keys[ids], self._block_parents[ids]
         marked = time.perf_counter_ns()
         self.counters.blocks_demoted += host.demote(keys, ids, tokens, parents)
         copied = time.perf_counter_ns()
-        self.counters.copy_ns += copied - marked
-        if self._kept and self._store is not None:
-            kept = [key for key in keys[:, 0].tolist() if key in self._kept]
-            if kept:
+        self.counters.tier_copy_ns += copied - marked
+        store = self._store
+        if store is not None and store.admit == "reused":
+            # reused on the device, or marked to keep: worth sharing (a host hit is written at promotion)
+            if self._kept:
+                kept = [key for key in keys[:, 0].tolist() if key in self._kept]
                 self._kept.difference_update(kept)
-                self._store.write_behind(kept)
+                reused |= np.isin(keys[:, 0], np.array(kept, dtype=np.uint64))
+            if reused.any():
+                store.write_behind(keys[reused, 0].tolist())
         if self._events is not None:
             demoted_hashes: list[int] = hashes.tolist()
             cache_keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
@@ -294,6 +306,8 @@ class ModelTiers:
         each entry's key, parent key and tokens, the store each record's, and the copy both."""
         host = self._host
         limit = (len(prompt) - 1) // self._block_size
+        if reused_blocks and self._store is not None:
+            self._block_reused[self._core.block_table(handle)[:reused_blocks]] = True
         if host is None or limit <= reused_blocks:
             return 0
         started = time.perf_counter_ns()
@@ -323,14 +337,14 @@ class ModelTiers:
                 reading = time.perf_counter_ns()
                 run = self._load(handle, chain, reused_blocks + found, tokens[found * bs :], room)
                 self.counters.store_hit_blocks += run
-                self.counters.store_ns += time.perf_counter_ns() - reading
+                self.counters.tier_store_ns += time.perf_counter_ns() - reading
                 found += run
             if found == 0:
                 return 0
             table = core.block_table(handle)
             copying = time.perf_counter_ns()
             host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs], parent)
-            self.counters.copy_ns += time.perf_counter_ns() - copying
+            self.counters.tier_copy_ns += time.perf_counter_ns() - copying
             core.mark_computed(handle, reused_blocks + found)
             self.counters.blocks_promoted += found
             if from_host and self._store is not None and self._store.admit == "reused":
@@ -505,17 +519,19 @@ def open_tiers(
     events: KVEventLog | None,
     weights_fingerprint: bytes | str | None = None,
     secret: bytes | str | None = None,
+    store_options: Mapping[str, Any] | None = None,
 ) -> ModelTiers | None:
     """A model's tiers (a host tier of ``host_blocks``, a store at ``store_url`` under it), or None
     without either: events alone are then read from the core's log by the model, with no tier
     between. ``ssm``: the model has SSM layers (which reuse through snapshots, not a host tier).
-    ``weights_fingerprint`` and ``secret``: see :mod:`lifecycle.tiers.keys`."""
+    ``weights_fingerprint`` and ``secret``: see :mod:`lifecycle.tiers.keys`; ``store_options``:
+    the store's keywords."""
     if host_blocks and ssm:
         raise ConfigError("a host tier holds KV blocks only; a model with SSM layers reuses through snapshots")
     if host_blocks or store_url is not None:
         return ModelTiers(
             core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events,
-            weights_fingerprint=weights_fingerprint, secret=secret,
+            weights_fingerprint=weights_fingerprint, secret=secret, store_options=store_options,
         )
     check_host_blocks(host_blocks)
     core.set_events(events is not None, demote=False)
