@@ -365,7 +365,8 @@ def test_blocks_loaded_from_the_store_are_host_tier_stores_with_their_tokens_and
     with store.client() as client:
         client.flushall()
     writer = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
-    reader, index = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH, events=True), EventIndex(BS)
+    reader = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH, events=True)
+    index = EventIndex(BS)
     tokens = prompt(1, 2, 3, 4)
     seq, _ = serve(writer, tokens)
     writer.finish_sequence(seq)
@@ -414,7 +415,9 @@ def test_models_of_one_byte_format_but_other_names_never_share_blocks(
     with store.client() as client:
         client.flushall()
     def named(name: str) -> HybridModel:
-        model = HybridModel(CONFIG.replace(name=name), "host", host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
+        model = HybridModel(
+            CONFIG.replace(name=name), "host", host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH
+        )
         models.append(model)
         return model
 

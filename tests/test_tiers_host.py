@@ -3,6 +3,7 @@ copies to and from the device pool (on every device the suites run on)."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -612,3 +613,31 @@ def test_events_through_random_traffic_tell_what_every_tier_holds(models: list[H
             replayed(model, index)
     replayed(model, index)
     assert index.check_hashes("CPU") == len(index.holds("CPU"))
+
+
+# -- lifecycle simulate ---------------------------------------------------------------------------------
+
+
+SIMULATE = ["simulate", "--model", "small-attention", "--requests", "60", "--blocks", "96", "--host-tier-mb", "16"]
+
+
+def test_simulate_splits_the_tiers_time_into_copies_store_reads_and_bookkeeping(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lifecycle.cli import main
+
+    assert main([*SIMULATE, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["host_hit_tokens"] > 0 and summary["store_hit_tokens"] == 0
+    assert summary["tier_copy_ns"] > 0 and summary["tier_store_ns"] == 0
+    assert summary["tier_ns"] > summary["tier_copy_ns"] + summary["tier_store_ns"]  # bookkeeping is the rest
+    assert summary["tier_ns"] <= summary["time_in_library_ns"]
+
+
+def test_simulate_prints_the_tiers_hits_and_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.cli import main
+
+    assert main(SIMULATE) == 0
+    out = capsys.readouterr().out
+    assert "host, +0 store tokens" in out
+    assert "tier time per request" in out and "copies" in out and "bookkeeping" in out

@@ -249,7 +249,10 @@ def serve_prompt(model: HybridModel, options: Options) -> None:
     model.finish_sequence(seq)
 
 
-def store_hits(models: list[HybridModel], url: str, writer: tuple[Options, Options], reader: tuple[Options, Options]) -> int:
+Side = tuple[Options, Options]
+
+
+def store_hits(models: list[HybridModel], url: str, writer: Side, reader: Side) -> int:
     """Blocks of ``PROMPT`` a model (``reader``: its options and its attach's) finds in the store
     after another (``writer``) cached and demoted them."""
     first = model_of(models, url, writer[0])
@@ -263,7 +266,7 @@ def store_hits(models: list[HybridModel], url: str, writer: tuple[Options, Optio
 
 MM = [(b"image-a", 0, 4)]
 #: (the writer's model and attach options, the reader's), differing in one part of the namespace.
-FOREIGN: dict[str, tuple[tuple[Options, Options], tuple[Options, Options]]] = {
+FOREIGN: dict[str, tuple[Side, Side]] = {
     "model name": (({}, {}), ({"config": CONFIG.replace(name="keys-finetune")}, {})),
     "weights": (({"weights_fingerprint": "w1"}, {}), ({"weights_fingerprint": "w2"}, {})),
     "secret": (({}, {}), ({"tier_secret": b"another deployment's secret"}, {})),
@@ -275,7 +278,9 @@ FOREIGN: dict[str, tuple[tuple[Options, Options], tuple[Options, Options]]] = {
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN))
-def test_a_foreign_namespace_finds_nothing_in_the_store(models: list[HybridModel], store: StoreServer, case: str) -> None:
+def test_a_foreign_namespace_finds_nothing_in_the_store(
+    models: list[HybridModel], store: StoreServer, case: str
+) -> None:
     writer, reader = FOREIGN[case]
     assert store_hits(models, store.url, writer, reader) == 0
 

@@ -21,7 +21,7 @@ from lifecycle.config import AttentionLayer, ModelConfig
 from lifecycle.device.host import HostDevice
 from lifecycle.errors import ConfigError
 from lifecycle.pools import KVPool
-from lifecycle.tiers.host import HostTier
+from lifecycle.tiers.host import HeldBlock, HostTier
 from lifecycle.tiers.keys import namespace_of
 from lifecycle.tiers.store import StoreTier, StoreUnavailable
 
@@ -423,7 +423,7 @@ class BlockedSource:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def read_blocks(self, hashes: Sequence[int]) -> list[tuple[npt.NDArray[np.int32], bytes] | None]:
+    def read_blocks(self, hashes: Sequence[int]) -> list[HeldBlock | None]:
         self.entered.set()
         assert self.release.wait(timeout=30), "the test never released the source"
         return self.inner.read_blocks(hashes)

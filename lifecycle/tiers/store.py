@@ -409,7 +409,7 @@ class StoreTier:
         self._count(get_requests=1, get_blocks=count)
         if not count:
             return []
-        pairs: list[tuple[int, int]] = [tuple(pair) for pair in rows.tolist()]  # type: ignore[misc]
+        pairs: list[tuple[int, int]] = [(pair[0], pair[1]) for pair in rows.tolist()]
         out: list[BlockRecord | None] = [None] * count
         asked: list[int] = []
         prefetched = pending = 0
