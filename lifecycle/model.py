@@ -450,6 +450,27 @@ class HybridModel(LifecycleDefaults):
             finally:
                 self._drained()
 
+    def prefetch_prefix(
+        self,
+        prompt: Sequence[int] | npt.NDArray[np.integer],
+        adapter_slot: int = NO_ADAPTER,
+        *,
+        cache_salt: bytes | str | int | None = None,
+        mm_keys: Sequence[MMKey] | None = None,
+    ) -> int:
+        """When a request is queued: ask the store, on its reader thread, for the blocks of its
+        prompt that the host tier does not hold, so that its admission (``attach_prefix`` with the
+        same adapter, salt and multimodal keys) promotes what has arrived without a round trip.
+        Returns the blocks asked for (0 without a store). Never waits on the store."""
+        with self._lock:
+            self._enter()
+            if self._tiers is None:
+                return 0
+            key = self._root_of(adapter_slot)
+            if cache_salt is not None:
+                key = salted_key(key, cache_salt)
+            return self._tiers.prefetch(key, identity_tokens(prompt, mm_keys) if mm_keys else prompt)
+
     def reclaim_prefix_blocks_for(
         self, prompt: Sequence[int] | npt.NDArray[np.integer], adapter_slot: int, blocks_needed: int
     ) -> PrefixReclaim:

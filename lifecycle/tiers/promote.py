@@ -32,7 +32,7 @@ from lifecycle.errors import ConfigError, OutOfBlocks
 from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import MEDIUM_CPU
 from lifecycle.pools import KVPool
-from lifecycle.tiers._args import chained_parents
+from lifecycle.tiers._args import chained_parents, token_blocks
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.keys import TierKeys
 from lifecycle.tiers.records import BlockRecord
@@ -282,9 +282,11 @@ class ModelTiers:
             chain[reused_blocks:], prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root)
         )
 
-    def prefetch(self, cache_key: int, prompt: npt.NDArray[np.int32]) -> int:
+    def prefetch(self, cache_key: int, prompt: npt.ArrayLike) -> int:
         """Ask the store, on its reader thread, for the blocks of ``prompt`` (a queued request's,
         under ``cache_key``) that the host tier does not hold; returns the blocks asked for."""
+        size = np.size(prompt)
+        prompt = token_blocks("prefetch_prefix", prompt, 1, size).ravel() if size else np.zeros(0, np.int32)
         if self._store is None or self._host is None:
             return 0
         limit = (len(prompt) - 1) // self._block_size
