@@ -549,6 +549,30 @@ def test_demotions_and_a_reset_in_one_window_end_with_every_tier_cleared(models:
     assert index.holds("CPU") == index.holds("GPU") == set()
 
 
+def test_what_happens_after_a_reset_in_one_window_follows_its_cleared_event(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=4), EventIndex(BLOCK_SIZE)
+    cache_prompt(model, 1, 2)
+    demote_everything(model)
+    assert model.reset_prefix_cache() is True
+    after = cache_prompt(model, 3)  # the device and then the host tier, after the reset
+    demote_everything(model)
+    events = replayed(model, index)
+    cleared = next(i for i, event in enumerate(events) if isinstance(event, AllBlocksCleared))
+    later = events[cleared + 1 :]
+    assert [e.medium for e in later if isinstance(e, BlockStored)] == ["GPU", "CPU"]
+    assert index.holds("CPU") == set(after) and index.holds("GPU") == set()
+
+
+def test_every_tiers_events_name_its_medium(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=4), EventIndex(BLOCK_SIZE)
+    hashes = cache_prompt(model, 1, 2)
+    demote_everything(model)
+    events = replayed(model, index)
+    media = [(type(e).__name__, e.medium) for e in events if not isinstance(e, AllBlocksCleared)]
+    assert media == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU")]
+    assert index.holds("CPU") == set(hashes)
+
+
 def test_a_reset_with_blocks_in_the_host_tier_keeps_its_recount(models: list[HybridModel]) -> None:
     model = tiered(models, host_blocks=4, events=False)
     cache_prompt(model, 1, 2)
