@@ -427,7 +427,9 @@ def key_cost() -> Result:
         best = min(best, time.perf_counter() - started)
     mean_blocks = sum(trace.prompt_lens) / trace.num_requests / trace.block_size
     per_block = best / (whole // trace.block_size)
-    return {"part": "tier keys", "ns_per_block": per_block * 1e9, "us_per_mean_w3_prompt": per_block * mean_blocks * 1e6}
+    return {
+        "part": "tier keys", "ns_per_block": per_block * 1e9, "us_per_mean_w3_prompt": per_block * mean_blocks * 1e6,
+    }
 
 
 def store_rows(repeats: int) -> list[Result]:
