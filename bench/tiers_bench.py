@@ -136,7 +136,8 @@ def copy_rows(device: Device, name: str, layers: int, batches: tuple[int, ...], 
     baseline = Baseline(device)
     tokens = np.zeros((capacity, 16), dtype=np.int32)
     next_hash = 1
-    tier.demote(range(next_hash, next_hash + capacity), range(capacity), tokens)  # full, pages faulted
+    # blocks of no chain: every parent is key 0
+    tier.demote(range(next_hash, next_hash + capacity), range(capacity), tokens, [0] * capacity)  # full, faulted
     next_hash += capacity
     for batch in batches:
         nbytes = batch * block_bytes
@@ -147,14 +148,14 @@ def copy_rows(device: Device, name: str, layers: int, batches: tuple[int, ...], 
             next_hash += batch
             times["memcpy demote"].append(baseline.seconds("demote", nbytes))
             started = time.perf_counter()
-            tier.demote(hashes, blocks, tokens[:batch])
+            tier.demote(hashes, blocks, tokens[:batch], [0] * batch)
             times["demote"].append(time.perf_counter() - started)
             # entries demoted a while ago (not the batch just written, which the cache holds)
             held = next_hash - capacity + rng.choice(capacity - batch, batch, replace=False)
             targets = rng.choice(config.num_blocks_resolved, batch, replace=False)
             times["memcpy promote"].append(baseline.seconds("promote", nbytes))
             started = time.perf_counter()
-            tier.promote(held.tolist(), targets, tokens[:batch])
+            tier.promote(held.tolist(), targets, tokens[:batch], parents=[0] * batch)
             times["promote"].append(time.perf_counter() - started)
         for op in ("demote", "promote"):
             plain = times[f"memcpy {op}"]

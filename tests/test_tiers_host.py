@@ -665,3 +665,17 @@ def test_simulate_prints_the_tiers_hits_and_time(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "host, +0 store tokens" in out
     assert "tier time per request" in out and "copies" in out and "bookkeeping" in out
+
+
+def test_a_block_held_after_another_parent_is_a_miss(tier: HostTier) -> None:
+    tier.demote([11], [0], tokens_of(0), parents=[5])
+    assert tier.lookup([11], tokens_of(0), parent=6) == 0 and tier.stats().collisions == 1
+    assert tier.lookup([11], tokens_of(0), parent=5) == 1
+
+
+def test_promote_checks_each_blocks_own_parent_when_given(tier: HostTier, pool: KVPool) -> None:
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1), parents=[0, 0])  # two blocks of no chain
+    tier.promote([12, 11], [4, 5], tokens_of(1, 0), parents=[0, 0])
+    assert block_bytes(pool.device, pool, 4) == block_bytes(pool.device, pool, 1)
+    with pytest.raises(InvalidId, match="another block"):
+        tier.promote([12], [6], tokens_of(1), parents=[11])

@@ -66,13 +66,12 @@ class HeldBlock:
 class HostTierStats:
     """Counters of a :class:`HostTier` since it was built (blocks, unless named bytes).
 
-    ``lookups`` counts blocks asked for, ``hits`` those found with equal tokens (a hit rate is
-    ``hits / lookups``); ``collisions`` counts entries whose index word matched but whose key,
-parent or tokens did not.
-    ``stored`` counts blocks demoted into the tier, ``loaded`` those put in from records (the
-    store), ``duplicates`` blocks already there, ``evicted`` entries dropped for room, ``replaced``
-    entries a record of the same index word and another identity took the place of, ``cleared`` entries
-    :meth:`HostTier.clear` dropped. Held blocks are ``stored + loaded - evicted - replaced -
+    ``lookups`` counts blocks asked for, ``hits`` those found as asked for (key, parent, tokens; a
+    hit rate is ``hits / lookups``); ``collisions`` counts entries whose index word matched but
+    whose key, parent or tokens did not. ``stored`` counts blocks demoted into the tier,
+    ``loaded`` those put in from records (the store), ``duplicates`` blocks already there,
+    ``evicted`` entries dropped for room, ``replaced`` entries a record of the same index word and
+    another identity took the place of, ``cleared`` entries :meth:`HostTier.clear` dropped. Held blocks are ``stored + loaded - evicted - replaced -
     cleared``."""
 
     capacity_blocks: int
@@ -387,18 +386,20 @@ class HostTier:
         return rows
 
     def _verified(
-        self, slots: list[int], key_rows: npt.NDArray[np.uint64], parent: tuple[int, int],
+        self, slots: list[int], key_rows: npt.NDArray[np.uint64], parent: tuple[int, int] | npt.NDArray[np.uint64],
         rows: npt.NDArray[np.int32],
     ) -> int:
         """(Lock held) how many of ``slots`` lead with entries holding exactly ``key_rows``, each
-        after the one before it (the first after ``parent``), and the token ``rows``."""
+        after the one before it (the first after ``parent``; or each after its row of
+        ``parent``, an array), and the token ``rows``."""
         found = len(slots)
         if not found:
             return 0
         wanted = key_rows[:found]
+        parents = parent[:found] if isinstance(parent, np.ndarray) else chained_parents(wanted, parent)
         equal = (self._tokens[slots] == rows[:found]).all(axis=1)
         equal &= (self._keys[slots] == wanted).all(axis=1)
-        equal &= (self._parents[slots] == chained_parents(wanted, parent)).all(axis=1)
+        equal &= (self._parents[slots] == parents).all(axis=1)
         return found if equal.all() else int(np.argmin(equal))
 
     def _slots_of(self, keys: list[int]) -> list[int]:
@@ -430,15 +431,20 @@ class HostTier:
             self._counts["hits"] += found
             return found
 
-    def promote(self, hashes: KeysLike, block_ids: BlockIdsLike, tokens: TokensLike, parent: KeyLike = 0) -> None:
+    def promote(
+        self, hashes: KeysLike, block_ids: BlockIdsLike, tokens: TokensLike, parent: KeyLike = 0,
+        parents: KeysLike | None = None,
+    ) -> None:
         """Copy the entries ``hashes`` (every layer) into the device blocks ``block_ids``, one
         batched copy completed on return, once each entry is found to be the block asked for:
-        its key, its parent's (the chain after ``parent``) and its ``tokens`` (``len(hashes)``
-        blocks of them). A key finds an entry, it never proves it. Entries stay in the tier. An
+        its key, its parent's (the chain after ``parent``; or, given ``parents``, each block's
+        own) and its ``tokens`` (``len(hashes)`` blocks of them). A key finds an entry, it never proves it. Entries stay in the tier. An
         absent key, or an entry that is another block, raises :class:`InvalidId` naming it, and
         nothing is copied."""
         keys, key_rows = tier_keys("promote", hashes)
-        first = tier_key("promote", parent)
+        first: tuple[int, int] | npt.NDArray[np.uint64] = tier_key("promote", parent)
+        if parents is not None:
+            first = self._parent_rows("promote", parents, key_rows)
         ids = self._block_ids("promote", block_ids, len(keys))
         rows = token_blocks("promote", tokens, len(keys), self._block_size)
         with self._lock:
