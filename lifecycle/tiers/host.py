@@ -71,8 +71,8 @@ class HostTierStats:
     whose key, parent or tokens did not. ``stored`` counts blocks demoted into the tier,
     ``loaded`` those put in from records (the store), ``duplicates`` blocks already there,
     ``evicted`` entries dropped for room, ``replaced`` entries a record of the same index word and
-    another identity took the place of, ``cleared`` entries :meth:`HostTier.clear` dropped. Held blocks are ``stored + loaded - evicted - replaced -
-    cleared``."""
+    another identity took the place of, ``cleared`` entries :meth:`HostTier.clear` dropped. Held
+    blocks are ``stored + loaded - evicted - replaced - cleared``."""
 
     capacity_blocks: int
     blocks: int
@@ -438,9 +438,9 @@ class HostTier:
         """Copy the entries ``hashes`` (every layer) into the device blocks ``block_ids``, one
         batched copy completed on return, once each entry is found to be the block asked for:
         its key, its parent's (the chain after ``parent``; or, given ``parents``, each block's
-        own) and its ``tokens`` (``len(hashes)`` blocks of them). A key finds an entry, it never proves it. Entries stay in the tier. An
-        absent key, or an entry that is another block, raises :class:`InvalidId` naming it, and
-        nothing is copied."""
+        own) and its ``tokens`` (``len(hashes)`` blocks of them). A key finds an entry, it never
+        proves it. Entries stay in the tier. An absent key, or an entry that is another block,
+        raises :class:`InvalidId` naming it, and nothing is copied."""
         keys, key_rows = tier_keys("promote", hashes)
         first: tuple[int, int] | npt.NDArray[np.uint64] = tier_key("promote", parent)
         if parents is not None:

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["ModelTiers", "TierCounters", "check_host_blocks", "open_tiers"]
 
 _HASHES: Final = 1 << 64
+#: Admitted prompts' keys kept for their release, at most (a handle released past the model's
+#: calls leaves its entry behind; the oldest go first).
+_CHAINS_MAX: Final = 1 << 16
 #: The content hash's chain multiplier (docs/content-hashes.md, step 5) and its inverse mod 2**64.
 _CHAIN: Final = 0x9E3779B97F4A7C15
 _UNCHAIN: Final = pow(_CHAIN, -1, _HASHES)
@@ -264,6 +267,8 @@ class ModelTiers:
     def _prompt_keys(self, handle: int, prompt: npt.NDArray[np.int32], limit: int) -> npt.NDArray[np.uint64]:
         """The tier keys of the first ``limit`` blocks of ``prompt``, kept for :meth:`record`."""
         chain = self._keys.chain(prompt[: limit * self._block_size], self._keys.root(self._core.cache_key(handle)))
+        if len(self._chains) >= _CHAINS_MAX:  # handles released where no record was taken
+            del self._chains[next(iter(self._chains))]
         self._chains[handle] = chain
         return chain
 
