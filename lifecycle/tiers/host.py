@@ -311,8 +311,7 @@ class HostTier:
         return slots
 
     def _insert(self, keys: list[int], slots: list[int]) -> None:
-        for key, slot in zip(keys, slots):
-            self._index[key] = slot
+        self._index.update(zip(keys, slots))
 
     def demote(
         self, hashes: KeysLike, block_ids: BlockIdsLike, tokens: TokensLike, parents: KeysLike | None = None
