@@ -73,7 +73,8 @@ class HybridModel(LifecycleDefaults):
     ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
     evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
     Redis / Valkey URL shared by engines, written behind the host tier (see
-    :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
+    :mod:`lifecycle.tiers.promote`); a hybrid model's host tier keeps SSM snapshots beside its
+    blocks, and it takes no store.
     ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
     tables with it (vLLM's null block). ``weights_fingerprint`` and ``tier_secret``: what the tiers
     key blocks under besides the configuration (:mod:`lifecycle.tiers.keys`); ``store_options``:
@@ -141,7 +142,7 @@ class HybridModel(LifecycleDefaults):
         if events or host_tier_blocks or store is not None:
             try:
                 self._tiers = open_tiers(
-                    self._core, self._device, self._kv, config, ssm=self._ssm is not None,
+                    self._core, self._device, self._kv, config, ssm=self._ssm,
                     host_blocks=host_tier_blocks, store_url=store, events=self._events,
                     weights_fingerprint=weights_fingerprint, secret=tier_secret, store_options=store_options,
                 )
@@ -242,15 +243,17 @@ class HybridModel(LifecycleDefaults):
         with self._lock, self._device_work():
             self._enter()
             if seq.is_open:
-                self._tier_record(seq.handle)
+                self._tier_record(seq.handle, seq)
                 cache_sequence(self._core, self._snapshots, seq, self._block_size)
 
-    def _tier_record(self, handle: int) -> None:
-        """Before a sequence is cached or released: the tiers learn what its blocks hold."""
+    def _tier_record(self, handle: int, seq: SequenceState | None = None) -> None:
+        """Before a sequence is cached or released: the tiers learn what its blocks (and, on a
+        hybrid model, its SSM slot) hold."""
         if self._demoting and self._core.is_live(handle):
             assert self._tiers is not None
+            slot = seq.slot_idx if seq is not None and self._ssm is not None and not seq.is_detached else None
             with self._lock:
-                self._tiers.record(handle)
+                self._tiers.record(handle, slot)
 
     def finish_sequence(self, seq: SequenceState) -> None:
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
@@ -263,6 +266,7 @@ class HybridModel(LifecycleDefaults):
                 self._enter()
                 if seq.is_open:
                     try:
+                        self._tier_record(seq.handle, seq)
                         cache_sequence(self._core, self._snapshots, seq, self._block_size)
                     finally:
                         self._core.release(seq, False, self._release_adapter)
@@ -270,7 +274,7 @@ class HybridModel(LifecycleDefaults):
         if self._torn_down or self._drop_queue:
             self._enter()
         if self._demoting:
-            self._tier_record(seq.handle)
+            self._tier_record(seq.handle, seq)
         self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
@@ -281,7 +285,7 @@ class HybridModel(LifecycleDefaults):
         if self._torn_down or self._drop_queue:
             self._enter()
         if self._demoting:
-            self._tier_record(seq.handle)
+            self._tier_record(seq.handle)  # not cached: no SSM snapshot either
         self._core.release(seq, False, self._release_adapter)
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
@@ -563,7 +567,13 @@ class HybridModel(LifecycleDefaults):
                 raise
             # (any other error refused the call before anything changed: the slot keeps its state)
             self._restore_prefix(seq)
-            return reused
+            if not self._demoting:
+                return reused
+            assert self._tiers is not None  # the host tier: blocks and the SSM snapshot after them
+            self._tiers.drain()
+            tokens = np.asarray(prompt, dtype=np.int32)
+            found = self._tiers.promote(seq.handle, tokens, reused // self._block_size, seq.slot_idx)
+            return reused + found * self._block_size
 
     def _restore_prefix(self, seq: SequenceState) -> None:
         if seq.is_open and self._snapshots is not None:

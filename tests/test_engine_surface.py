@@ -324,8 +324,8 @@ def test_evicted_blocks_come_back_from_the_host_tier_with_their_bytes(models: li
 
 def test_tiers_refuse_what_they_cannot_serve() -> None:
     hybrid = preset("tiny-hybrid")
-    with pytest.raises(ConfigError, match="SSM"):
-        HybridModel(hybrid, "host", host_tier_blocks=4)
+    with pytest.raises(ConfigError, match="SSM"):  # its snapshots stay in the host tier
+        HybridModel(hybrid, "host", host_tier_blocks=4, store="redis://127.0.0.1:1")
     with pytest.raises(ConfigError, match="host tier"):
         HybridModel(CONFIG, "host", store="redis://127.0.0.1:1")
     with pytest.raises(ConfigError, match="host_tier_blocks"):

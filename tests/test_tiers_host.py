@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from devices import device, live_allocations, read_device, write_device  # noqa: F401
 
 from event_index import EventIndex
-from lifecycle.config import AttentionLayer, ModelConfig
+from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
 from lifecycle.device.allocations import CopyArray
 from lifecycle.device.base import Copy, Device
 from lifecycle.device.host import HostDevice, physical_memory_bytes
@@ -679,3 +679,98 @@ def test_promote_checks_each_blocks_own_parent_when_given(tier: HostTier, pool: 
     assert block_bytes(pool.device, pool, 4) == block_bytes(pool.device, pool, 1)
     with pytest.raises(InvalidId, match="another block"):
         tier.promote([12], [6], tokens_of(1), parents=[11])
+
+
+# -- hybrid models: SSM snapshots beside the blocks -----------------------------------------------------
+
+HYBRID = ModelConfig(
+    layers=(AttentionLayer(num_kv_heads=1, head_dim=8), SSMLayer(h_state_bytes=256, conv_state_bytes=64)),
+    block_size=BLOCK_SIZE, num_blocks=12, max_seqs=4, max_blocks_per_seq=12, name="hybrid-host-tier",
+)
+
+
+def hybrid(models: list[HybridModel], host_blocks: int = 8) -> HybridModel:
+    model = HybridModel(HYBRID, "host", host_tier_blocks=host_blocks)
+    models.append(model)
+    return model
+
+
+def slot_state(model: HybridModel, slot: int) -> bytes:
+    ssm = model.ssm_pool
+    assert ssm is not None
+    return b"".join(model.device.host_array(addr, nbytes).tobytes() for addr, nbytes in ssm.slot_ranges(slot))
+
+
+def set_slot_state(model: HybridModel, slot: int, seed: int) -> bytes:
+    ssm = model.ssm_pool
+    assert ssm is not None
+    rng = np.random.default_rng(seed)
+    for addr, nbytes in ssm.slot_ranges(slot):
+        model.device.host_array(addr, nbytes)[:] = rng.integers(1, 256, nbytes, dtype=np.uint8)
+    return slot_state(model, slot)
+
+
+def finish_whole(model: HybridModel, blocks: int, seed: int) -> tuple[list[int], bytes]:
+    """Serve a prompt of ``blocks`` whole blocks (its last token generated), give the slot the state
+    after them and finish; returns the tokens and that state."""
+    tokens = tokens_of(*range(1, blocks + 1)).ravel().tolist()
+    seq = model.alloc_sequence_for(len(tokens))
+    model.attach_prefix(seq, tokens[:-1], grow_to=len(tokens))
+    seq.append_tokens([tokens[-1]])
+    state = set_slot_state(model, seq.slot_idx, seed)
+    model.finish_sequence(seq)
+    return tokens, state
+
+
+def test_a_hybrid_model_reuses_blocks_and_ssm_state_from_the_host_tier(models: list[HybridModel]) -> None:
+    model = hybrid(models)
+    tokens, state = finish_whole(model, 3, seed=5)
+    model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)  # the device's blocks and snapshot are gone
+    assert model.core.num_cached_blocks == 0 and model.core.num_snapshots_used == 0
+    seq = model.alloc_sequence_for(len(tokens) + 2)
+    set_slot_state(model, seq.slot_idx, seed=99)
+    reused = model.attach_prefix(seq, [*tokens, 7], grow_to=len(tokens) + 1)
+    assert reused == 3 * BLOCK_SIZE and model.stats().host_hit_blocks == 3
+    assert slot_state(model, seq.slot_idx) == state  # the state after those blocks, restored
+    model.free_sequence(seq)
+
+
+def test_a_hybrid_run_ends_at_the_last_block_with_a_snapshot(models: list[HybridModel]) -> None:
+    model = hybrid(models)
+    tokens, state = finish_whole(model, 2, seed=5)  # a snapshot after block 2
+    longer = [*tokens, *tokens_of(3).ravel().tolist()]
+    seq = model.alloc_sequence_for(len(longer) + 1)
+    model.attach_prefix(seq, longer, grow_to=len(longer))
+    model.free_sequence(seq)  # block 3 cached on the device, its state never known: no snapshot after it
+    model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)
+    again = model.alloc_sequence_for(len(longer) + 2)
+    reused = model.attach_prefix(again, [*longer, 7], grow_to=len(longer) + 1)
+    assert reused == 2 * BLOCK_SIZE and slot_state(model, again.slot_idx) == state
+    model.free_sequence(again)
+
+
+def test_a_hybrid_prefix_without_a_snapshot_is_not_reused_from_the_host_tier(models: list[HybridModel]) -> None:
+    model = hybrid(models)
+    tokens = tokens_of(1, 2).ravel().tolist()
+    seq = model.alloc_sequence_for(len(tokens) + 2)
+    model.attach_prefix(seq, [*tokens, 7], grow_to=len(tokens) + 1)  # the state consumed 9 tokens
+    model.finish_sequence(seq)
+    model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)
+    again = model.alloc_sequence_for(len(tokens) + 2)
+    assert model.attach_prefix(again, [*tokens, 7], grow_to=len(tokens) + 1) == 0
+    model.free_sequence(again)
+
+
+def test_a_hybrid_model_takes_no_store() -> None:
+    with pytest.raises(ConfigError, match="SSM layers reuses from the host tier"):
+        HybridModel(HYBRID, "host", host_tier_blocks=8, store="redis://127.0.0.1:1")
+
+
+def test_simulate_runs_the_small_hybrid_preset_with_a_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.cli import main
+
+    args = ["simulate", "--model", "small-hybrid", "--requests", "60", "--blocks", "96", "--host-tier-mb", "16"]
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["leaked"] == 0 and summary["pools"]["host_tier_blocks"] > 0
+    assert summary["host_hit_tokens"] > 0

@@ -31,11 +31,13 @@ from lifecycle.device import Device
 from lifecycle.errors import ConfigError, OutOfBlocks
 from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import MEDIUM_CPU
-from lifecycle.pools import KVPool
+from lifecycle.pools import KVPool, SSMPool
+from lifecycle.snapshots import snapshot_blocks_at_finish
 from lifecycle.tiers._args import chained_parents, token_blocks
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.keys import TierKeys
 from lifecycle.tiers.records import BlockRecord
+from lifecycle.tiers.ssm import HostSnapshots
 
 if TYPE_CHECKING:
     from lifecycle.tiers.store import StoreTier
@@ -95,8 +97,14 @@ class ModelTiers:
         weights_fingerprint: bytes | str | None = None,
         secret: bytes | str | None = None,
         store_options: Mapping[str, Any] | None = None,
+        ssm: SSMPool | None = None,
     ) -> None:
         check_host_blocks(host_blocks)
+        if ssm is not None and store_url is not None:
+            raise ConfigError(
+                "a store holds KV blocks only: a model with SSM layers reuses from the host tier, whose SSM "
+                "snapshots stay in this process"
+            )
         if store_url is not None and host_blocks == 0:
             raise ConfigError("a store needs a host tier above it (host_tier_blocks > 0): blocks enter it from there")
         if host_blocks and (kv_pool is None or not config.enable_prefix_cache):
@@ -108,6 +116,7 @@ class ModelTiers:
         self.counters = TierCounters()
         self._host: HostTier | None = None
         self._store: StoreTier | None = None
+        self._snapshots: HostSnapshots | None = None
         self._events = events
         self._keys = TierKeys(config, weights_fingerprint=weights_fingerprint, secret=secret)
         self._roots: dict[int, int] = {}  # cache key -> the content hash its chains start from
@@ -126,6 +135,11 @@ class ModelTiers:
             assert kv_pool is not None
             self._host = HostTier(device, kv_pool, host_blocks, config.block_size)
             try:
+                if ssm is not None:
+                    # snapshots beside the blocks, in a quarter of the blocks' bytes (a few at least)
+                    snapshot_bytes = sum(nbytes for _, nbytes in ssm.slot_ranges(0))
+                    capacity = max(min(host_blocks, 8), host_blocks * self._host.block_bytes // (4 * snapshot_bytes))
+                    self._snapshots = HostSnapshots(device, ssm, capacity)
                 if store_url is not None:
                     from lifecycle.tiers.store import StoreTier
 
@@ -138,6 +152,8 @@ class ModelTiers:
                 if events is not None:
                     self._host.record_changes(True)
             except BaseException:
+                if self._snapshots is not None:
+                    self._snapshots.close()
                 self._host.close()
                 raise
         core.set_events(events is not None, demote=self._host is not None)
@@ -161,9 +177,11 @@ class ModelTiers:
 
     # -- what each device block holds ---------------------------------------------------------------
 
-    def record(self, handle: int) -> None:
+    def record(self, handle: int, slot: int | None = None) -> None:
         """Before a holder caches or releases ``handle``: the tier keys of every whole block of
-        its table, from its own tokens (the admitted prompt's keys are reused)."""
+        its table, from its own tokens (the admitted prompt's keys are reused); on a hybrid model
+        also the SSM state of its ``slot`` (None: detached), when that state consumed exactly
+        whole blocks of it."""
         core = self._core
         bs = self._block_size
         full = min(core.num_tokens(handle) // bs, core.num_blocks(handle))
@@ -188,7 +206,23 @@ class ModelTiers:
         self._block_parents[ids] = chained_parents(chain, root)
         self._block_hashes[ids] = hashes
         self._block_valid[ids] = True
+        if self._snapshots is not None and slot is not None:
+            self._save_snapshot(handle, chain, slot)
         self.counters.tier_ns += time.perf_counter_ns() - started
+
+    def _save_snapshot(self, handle: int, chain: npt.NDArray[np.uint64], slot: int) -> None:
+        """The SSM state of ``slot`` into the host snapshots, after the block it consumed up to."""
+        assert self._snapshots is not None
+        _, _, num_tokens, _, num_blocks, _, ssm_tokens, failed, _ = self._core.info(handle)
+        if failed:
+            return
+        consumed = None if ssm_tokens < 0 else ssm_tokens
+        blocks = min(snapshot_blocks_at_finish(num_tokens, num_blocks, consumed, self._block_size), len(chain))
+        if blocks:
+            copying = time.perf_counter_ns()
+            high, low = chain[blocks - 1].tolist()
+            self._snapshots.save((high, low), slot)
+            self.counters.tier_copy_ns += time.perf_counter_ns() - copying
 
     def keep(self, handle: int) -> None:
         """Mark the admitted prompt of ``handle`` to keep: its blocks go to the store when the
@@ -305,17 +339,19 @@ class ModelTiers:
             return 0
         return self._store.prefetch(chain[found:], prompt[found * bs : limit * bs], _before(chain, found, root))
 
-    def promote(self, handle: int, prompt: npt.NDArray[np.int32], reused_blocks: int) -> int:
+    def promote(self, handle: int, prompt: npt.NDArray[np.int32], reused_blocks: int, slot: int | None = None) -> int:
         """Continue a request's lookup past its ``reused_blocks`` device blocks into the host
         tier and the store, up to the block before the one holding the prompt's last token, and
         copy the run found into the request's blocks (grown to cover it if they do not). Returns
         the blocks promoted. Every block promoted is the block asked for: the host tier checks
-        each entry's key, parent key and tokens, the store each record's, and the copy both."""
+        each entry's key, parent key and tokens, the store each record's, and the copy both. On a
+        hybrid model the run ends at a block whose SSM snapshot the host holds, which is restored
+        into ``slot`` (None, detached: nothing is promoted)."""
         host = self._host
         limit = (len(prompt) - 1) // self._block_size
         if reused_blocks and self._store is not None:
             self._block_reused[self._core.block_table(handle)[:reused_blocks]] = True
-        if host is None or limit <= reused_blocks:
+        if host is None or limit <= reused_blocks or (self._snapshots is not None and slot is None):
             return 0
         started = time.perf_counter_ns()
         core = self._core
@@ -346,11 +382,17 @@ class ModelTiers:
                 self.counters.store_hit_blocks += run
                 self.counters.tier_store_ns += time.perf_counter_ns() - reading
                 found += run
+            if self._snapshots is not None:
+                found = self._snapshot_run(wanted, found)
             if found == 0:
                 return 0
             table = core.block_table(handle)
             copying = time.perf_counter_ns()
             host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs], parent)
+            if self._snapshots is not None:
+                assert slot is not None
+                high, low = wanted[found - 1].tolist()
+                self._snapshots.restore((high, low), slot)
             self.counters.tier_copy_ns += time.perf_counter_ns() - copying
             core.mark_computed(handle, reused_blocks + found)
             self.counters.blocks_promoted += found
@@ -359,6 +401,16 @@ class ModelTiers:
             return found
         finally:  # the drain's own time is inside this call's
             self.counters.tier_ns = tier_before + time.perf_counter_ns() - started
+
+    def _snapshot_run(self, wanted: npt.NDArray[np.uint64], found: int) -> int:
+        """The longest leading run of the ``found`` blocks of ``wanted`` that ends at a block whose
+        SSM snapshot is held (0: none)."""
+        assert self._snapshots is not None
+        for run in range(found, 0, -1):
+            high, low = wanted[run - 1].tolist()
+            if self._snapshots.holds((high, low)):
+                return run
+        return 0
 
     def _load(
         self, handle: int, chain: npt.NDArray[np.uint64], first: int, tokens: npt.NDArray[np.int32], room: int
@@ -483,6 +535,8 @@ class ModelTiers:
         self.drain()
         self._block_valid[:] = False
         self._event_hashes.clear()
+        if self._snapshots is not None:
+            self._snapshots.clear()
         if self._host is not None:
             self._host.clear()
 
@@ -493,6 +547,8 @@ class ModelTiers:
     def check_invariants(self) -> None:
         if self._host is not None:
             self._host.check_invariants()
+        if self._snapshots is not None:
+            self._snapshots.check_invariants()
         if self._store is not None:
             self._store.check_invariants()
 
@@ -502,6 +558,8 @@ class ModelTiers:
             if self._store is not None:
                 self._store.close()
         finally:
+            if self._snapshots is not None:
+                self._snapshots.close()
             if self._host is not None:
                 self._host.close()
 
@@ -520,7 +578,7 @@ def open_tiers(
     kv_pool: KVPool | None,
     config: ModelConfig,
     *,
-    ssm: bool,
+    ssm: SSMPool | None,
     host_blocks: int,
     store_url: str | None,
     events: KVEventLog | None,
@@ -530,15 +588,13 @@ def open_tiers(
 ) -> ModelTiers | None:
     """A model's tiers (a host tier of ``host_blocks``, a store at ``store_url`` under it), or None
     without either: events alone are then read from the core's log by the model, with no tier
-    between. ``ssm``: the model has SSM layers (which reuse through snapshots, not a host tier).
+    between. ``ssm``: the model's SSM pool (a hybrid's host tier keeps SSM snapshots beside its blocks).
     ``weights_fingerprint`` and ``secret``: see :mod:`lifecycle.tiers.keys`; ``store_options``:
     the store's keywords."""
-    if host_blocks and ssm:
-        raise ConfigError("a host tier holds KV blocks only; a model with SSM layers reuses through snapshots")
     if host_blocks or store_url is not None:
         return ModelTiers(
             core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events,
-            weights_fingerprint=weights_fingerprint, secret=secret, store_options=store_options,
+            weights_fingerprint=weights_fingerprint, secret=secret, store_options=store_options, ssm=ssm,
         )
     check_host_blocks(host_blocks)
     core.set_events(events is not None, demote=False)
