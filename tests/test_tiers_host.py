@@ -743,6 +743,7 @@ def test_a_hybrid_run_ends_at_the_last_block_with_a_snapshot(models: list[Hybrid
     model.attach_prefix(seq, longer, grow_to=len(longer))
     model.free_sequence(seq)  # block 3 cached on the device, its state never known: no snapshot after it
     model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)
+    assert model.reclaim_prefix_blocks_for([*longer, 7], -1, 4).host_blocks == 2  # what attach will promote
     again = model.alloc_sequence_for(len(longer) + 2)
     reused = model.attach_prefix(again, [*longer, 7], grow_to=len(longer) + 1)
     assert reused == 2 * BLOCK_SIZE and slot_state(model, again.slot_idx) == state

@@ -317,9 +317,9 @@ class ModelTiers:
         root = self._keys.root(cache_key)
         chain = self._keys.chain(prompt[: limit * self._block_size], root)
         bs = self._block_size
-        return self._host.lookup(
-            chain[reused_blocks:], prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root)
-        )
+        wanted = chain[reused_blocks:]
+        found = self._host.lookup(wanted, prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root))
+        return self._snapshot_run(wanted, found) if self._snapshots is not None else found
 
     def prefetch(self, cache_key: int, prompt: npt.ArrayLike) -> int:
         """Ask the store, on its reader thread, for the blocks of ``prompt`` (a queued request's,
