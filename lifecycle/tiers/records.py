@@ -170,7 +170,7 @@ class RecordLayout:
             if got != want:
                 raise RecordForeign(f"record of key {key[0]:#018x}: {field} {got:#x}, expected {want:#x}")
         tokens_end = HEADER_BYTES + self.block_size * 4
-        tokens = np.frombuffer(view[HEADER_BYTES:tokens_end], dtype=_TOKEN).astype(np.int32)
+        tokens = np.frombuffer(view[HEADER_BYTES:tokens_end], dtype=_TOKEN).astype(np.int32, copy=False)
         return BlockRecord(key, parent, tokens, view[tokens_end:])
 
 
