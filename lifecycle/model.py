@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any, BinaryIO, Final
 
@@ -73,9 +73,12 @@ class HybridModel(LifecycleDefaults):
     ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
     evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
     Redis / Valkey URL shared by engines, written behind the host tier (see
-    :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
+    :mod:`lifecycle.tiers.promote`); a hybrid model's host tier keeps SSM snapshots beside its
+    blocks, and it takes no store.
     ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
-    tables with it (vLLM's null block)."""
+    tables with it (vLLM's null block). ``weights_fingerprint`` and ``tier_secret``: what the tiers
+    key blocks under besides the configuration (:mod:`lifecycle.tiers.keys`); ``store_options``:
+    keywords of the store (:class:`~lifecycle.tiers.store.StoreTier`: ``admit``, ``ttl_s``, ...)."""
 
     def __init__(
         self,
@@ -87,6 +90,9 @@ class HybridModel(LifecycleDefaults):
         host_tier_blocks: int = 0,
         store: str | None = None,
         null_block: bool = False,
+        weights_fingerprint: bytes | str | None = None,
+        tier_secret: bytes | str | None = None,
+        store_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -136,8 +142,9 @@ class HybridModel(LifecycleDefaults):
         if events or host_tier_blocks or store is not None:
             try:
                 self._tiers = open_tiers(
-                    self._core, self._device, self._kv, config, ssm=self._ssm is not None,
+                    self._core, self._device, self._kv, config, ssm=self._ssm,
                     host_blocks=host_tier_blocks, store_url=store, events=self._events,
+                    weights_fingerprint=weights_fingerprint, secret=tier_secret, store_options=store_options,
                 )
             except BaseException:
                 self._core.close()
@@ -176,7 +183,9 @@ class HybridModel(LifecycleDefaults):
         already released the slot)."""
         while self._drop_queue:
             try:
-                slot = self._core.finish(self._drop_queue.popleft(), False)
+                handle = self._drop_queue.popleft()
+                self._tier_record(handle)
+                slot = self._core.finish(handle, False)
             except (SequenceStateError, TornDown, IndexError):
                 continue
             if slot != NO_ADAPTER:
@@ -234,7 +243,17 @@ class HybridModel(LifecycleDefaults):
         with self._lock, self._device_work():
             self._enter()
             if seq.is_open:
+                self._tier_record(seq.handle, seq)
                 cache_sequence(self._core, self._snapshots, seq, self._block_size)
+
+    def _tier_record(self, handle: int, seq: SequenceState | None = None) -> None:
+        """Before a sequence is cached or released: the tiers learn what its blocks (and, on a
+        hybrid model, its SSM slot) hold."""
+        if self._demoting and self._core.is_live(handle):
+            assert self._tiers is not None
+            slot = seq.slot_idx if seq is not None and self._ssm is not None and not seq.is_detached else None
+            with self._lock:
+                self._tiers.record(handle, slot)
 
     def finish_sequence(self, seq: SequenceState) -> None:
         """``cache_sequence`` then ``free_sequence`` in one step (what a scheduler does when a
@@ -247,12 +266,15 @@ class HybridModel(LifecycleDefaults):
                 self._enter()
                 if seq.is_open:
                     try:
+                        self._tier_record(seq.handle, seq)
                         cache_sequence(self._core, self._snapshots, seq, self._block_size)
                     finally:
                         self._core.release(seq, False, self._release_adapter)
             return
         if self._torn_down or self._drop_queue:
             self._enter()
+        if self._demoting:
+            self._tier_record(seq.handle, seq)
         self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
@@ -262,6 +284,8 @@ class HybridModel(LifecycleDefaults):
         but ``teardown`` does."""
         if self._torn_down or self._drop_queue:
             self._enter()
+        if self._demoting:
+            self._tier_record(seq.handle)  # not cached: no SSM snapshot either
         self._core.release(seq, False, self._release_adapter)
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
@@ -430,6 +454,27 @@ class HybridModel(LifecycleDefaults):
             finally:
                 self._drained()
 
+    def prefetch_prefix(
+        self,
+        prompt: Sequence[int] | npt.NDArray[np.integer],
+        adapter_slot: int = NO_ADAPTER,
+        *,
+        cache_salt: bytes | str | int | None = None,
+        mm_keys: Sequence[MMKey] | None = None,
+    ) -> int:
+        """When a request is queued: ask the store, on its reader thread, for the blocks of its
+        prompt that the host tier does not hold, so that its admission (``attach_prefix`` with the
+        same adapter, salt and multimodal keys) promotes what has arrived without a round trip.
+        Returns the blocks asked for (0 without a store). Never waits on the store."""
+        with self._lock:
+            self._enter()
+            if self._tiers is None:
+                return 0
+            key = self._root_of(adapter_slot)
+            if cache_salt is not None:
+                key = salted_key(key, cache_salt)
+            return self._tiers.prefetch(key, identity_tokens(prompt, mm_keys) if mm_keys else prompt)
+
     def reclaim_prefix_blocks_for(
         self, prompt: Sequence[int] | npt.NDArray[np.integer], adapter_slot: int, blocks_needed: int
     ) -> PrefixReclaim:
@@ -452,11 +497,10 @@ class HybridModel(LifecycleDefaults):
             if host is None or target == 0:
                 return PrefixReclaim(target, free)
             # The host tier's leading run past the device match: promoted at attach, not prefilled.
+            assert self._tiers is not None
             tokens = np.asarray(prompt, dtype=np.int32)
             limit = min((len(tokens) - 1) // self._block_size, blocks_needed)
-            reused = blocks_needed - target
-            hashes = self._core.content_hashes(tokens[: limit * self._block_size], key)[reused:]
-            found = host.lookup(hashes, tokens[reused * self._block_size : limit * self._block_size])
+            found = self._tiers.lookup(key, tokens, blocks_needed - target, limit)
             return PrefixReclaim(target, free, host_blocks=found)
 
     # ------------------------------------------------------------------ companions
@@ -523,7 +567,13 @@ class HybridModel(LifecycleDefaults):
                 raise
             # (any other error refused the call before anything changed: the slot keeps its state)
             self._restore_prefix(seq)
-            return reused
+            if not self._demoting:
+                return reused
+            assert self._tiers is not None  # the host tier: blocks and the SSM snapshot after them
+            self._tiers.drain()
+            tokens = np.asarray(prompt, dtype=np.int32)
+            found = self._tiers.promote(seq.handle, tokens, reused // self._block_size, seq.slot_idx)
+            return reused + found * self._block_size
 
     def _restore_prefix(self, seq: SequenceState) -> None:
         if seq.is_open and self._snapshots is not None:
@@ -949,6 +999,11 @@ class HybridModel(LifecycleDefaults):
     def null_block(self) -> int:
         """The block held for padding tables (0), -1 without one."""
         return int(self._core.null_block)
+
+    @property
+    def tiers(self) -> ModelTiers | None:
+        """The tiers below the device (None without a host tier, a store or events)."""
+        return self._tiers
 
     @property
     def host_tier(self) -> HostTier | None:

@@ -74,6 +74,9 @@ class Stats:
     store_hit_blocks: int = 0
     blocks_demoted: int = 0
     blocks_promoted: int = 0
+    tier_ns: int = 0  # time in the tiers (inside time_in_library_ns), of which:
+    tier_copy_ns: int = 0  # batched copies between the device and the host tier
+    tier_store_ns: int = 0  # store reads at admission (the rest is bookkeeping)
     time_in_library_ns: int = 0
 
     @property
@@ -95,7 +98,7 @@ class Stats:
         model's ``device_ns``, count as time in the library)."""
         own = asdict(model)
         tiers = dict(tiers)
-        time_ns = core["time_in_library_ns"] + own.pop("device_ns") + tiers.pop("tier_ns", 0)
+        time_ns = core["time_in_library_ns"] + own.pop("device_ns") + tiers.get("tier_ns", 0)
         return cls(**{**core, "time_in_library_ns": time_ns}, **own, **tiers)
 
     def minus(self, earlier: Stats) -> Stats:

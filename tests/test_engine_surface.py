@@ -56,6 +56,10 @@ def models() -> Iterator[list[HybridModel]]:
         assert report is not None and report.leaked == 0, report
 
 
+#: Stores written behind every block entering the host tier (not only reused ones).
+WRITE_THROUGH = {"admit": "all"}
+
+
 def build(models: list[HybridModel], **options: object) -> HybridModel:
     model = HybridModel(CONFIG, "host", **options)  # type: ignore[arg-type]
     models.append(model)
@@ -142,9 +146,10 @@ def test_reloading_an_adapter_takes_the_old_generations_blocks_out_of_the_stream
     assert reused == 0 and not set(fresh) & set(demoted)
     model.reclaim_prefix_blocks(100)  # both generations' blocks leave the device
     index.apply(model.take_events().events)  # no removal of a block the stream no longer holds
-    host = model.host_tier
-    assert host is not None and index.holds("GPU") == set()
-    assert index.holds("CPU") == {h for h in fresh if h in host} and all(h in host for h in demoted)
+    tiers = model.tiers
+    assert tiers is not None and index.holds("GPU") == set()
+    held = tiers.held_hashes()
+    assert index.holds("CPU") == {h for h in fresh if h in held} and all(h in held for h in demoted)
     assert {index.tiers["CPU"][h].lora_name for h in index.holds("CPU")} == {"support-bot"}
 
 
@@ -319,8 +324,8 @@ def test_evicted_blocks_come_back_from_the_host_tier_with_their_bytes(models: li
 
 def test_tiers_refuse_what_they_cannot_serve() -> None:
     hybrid = preset("tiny-hybrid")
-    with pytest.raises(ConfigError, match="SSM"):
-        HybridModel(hybrid, "host", host_tier_blocks=4)
+    with pytest.raises(ConfigError, match="SSM"):  # its snapshots stay in the host tier
+        HybridModel(hybrid, "host", host_tier_blocks=4, store="redis://127.0.0.1:1")
     with pytest.raises(ConfigError, match="host tier"):
         HybridModel(CONFIG, "host", store="redis://127.0.0.1:1")
     with pytest.raises(ConfigError, match="host_tier_blocks"):
@@ -339,8 +344,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
 def test_two_models_share_prefixes_through_the_store(models: list[HybridModel], store: StoreServer) -> None:
     with store.client() as client:
         client.flushall()
-    writer = build(models, host_tier_blocks=16, store=store.url)
-    reader = build(models, host_tier_blocks=16, store=store.url)
+    writer = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
+    reader = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
     tokens = prompt(1, 2, 3, 4)
     seq, _ = serve(writer, tokens)
     written = fill_kv(writer, seq, seed=11)
@@ -359,8 +364,9 @@ def test_blocks_loaded_from_the_store_are_host_tier_stores_with_their_tokens_and
 ) -> None:
     with store.client() as client:
         client.flushall()
-    writer = build(models, host_tier_blocks=16, store=store.url)
-    reader, index = build(models, host_tier_blocks=16, store=store.url, events=True), EventIndex(BS)
+    writer = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
+    reader = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH, events=True)
+    index = EventIndex(BS)
     tokens = prompt(1, 2, 3, 4)
     seq, _ = serve(writer, tokens)
     writer.finish_sequence(seq)
@@ -371,8 +377,8 @@ def test_blocks_loaded_from_the_store_are_host_tier_stores_with_their_tokens_and
     reader.finish_sequence(copy)
     assert reused == 4 * BS and reader.stats().store_hit_blocks == 4
     index.apply(reader.take_events().events)
-    host = reader.host_tier
-    assert host is not None and index.holds("CPU") == set(hashes) and all(h in host for h in hashes)
+    tiers = reader.tiers
+    assert tiers is not None and index.holds("CPU") == set(hashes) == tiers.held_hashes()
     assert index.holds("GPU") == set(hashes) and index.check_hashes("CPU") == 4
     assert [index.tiers["CPU"][h].parent for h in hashes] == [None, *hashes[:-1]]
 
@@ -383,8 +389,8 @@ def test_a_block_whose_hash_collides_with_a_host_entry_is_served_the_stores_kv_n
     with store.client() as client:
         client.flushall()
     ours, theirs = colliding_blocks(BS)  # other tokens, one content hash: a collision built on purpose
-    reader = build(models, host_tier_blocks=16, store=store.url)
-    writer = build(models, host_tier_blocks=16, store=store.url)
+    reader = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
+    writer = build(models, host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH)
     held, _ = serve(reader, [*ours, 7])
     fill_kv(reader, held, seed=3)
     held_hashes = held.block_hashes().tolist()
@@ -409,7 +415,9 @@ def test_models_of_one_byte_format_but_other_names_never_share_blocks(
     with store.client() as client:
         client.flushall()
     def named(name: str) -> HybridModel:
-        model = HybridModel(CONFIG.replace(name=name), "host", host_tier_blocks=16, store=store.url)
+        model = HybridModel(
+            CONFIG.replace(name=name), "host", host_tier_blocks=16, store=store.url, store_options=WRITE_THROUGH
+        )
         models.append(model)
         return model
 

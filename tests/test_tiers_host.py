@@ -1,8 +1,9 @@
-"""HostTier: whole blocks kept in host memory by content hash, verified by tokens, LRU, and the
+"""HostTier: whole blocks kept in host memory by key, verified by key, parent and tokens, LRU, and the
 copies to and from the device pool (on every device the suites run on)."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -14,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from devices import device, live_allocations, read_device, write_device  # noqa: F401
 
 from event_index import EventIndex
-from lifecycle.config import AttentionLayer, ModelConfig
+from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
 from lifecycle.device.allocations import CopyArray
 from lifecycle.device.base import Copy, Device
 from lifecycle.device.host import HostDevice, physical_memory_bytes
@@ -150,7 +151,7 @@ def test_promoted_blocks_stay_in_the_tier(tier: HostTier) -> None:
 
 def test_stats_count_the_bytes_moved(tier: HostTier) -> None:
     tier.demote([11, 12], [0, 1], tokens_of(0, 1))
-    tier.promote([12], [2], tokens_of(1))
+    tier.promote([12], [2], tokens_of(1), parent=11)
     stats = tier.stats()
     assert (stats.bytes_demoted, stats.bytes_promoted) == (2 * tier.block_bytes, tier.block_bytes)
 
@@ -216,7 +217,7 @@ def test_a_batch_larger_than_the_tier_keeps_its_last_blocks(pool: KVPool) -> Non
     with make_tier(pool, capacity=2) as tier:
         assert tier.demote([11, 12, 13], [0, 1, 2], tokens_of(0, 1, 2)) == 2
         tier.check_invariants()
-        assert tier.lookup([12, 13], tokens_of(1, 2)) == 2
+        assert tier.lookup([12, 13], tokens_of(1, 2), parent=11) == 2
 
 
 def test_an_evicted_slot_holds_the_new_block(pool: KVPool) -> None:
@@ -235,13 +236,14 @@ def test_read_blocks_gives_tokens_and_bytes_of_held_blocks(tier: HostTier, pool:
     tier.demote([11], [3], tokens_of(3))
     held, absent = tier.read_blocks([11, 12])
     assert absent is None and held is not None
-    assert held[0].tolist() == tokens_of(3)[0].tolist()
-    assert held[1] == block_bytes(pool.device, pool, 3)
+    assert (held.key, held.parent) == ((11, 0), (0, 0))
+    assert held.tokens.tolist() == tokens_of(3)[0].tolist()
+    assert held.kv == block_bytes(pool.device, pool, 3)
 
 
 def test_loaded_records_promote_like_demoted_blocks(tier: HostTier, pool: KVPool) -> None:
     kv = bytes(range(256)) * (tier.block_bytes // 256) + bytes(tier.block_bytes % 256)
-    assert tier.load([BlockRecord(21, 0, tokens_of(1)[0], kv)]) == 1
+    assert tier.load([BlockRecord((21, 0), (0, 0), tokens_of(1)[0], kv)]) == 1
     tier.check_invariants()
     assert tier.lookup([21], tokens_of(1)) == 1
     tier.promote([21], [5], tokens_of(1))
@@ -250,7 +252,7 @@ def test_loaded_records_promote_like_demoted_blocks(tier: HostTier, pool: KVPool
 
 def test_a_record_of_another_size_is_refused(tier: HostTier) -> None:
     with pytest.raises(InvalidId, match=f"a block takes {tier.block_bytes}"):
-        tier.load([BlockRecord(21, 0, tokens_of(1)[0], b"short")])
+        tier.load([BlockRecord((21, 0), (0, 0), tokens_of(1)[0], b"short")])
 
 
 # -- construction and teardown ----------------------------------------------------------------------
@@ -333,7 +335,7 @@ def test_a_block_id_that_is_not_an_int_is_refused_not_truncated(
 def test_promote_refuses_an_entry_holding_other_tokens_and_copies_nothing(tier: HostTier, pool: KVPool) -> None:
     tier.demote([11], [0], tokens_of(0))
     before, stats = block_bytes(pool.device, pool, 5), tier.stats()
-    with pytest.raises(InvalidId, match="0x000000000000000b with other tokens"):
+    with pytest.raises(InvalidId, match="key 0x000000000000000b as another block"):
         tier.promote([11], [5], tokens_of(1))  # hash 11, but not the block stored under it
     assert block_bytes(pool.device, pool, 5) == before and tier.stats() == stats
 
@@ -343,7 +345,7 @@ def test_a_record_whose_hash_collides_with_an_entry_takes_its_place_and_promotes
 ) -> None:
     tier.demote([11], [0], tokens_of(0))
     kv = bytes(range(256)) * (tier.block_bytes // 256) + bytes(tier.block_bytes % 256)
-    assert tier.load([BlockRecord(11, 0, tokens_of(1)[0], kv)]) == 1  # verified by the store for tokens_of(1)
+    assert tier.load([BlockRecord((11, 0), (0, 0), tokens_of(1)[0], kv)]) == 1  # verified by the store for tokens_of(1)
     tier.check_invariants()
     assert tier.stats().replaced == 1 and tier.lookup([11], tokens_of(1)) == 1
     tier.promote([11], [5], tokens_of(1))
@@ -352,7 +354,7 @@ def test_a_record_whose_hash_collides_with_an_entry_takes_its_place_and_promotes
 
 def test_a_record_of_a_block_held_with_its_tokens_is_a_duplicate(tier: HostTier, pool: KVPool) -> None:
     tier.demote([11], [0], tokens_of(0))
-    assert tier.load([BlockRecord(11, 0, tokens_of(0)[0], bytes(tier.block_bytes))]) == 0
+    assert tier.load([BlockRecord((11, 0), (0, 0), tokens_of(0)[0], bytes(tier.block_bytes))]) == 0
     assert tier.stats().duplicates == 1
     tier.promote([11], [5], tokens_of(0))
     assert block_bytes(pool.device, pool, 5) == block_bytes(pool.device, pool, 0)
@@ -371,7 +373,7 @@ def test_recorded_changes_come_in_the_order_they_happened(pool: KVPool) -> None:
         tier.demote([11], [0], tokens_of(0))
         tier.demote([12], [1], tokens_of(1))  # 11 makes room
         tier.demote([11], [0], tokens_of(0))  # 12 makes room
-        tier.load([BlockRecord(11, 0, tokens_of(3)[0], bytes(tier.block_bytes))])  # replaces 11
+        tier.load([BlockRecord((11, 0), (0, 0), tokens_of(3)[0], bytes(tier.block_bytes))])  # replaces 11
         assert tier.take_changes() == [
             ("stored", [11]), ("removed", [11]), ("stored", [12]), ("removed", [12]), ("stored", [11]),
             ("removed", [11]), ("stored", [11]),
@@ -383,7 +385,7 @@ def test_a_load_larger_than_the_tier_records_only_what_it_keeps(pool: KVPool) ->
     with make_tier(pool, capacity=2) as tier:
         tier.record_changes()
         kv = bytes(tier.block_bytes)
-        tier.load([BlockRecord(h, 0, tokens_of(b)[0], kv) for b, h in enumerate((21, 22, 23))])
+        tier.load([BlockRecord((h, 0), (0, 0), tokens_of(b)[0], kv) for b, h in enumerate((21, 22, 23))])
         changes = tier.take_changes()
         held: set[int] = set()
         for kind, hashes in changes:  # replayed in order, as a KV-event consumer does
@@ -414,7 +416,8 @@ class HostTierMachine(RuleBasedStateMachine):
         blocks = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=len(hashes), max_size=len(hashes),
                                     unique=True))
         seeds = [h % 3 for h in hashes]  # hashes 1 and 4 share tokens: equal tokens, other hash
-        stored = self.tier.demote(hashes, blocks, tokens_of(*seeds))
+        # every key's parent is the key before it (0 before 1): lookups ask for runs of keys
+        stored = self.tier.demote(hashes, blocks, tokens_of(*seeds), parents=[h - 1 for h in hashes])
         fresh: dict[int, tuple[int, bytes]] = {}
         for key, block, seed in zip(hashes, blocks, seeds):
             if key in self.model:
@@ -427,8 +430,9 @@ class HostTierMachine(RuleBasedStateMachine):
                 self.model.popitem(last=False)
         assert stored == min(len(fresh), self.CAPACITY)
 
-    @rule(hashes=st.lists(st.integers(1, 6), min_size=1, max_size=4, unique=True), other_tokens=st.booleans())
-    def lookup(self, hashes: list[int], other_tokens: bool) -> None:
+    @rule(first=st.integers(1, 6), length=st.integers(1, 4), other_tokens=st.booleans())
+    def lookup(self, first: int, length: int, other_tokens: bool) -> None:
+        hashes = list(range(first, min(first + length, 7)))
         seeds = [h % 3 for h in hashes]
         if other_tokens:  # the last block's tokens differ from those stored under its hash
             seeds[-1] = 7
@@ -439,14 +443,14 @@ class HostTierMachine(RuleBasedStateMachine):
             expected += 1
         for key in reversed(hashes[:expected]):
             self.model.move_to_end(key)
-        assert self.tier.lookup(hashes, tokens_of(*seeds)) == expected
+        assert self.tier.lookup(hashes, tokens_of(*seeds), parent=first - 1) == expected
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())
     def promote(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.model)))
         block = data.draw(st.integers(0, NUM_BLOCKS - 1))
-        self.tier.promote([key], [block], tokens_of(self.model[key][0]))
+        self.tier.promote([key], [block], tokens_of(self.model[key][0]), parent=key - 1)
         assert block_bytes(self.dev, self.pool, block) == self.model[key][1]
 
     @invariant()
@@ -506,9 +510,9 @@ def replayed(model: HybridModel, index: EventIndex) -> list[KVEvent]:
     """Replay the window's events into ``index`` and check they tell what every tier holds."""
     events = list(model.take_events().events)
     index.apply(events)
-    host = model.host_tier
-    assert host is not None
-    assert len(index.holds("CPU")) == host.num_blocks and all(h in host for h in index.holds("CPU"))
+    host, tiers = model.host_tier, model.tiers
+    assert host is not None and tiers is not None
+    assert len(index.holds("CPU")) == host.num_blocks and index.holds("CPU") == tiers.held_hashes()
     assert len(index.holds("GPU")) == model.core.num_cached_blocks
     model.check_invariants()
     return events
@@ -525,10 +529,11 @@ def test_a_block_demoted_dropped_and_demoted_again_in_one_window_reads_as_held(m
     cache_prompt(model, 2)
     cache_prompt(model, 3)
     demote_everything(model)
-    assert model.host_tier is not None and first not in model.host_tier  # the host tier dropped it for room
+    tiers = model.tiers
+    assert tiers is not None and first not in tiers.held_hashes()  # the host tier dropped it for room
     cache_prompt(model, 1)
     demote_everything(model)
-    assert first in model.host_tier
+    assert first in tiers.held_hashes()
     replayed(model, index)
     assert first in index.holds("CPU")
 
@@ -542,6 +547,30 @@ def test_demotions_and_a_reset_in_one_window_end_with_every_tier_cleared(models:
     events = replayed(model, index)
     assert isinstance(events[-1], AllBlocksCleared) and stored(events, "CPU")
     assert index.holds("CPU") == index.holds("GPU") == set()
+
+
+def test_what_happens_after_a_reset_in_one_window_follows_its_cleared_event(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=4), EventIndex(BLOCK_SIZE)
+    cache_prompt(model, 1, 2)
+    demote_everything(model)
+    assert model.reset_prefix_cache() is True
+    after = cache_prompt(model, 3)  # the device and then the host tier, after the reset
+    demote_everything(model)
+    events = replayed(model, index)
+    cleared = next(i for i, event in enumerate(events) if isinstance(event, AllBlocksCleared))
+    later = events[cleared + 1 :]
+    assert [e.medium for e in later if isinstance(e, BlockStored)] == ["GPU", "CPU"]
+    assert index.holds("CPU") == set(after) and index.holds("GPU") == set()
+
+
+def test_every_tiers_events_name_its_medium(models: list[HybridModel]) -> None:
+    model, index = tiered(models, host_blocks=4), EventIndex(BLOCK_SIZE)
+    hashes = cache_prompt(model, 1, 2)
+    demote_everything(model)
+    events = replayed(model, index)
+    media = [(type(e).__name__, e.medium) for e in events if not isinstance(e, AllBlocksCleared)]
+    assert media == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU")]
+    assert index.holds("CPU") == set(hashes)
 
 
 def test_a_reset_with_blocks_in_the_host_tier_keeps_its_recount(models: list[HybridModel]) -> None:
@@ -608,3 +637,141 @@ def test_events_through_random_traffic_tell_what_every_tier_holds(models: list[H
             replayed(model, index)
     replayed(model, index)
     assert index.check_hashes("CPU") == len(index.holds("CPU"))
+
+
+# -- lifecycle simulate ---------------------------------------------------------------------------------
+
+
+SIMULATE = ["simulate", "--model", "small-attention", "--requests", "60", "--blocks", "96", "--host-tier-mb", "16"]
+
+
+def test_simulate_splits_the_tiers_time_into_copies_store_reads_and_bookkeeping(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lifecycle.cli import main
+
+    assert main([*SIMULATE, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["host_hit_tokens"] > 0 and summary["store_hit_tokens"] == 0
+    assert summary["tier_copy_ns"] > 0 and summary["tier_store_ns"] == 0
+    assert summary["tier_ns"] > summary["tier_copy_ns"] + summary["tier_store_ns"]  # bookkeeping is the rest
+    assert summary["tier_ns"] <= summary["time_in_library_ns"]
+
+
+def test_simulate_prints_the_tiers_hits_and_time(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.cli import main
+
+    assert main(SIMULATE) == 0
+    out = capsys.readouterr().out
+    assert "host, +0 store tokens" in out
+    assert "tier time per request" in out and "copies" in out and "bookkeeping" in out
+
+
+def test_a_block_held_after_another_parent_is_a_miss(tier: HostTier) -> None:
+    tier.demote([11], [0], tokens_of(0), parents=[5])
+    assert tier.lookup([11], tokens_of(0), parent=6) == 0 and tier.stats().collisions == 1
+    assert tier.lookup([11], tokens_of(0), parent=5) == 1
+
+
+def test_promote_checks_each_blocks_own_parent_when_given(tier: HostTier, pool: KVPool) -> None:
+    tier.demote([11, 12], [0, 1], tokens_of(0, 1), parents=[0, 0])  # two blocks of no chain
+    tier.promote([12, 11], [4, 5], tokens_of(1, 0), parents=[0, 0])
+    assert block_bytes(pool.device, pool, 4) == block_bytes(pool.device, pool, 1)
+    with pytest.raises(InvalidId, match="another block"):
+        tier.promote([12], [6], tokens_of(1), parents=[11])
+
+
+# -- hybrid models: SSM snapshots beside the blocks -----------------------------------------------------
+
+HYBRID = ModelConfig(
+    layers=(AttentionLayer(num_kv_heads=1, head_dim=8), SSMLayer(h_state_bytes=256, conv_state_bytes=64)),
+    block_size=BLOCK_SIZE, num_blocks=12, max_seqs=4, max_blocks_per_seq=12, name="hybrid-host-tier",
+)
+
+
+def hybrid(models: list[HybridModel], host_blocks: int = 8) -> HybridModel:
+    model = HybridModel(HYBRID, "host", host_tier_blocks=host_blocks)
+    models.append(model)
+    return model
+
+
+def slot_state(model: HybridModel, slot: int) -> bytes:
+    ssm = model.ssm_pool
+    assert ssm is not None
+    return b"".join(model.device.host_array(addr, nbytes).tobytes() for addr, nbytes in ssm.slot_ranges(slot))
+
+
+def set_slot_state(model: HybridModel, slot: int, seed: int) -> bytes:
+    ssm = model.ssm_pool
+    assert ssm is not None
+    rng = np.random.default_rng(seed)
+    for addr, nbytes in ssm.slot_ranges(slot):
+        model.device.host_array(addr, nbytes)[:] = rng.integers(1, 256, nbytes, dtype=np.uint8)
+    return slot_state(model, slot)
+
+
+def finish_whole(model: HybridModel, blocks: int, seed: int) -> tuple[list[int], bytes]:
+    """Serve a prompt of ``blocks`` whole blocks (its last token generated), give the slot the state
+    after them and finish; returns the tokens and that state."""
+    tokens = tokens_of(*range(1, blocks + 1)).ravel().tolist()
+    seq = model.alloc_sequence_for(len(tokens))
+    model.attach_prefix(seq, tokens[:-1], grow_to=len(tokens))
+    seq.append_tokens([tokens[-1]])
+    state = set_slot_state(model, seq.slot_idx, seed)
+    model.finish_sequence(seq)
+    return tokens, state
+
+
+def test_a_hybrid_model_reuses_blocks_and_ssm_state_from_the_host_tier(models: list[HybridModel]) -> None:
+    model = hybrid(models)
+    tokens, state = finish_whole(model, 3, seed=5)
+    model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)  # the device's blocks and snapshot are gone
+    assert model.core.num_cached_blocks == 0 and model.core.num_snapshots_used == 0
+    seq = model.alloc_sequence_for(len(tokens) + 2)
+    set_slot_state(model, seq.slot_idx, seed=99)
+    reused = model.attach_prefix(seq, [*tokens, 7], grow_to=len(tokens) + 1)
+    assert reused == 3 * BLOCK_SIZE and model.stats().host_hit_blocks == 3
+    assert slot_state(model, seq.slot_idx) == state  # the state after those blocks, restored
+    model.free_sequence(seq)
+
+
+def test_a_hybrid_run_ends_at_the_last_block_with_a_snapshot(models: list[HybridModel]) -> None:
+    model = hybrid(models)
+    tokens, state = finish_whole(model, 2, seed=5)  # a snapshot after block 2
+    longer = [*tokens, *tokens_of(3).ravel().tolist()]
+    seq = model.alloc_sequence_for(len(longer) + 1)
+    model.attach_prefix(seq, longer, grow_to=len(longer))
+    model.free_sequence(seq)  # block 3 cached on the device, its state never known: no snapshot after it
+    model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)
+    assert model.reclaim_prefix_blocks_for([*longer, 7], -1, 4).host_blocks == 2  # what attach will promote
+    again = model.alloc_sequence_for(len(longer) + 2)
+    reused = model.attach_prefix(again, [*longer, 7], grow_to=len(longer) + 1)
+    assert reused == 2 * BLOCK_SIZE and slot_state(model, again.slot_idx) == state
+    model.free_sequence(again)
+
+
+def test_a_hybrid_prefix_without_a_snapshot_is_not_reused_from_the_host_tier(models: list[HybridModel]) -> None:
+    model = hybrid(models)
+    tokens = tokens_of(1, 2).ravel().tolist()
+    seq = model.alloc_sequence_for(len(tokens) + 2)
+    model.attach_prefix(seq, [*tokens, 7], grow_to=len(tokens) + 1)  # the state consumed 9 tokens
+    model.finish_sequence(seq)
+    model.reclaim_prefix_blocks(HYBRID.num_blocks_resolved)
+    again = model.alloc_sequence_for(len(tokens) + 2)
+    assert model.attach_prefix(again, [*tokens, 7], grow_to=len(tokens) + 1) == 0
+    model.free_sequence(again)
+
+
+def test_a_hybrid_model_takes_no_store() -> None:
+    with pytest.raises(ConfigError, match="SSM layers reuses from the host tier"):
+        HybridModel(HYBRID, "host", host_tier_blocks=8, store="redis://127.0.0.1:1")
+
+
+def test_simulate_runs_the_small_hybrid_preset_with_a_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle.cli import main
+
+    args = ["simulate", "--model", "small-hybrid", "--requests", "60", "--blocks", "96", "--host-tier-mb", "16"]
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["leaked"] == 0 and summary["pools"]["host_tier_blocks"] > 0
+    assert summary["host_hit_tokens"] > 0

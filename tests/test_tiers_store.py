@@ -21,7 +21,8 @@ from lifecycle.config import AttentionLayer, ModelConfig
 from lifecycle.device.host import HostDevice
 from lifecycle.errors import ConfigError
 from lifecycle.pools import KVPool
-from lifecycle.tiers.host import HostTier
+from lifecycle.tiers.host import HeldBlock, HostTier
+from lifecycle.tiers.keys import namespace_of
 from lifecycle.tiers.store import StoreTier, StoreUnavailable
 
 BLOCK_SIZE = 4
@@ -218,15 +219,14 @@ def test_a_block_with_other_tokens_is_a_miss(server: StoreServer, engine: Engine
     assert store.stats().token_mismatch == 1
 
 
-def test_blocks_of_one_adapter_are_not_found_for_another(
+def test_blocks_asked_for_after_another_parent_are_foreign(
     server: StoreServer, engine: Engine, make_store: StoreFactory
 ) -> None:
     store = make_store(server.url)
-    engine.demote(HASHES, range(len(HASHES)))
-    store.write_behind(HASHES, adapter="tenant-a")
-    store.flush()
-    assert store.get_many(HASHES, adapter="tenant-b") == [None] * len(HASHES)
-    assert all(r is not None for r in store.get_many(HASHES, adapter="tenant-a"))
+    publish(engine, store)  # one chain after key 0: each block's parent is the one before it
+    records = store.get_many(HASHES, tokens_of(HASHES), parent=5)
+    assert [record is None for record in records] == [True, False, False, False]
+    assert store.stats().foreign == 1
 
 
 def test_models_of_another_byte_format_do_not_meet(
@@ -236,18 +236,20 @@ def test_models_of_another_byte_format_do_not_meet(
     other_config = CONFIG.replace(block_size=8)
     with StoreTier(server.url, other_config, timeout_s=0.25) as other:
         assert other.get_many(HASHES) == [None] * len(HASHES)
-        assert other.stats().misses == len(HASHES)
+        assert other.stats().foreign == len(HASHES)
 
 
-def test_models_of_another_name_do_not_meet_even_with_the_same_byte_format(
-    server: StoreServer, engine: Engine, make_store: StoreFactory
+@pytest.mark.parametrize("weights", [None, "other weights"])
+def test_models_of_another_namespace_do_not_meet_even_with_the_same_byte_format(
+    server: StoreServer, engine: Engine, make_store: StoreFactory, weights: str | None
 ) -> None:
     publish(engine, make_store(server.url))
-    other_config = CONFIG.replace(name="another-model")
+    other_config = CONFIG.replace(name="another-model") if weights is None else CONFIG
     assert other_config.fingerprint() == CONFIG.fingerprint()
-    with StoreTier(server.url, other_config, timeout_s=0.25) as other:
+    namespace = namespace_of(other_config, weights)
+    with StoreTier(server.url, other_config, namespace=namespace, timeout_s=0.25) as other:
         assert other.get_many(HASHES) == [None] * len(HASHES)
-        assert other.stats().misses == len(HASHES)
+        assert other.stats().foreign == len(HASHES)  # keys met (no tier keys here): the records' namespace refused them
     with StoreTier(server.url, CONFIG, timeout_s=0.25) as same:  # the same model, in another tier
         assert all(record is not None for record in same.get_many(HASHES, tokens_of(HASHES)))
 
@@ -421,7 +423,7 @@ class BlockedSource:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def read_blocks(self, hashes: Sequence[int]) -> list[tuple[npt.NDArray[np.int32], bytes] | None]:
+    def read_blocks(self, hashes: Sequence[int]) -> list[HeldBlock | None]:
         self.entered.set()
         assert self.release.wait(timeout=30), "the test never released the source"
         return self.inner.read_blocks(hashes)

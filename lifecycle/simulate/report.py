@@ -74,6 +74,11 @@ class Summary:
     wall_seconds: float
     leaked: int
     teardown: dict[str, int]
+    #: Time in the host / store tiers (inside ``time_in_library_ns``): batched copies, store
+    #: reads at admission, and the rest (tier keys, indexes, checks) as bookkeeping.
+    tier_ns: int = 0
+    tier_copy_ns: int = 0
+    tier_store_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -159,6 +164,19 @@ def _time_rows(s: Summary) -> list[tuple[str, str]]:
     ]
 
 
+def _tier_rows(s: Summary) -> list[tuple[str, str]]:
+    """The tiers' hits and time per request: copies, store reads, bookkeeping."""
+    def us(ns: int) -> float:
+        return ns / 1e3 / s.requests if s.requests else 0.0
+
+    bookkeeping = s.tier_ns - s.tier_copy_ns - s.tier_store_ns
+    return [(
+        "  tier time per request",
+        f"{us(s.tier_ns):,.1f} µs = copies {us(s.tier_copy_ns):,.1f} + store reads {us(s.tier_store_ns):,.1f} + "
+        f"bookkeeping {us(bookkeeping):,.1f}",
+    )]
+
+
 def summary_rows(result: SimulationResult) -> list[tuple[str, str]]:
     """The summary as (measure, value) rows, in the order ``lifecycle simulate`` prints them."""
     s = result.summary
@@ -184,6 +202,7 @@ def summary_rows(result: SimulationResult) -> list[tuple[str, str]]:
             if "host_tier_blocks" in pools and pools["host_tier_blocks"]
             else []
         ),
+        *(_tier_rows(s) if "host_tier_blocks" in pools and pools["host_tier_blocks"] else []),
         ("SSM snapshots (saved / hits)", f"{s.snapshots_saved:,} / {s.snapshot_hits:,}"),
         ("evicted blocks", f"{s.evicted_blocks:,}"),
         ("preemptions (swap / recompute)", f"{s.preemptions:,} ({s.swaps_out:,} / {s.recomputes:,})"),

@@ -594,6 +594,9 @@ def simulate(
         wall_seconds=wall,
         leaked=report.leaked,
         teardown=asdict(report),
+        tier_ns=stats.tier_ns,
+        tier_copy_ns=stats.tier_copy_ns,
+        tier_store_ns=stats.tier_store_ns,
     )
     return SimulationResult(summary=summary, series=sim.series, stats=stats, teardown=report)
 

@@ -52,3 +52,42 @@ def token_blocks(call: str, tokens: npt.ArrayLike, count: int, block_size: int) 
     if raw.dtype != np.int32 or raw.shape != (count, block_size):
         raw = raw.reshape(count, block_size).astype(np.int32, copy=False)
     return raw
+
+
+#: Tier keys: ints in [0, 2**64) (the high word; the low word 0), or a ``(n, 2)`` uint64 array of
+#: (high, low) rows.
+KeysLike = Sequence[int] | npt.NDArray[np.uint64]
+#: One tier key: an int in [0, 2**64) (the high word), or a (high, low) pair.
+KeyLike = int | tuple[int, int]
+
+
+def tier_keys(call: str, keys: KeysLike, name: str = "keys") -> tuple[list[int], npt.NDArray[np.uint64]]:
+    """``keys`` as the list of their high words (what the tiers index by) and a ``(n, 2)`` uint64
+    array; InvalidId unless each word is in [0, 2**64)."""
+    if isinstance(keys, np.ndarray) and keys.ndim == 2:
+        if keys.shape[1] != 2 or keys.dtype != np.uint64:
+            raise InvalidId(f"{call}: {name} must be (n, 2) uint64 rows, got shape {keys.shape} of {keys.dtype}")
+        rows = np.ascontiguousarray(keys)
+        high: list[int] = rows[:, 0].tolist()
+        return high, rows
+    high = content_hashes(call, keys)
+    rows = np.zeros((len(high), 2), dtype=np.uint64)
+    rows[:, 0] = high
+    return high, rows
+
+
+def tier_key(call: str, key: KeyLike) -> tuple[int, int]:
+    """One key as (high, low); InvalidId unless each word is in [0, 2**64)."""
+    pair = key if isinstance(key, tuple) else (key, 0)
+    if len(pair) != 2 or not all(type(word) is int and 0 <= word < _HASH_LIMIT for word in pair):
+        raise InvalidId(f"{call}: a key is an int in [0, 2**64) or a (high, low) pair of them, got {key!r}")
+    return pair
+
+
+def chained_parents(keys: npt.NDArray[np.uint64], first: tuple[int, int]) -> npt.NDArray[np.uint64]:
+    """The parent of each of ``keys`` when they are one chain after ``first``."""
+    parents = np.empty_like(keys)
+    if len(keys):
+        parents[0] = first
+        parents[1:] = keys[:-1]
+    return parents

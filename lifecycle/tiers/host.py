@@ -1,15 +1,14 @@
-"""The host tier: evicted device blocks kept in (pinned) host memory, found again by content hash.
+"""The host tier: evicted device blocks kept in (pinned) host memory, found again by key.
 
 A :class:`HostTier` owns one host allocation of ``capacity_blocks`` slots (page-locked through the
 driver on CUDA, plain memory on the host device). A slot holds one whole block: every attention
-layer's K and V, layer after layer, plus the block's tokens. Entries are indexed by the block's
-content hash (``docs/content-hashes.md``) and evicted least recently used first.
+layer's K and V, layer after layer, plus the block's key, its parent's key and its tokens. Entries
+are indexed by the high word of their key (the model's tiers use keyed chain keys,
+:mod:`lifecycle.tiers.keys`) and evicted least recently used first.
 
-The hash only finds an entry: :meth:`HostTier.lookup` compares the block's tokens before it counts
-a hit, so an accidental collision costs a miss, and :meth:`HostTier.promote` copies only entries
-holding the tokens it is given. The chain ``hash = fmix64(NH(tokens)) + parent *
-odd`` then fixes the parent's hash, not the parent's tokens: a collision crafted on purpose
-earlier in the chain is not caught (``docs/tiers.md``, "Not a defence against a hostile tenant").
+A key only finds an entry: :meth:`HostTier.lookup` counts a hit only where the entry's whole key,
+its parent's key (the key before it in the run asked for) and its tokens are the ones asked for,
+and :meth:`HostTier.promote` checks the same before it copies anything.
 
 Copies: :meth:`HostTier.demote` copies device blocks to host and :meth:`HostTier.promote` host
 entries to device blocks, each as one batched copy that has completed when the call returns (the
@@ -36,10 +35,12 @@ from lifecycle.device.base import Device
 from lifecycle.device.host import physical_memory_bytes
 from lifecycle.errors import BlockIdOutOfRange, ConfigError, InvalidId, InvariantViolation, TornDown
 from lifecycle.pools import KVPool
-from lifecycle.tiers._args import HashesLike, content_hashes, token_blocks
+from lifecycle.tiers._args import (
+    HashesLike, KeyLike, KeysLike, chained_parents, content_hashes, tier_key, tier_keys, token_blocks,
+)
 from lifecycle.tiers.records import BlockRecord
 
-__all__ = ["BlockIdsLike", "HashesLike", "HostTier", "HostTierStats", "TokensLike"]
+__all__ = ["BlockIdsLike", "HashesLike", "HeldBlock", "HostTier", "HostTierStats", "KeyLike", "KeysLike", "TokensLike"]
 
 #: Device block ids: ints, or an integer array.
 BlockIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -50,17 +51,28 @@ TokensLike = npt.ArrayLike
 _SMALL_BATCH_ROWS: Final = 8
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class HeldBlock:
+    """A copy of one entry (:meth:`HostTier.read_blocks`): its key and its parent's, as (high,
+    low), its tokens and its KV bytes."""
+
+    key: tuple[int, int]
+    parent: tuple[int, int]
+    tokens: npt.NDArray[np.int32]
+    kv: bytes
+
+
 @dataclass(frozen=True, slots=True)
 class HostTierStats:
     """Counters of a :class:`HostTier` since it was built (blocks, unless named bytes).
 
-    ``lookups`` counts blocks asked for, ``hits`` those found with equal tokens (a hit rate is
-    ``hits / lookups``); ``collisions`` counts entries whose hash matched but tokens did not.
-    ``stored`` counts blocks demoted into the tier, ``loaded`` those put in from records (the
-    store), ``duplicates`` blocks already there, ``evicted`` entries dropped for room, ``replaced``
-    entries a record of the same hash and other tokens took the place of, ``cleared`` entries
-    :meth:`HostTier.clear` dropped. Held blocks are ``stored + loaded - evicted - replaced -
-    cleared``."""
+    ``lookups`` counts blocks asked for, ``hits`` those found as asked for (key, parent, tokens; a
+    hit rate is ``hits / lookups``); ``collisions`` counts entries whose index word matched but
+    whose key, parent or tokens did not. ``stored`` counts blocks demoted into the tier,
+    ``loaded`` those put in from records (the store), ``duplicates`` blocks already there,
+    ``evicted`` entries dropped for room, ``replaced`` entries a record of the same index word and
+    another identity took the place of, ``cleared`` entries :meth:`HostTier.clear` dropped. Held
+    blocks are ``stored + loaded - evicted - replaced - cleared``."""
 
     capacity_blocks: int
     blocks: int
@@ -82,7 +94,7 @@ class HostTierStats:
 
 
 class HostTier:
-    """Whole blocks of ``kv_pool`` in ``capacity_blocks`` slots of host memory, by content hash.
+    """Whole blocks of ``kv_pool`` in ``capacity_blocks`` slots of host memory, by key.
 
     Raises :class:`ConfigError` for a capacity below one block or larger than the machine's
     memory, or a ``block_size`` other than the pool's; the device's error when the memory cannot
@@ -122,7 +134,9 @@ class HostTier:
         # Copy rows of a batch are template + slot * slot_step + block * block_step, per direction.
         self._row_templates = {to_host: self._row_template(to_host) for to_host in (True, False)}
         self._tokens = np.zeros((capacity_blocks, block_size), dtype=np.int32)
-        self._index: OrderedDict[int, int] = OrderedDict()  # content hash -> slot, least recent first
+        self._keys = np.zeros((capacity_blocks, 2), dtype=np.uint64)  # each slot's key, (high, low)
+        self._parents = np.zeros((capacity_blocks, 2), dtype=np.uint64)  # and its parent's
+        self._index: OrderedDict[int, int] = OrderedDict()  # high word of a key -> slot, least recent first
         self._free = list(range(capacity_blocks - 1, -1, -1))
         self._counts = dict.fromkeys(
             ("lookups", "hits", "collisions", "stored", "loaded", "duplicates", "evicted", "replaced", "cleared",
@@ -165,7 +179,7 @@ class HostTier:
         return content_hash in self._index
 
     def subscribe(self, listener: Callable[[list[int]], object]) -> None:
-        """Call ``listener`` with the content hashes each :meth:`demote` stored (not those already
+        """Call ``listener`` with the keys (high words) each :meth:`demote` stored (not those already
         held), after the copy, outside the tier's lock: ``host.subscribe(store.write_behind)``
         writes every block entering the tier behind it. A listener must not raise."""
         with self._lock:
@@ -184,7 +198,7 @@ class HostTier:
                 self._changes.clear()
 
     def record_changes(self, on: bool = True) -> None:
-        """Keep, in the order they happen, the content hashes of the entries each call stores
+        """Keep, in the order they happen, the keys (high words) of the entries each call stores
         (:meth:`demote`, :meth:`load`) and removes (evicted for room, or replaced), for
         :meth:`take_changes` (the KV events of the host tier)."""
         with self._lock:
@@ -228,7 +242,7 @@ class HostTier:
                 raise InvalidId(f"{call}: block ids must be a 1-D sequence of ints, got {block_ids!r}")
             ids = raw.tolist()  # Python ints, exact for uint64 too
         if not isinstance(ids, list) or len(ids) != count:
-            raise InvalidId(f"{call}: {np.size(block_ids)} block ids for {count} content hashes")
+            raise InvalidId(f"{call}: {np.size(block_ids)} block ids for {count} keys")
         if ids:
             limit = self._pool.num_blocks
             low, high = min(ids), max(ids)
@@ -297,20 +311,23 @@ class HostTier:
         return slots
 
     def _insert(self, keys: list[int], slots: list[int]) -> None:
-        for key, slot in zip(keys, slots):
-            self._index[key] = slot
+        self._index.update(zip(keys, slots))
 
-    def demote(self, hashes: HashesLike, block_ids: BlockIdsLike, tokens: TokensLike) -> int:
-        """Copy the device blocks ``block_ids`` (every layer) into the tier under their content
-        ``hashes``, with their ``tokens`` (``len(hashes)`` blocks); returns the blocks stored.
+    def demote(
+        self, hashes: KeysLike, block_ids: BlockIdsLike, tokens: TokensLike, parents: KeysLike | None = None
+    ) -> int:
+        """Copy the device blocks ``block_ids`` (every layer) into the tier under their keys
+        ``hashes``, with their ``tokens`` (``len(hashes)`` blocks) and their ``parents``' keys
+        (None: the batch is one chain after key 0); returns the blocks stored.
 
-        One batched copy, completed on return. A hash already held is not copied again but becomes
-        the most recently used (also when its tokens differ: a collision is left to :meth:`lookup`);
-        a hash repeated in the batch counts once. Then the new blocks are stored in batch order, each
+        One batched copy, completed on return. A key already held is not copied again but becomes
+        the most recently used (also when the entry differs: :meth:`lookup` checks it); a key
+        repeated in the batch counts once. Then the new blocks are stored in batch order, each
         the most recently used so far; the least recently used entries make room, and of more new
         blocks than the tier holds only the last ``capacity_blocks`` are kept. Every argument
         is checked before anything changes."""
-        keys = content_hashes("demote", hashes)
+        keys, key_rows = tier_keys("demote", hashes)
+        parent_rows = self._parent_rows("demote", parents, key_rows)
         ids = self._block_ids("demote", block_ids, len(keys))
         rows = token_blocks("demote", tokens, len(keys), self._block_size)
         with self._lock:
@@ -335,7 +352,10 @@ class HostTier:
             everything = len(fresh) == len(keys)
             stored = keys if everything else [keys[i] for i in fresh]
             copies = self._copy_rows(slots, ids if everything else [ids[i] for i in fresh], to_host=True)
-            self._tokens[slots] = rows if everything else rows[fresh]
+            picked = slice(None) if everything else fresh
+            self._tokens[slots] = rows[picked]
+            self._keys[slots] = key_rows[picked]
+            self._parents[slots] = parent_rows[picked]
             self._insert(stored, slots)
             try:
                 self._device.copy_batch(copies)
@@ -354,59 +374,93 @@ class HostTier:
             listener(stored)
         return len(fresh)
 
-    def lookup(self, hashes: HashesLike, tokens: TokensLike) -> int:
-        """Length of the leading run of ``hashes`` held with equal ``tokens`` (``len(hashes)``
-        blocks of them). Those entries become the most recently used, the first block most."""
-        keys = content_hashes("lookup", hashes)
+    def _parent_rows(
+        self, call: str, parents: KeysLike | None, key_rows: npt.NDArray[np.uint64]
+    ) -> npt.NDArray[np.uint64]:
+        if parents is None:
+            return chained_parents(key_rows, (0, 0))
+        _, rows = tier_keys(call, parents, "parents")
+        if len(rows) != len(key_rows):
+            raise InvalidId(f"{call}: {len(rows)} parents for {len(key_rows)} keys")
+        return rows
+
+    def _verified(
+        self, slots: list[int], key_rows: npt.NDArray[np.uint64], parent: tuple[int, int] | npt.NDArray[np.uint64],
+        rows: npt.NDArray[np.int32],
+    ) -> int:
+        """(Lock held) how many of ``slots`` lead with entries holding exactly ``key_rows``, each
+        after the one before it (the first after ``parent``; or each after its row of
+        ``parent``, an array), and the token ``rows``."""
+        found = len(slots)
+        if not found:
+            return 0
+        wanted = key_rows[:found]
+        parents = parent[:found] if isinstance(parent, np.ndarray) else chained_parents(wanted, parent)
+        equal = (self._tokens[slots] == rows[:found]).all(axis=1)
+        equal &= (self._keys[slots] == wanted).all(axis=1)
+        equal &= (self._parents[slots] == parents).all(axis=1)
+        return found if equal.all() else int(np.argmin(equal))
+
+    def _slots_of(self, keys: list[int]) -> list[int]:
+        """(Lock held) the slots of the leading run of ``keys`` the index holds."""
+        slots: list[int] = []
+        for key in keys:
+            slot = self._index.get(key)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def lookup(self, hashes: KeysLike, tokens: TokensLike, parent: KeyLike = 0) -> int:
+        """Length of the leading run of ``hashes`` held as one chain after ``parent`` with equal
+        ``tokens`` (``len(hashes)`` blocks of them). Those entries become the most recently
+        used, the first block most."""
+        keys, key_rows = tier_keys("lookup", hashes)
+        first = tier_key("lookup", parent)
         rows = token_blocks("lookup", tokens, len(keys), self._block_size)
         with self._lock:
             self._check_open("lookup")
-            slots: list[int] = []
-            for key in keys:
-                slot = self._index.get(key)
-                if slot is None:
-                    break
-                slots.append(slot)
-            found = len(slots)
-            if found:
-                equal = (self._tokens[slots] == rows[:found]).all(axis=1)
-                if not equal.all():
-                    found = int(np.argmin(equal))
-                    self._counts["collisions"] += 1
-                for key in reversed(keys[:found]):
-                    self._index.move_to_end(key)
+            slots = self._slots_of(keys)
+            found = self._verified(slots, key_rows, first, rows)
+            if found < len(slots):
+                self._counts["collisions"] += 1
+            for key in reversed(keys[:found]):
+                self._index.move_to_end(key)
             self._counts["lookups"] += len(keys)
             self._counts["hits"] += found
             return found
 
-    def promote(self, hashes: HashesLike, block_ids: BlockIdsLike, tokens: TokensLike) -> None:
+    def promote(
+        self, hashes: KeysLike, block_ids: BlockIdsLike, tokens: TokensLike, parent: KeyLike = 0,
+        parents: KeysLike | None = None,
+    ) -> None:
         """Copy the entries ``hashes`` (every layer) into the device blocks ``block_ids``, one
-        batched copy completed on return, once each entry is found to hold the block's
-        ``tokens`` (``len(hashes)`` blocks of them): a hash finds an entry, it never proves it.
-        Entries stay in the tier. An absent hash, or one held with other tokens, raises
-        :class:`InvalidId` naming it, and nothing is copied."""
-        keys = content_hashes("promote", hashes)
+        batched copy completed on return, once each entry is found to be the block asked for:
+        its key, its parent's (the chain after ``parent``; or, given ``parents``, each block's
+        own) and its ``tokens`` (``len(hashes)`` blocks of them). A key finds an entry, it never
+        proves it. Entries stay in the tier. An absent key, or an entry that is another block,
+        raises :class:`InvalidId` naming it, and nothing is copied."""
+        keys, key_rows = tier_keys("promote", hashes)
+        first: tuple[int, int] | npt.NDArray[np.uint64] = tier_key("promote", parent)
+        if parents is not None:
+            first = self._parent_rows("promote", parents, key_rows)
         ids = self._block_ids("promote", block_ids, len(keys))
         rows = token_blocks("promote", tokens, len(keys), self._block_size)
         with self._lock:
             self._check_open("promote")
-            slots: list[int] = []
-            for key in keys:
-                slot = self._index.get(key)
-                if slot is None:
-                    raise InvalidId(
-                        f"promote: content hash {key:#018x} is not in the host tier ({len(self._index)} blocks held); "
-                        "promote what lookup found, before anything else is demoted"
-                    )
-                slots.append(slot)
+            slots = self._slots_of(keys)
+            if len(slots) < len(keys):
+                raise InvalidId(
+                    f"promote: key {keys[len(slots)]:#018x} is not in the host tier ({len(self._index)} blocks held); "
+                    "promote what lookup found, before anything else is demoted"
+                )
             if not slots:
                 return
-            equal = (self._tokens[slots] == rows).all(axis=1)
-            if not equal.all():
-                key = keys[int(np.argmin(equal))]
+            verified = self._verified(slots, key_rows, first, rows)
+            if verified < len(slots):
                 raise InvalidId(
-                    f"promote: the host tier holds content hash {key:#018x} with other tokens than given: "
-                    "a hash collision; promote only what lookup found with these tokens"
+                    f"promote: the host tier holds key {keys[verified]:#018x} as another block than asked for "
+                    "(its key, parent or tokens differ); promote only what lookup found"
                 )
             copies = self._copy_rows(slots, ids, to_host=False)
             self._device.copy_batch(copies)
@@ -416,11 +470,11 @@ class HostTier:
 
     # -- records (the shared store) ----------------------------------------------------------------
 
-    def read_blocks(self, hashes: HashesLike) -> list[tuple[npt.NDArray[np.int32], bytes] | None]:
-        """A copy of the tokens and KV bytes of each entry of ``hashes`` (None where absent). The
+    def read_blocks(self, hashes: HashesLike) -> list[HeldBlock | None]:
+        """A copy of each entry of ``hashes`` (high words of keys; None where absent). The
         entries' recency is unchanged."""
         keys = content_hashes("read_blocks", hashes)
-        out: list[tuple[npt.NDArray[np.int32], bytes] | None] = []
+        out: list[HeldBlock | None] = []
         with self._lock:
             self._check_open("read_blocks")
             for key in keys:
@@ -429,33 +483,40 @@ class HostTier:
                     out.append(None)
                     continue
                 start = slot * self._slot_bytes
-                out.append((self._tokens[slot].copy(), self._memory[start : start + self._slot_bytes].tobytes()))
+                high, low = self._keys[slot].tolist()
+                parent_high, parent_low = self._parents[slot].tolist()
+                out.append(HeldBlock(
+                    (high, low), (parent_high, parent_low), self._tokens[slot].copy(),
+                    self._memory[start : start + self._slot_bytes].tobytes(),
+                ))
         return out
 
     def load(self, records: Sequence[BlockRecord]) -> int:
         """Put blocks read from the store into the tier, as :meth:`demote` puts device blocks
         (same recency and room rules); returns the blocks stored and still held (of more records than
-        the tier holds, a later one evicts an earlier one). A record whose hash is held with
-        other tokens takes that entry's place (the caller verified the record's tokens; the
-        entry's are a collision's), counted as ``replaced``."""
+        the tier holds, a later one evicts an earlier one). A record whose key's high word is held
+        as another block (key, parent or tokens) takes that entry's place (the caller verified
+        the record), counted as ``replaced``."""
         for index, record in enumerate(records):
             if memoryview(record.kv).nbytes != self._slot_bytes:
                 raise InvalidId(
                     f"load: record {index} has {memoryview(record.kv).nbytes} KV bytes; "
                     f"a block takes {self._slot_bytes}"
                 )
-        keys = [record.content_hash for record in records]
-        content_hashes("load", keys)
+        keys, key_rows = tier_keys("load", np.array([r.key for r in records], dtype=np.uint64).reshape(-1, 2))
+        _, parent_rows = tier_keys("load", np.array([r.parent for r in records], dtype=np.uint64).reshape(-1, 2))
         rows = token_blocks("load", [record.tokens for record in records], len(records), self._block_size)
         with self._lock:
             self._check_open("load")
             stored: list[int] = []
-            for record, row in zip(records, rows):
-                key = record.content_hash
+            for key, key_row, parent_row, row, record in zip(keys, key_rows, parent_rows, rows, records):
                 slot = self._index.get(key)
                 if slot is not None:
                     self._index.move_to_end(key)
-                    if (self._tokens[slot] == row).all():
+                    if (
+                        (self._tokens[slot] == row).all() and (self._keys[slot] == key_row).all()
+                        and (self._parents[slot] == parent_row).all()
+                    ):
                         self._counts["duplicates"] += 1
                         continue
                     self._counts["replaced"] += 1
@@ -465,6 +526,8 @@ class HostTier:
                 start = slot * self._slot_bytes
                 self._memory[start : start + self._slot_bytes] = np.frombuffer(record.kv, dtype=np.uint8)
                 self._tokens[slot] = row
+                self._keys[slot] = key_row
+                self._parents[slot] = parent_row
                 self._index[key] = slot
                 stored.append(key)
                 self._counts["loaded"] += 1

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Final
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -30,13 +31,23 @@ from lifecycle.device import Device
 from lifecycle.errors import ConfigError, OutOfBlocks
 from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import MEDIUM_CPU
-from lifecycle.pools import KVPool
+from lifecycle.pools import KVPool, SSMPool
+from lifecycle.snapshots import snapshot_blocks_at_finish
+from lifecycle.tiers._args import chained_parents, token_blocks
 from lifecycle.tiers.host import HostTier
+from lifecycle.tiers.keys import TierKeys
 from lifecycle.tiers.records import BlockRecord
+from lifecycle.tiers.ssm import HostSnapshots
+
+if TYPE_CHECKING:
+    from lifecycle.tiers.store import StoreTier
 
 __all__ = ["ModelTiers", "TierCounters", "check_host_blocks", "open_tiers"]
 
 _HASHES: Final = 1 << 64
+#: Admitted prompts' keys kept for their release, at most (a handle released past the model's
+#: calls leaves its entry behind; the oldest go first).
+_CHAINS_MAX: Final = 1 << 16
 #: The content hash's chain multiplier (docs/content-hashes.md, step 5) and its inverse mod 2**64.
 _CHAIN: Final = 0x9E3779B97F4A7C15
 _UNCHAIN: Final = pow(_CHAIN, -1, _HASHES)
@@ -51,7 +62,9 @@ class TierCounters:
     store_hit_blocks: int = 0  # blocks read from the store (then promoted through the host tier)
     blocks_demoted: int = 0  # evicted device blocks copied into the host tier
     blocks_promoted: int = 0
-    tier_ns: int = 0  # time in demotion and promotion (copies included)
+    tier_ns: int = 0  # time in the tiers: demotion, promotion, tier keys (copies and store reads included)
+    tier_copy_ns: int = 0  # of which batched copies (with the tier's checks around them)
+    tier_store_ns: int = 0  # of which store reads at admission
 
 
 def check_host_blocks(host_blocks: object) -> None:
@@ -62,7 +75,14 @@ def check_host_blocks(host_blocks: object) -> None:
 
 class ModelTiers:
     """A host tier of ``host_blocks`` blocks with an optional store at ``store_url`` under it, for
-    one model's core and KV pool; their events go into ``events`` (None: no events)."""
+    one model's core and KV pool; their events go into ``events`` (None: no events).
+
+    Blocks are found in the tiers by their tier keys (:mod:`lifecycle.tiers.keys`: ``namespace``
+    and ``secret``), computed from a request's own tokens: at admission for the lookup, and when a
+    holder caches or releases a sequence (:meth:`record`), for every block of its table, so a block
+    the device evicts goes down under the key of the prefix it was computed after.
+    ``store_options``: keywords of the :class:`~lifecycle.tiers.store.StoreTier` (its ``admit``
+    policy, ``ttl_s``, timeouts, ...)."""
 
     def __init__(
         self,
@@ -74,8 +94,17 @@ class ModelTiers:
         host_blocks: int = 0,
         store_url: str | None = None,
         events: KVEventLog | None = None,
+        weights_fingerprint: bytes | str | None = None,
+        secret: bytes | str | None = None,
+        store_options: Mapping[str, Any] | None = None,
+        ssm: SSMPool | None = None,
     ) -> None:
         check_host_blocks(host_blocks)
+        if ssm is not None and store_url is not None:
+            raise ConfigError(
+                "a store holds KV blocks only: a model with SSM layers reuses from the host tier, whose SSM "
+                "snapshots stay in this process"
+            )
         if store_url is not None and host_blocks == 0:
             raise ConfigError("a store needs a host tier above it (host_tier_blocks > 0): blocks enter it from there")
         if host_blocks and (kv_pool is None or not config.enable_prefix_cache):
@@ -86,21 +115,45 @@ class ModelTiers:
         self._block_size = config.block_size
         self.counters = TierCounters()
         self._host: HostTier | None = None
-        self._store = None
+        self._store: StoreTier | None = None
+        self._snapshots: HostSnapshots | None = None
         self._events = events
-        self._roots: dict[int, int] = {}  # cache key -> the hash its chains start from
+        self._keys = TierKeys(config, weights_fingerprint=weights_fingerprint, secret=secret)
+        self._roots: dict[int, int] = {}  # cache key -> the content hash its chains start from
+        self._chains: dict[int, npt.NDArray[np.uint64]] = {}  # handle -> tier keys of its admitted prompt
+        self._kept: set[int] = set()  # high words of keys marked to keep (written to the store)
+        self._event_hashes: dict[int, int] = {}  # with events: high word of a host entry -> its content hash
+        num_blocks = kv_pool.num_blocks if kv_pool is not None else 0
+        # What each device block holds, as its last holder recorded it: its key, its parent's, its
+        # content hash; valid until the block leaves the cache.
+        self._block_keys = np.zeros((num_blocks, 2), dtype=np.uint64)
+        self._block_parents = np.zeros((num_blocks, 2), dtype=np.uint64)
+        self._block_hashes = np.zeros(num_blocks, dtype=np.uint64)
+        self._block_valid = np.zeros(num_blocks, dtype=np.bool_)
+        self._block_reused = np.zeros(num_blocks, dtype=np.bool_)  # hit on the device since it was cached
         if host_blocks:
             assert kv_pool is not None
             self._host = HostTier(device, kv_pool, host_blocks, config.block_size)
             try:
+                if ssm is not None:
+                    # snapshots beside the blocks, in a quarter of the blocks' bytes (a few at least)
+                    snapshot_bytes = sum(nbytes for _, nbytes in ssm.slot_ranges(0))
+                    capacity = max(min(host_blocks, 8), host_blocks * self._host.block_bytes // (4 * snapshot_bytes))
+                    self._snapshots = HostSnapshots(device, ssm, capacity)
                 if store_url is not None:
                     from lifecycle.tiers.store import StoreTier
 
-                    self._store = StoreTier(store_url, config, source=self._host)
-                    self._host.subscribe(self._store.write_behind)
+                    self._store = StoreTier(
+                        store_url, config, source=self._host, namespace=self._keys.namespace,
+                        **dict(store_options or {}),
+                    )
+                    if self._store.admit == "all":
+                        self._host.subscribe(self._store.write_behind)
                 if events is not None:
                     self._host.record_changes(True)
             except BaseException:
+                if self._snapshots is not None:
+                    self._snapshots.close()
                 self._host.close()
                 raise
         core.set_events(events is not None, demote=self._host is not None)
@@ -108,6 +161,77 @@ class ModelTiers:
     @property
     def host(self) -> HostTier | None:
         return self._host
+
+    @property
+    def store(self) -> StoreTier | None:
+        return self._store
+
+    @property
+    def keys(self) -> TierKeys:
+        return self._keys
+
+    def held_hashes(self) -> set[int]:
+        """With events on: the content hashes of the blocks the host tier holds (as its events
+        named them); empty otherwise."""
+        return set(self._event_hashes.values())
+
+    # -- what each device block holds ---------------------------------------------------------------
+
+    def record(self, handle: int, slot: int | None = None) -> None:
+        """Before a holder caches or releases ``handle``: the tier keys of every whole block of
+        its table, from its own tokens (the admitted prompt's keys are reused); on a hybrid model
+        also the SSM state of its ``slot`` (None: detached), when that state consumed exactly
+        whole blocks of it."""
+        core = self._core
+        bs = self._block_size
+        full = min(core.num_tokens(handle) // bs, core.num_blocks(handle))
+        chain = self._chains.pop(handle, None)
+        if full == 0 or self._host is None:
+            return
+        started = time.perf_counter_ns()
+        root = self._keys.root(core.cache_key(handle))
+        done = 0 if chain is None else min(len(chain), full)
+        if done < full:
+            parent = root if done == 0 else (int(chain[done - 1, 0]), int(chain[done - 1, 1]))  # type: ignore[index]
+            rest = self._keys.chain(core.tokens(handle)[done * bs : full * bs], parent)
+            chain = rest if done == 0 else np.concatenate((chain[:done], rest))  # type: ignore[index]
+        assert chain is not None
+        chain = chain[:full]
+        ids = core.block_table(handle)[:full]
+        hashes = core.block_hashes(handle)[:full]
+        if len(hashes) < full:  # blocks not hashed yet hold nothing a tier can name
+            full = len(hashes)
+            ids, chain = ids[:full], chain[:full]
+        self._block_keys[ids] = chain
+        self._block_parents[ids] = chained_parents(chain, root)
+        self._block_hashes[ids] = hashes
+        self._block_valid[ids] = True
+        if self._snapshots is not None and slot is not None:
+            self._save_snapshot(handle, chain, slot)
+        self.counters.tier_ns += time.perf_counter_ns() - started
+
+    def _save_snapshot(self, handle: int, chain: npt.NDArray[np.uint64], slot: int) -> None:
+        """The SSM state of ``slot`` into the host snapshots, after the block it consumed up to."""
+        assert self._snapshots is not None
+        _, _, num_tokens, _, num_blocks, _, ssm_tokens, failed, _ = self._core.info(handle)
+        if failed:
+            return
+        consumed = None if ssm_tokens < 0 else ssm_tokens
+        blocks = min(snapshot_blocks_at_finish(num_tokens, num_blocks, consumed, self._block_size), len(chain))
+        if blocks:
+            copying = time.perf_counter_ns()
+            high, low = chain[blocks - 1].tolist()
+            self._snapshots.save((high, low), slot)
+            self.counters.tier_copy_ns += time.perf_counter_ns() - copying
+
+    def keep(self, handle: int) -> None:
+        """Mark the admitted prompt of ``handle`` to keep: its blocks go to the store when the
+        device evicts them, reused or not."""
+        chain = self._chains.get(handle)
+        if chain is not None and self._store is not None:
+            if len(self._kept) > 1 << 20:
+                self._kept.clear()
+            self._kept.update(chain[:, 0].tolist())
 
     # -- after every core call that may evict ------------------------------------------------------
 
@@ -121,16 +245,39 @@ class ModelTiers:
         leaving: dict[int, int] = {}  # the cache keys of the blocks that left the device, where not 0
         if self._events is not None:
             self._events.device(raw, leaving)
-        if demoted is not None:
-            hashes, ids, tokens = demoted
-            started = time.perf_counter_ns()
-            assert self._host is not None
-            self.counters.blocks_demoted += self._host.demote(hashes, ids, tokens)
-            self.counters.tier_ns += time.perf_counter_ns() - started
-            if self._events is not None:
-                demoted_hashes: list[int] = hashes.tolist()
-                keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
-                self._log_host(demoted_hashes, tokens.reshape(-1, self._block_size), keys, None)
+        if demoted is None:
+            return
+        hashes, ids, tokens = demoted
+        started = time.perf_counter_ns()
+        host = self._host
+        assert host is not None
+        # Only blocks whose last holder named them, as the block the core says left, go down.
+        known = self._block_valid[ids] & (self._block_hashes[ids] == hashes)
+        reused = self._block_reused[ids]
+        self._block_valid[ids] = False
+        self._block_reused[ids] = False
+        if not known.all():
+            hashes, ids, tokens = hashes[known], ids[known], tokens.reshape(-1, self._block_size)[known]
+            reused = reused[known]
+        keys, parents = self._block_keys[ids], self._block_parents[ids]
+        marked = time.perf_counter_ns()
+        self.counters.blocks_demoted += host.demote(keys, ids, tokens, parents)
+        copied = time.perf_counter_ns()
+        self.counters.tier_copy_ns += copied - marked
+        store = self._store
+        if store is not None and store.admit == "reused":
+            # reused on the device, or marked to keep: worth sharing (a host hit is written at promotion)
+            if self._kept:
+                kept = [key for key in keys[:, 0].tolist() if key in self._kept]
+                self._kept.difference_update(kept)
+                reused |= np.isin(keys[:, 0], np.array(kept, dtype=np.uint64))
+            if reused.any():
+                store.write_behind(keys[reused, 0].tolist())
+        if self._events is not None:
+            demoted_hashes: list[int] = hashes.tolist()
+            cache_keys = [leaving.get(h, 0) for h in demoted_hashes] if leaving else [0] * len(demoted_hashes)
+            self._log_host(keys[:, 0].tolist(), demoted_hashes, tokens.reshape(-1, self._block_size), cache_keys, None)
+        self.counters.tier_ns += time.perf_counter_ns() - started
 
     @staticmethod
     def _demoted(raw: RawEvents) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
@@ -151,19 +298,65 @@ class ModelTiers:
 
     # -- admission -----------------------------------------------------------------------------------
 
-    def promote(self, handle: int, prompt: npt.NDArray[np.int32], reused_blocks: int) -> int:
+    def _prompt_keys(self, handle: int, prompt: npt.NDArray[np.int32], limit: int) -> npt.NDArray[np.uint64]:
+        """The tier keys of the first ``limit`` blocks of ``prompt``, kept for :meth:`record`."""
+        chain = self._keys.chain(prompt[: limit * self._block_size], self._keys.root(self._core.cache_key(handle)))
+        if len(self._chains) >= _CHAINS_MAX:  # handles released where no record was taken
+            del self._chains[next(iter(self._chains))]
+        self._chains[handle] = chain
+        return chain
+
+    def _parent(self, handle: int, chain: npt.NDArray[np.uint64], first: int) -> tuple[int, int]:
+        return _before(chain, first, self._keys.root(self._core.cache_key(handle)))
+
+    def lookup(self, cache_key: int, prompt: npt.NDArray[np.int32], reused_blocks: int, limit: int) -> int:
+        """How many blocks past ``reused_blocks`` of ``prompt`` (at most to ``limit``), under
+        ``cache_key``, the host tier holds, as :meth:`promote` would find them."""
+        if self._host is None or limit <= reused_blocks:
+            return 0
+        root = self._keys.root(cache_key)
+        chain = self._keys.chain(prompt[: limit * self._block_size], root)
+        bs = self._block_size
+        wanted = chain[reused_blocks:]
+        found = self._host.lookup(wanted, prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root))
+        return self._snapshot_run(wanted, found) if self._snapshots is not None else found
+
+    def prefetch(self, cache_key: int, prompt: npt.ArrayLike) -> int:
+        """Ask the store, on its reader thread, for the blocks of ``prompt`` (a queued request's,
+        under ``cache_key``) that the host tier does not hold; returns the blocks asked for."""
+        size = np.size(prompt)
+        prompt = token_blocks("prefetch_prefix", prompt, 1, size).ravel() if size else np.zeros(0, np.int32)
+        if self._store is None or self._host is None:
+            return 0
+        limit = (len(prompt) - 1) // self._block_size
+        if limit <= 0:
+            return 0
+        root = self._keys.root(cache_key)
+        chain = self._keys.chain(prompt[: limit * self._block_size], root)
+        bs = self._block_size
+        found = self._host.lookup(chain, prompt[: limit * bs], root)
+        if found == limit:
+            return 0
+        return self._store.prefetch(chain[found:], prompt[found * bs : limit * bs], _before(chain, found, root))
+
+    def promote(self, handle: int, prompt: npt.NDArray[np.int32], reused_blocks: int, slot: int | None = None) -> int:
         """Continue a request's lookup past its ``reused_blocks`` device blocks into the host
         tier and the store, up to the block before the one holding the prompt's last token, and
         copy the run found into the request's blocks (grown to cover it if they do not). Returns
-        the blocks promoted. Every block promoted holds the request's tokens: the host tier checks
-        them for what it held, the store for what it gives back, and the copy for both."""
+        the blocks promoted. Every block promoted is the block asked for: the host tier checks
+        each entry's key, parent key and tokens, the store each record's, and the copy both. On a
+        hybrid model the run ends at a block whose SSM snapshot the host holds, which is restored
+        into ``slot`` (None, detached: nothing is promoted)."""
         host = self._host
         limit = (len(prompt) - 1) // self._block_size
-        if host is None or limit <= reused_blocks:
+        if reused_blocks and self._store is not None:
+            self._block_reused[self._core.block_table(handle)[:reused_blocks]] = True
+        if host is None or limit <= reused_blocks or (self._snapshots is not None and slot is None):
             return 0
         started = time.perf_counter_ns()
         core = self._core
         self.counters.tier_lookups += 1
+        tier_before = self.counters.tier_ns
         try:
             if core.num_blocks(handle) < limit:
                 try:
@@ -175,25 +368,49 @@ class ModelTiers:
             if limit <= reused_blocks:
                 return 0
             bs = self._block_size
-            chain = core.block_hashes(handle)[:limit]
+            chain = self._prompt_keys(handle, prompt, limit)
             wanted = chain[reused_blocks:]
+            parent = self._parent(handle, chain, reused_blocks)
             tokens = prompt[reused_blocks * bs : limit * bs]
-            found = host.lookup(wanted, tokens)
+            found = host.lookup(wanted, tokens, parent)
             self.counters.host_hit_blocks += found
+            from_host = found
             if found < len(wanted) and self._store is not None:
                 room = host.capacity_blocks - found  # loading must not push out what was found
+                reading = time.perf_counter_ns()
                 run = self._load(handle, chain, reused_blocks + found, tokens[found * bs :], room)
                 self.counters.store_hit_blocks += run
+                self.counters.tier_store_ns += time.perf_counter_ns() - reading
                 found += run
+            if self._snapshots is not None:
+                found = self._snapshot_run(wanted, found)
             if found == 0:
                 return 0
             table = core.block_table(handle)
-            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs])
+            copying = time.perf_counter_ns()
+            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs], parent)
+            if self._snapshots is not None:
+                assert slot is not None
+                high, low = wanted[found - 1].tolist()
+                self._snapshots.restore((high, low), slot)
+            self.counters.tier_copy_ns += time.perf_counter_ns() - copying
             core.mark_computed(handle, reused_blocks + found)
             self.counters.blocks_promoted += found
+            if from_host and self._store is not None and self._store.admit == "reused":
+                self._store.write_behind(wanted[:from_host, 0].tolist())  # reused: worth sharing
             return found
-        finally:
-            self.counters.tier_ns += time.perf_counter_ns() - started
+        finally:  # the drain's own time is inside this call's
+            self.counters.tier_ns = tier_before + time.perf_counter_ns() - started
+
+    def _snapshot_run(self, wanted: npt.NDArray[np.uint64], found: int) -> int:
+        """The longest leading run of the ``found`` blocks of ``wanted`` that ends at a block whose
+        SSM snapshot is held (0: none)."""
+        assert self._snapshots is not None
+        for run in range(found, 0, -1):
+            high, low = wanted[run - 1].tolist()
+            if self._snapshots.holds((high, low)):
+                return run
+        return 0
 
     def _load(
         self, handle: int, chain: npt.NDArray[np.uint64], first: int, tokens: npt.NDArray[np.int32], room: int
@@ -201,50 +418,52 @@ class ModelTiers:
         """Read blocks ``chain[first:]`` (holding ``tokens``) from the store and load the leading
         run of valid records, at most ``room``, into the host tier; returns the run's length."""
         assert self._store is not None and self._host is not None
-        hashes: list[int] = chain.tolist()
-        records = self._store.get_many(chain[first:], tokens)
-        seen = set(hashes[:first])
+        records = self._store.get_many(chain[first:], tokens, self._parent(handle, chain, first))
         hits: list[BlockRecord] = []
         for record in records[:room]:
-            # A hash met twice in one chain (a collision) ends the run: one entry cannot hold both.
-            if record is None or record.content_hash in seen:
+            if record is None:
                 break
-            seen.add(record.content_hash)
             hits.append(record)
         if not hits:
             return 0
         self._host.load(hits)
         if self._events is not None:
             run = len(hits)
+            hashes: list[int] = self._core.block_hashes(handle)[: first + run].tolist()
             parents: list[int | None] = [hashes[i - 1] if i else None for i in range(first, first + run)]
             keys = [self._core.cache_key(handle)] * run
             rows = tokens[: run * self._block_size].reshape(run, self._block_size)
-            self._log_host(hashes[first : first + run], rows, keys, parents)
+            self._log_host(chain[first : first + run, 0].tolist(), hashes[first:], rows, keys, parents)
         return len(hits)
 
     # -- events --------------------------------------------------------------------------------------
 
     def _log_host(
-        self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int], parents: list[int | None] | None
+        self, tier_keys: list[int], hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int],
+        parents: list[int | None] | None,
     ) -> None:
-        """The host tier's changes in the call just made on ``hashes`` (their token ``rows``, cache
-        ``keys`` and, where known, ``parents``; demoted blocks' parents are recovered from the
-        chain) into the log."""
+        """The host tier's changes in the call just made on the blocks of ``tier_keys`` (high
+        words; their content ``hashes``, token ``rows``, cache ``keys`` and, where known,
+        ``parents``; demoted blocks' parents are recovered from the chain) into the log, named by
+        their content hashes as the device's events name them."""
         assert self._host is not None and self._events is not None
         position: dict[int, int] | None = None
+        named = self._event_hashes
         for kind, changed in self._host.take_changes():
             if kind == "removed":
-                self._events.removed(MEDIUM_CPU, changed)
+                self._events.removed(MEDIUM_CPU, [named.pop(key) for key in changed if key in named])
                 continue
             if position is None:
-                position = {content_hash: i for i, content_hash in enumerate(hashes)}
-            picked = [position[content_hash] for content_hash in changed]
+                position = {key: i for i, key in enumerate(tier_keys)}
+            picked = [position[key] for key in changed]
+            picked_hashes = [hashes[i] for i in picked]
+            named.update(zip(changed, picked_hashes))
             picked_keys = [keys[i] for i in picked]
             if parents is None:
-                picked_parents = self._parents(changed, rows[picked], picked_keys)
+                picked_parents = self._parents(picked_hashes, rows[picked], picked_keys)
             else:
                 picked_parents = [parents[i] for i in picked]
-            self._log_cpu_stored(changed, rows[picked], picked_parents, picked_keys)
+            self._log_cpu_stored(picked_hashes, rows[picked], picked_parents, picked_keys)
 
     def _parents(self, hashes: list[int], rows: npt.NDArray[np.int32], keys: list[int]) -> list[int | None]:
         """The parent of each block (None for a sequence's first) from its hash and tokens: the
@@ -314,6 +533,10 @@ class ModelTiers:
         after every event before it, the host tier's included, and stands for the host tier's
         blocks too."""
         self.drain()
+        self._block_valid[:] = False
+        self._event_hashes.clear()
+        if self._snapshots is not None:
+            self._snapshots.clear()
         if self._host is not None:
             self._host.clear()
 
@@ -324,6 +547,8 @@ class ModelTiers:
     def check_invariants(self) -> None:
         if self._host is not None:
             self._host.check_invariants()
+        if self._snapshots is not None:
+            self._snapshots.check_invariants()
         if self._store is not None:
             self._store.check_invariants()
 
@@ -333,8 +558,18 @@ class ModelTiers:
             if self._store is not None:
                 self._store.close()
         finally:
+            if self._snapshots is not None:
+                self._snapshots.close()
             if self._host is not None:
                 self._host.close()
+
+
+def _before(chain: npt.NDArray[np.uint64], first: int, root: tuple[int, int]) -> tuple[int, int]:
+    """The key before block ``first`` of ``chain`` (``root`` before the first)."""
+    if first == 0:
+        return root
+    high, low = chain[first - 1].tolist()
+    return high, low
 
 
 def open_tiers(
@@ -343,18 +578,24 @@ def open_tiers(
     kv_pool: KVPool | None,
     config: ModelConfig,
     *,
-    ssm: bool,
+    ssm: SSMPool | None,
     host_blocks: int,
     store_url: str | None,
     events: KVEventLog | None,
+    weights_fingerprint: bytes | str | None = None,
+    secret: bytes | str | None = None,
+    store_options: Mapping[str, Any] | None = None,
 ) -> ModelTiers | None:
     """A model's tiers (a host tier of ``host_blocks``, a store at ``store_url`` under it), or None
     without either: events alone are then read from the core's log by the model, with no tier
-    between. ``ssm``: the model has SSM layers (which reuse through snapshots, not a host tier)."""
-    if host_blocks and ssm:
-        raise ConfigError("a host tier holds KV blocks only; a model with SSM layers reuses through snapshots")
+    between. ``ssm``: the model's SSM pool (a hybrid's host tier keeps SSM snapshots beside its blocks).
+    ``weights_fingerprint`` and ``secret``: see :mod:`lifecycle.tiers.keys`; ``store_options``:
+    the store's keywords."""
     if host_blocks or store_url is not None:
-        return ModelTiers(core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events)
+        return ModelTiers(
+            core, device, kv_pool, config, host_blocks=host_blocks, store_url=store_url, events=events,
+            weights_fingerprint=weights_fingerprint, secret=secret, store_options=store_options, ssm=ssm,
+        )
     check_host_blocks(host_blocks)
     core.set_events(events is not None, demote=False)
     return None

@@ -4,19 +4,26 @@ other's prefixes.
 A :class:`StoreTier` talks to one Redis / Valkey server or cluster through redis-py (the ``store``
 extra: ``pip install 'kv-lifecycle[store]'``). A block is one key::
 
-    {key_prefix}:kv1:{model fingerprint:016x}:{model id:016x}:{adapter id:016x}:{content hash:016x}
+    {key_prefix}:kv2:{tier key, high word:016x}{tier key, low word:016x}
 
-whose value is a :mod:`record <lifecycle.tiers.records>` (header, tokens, every layer's KV,
-checksum). Two engines with the same model byte format (``ModelConfig.fingerprint()``), model name
-(``ModelConfig.name``, as :func:`~lifecycle.tiers.records.model_id`) and adapter name share keys;
-any other engine's keys never meet theirs.
+whose value is a :mod:`record <lifecycle.tiers.records>` (header with the namespace, the key and
+the parent's key; tokens, every layer's KV, checksum). Tier keys are keyed chain keys
+(:mod:`lifecycle.tiers.keys`): engines with the same namespace (model name, weights fingerprint,
+byte format), cache key (adapter, salt) and secret compute the same keys for the same prefix and
+share blocks; any other engine's keys never meet theirs, and a record is served only when its
+namespace, key, parent and tokens are the ones asked for.
 
+- **Keys expire**: every write sets ``ttl_s`` (24 hours by default; None: never, the server's
+  eviction policy makes room).
+- **Prefetch**: :meth:`StoreTier.prefetch` reads a queued request's blocks on a background
+  thread; :meth:`StoreTier.get_many` serves what has arrived without a round trip, and reads
+  only what no prefetch covers.
 - **Writes go behind the host tier.** :meth:`StoreTier.write_behind` queues content hashes (a
   bounded queue: past ``queue_blocks`` a block is dropped and counted, never waited for); one
   background thread reads each block from its ``source`` (the :class:`~lifecycle.tiers.host.HostTier`)
   and writes ``batch_blocks`` records per pipelined round trip.
-- **Reads are one round trip per request**: :meth:`StoreTier.get_many` sends one ``MGET`` (on a
-  cluster, one per node, sent together), never one command per block.
+- **Reads are one round trip per request**: :meth:`StoreTier.get_many` sends its reads in one
+  pipeline (on a cluster, one per node, sent together), never one round trip per block.
 - **Faults cost a miss.** A store that is down or slow (every call is bounded by ``timeout_s``), full
   (out-of-memory refusals of writes) or that returns corrupt or foreign bytes makes the blocks
   concerned misses (and drops the writes concerned); nothing raises on the request path. Each
@@ -48,8 +55,9 @@ import numpy.typing as npt
 
 from lifecycle.config import ModelConfig
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, TornDown
-from lifecycle.tiers._args import HashesLike, content_hashes, token_blocks
-from lifecycle.tiers.records import VERSION, BlockRecord, RecordCorrupt, RecordForeign, RecordLayout, adapter_id
+from lifecycle.tiers._args import HashesLike, KeyLike, KeysLike, chained_parents, content_hashes, tier_key, tier_keys
+from lifecycle.tiers._args import token_blocks
+from lifecycle.tiers.records import VERSION, BlockRecord, RecordCorrupt, RecordForeign, RecordLayout
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -70,11 +78,24 @@ class StoreUnavailable(LifecycleError):
     credentials); the message names the URL (without its password) and the timeout."""
 
 
-class BlockSource(Protocol):
-    """Where the writer thread reads the blocks it writes: the tokens and KV bytes of each content
-    hash, or None for a block no longer held. :class:`~lifecycle.tiers.host.HostTier` is one."""
+class SourceBlock(Protocol):
+    """One block a source gives: its key and its parent's (high, low), tokens and KV bytes."""
 
-    def read_blocks(self, hashes: Sequence[int]) -> list[tuple[npt.NDArray[np.int32], bytes] | None]: ...
+    @property
+    def key(self) -> tuple[int, int]: ...
+    @property
+    def parent(self) -> tuple[int, int]: ...
+    @property
+    def tokens(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def kv(self) -> bytes: ...
+
+
+class BlockSource(Protocol):
+    """Where the writer thread reads the blocks it writes, by the high word of their keys (None
+    for a block no longer held). :class:`~lifecycle.tiers.host.HostTier` is one."""
+
+    def read_blocks(self, hashes: Sequence[int]) -> Sequence[SourceBlock | None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +115,8 @@ class StoreStats:
     get_requests: int
     get_blocks: int
     hits: int
+    prefetched: int
+    prefetch_blocks: int
     misses: int
     corrupt: int
     foreign: int
@@ -204,13 +227,24 @@ class _Health:
             _log.warning("store %s answers again after %.3g s", self._url, time.monotonic() - down_since)
 
 
+#: How long a record lives in the store by default (seconds): a day.
+DEFAULT_TTL_S: Final = 86400.0
+#: How a block enters the store: ``"reused"``, once the host tier served it (or its prefix was
+#: marked to keep); ``"all"``, every block entering the host tier (write-through).
+ADMISSIONS: Final = ("reused", "all")
+_ARRIVED_MAX: Final = 65536
+
+
 class StoreTier:
-    """Blocks of the model ``config`` (its byte format and name) in the Redis / Valkey store at ``url``.
+    """Blocks of the model ``config`` in the Redis / Valkey store at ``url``, under the tier keys
+    of ``namespace`` (:func:`~lifecycle.tiers.keys.namespace_of`; None: the config's without a
+    weights fingerprint).
 
     ``source`` is where queued writes read their blocks (the host tier); without one,
     :meth:`write_behind` is refused. ``timeout_s`` bounds every connect, read and write;
-    ``retry_after_s`` is how long an unavailable store is skipped; ``ttl_s`` (optional) lets the
-    store expire records (otherwise its own eviction policy, e.g. ``allkeys-lru``, makes room).
+    ``retry_after_s`` is how long an unavailable store is skipped; ``ttl_s`` is how long a record
+    lives (None: until the server's eviction policy makes room). ``admit`` (one of
+    :data:`ADMISSIONS`) is for the caller that queues writes (:class:`~lifecycle.tiers.promote.ModelTiers`).
     """
 
     def __init__(
@@ -219,19 +253,21 @@ class StoreTier:
         config: ModelConfig,
         *,
         source: BlockSource | None = None,
+        namespace: bytes | None = None,
         key_prefix: str = "lifecycle",
         timeout_s: float = 0.5,
         retry_after_s: float = 1.0,
         queue_blocks: int = 4096,
         batch_blocks: int = 64,
-        ttl_s: float | None = None,
+        ttl_s: float | None = DEFAULT_TTL_S,
+        admit: str = "reused",
     ) -> None:
         redis_url, cluster = _parse_url(url)
         self._shown_url = redact_url(url)
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"StoreTier: config must be a ModelConfig, got {config!r}")
         try:
-            self._layout = RecordLayout.of(config)
+            self._layout = RecordLayout.of(config, namespace)
         except InvalidId as error:
             raise ConfigError(f"StoreTier: {error}") from None
         if not isinstance(key_prefix, str) or not key_prefix or any(c.isspace() or c == ":" for c in key_prefix):
@@ -242,7 +278,10 @@ class StoreTier:
         _check_number("batch_blocks", batch_blocks, 1, None, integer=True)
         if ttl_s is not None:
             _check_number("ttl_s", ttl_s, 0.001, None, integer=False)
-        self._prefix = f"{key_prefix}:kv{VERSION}:{self._layout.fingerprint:016x}:{self._layout.model:016x}:"
+        if admit not in ADMISSIONS:
+            raise ConfigError(f"StoreTier: admit={admit!r} must be one of {ADMISSIONS}")
+        self.admit = admit
+        self._prefix = f"{key_prefix}:kv{VERSION}:"
         self._source = source
         self._timeout_s = float(timeout_s)
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
@@ -252,18 +291,26 @@ class StoreTier:
         self._client = self._connect(redis_url, cluster)
         self._health = _Health(self._shown_url, float(retry_after_s))
         self._counts = dict.fromkeys(
-            ("get_requests", "get_blocks", "hits", "misses", "corrupt", "foreign", "token_mismatch", "unavailable",
-             "queued", "dropped_queue_full", *_WRITE_OUTCOMES, "write_batches", "bytes_read", "bytes_written"), 0,
+            ("get_requests", "get_blocks", "hits", "prefetched", "prefetch_blocks", "misses", "corrupt", "foreign",
+             "token_mismatch", "unavailable", "queued", "dropped_queue_full", *_WRITE_OUTCOMES, "write_batches",
+             "bytes_read", "bytes_written"), 0,
         )
         self._count_lock = threading.Lock()
         self._logged: set[str] = set()
-        self._queue: deque[tuple[int, int]] = deque()  # (content hash, adapter id)
+        self._queue: deque[int] = deque()  # high words of the keys to write
         self._inflight = 0
         self._closing = False
         self._closed = False
         self._wakeup = threading.Condition()
+        # prefetches: asked (key rows, parent rows, token rows), pending keys, arrived values
+        self._reads: deque[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int32]]] = deque()
+        self._pending: set[tuple[int, int]] = set()
+        self._arrived: dict[tuple[int, int], BlockRecord] = {}
+        self._reader_wakeup = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="lifecycle-store-writer", daemon=True)
         self._writer.start()
+        self._reader = threading.Thread(target=self._read_loop, name="lifecycle-store-reader", daemon=True)
+        self._reader.start()
 
     def _connect(self, redis_url: str, cluster: bool) -> Redis | RedisCluster:
         try:
@@ -317,12 +364,12 @@ class StoreTier:
         """True once :meth:`close` ran."""
         return self._closed
 
-    def key(self, content_hash: int, adapter: str = "") -> str:
-        """The store key of block ``content_hash`` of ``adapter`` (``""``: none) for this model."""
-        return self._key(content_hash, adapter_id(adapter))
+    def key(self, key: KeyLike) -> str:
+        """The store key of the block of tier key ``key`` ((high, low), or a high word)."""
+        return self._key(tier_key("StoreTier.key", key))
 
-    def _key(self, content_hash: int, adapter: int) -> str:
-        return f"{self._prefix}{adapter:016x}:{content_hash:016x}"
+    def _key(self, key: tuple[int, int]) -> str:
+        return f"{self._prefix}{key[0]:016x}{key[1]:016x}"
 
     def _count(self, **deltas: int) -> None:
         with self._count_lock:
@@ -338,26 +385,68 @@ class StoreTier:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def get_many(
-        self, hashes: HashesLike, tokens: npt.ArrayLike | None = None, adapter: str = ""
-    ) -> list[BlockRecord | None]:
-        """The records of blocks ``hashes`` of ``adapter`` (None for each block the store does not
-        give back valid), in one round trip. With ``tokens`` (``len(hashes)`` blocks of them), a
-        record holding other tokens is None too. Never raises for a store fault."""
+    def _asked(
+        self, call: str, keys: KeysLike, parent: KeyLike, tokens: npt.ArrayLike | None
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int32] | None]:
         if self._closed:
-            raise TornDown("StoreTier.get_many: the tier is closed")
-        keys_of = content_hashes("StoreTier.get_many", hashes)
+            raise TornDown(f"StoreTier.{call}: the tier is closed")
+        _, rows = tier_keys(f"StoreTier.{call}", keys)
+        parents = chained_parents(rows, tier_key(f"StoreTier.{call}", parent))
         block_size = self._layout.block_size
-        wanted = None if tokens is None else token_blocks("StoreTier.get_many", tokens, len(keys_of), block_size)
-        adapter_key = adapter_id(adapter)
-        count = len(keys_of)
+        wanted = None if tokens is None else token_blocks(f"StoreTier.{call}", tokens, len(rows), block_size)
+        return rows, parents, wanted
+
+    def get_many(
+        self, keys: KeysLike, tokens: npt.ArrayLike | None = None, parent: KeyLike = 0
+    ) -> list[BlockRecord | None]:
+        """The records of the blocks of tier keys ``keys``, one chain after the block of key
+        ``parent`` (None for each block the store does not give back valid), in one round trip;
+        what a :meth:`prefetch` brought is served without one, and what a prefetch still reads is
+        a miss (admission does not wait for it). With ``tokens`` (``len(keys)`` blocks of them), a
+        record holding other tokens is None too. Never raises for a store fault."""
+        rows, parents, wanted = self._asked("get_many", keys, parent, tokens)
+        count = len(rows)
         self._count(get_requests=1, get_blocks=count)
         if not count:
             return []
+        pairs: list[tuple[int, int]] = [(pair[0], pair[1]) for pair in rows.tolist()]
+        out: list[BlockRecord | None] = [None] * count
+        asked: list[int] = []
+        prefetched = pending = 0
+        with self._reader_wakeup:
+            for position, pair in enumerate(pairs):
+                record = self._arrived.pop(pair, None) if self._arrived else None
+                if record is not None and record.parent == tuple(parents[position].tolist()):
+                    out[position] = record
+                    prefetched += 1
+                elif pair in self._pending:
+                    pending += 1
+                else:
+                    asked.append(position)
+        if wanted is not None and prefetched:
+            for position, record in enumerate(out):
+                if record is not None and not np.array_equal(record.tokens, wanted[position]):
+                    out[position] = None
+                    prefetched -= 1
+                    self._count(token_mismatch=1)
+        self._count(hits=prefetched, prefetched=prefetched, misses=pending)
+        if not asked:
+            return out
         if not self._health.available():
-            self._count(unavailable=count)
-            return [None] * count
-        keys = [self._key(content_hash, adapter_key) for content_hash in keys_of]
+            self._count(unavailable=len(asked))
+            return out
+        values = self._read([self._key(pairs[i]) for i in asked])
+        if values is None:
+            self._count(unavailable=len(asked))
+            return out
+        counts = dict.fromkeys(("hits", "misses", "corrupt", "foreign", "token_mismatch", "bytes_read"), 0)
+        for position, value in zip(asked, values):
+            out[position] = self._decode(value, pairs[position], parents[position], wanted, position, counts)
+        self._count(**counts)
+        return out
+
+    def _read(self, keys: list[str]) -> list[Any] | None:
+        """The values of ``keys`` in one pipelined round trip (None: the store failed)."""
         try:
             if self._cluster:
                 values: list[Any] = self._client.mget_nonatomic(keys)  # type: ignore[union-attr]
@@ -365,62 +454,109 @@ class StoreTier:
                 values = self._client.mget(keys)
         except Exception as error:  # any failure of the store is a miss
             self._health.failed("a read", error)
-            self._count(unavailable=count)
-            return [None] * count
+            return None
         self._health.answered()
-        return self._decode(keys_of, values, wanted, adapter_key)
+        return values
 
-    def _decode(self, hashes: list[int], values: list[Any], wanted: npt.NDArray[np.int32] | None,
-                adapter: int) -> list[BlockRecord | None]:
-        out: list[BlockRecord | None] = []
-        counts = dict.fromkeys(("hits", "misses", "corrupt", "foreign", "token_mismatch", "bytes_read"), 0)
-        for position, (content_hash, value) in enumerate(zip(hashes, values)):
-            if value is None:
-                counts["misses"] += 1
-                out.append(None)
-                continue
-            counts["bytes_read"] += len(value)
-            try:
-                record = self._layout.decode(value, content_hash, adapter)
-            except RecordCorrupt as error:
-                counts["corrupt"] += 1
-                self._log_once("corrupt", "store %s: a corrupt record was read: %s", self._shown_url, error)
-                out.append(None)
-                continue
-            except RecordForeign as error:
-                counts["foreign"] += 1
-                self._log_once("foreign", "store %s: a foreign value was read: %s", self._shown_url, error)
-                out.append(None)
-                continue
-            if wanted is not None and not np.array_equal(record.tokens, wanted[position]):
-                counts["token_mismatch"] += 1
-                self._log_once(
-                    "token_mismatch", "store %s: block %#018x holds other tokens than asked for", self._shown_url,
-                    content_hash,
-                )
-                out.append(None)
-                continue
-            counts["hits"] += 1
-            out.append(record)
-        self._count(**counts)
-        return out
+    def _decode(
+        self, value: Any, key: tuple[int, int], parent_row: npt.NDArray[np.uint64],
+        wanted: npt.NDArray[np.int32] | None, position: int, counts: dict[str, int],
+    ) -> BlockRecord | None:
+        if value is None:
+            counts["misses"] += 1
+            return None
+        counts["bytes_read"] += len(value)
+        high, low = parent_row.tolist()
+        try:
+            record = self._layout.decode(value, key, (high, low))
+        except RecordCorrupt as error:
+            counts["corrupt"] += 1
+            self._log_once("corrupt", "store %s: a corrupt record was read: %s", self._shown_url, error)
+            return None
+        except RecordForeign as error:
+            counts["foreign"] += 1
+            self._log_once("foreign", "store %s: a foreign value was read: %s", self._shown_url, error)
+            return None
+        if wanted is not None and not np.array_equal(record.tokens, wanted[position]):
+            counts["token_mismatch"] += 1
+            self._log_once(
+                "token_mismatch", "store %s: key %#018x holds other tokens than asked for", self._shown_url, key[0]
+            )
+            return None
+        counts["hits"] += 1
+        return record
+
+    def prefetch(self, keys: KeysLike, tokens: npt.ArrayLike, parent: KeyLike = 0) -> int:
+        """Read the blocks of ``keys`` (one chain after ``parent``, holding ``tokens``) on the
+        reader thread, for a later :meth:`get_many` to serve without a round trip; returns the
+        blocks asked for (those not arrived or pending already). Never waits, never raises for a
+        store fault."""
+        rows, parents, wanted = self._asked("prefetch", keys, parent, tokens)
+        assert wanted is not None
+        fresh: list[int] = []
+        with self._reader_wakeup:
+            for position, pair in enumerate(rows.tolist()):
+                key = (pair[0], pair[1])
+                if key not in self._pending and key not in self._arrived:
+                    self._pending.add(key)
+                    fresh.append(position)
+            if fresh:
+                self._reads.append((rows[fresh], parents[fresh], wanted[fresh]))
+                self._reader_wakeup.notify()
+        self._count(prefetch_blocks=len(fresh))
+        return len(fresh)
+
+    def _read_loop(self) -> None:
+        while True:
+            with self._reader_wakeup:
+                while not self._reads and not self._closing:
+                    self._reader_wakeup.wait()
+                if self._closing:
+                    return
+                rows, parents, wanted = self._reads.popleft()
+            pairs: list[tuple[int, int]] = [(pair[0], pair[1]) for pair in rows.tolist()]
+            values = self._read([self._key(pair) for pair in pairs]) if self._health.available() else None
+            counts = dict.fromkeys(("hits", "misses", "corrupt", "foreign", "token_mismatch", "bytes_read"), 0)
+            arrived: list[tuple[tuple[int, int], BlockRecord]] = []
+            for position, pair in enumerate(pairs):
+                value = None if values is None else values[position]
+                record = self._decode(value, pair, parents[position], wanted, position, counts)
+                if record is not None:
+                    arrived.append((pair, BlockRecord(record.key, record.parent, record.tokens, bytes(record.kv))))
+            with self._reader_wakeup:
+                self._pending.difference_update(pairs)
+                if len(self._arrived) + len(arrived) > _ARRIVED_MAX:
+                    self._arrived.clear()  # prefetches nobody admitted: the oldest go
+                self._arrived.update(arrived)
+                self._reader_wakeup.notify_all()
+            self._count(bytes_read=counts["bytes_read"])
+
+    def wait_prefetched(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every prefetch has arrived (True; False on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._reader_wakeup:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._reader.is_alive():
+                    return False
+                self._reader_wakeup.wait(left)
+        return True
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def write_behind(self, hashes: HashesLike, adapter: str = "") -> int:
-        """Queue blocks ``hashes`` of ``adapter`` for writing, read from the source when their turn
-        comes; returns how many were queued (the rest were dropped: the queue was full). Never
-        waits."""
+    def write_behind(self, hashes: HashesLike) -> int:
+        """Queue the blocks of ``hashes`` (high words of their tier keys) for writing, read from
+        the source when their turn comes; returns how many were queued (the rest were dropped:
+        the queue was full). Never waits."""
         if self._closed:
             raise TornDown("StoreTier.write_behind: the tier is closed")
         if self._source is None:
             raise ConfigError("StoreTier.write_behind: the tier was built without a source to read blocks from")
         keys = content_hashes("StoreTier.write_behind", hashes)
-        adapter_key = adapter_id(adapter)
         with self._wakeup:
             room = max(0, self._queue_blocks - len(self._queue))
             taken = keys[:room]
-            self._queue.extend((content_hash, adapter_key) for content_hash in taken)
+            self._queue.extend(taken)
             self._count(queued=len(taken), dropped_queue_full=len(keys) - len(taken))
             self._wakeup.notify()
         if len(taken) < len(keys):
@@ -449,21 +585,20 @@ class StoreTier:
                 self._inflight = 0
                 self._wakeup.notify_all()
 
-    def _write(self, batch: list[tuple[int, int]]) -> dict[str, int]:
+    def _write(self, batch: list[int]) -> dict[str, int]:
         """Write one batch; returns how many blocks ended how (see :class:`StoreStats`)."""
         if not self._health.available():
             return {"dropped_unavailable": len(batch)}
         assert self._source is not None  # write_behind refuses to queue without one
         try:
-            blocks = self._source.read_blocks([content_hash for content_hash, _ in batch])
+            blocks = self._source.read_blocks(batch)
         except TornDown:  # the host tier closed first: nothing left to write
             return {"dropped_gone": len(batch)}
         records: list[tuple[str, bytes]] = []
-        for (content_hash, adapter), block in zip(batch, blocks):
+        for block in blocks:
             if block is not None:
-                tokens, kv = block
-                value = self._layout.encode(content_hash, adapter, tokens, kv)
-                records.append((self._key(content_hash, adapter), value))
+                value = self._layout.encode(block.key, block.parent, block.tokens, block.kv)
+                records.append((self._key(block.key), value))
         gone = len(batch) - len(records)
         if not records:
             return {"dropped_gone": gone}
@@ -549,7 +684,12 @@ class StoreTier:
             self._count(dropped_closed=len(self._queue))
             self._queue.clear()
             self._wakeup.notify_all()
+        with self._reader_wakeup:
+            self._reads.clear()
+            self._pending.clear()
+            self._reader_wakeup.notify_all()
         self._writer.join()
+        self._reader.join()
         self._closed = True
         self._client.close()
 
