@@ -234,7 +234,8 @@ def test_the_state_kept_for_the_core_is_still_where_the_list_says() -> None:
 
 # --- the house as the docs describe it ----------------------------------------------------------------
 
-_NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+_NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+            "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen")
 _PATH = re.compile(r"(?<![\w./])(?:lifecycle|pyx|stubs|tests|bench|tools|docs)/[\w./-]*")
 
 
