@@ -1,0 +1,136 @@
+"""Attaching a prompt's cached prefix where the core's one call is not the whole of it: a cache
+salt or multimodal inputs in the blocks' identity (:mod:`lifecycle.cache_keys`), the SSM snapshot a
+hybrid model restores at the end of the prefix (:mod:`lifecycle.snapshots`), and the host tier's
+blocks promoted past the device's match (:mod:`lifecycle.tiers.promote`); and the host tier's part
+of a reclaim for a prompt. ``HybridModel.attach_prefix`` calls these under its lock; the pure
+attention path without tiers is one core call and never comes here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import TYPE_CHECKING, final
+
+import numpy as np
+import numpy.typing as npt
+
+from lifecycle.block_tables import raise_if_wrong_type
+from lifecycle.cache_keys import MMKey, identity_tokens
+from lifecycle.errors import InvalidId, LifecycleError, OutOfBlocks, SequenceStateError
+from lifecycle.protocol import PrefixReclaim
+
+if TYPE_CHECKING:
+    from lifecycle._kvcache import KVCacheCore, SequenceState
+    from lifecycle.snapshots import SnapshotPool
+    from lifecycle.tiers.promote import ModelTiers
+
+__all__ = ["PrefixAttach"]
+
+Prompt = Sequence[int] | npt.NDArray[np.integer]
+
+
+@final
+class PrefixAttach:
+    """The attach paths of one model beyond the core's one call: over its ``core``, its SSM
+    ``snapshots`` (None without SSM layers) and its ``tiers`` (None without any)."""
+
+    __slots__ = ("_block_size", "_core", "_snapshots", "_tiers")
+
+    def __init__(
+        self, core: KVCacheCore, block_size: int, snapshots: SnapshotPool | None, tiers: ModelTiers | None
+    ) -> None:
+        self._core = core
+        self._block_size = block_size
+        self._snapshots = snapshots
+        self._tiers = tiers
+
+    def keyed(
+        self, seq: SequenceState, prompt: Prompt, cache_salt: bytes | str | int | None, mm_keys: Sequence[MMKey] | None
+    ) -> tuple[Prompt, int | None]:
+        """The prompt as matched (multimodal spans as identity tokens), with the record's cache
+        key salted before its first attach (a retried attach must bring the same salt); and the
+        key before, when this call salted it (put back by :meth:`unsalt` if the attach is refused)."""
+        core = self._core
+        handle = core.handle_of(seq)
+        if mm_keys:
+            prompt = identity_tokens(prompt, mm_keys)
+        if cache_salt is None:
+            return prompt, None
+        key = core.cache_key(handle)
+        salts = core.salts
+        base = salts.base_of(key)
+        salted = salts.salted(base, cache_salt)
+        if core.num_tokens(handle) != 0:
+            if salted != key:
+                raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} was attached with another cache salt")
+            return prompt, None
+        if salted == key:  # salted already by an attach that recorded nothing (an empty prompt)
+            return prompt, None
+        core.set_cache_key(handle, salted)
+        salts.add(salted, base, cache_salt)
+        return prompt, key
+
+    def unsalt(self, seq: SequenceState, key: int) -> None:
+        """After a refused attach that salted the record's key: the key as it was, unless the
+        attach recorded the prompt (a growth that failed after the prefix was attached)."""
+        core, handle = self._core, seq.handle
+        with suppress(LifecycleError):  # the refusal being raised is what the caller must see
+            if core.is_live(handle) and core.num_tokens(handle) == 0:
+                core.set_cache_key(handle, key)
+
+    def hybrid(self, seq: SequenceState, prompt: Prompt, grow_to: int | None) -> int:
+        """Attach on a model with SSM layers: the snapshot at the end of the prefix goes into the
+        sequence's slot (also when the growth raises ``OutOfBlocks``: the prefix stays attached)."""
+        if seq.is_open and seq.is_detached:
+            raise SequenceStateError(f"attach_prefix: sequence {seq.seq_id} is detached")
+        try:
+            reused: int = self._core.attach_seq(seq, prompt, grow_to)
+        except OutOfBlocks:
+            self._restore_prefix(seq)
+            raise
+        except InvalidId as error:
+            raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+            raise
+        # (any other error refused the call before anything changed: the slot keeps its state)
+        self._restore_prefix(seq)
+        return reused
+
+    def _restore_prefix(self, seq: SequenceState) -> None:
+        if seq.is_open and self._snapshots is not None:
+            self._snapshots.restore_prefix(self._core, seq)
+
+    def tiered(self, seq: SequenceState, prompt: Prompt, grow_to: int | None) -> int:
+        """Attach with tiers: what the attach evicted is demoted first, then the tiers' blocks past
+        the device's match are promoted into the table; returns the tokens reused from both."""
+        assert self._tiers is not None
+        try:
+            reused: int = self._core.attach_seq(seq, prompt, grow_to)
+        except InvalidId as error:
+            raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+            raise
+        finally:
+            self._tiers.drain()  # what it evicted goes down before anything reuses the blocks
+        tokens = np.asarray(prompt, dtype=np.int32)
+        return reused + self._tiers.promote(seq.handle, tokens, reused // self._block_size) * self._block_size
+
+    def reclaim_for(self, prompt: Prompt, key: int, blocks_needed: int) -> PrefixReclaim:
+        """``reclaim_prefix_blocks_for`` under cache key ``key``: the core's eviction, then the
+        host tier's leading run past the device's match (promoted at attach, not prefilled)."""
+        try:
+            target, free = self._core.reclaim_for(prompt, key, blocks_needed)
+        except InvalidId as error:
+            raise_if_wrong_type(error, "reclaim_prefix_blocks_for", {"prompt": prompt})
+            raise
+        finally:
+            if self._tiers is not None and self._tiers.host is not None:
+                self._tiers.drain()
+        host = self._tiers.host if self._tiers is not None else None
+        if host is None or target == 0:
+            return PrefixReclaim(target, free)
+        tokens = np.asarray(prompt, dtype=np.int32)
+        limit = min((len(tokens) - 1) // self._block_size, blocks_needed)
+        reused = blocks_needed - target
+        hashes = self._core.content_hashes(tokens[: limit * self._block_size], key)[reused:]
+        found = host.lookup(hashes, tokens[reused * self._block_size : limit * self._block_size])
+        return PrefixReclaim(target, free, host_blocks=found)
