@@ -8,7 +8,7 @@ attention path without tiers is one core call and never comes here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING, final
 
@@ -70,6 +70,20 @@ class PrefixAttach:
         core.set_cache_key(handle, salted)
         salts.add(salted, base, cache_salt)
         return prompt, key
+
+    def keyed_attach(
+        self, attach: Callable[..., int], seq: SequenceState, prompt: Prompt, grow_to: int | None,
+        cache_salt: bytes | str | int | None, mm_keys: Sequence[MMKey] | None,
+    ) -> int:
+        """``attach`` (the model's ``attach_prefix``) of the prompt as :meth:`keyed` makes it, the
+        record's key put back as it was if the attach is refused."""
+        keyed, unsalted = self.keyed(seq, prompt, cache_salt, mm_keys)
+        try:
+            return attach(seq, keyed, grow_to=grow_to)
+        except BaseException:
+            if unsalted is not None:
+                self.unsalt(seq, unsalted)
+            raise
 
     def unsalt(self, seq: SequenceState, key: int) -> None:
         """After a refused attach that salted the record's key: the key as it was, unless the
