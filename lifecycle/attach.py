@@ -1,9 +1,21 @@
-"""Attaching a prompt's cached prefix where the core's one call is not the whole of it: a cache
-salt or multimodal inputs in the blocks' identity (:mod:`lifecycle.cache_keys`), the SSM snapshot a
-hybrid model restores at the end of the prefix (:mod:`lifecycle.snapshots`), and the host tier's
-blocks promoted past the device's match (:mod:`lifecycle.tiers.promote`); and the host tier's part
-of a reclaim for a prompt. ``HybridModel.attach_prefix`` calls these under its lock; the pure
-attention path without tiers is one core call and never comes here.
+"""Attaching a prompt's cached prefix (``HybridModel.attach_prefix``) where the core's one call is
+not the whole of it, and the host tier's part of a reclaim for a prompt.
+
+The rules of an attach: ``prompt`` becomes the sequence's tokens; its longest cached prefix under
+the sequence's adapter (whole blocks, never the prompt's last token; on a hybrid model only up to a
+node with an SSM snapshot, which is restored into the slot) is pinned and its blocks put at the
+head of the block table; the reused token count is returned. A retried attach of the same sequence
+and prompt takes no second set of references. ``grow_to``: then the table grows to cover that many
+tokens, as ``grow(seq, grow_to)`` would, in the same call; it ends as the two calls would (when the
+growth raises ``OutOfBlocks`` the prefix stays attached), and a ``grow_to`` that ``grow`` would
+refuse is refused first, before anything is attached or recorded.
+
+``cache_salt`` and ``mm_keys`` (multimodal inputs as ``(content_hash, start, end)``) are part of the
+blocks' identity (:mod:`lifecycle.cache_keys`): the same tokens under another salt or image never
+match. The salted key goes to the record before its first attach and into the core's salt map
+(``core.salts``), which KV events read. With a host tier the lookup continues past the device's
+match into the tiers (:mod:`lifecycle.tiers.promote`): blocks found there are copied into the table
+and count as reused. The pure-attention path without tiers is one core call and never comes here.
 """
 
 from __future__ import annotations

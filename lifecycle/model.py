@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
@@ -29,13 +27,13 @@ from lifecycle.cache_keys import MMKey
 from lifecycle.compaction import SlotMoves
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
-from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, TornDown
+from lifecycle.errors import ConfigError, InvalidId, TornDown
 from lifecycle.events.types import KVEventBatch
 from lifecycle.lora import AdapterInfo
 from lifecycle.parts import Gate, ModelParts
 from lifecycle.pools import KVPool, SSMPool
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
-from lifecycle.sequence import NO_ADAPTER, SequenceState
+from lifecycle.sequence import SequenceState
 from lifecycle.snapshots import cache_sequence, snapshot_point
 from lifecycle.stats import DeviceClock, ModelCounters, Stats, TeardownReport
 from lifecycle.stepping import Stepper, handles_of, step_refused
@@ -62,20 +60,12 @@ class HybridModel(LifecycleDefaults):
     tables with it (vLLM's null block)."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        device: Device | str = "auto",
-        *,
-        ordinal: int = 0,
-        events: bool = False,
-        host_tier_blocks: int = 0,
-        store: str | None = None,
-        null_block: bool = False,
+        self, config: ModelConfig, device: Device | str = "auto", *, ordinal: int = 0, events: bool = False,
+        host_tier_blocks: int = 0, store: str | None = None, null_block: bool = False,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
         self._config = config
-        self._dims = config.dims()
         self._block_size = config.block_size
         self._lock = threading.RLock()
         self._entered = Gate(self._lock, self._enter)
@@ -86,10 +76,8 @@ class HybridModel(LifecycleDefaults):
         if isinstance(device, str):
             # A kind other than open_device's three is refused there, with ConfigError naming them.
             device = open_device(device, ordinal)  # type: ignore[arg-type]
-        self._parts = parts = ModelParts(
-            config, device, owns_device=opened, events=events, host_tier_blocks=host_tier_blocks, store=store,
-            null_block=null_block,
-        )
+        self._parts = parts = ModelParts(config, device, owns_device=opened, events=events,
+                                         host_tier_blocks=host_tier_blocks, store=store, null_block=null_block)
         self._device: Device = parts.device
         self._memory, self._pool, self._core, self._slots = parts.memory, parts.pool, parts.core, parts.slots
         self._kv, self._ssm, self._snapshots = parts.memory.kv, parts.memory.ssm, parts.memory.snapshots
@@ -99,32 +87,18 @@ class HybridModel(LifecycleDefaults):
         self._moves = SlotMoves(self._core, self._slots, self._ssm, self._device, self._counters, self._clock)
         self._stepper = Stepper(self._core, self._device, self._memory.tables, self._entered, self._clock,
                                 self._drained, self.step)
-        self._drop_queue: deque[int] = deque()
+        self._drop_queue = parts.drop_queue
         self._innerq_hook: Callable[[], None] | None = None
-        self._max_budget_tokens = (
-            config.max_blocks_per_seq_resolved * self._block_size if self._kv is not None else None
-        )
-        self._stats_base: Stats | None = None
+        self._max_budget_tokens = None if self._kv is None else config.max_blocks_per_seq_resolved * config.block_size
         self._demoting = self._tiers is not None and self._tiers.host is not None
-
+        self._cache_by_default = self._ssm is None and config.enable_prefix_cache  # what a step caches
 
     def _enter(self) -> None:
         """Start of a call (under the lock): refuse after teardown, reap dropped sequences."""
         if self._torn_down:
             raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
         if self._drop_queue:
-            self._reap_dropped()
-
-    def _reap_dropped(self) -> None:
-        """Release what sequences dropped without ``free_sequence`` still held (their slot guard
-        already released the slot)."""
-        while self._drop_queue:
-            try:
-                slot = self._core.finish(self._drop_queue.popleft(), False)
-            except (SequenceStateError, TornDown, IndexError):
-                continue
-            if slot != NO_ADAPTER:
-                self._release_adapter(slot)
+            self._parts.reap(self._release_adapter)
 
     def _release_adapter(self, adapter_slot: int) -> None:
         """What the core calls back as it releases a record bound to an adapter."""
@@ -133,11 +107,9 @@ class HybridModel(LifecycleDefaults):
 
     def _drained(self) -> None:
         """After a core call that may have evicted: demote what it evicted (host tier)."""
-        if self._demoting:
-            assert self._tiers is not None
+        if self._demoting and self._tiers is not None:
             with self._lock:
                 self._tiers.drain()
-
 
     def bind_gpu_to_thread(self) -> None:
         """Make the device context current on the calling thread (every thread calls it first)."""
@@ -195,8 +167,7 @@ class HybridModel(LifecycleDefaults):
         self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
-        """Release the SSM slot (unless detached), the adapter reference, the prefix pins and one
-        reference on every block. A second call is a no-op while the model lives."""
+        """Release the slot (unless detached), the adapter reference, the pins and the blocks; once."""
         if self._torn_down or self._drop_queue:
             self._enter()
         self._core.release(seq, False, self._release_adapter)
@@ -218,16 +189,14 @@ class HybridModel(LifecycleDefaults):
         with self._entered:
             return self._config.kv_block_bytes()
 
-
     def teardown(self) -> None:
         """Release every pool, exactly once; what callers still held is released all the same and
         reported in ``teardown_report`` (and logged). Every later call but this one raises ``TornDown``."""
         with self._lock:
             if self._torn_down:
                 return
-            self._reap_dropped()
-            live, blocks, cached = self._parts.close()
-            report = TeardownReport(live, blocks, cached, self._slots.num_detached, sum(self._adapters.refcounts()))
+            self._parts.reap(self._release_adapter)
+            report = self._parts.close()
             self._torn_down = True
             self.teardown_report = report
             self._parts.release()
@@ -249,7 +218,7 @@ class HybridModel(LifecycleDefaults):
     def high_speed_swap_dims(self) -> ModelDims:
         """The model's dimensions for a swap orchestrator."""
         with self._entered:
-            return self._dims
+            return self._config.dims()
 
     def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
         """Write the sequence to ``writer`` as a swap record (:func:`lifecycle.swap.sequences.save_sequence`)."""
@@ -275,8 +244,7 @@ class HybridModel(LifecycleDefaults):
         return self._pool.num_total
 
     def reclaim_prefix_blocks(self, num_blocks: int) -> int:
-        """Evict up to ``num_blocks`` cached blocks no live sequence holds, least recently used first;
-        returns how many became free."""
+        """Evict up to ``num_blocks`` unheld cached blocks, least recently used first; returns how many."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise InvalidId(f"reclaim_prefix_blocks: num_blocks={num_blocks!r} must be an int >= 0")
         with self._entered:
@@ -285,9 +253,7 @@ class HybridModel(LifecycleDefaults):
             finally:
                 self._drained()
 
-    def reclaim_prefix_blocks_for(
-        self, prompt: _Ints, adapter_slot: int, blocks_needed: int
-    ) -> PrefixReclaim:
+    def reclaim_prefix_blocks_for(self, prompt: _Ints, adapter_slot: int, blocks_needed: int) -> PrefixReclaim:
         """Evict until the free blocks cover a prefill of ``prompt``
         (:meth:`lifecycle.attach.PrefixAttach.reclaim_for`)."""
         if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, int) or blocks_needed < 0:
@@ -295,20 +261,13 @@ class HybridModel(LifecycleDefaults):
         with self._entered:
             return self._attach.reclaim_for(prompt, self._lora.root_of(adapter_slot), blocks_needed)
 
-
     def retire_sequence(self, seq: SequenceState) -> None:
-        """Mark a finished sequence retired: it no longer grows, and another may be compacted into its
-        slot (detaching it). It can still be cached, saved and freed."""
+        """Mark a finished sequence retired: it no longer grows, and may be compacted over (detaching it)."""
         self._core.retire(self._core.handle_of(seq))
 
     def attach_prefix(
-        self,
-        seq: SequenceState,
-        prompt: _Ints,
-        *,
-        grow_to: int | None = None,
-        cache_salt: bytes | str | int | None = None,
-        mm_keys: Sequence[MMKey] | None = None,
+        self, seq: SequenceState, prompt: _Ints, *, grow_to: int | None = None,
+        cache_salt: bytes | str | int | None = None, mm_keys: Sequence[MMKey] | None = None,
     ) -> int:
         """Record ``prompt`` as the sequence's tokens and pin its longest cached prefix under the
         sequence's adapter at the head of its table; returns the tokens reused (the rules, ``grow_to``,
@@ -318,7 +277,7 @@ class HybridModel(LifecycleDefaults):
             return self._attach.keyed_attach(self.attach_prefix, seq, prompt, grow_to, cache_salt, mm_keys)
         if self._ssm is None:
             if self._drop_queue:
-                self._reap_dropped()
+                self._parts.reap(self._release_adapter)
             if not self._demoting:
                 try:
                     return self._core.attach_seq(seq, prompt, grow_to)
@@ -336,12 +295,11 @@ class HybridModel(LifecycleDefaults):
         when short; returns the blocks added. A freed or retired sequence raises ``SequenceStateError``."""
         if self._torn_down or self._drop_queue:
             self._enter()
-        if not self._demoting:
-            return self._core.grow_seq(seq, num_tokens)
         try:
             return self._core.grow_seq(seq, num_tokens)
         finally:
-            self._drained()
+            if self._demoting:
+                self._drained()
 
     def step(
         self, seqs: Sequence[SequenceState] | _AnyInts, tokens: _AnyInts, *, counts: _AnyInts | None = None,
@@ -355,7 +313,7 @@ class HybridModel(LifecycleDefaults):
         returns the positions of those that could not grow, unchanged. Argument forms: :mod:`lifecycle.stepping`."""
         handles: Any = seqs if isinstance(seqs, np.ndarray) else handles_of(seqs)
         if cache is None:
-            cache = self._ssm is None and self._config.enable_prefix_cache
+            cache = self._cache_by_default
         if self._torn_down or self._drop_queue:
             self._enter()
         if table is not None and not isinstance(table, np.ndarray):
@@ -364,15 +322,13 @@ class HybridModel(LifecycleDefaults):
                 return self._stepper.into(handles, tokens, counts, table, host, rows, cache, pad)
             table = host
         try:
-            if not self._demoting:
-                return self._core.step(handles, tokens, counts, table, rows, cache)
-            try:
-                return self._core.step(handles, tokens, counts, table, rows, cache)
-            finally:
-                self._drained()
+            return self._core.step(handles, tokens, counts, table, rows, cache)
         except InvalidId as error:
             step_refused(error, handles, tokens, counts, rows, table)
             raise
+        finally:
+            if self._demoting:
+                self._drained()
 
     def save_snapshot(self, seq: SequenceState, num_tokens: int, *, rolling: bool = False) -> bool:
         """Cache the sequence's first ``num_tokens`` tokens (whole blocks its SSM state consumed exactly)
@@ -391,9 +347,7 @@ class HybridModel(LifecycleDefaults):
         reload publishes the removal of every block cached under the previous generation."""
         with self._entered:
             slot, retired = self._lora.load(name)
-            if retired and self._events is not None:
-                self._parts.read_events()
-                self._events.retire(set(retired))
+            self._parts.retire(retired)
             return slot
 
     def unload_adapter(self, name: str) -> None:
@@ -436,24 +390,15 @@ class HybridModel(LifecycleDefaults):
         with self._entered:
             self._device.wait_event(event)
 
-
     def take_events(self, data_parallel_rank: int | None = None) -> KVEventBatch:
-        """The KV events since the last call, in vLLM's layout (:mod:`lifecycle.events`); none without
-        ``events=True``."""
+        """The KV events since the last call, in vLLM's layout (:mod:`lifecycle.events`)."""
         with self._entered:
-            if self._events is None:
-                return KVEventBatch(ts=time.time(), events=(), data_parallel_rank=data_parallel_rank)
-            self._parts.read_events()
-            return self._events.take(data_parallel_rank)
+            return self._parts.take_events(data_parallel_rank)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block, and the host tier's, unless a running sequence holds a cached
-        prefix; returns whether it did."""
+        """Drop every cached block (and the tiers') unless a running sequence holds a cached prefix."""
         with self._entered:
-            done: bool = self._core.reset()
-            if done and self._tiers is not None:
-                self._tiers.clear()
-            return done
+            return self._parts.reset()
 
     def evict_blocks(self, block_ids: _Ints) -> npt.NDArray[np.int32]:
         """Drop the given cached blocks (invalid KV) and everything cached after them, never demoting;
@@ -474,8 +419,7 @@ class HybridModel(LifecycleDefaults):
         return int(self._core.num_common_prefix_blocks(handles))
 
     def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None) -> int:
-        """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer (padded with
-        ``pad`` if given); returns the ids written."""
+        """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer (padded with ``pad``)."""
         try:
             return int(self._core.write_table(self._core.handle_of(seq), out, pad))
         except InvalidId as error:
@@ -483,8 +427,7 @@ class HybridModel(LifecycleDefaults):
             raise
 
     def write_block_tables(
-        self, seqs: Sequence[SequenceState], table: object, *,
-        rows: _Ints | None = None, pad: int | None = None,
+        self, seqs: Sequence[SequenceState], table: object, *, rows: _Ints | None = None, pad: int | None = None
     ) -> None:
         """Write each sequence's block ids into row ``rows[i]`` (default ``i``) of ``table``, a 2-D int32
         table in host or CUDA memory (:mod:`lifecycle.block_tables`); everything is checked first."""
@@ -500,15 +443,9 @@ class HybridModel(LifecycleDefaults):
             return self._tiers.flush(timeout_s) if self._tiers is not None else True
 
     def stats(self, *, reset: bool = False) -> Stats:
-        """The counters (the core's, the model's own, the tiers') since the model was built, or with
-        ``reset=True`` since the last such call."""
+        """The counters since the model was built, or with ``reset=True`` since the last such call."""
         with self._entered:
-            tiers = self._tiers.stats() if self._tiers is not None else {}
-            total = Stats.of_model(self._core.counters(), self._counters, tiers)
-            since = total.minus(self._stats_base) if self._stats_base is not None else total
-            if reset:
-                self._stats_base = total
-            return since
+            return self._parts.counters(self._counters, reset)
 
     @property
     def config(self) -> ModelConfig:
@@ -558,11 +495,6 @@ class HybridModel(LifecycleDefaults):
             return int(self._core.num_live_sequences)
 
     def check_invariants(self) -> None:
-        """Recount every reference from scratch (the core's, the slots', the adapters', the tiers') and
-        raise ``InvariantViolation`` on any mismatch."""
+        """Recount every reference from scratch; ``InvariantViolation`` on any mismatch."""
         with self._entered:
-            self._core.check_invariants()
-            self._slots.check_invariants()
-            self._lora.check_invariants()
-            if self._tiers is not None:
-                self._tiers.check_invariants()
+            self._parts.check_invariants()

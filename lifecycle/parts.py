@@ -2,13 +2,17 @@
 memory (:mod:`lifecycle.memory`), the block pool and the KV cache core over it, the SSM slot pool,
 the adapter table and its bindings to the core (:mod:`lifecycle.lora`), the swap context, the KV
 event log, the tiers (:mod:`lifecycle.tiers.promote`) and the attach paths past the core's one call
-(:mod:`lifecycle.attach`); and :class:`Gate`, the model's lock with its entry check. A failure
-while opening the tiers closes what was built before them (and a device opened for the model).
+(:mod:`lifecycle.attach`); what is assembled over several of them (the events read through the
+tiers, a reset, the counters, the invariants, the teardown report); and :class:`Gate`, the
+model's lock with its entry check. A failure while opening the tiers closes what was built before
+them (and a device opened for the model).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import final
 
@@ -19,8 +23,12 @@ from lifecycle.attach import PrefixAttach
 from lifecycle.config import ModelConfig
 from lifecycle.device.base import Device
 from lifecycle.events.translate import KVEventLog
+from lifecycle.errors import SequenceStateError, TornDown
+from lifecycle.events.types import KVEventBatch
 from lifecycle.lora import AdapterBindings, AdapterTable
 from lifecycle.memory import ModelMemory
+from lifecycle.sequence import NO_ADAPTER
+from lifecycle.stats import ModelCounters, Stats, TeardownReport
 from lifecycle.swap import SwapContext
 from lifecycle.tiers.promote import ModelTiers, open_tiers
 
@@ -34,8 +42,8 @@ class ModelParts:
     ``HybridModel`` takes them."""
 
     __slots__ = (
-        "adapters", "attach", "core", "device", "events", "lora", "memory", "owns_device", "pool", "slots", "swap",
-        "tiers",
+        "adapters", "attach", "core", "device", "drop_queue", "events", "lora", "memory", "owns_device", "pool",
+        "_stats_base", "slots", "swap", "tiers",
     )
 
     def __init__(
@@ -57,6 +65,7 @@ class ModelParts:
             null_block=null_block,
         )
         self.slots = SlotPool(config.max_seqs)
+        self.drop_queue: deque[int] = deque()  # handles of sequences dropped unfreed (their finalizers fill it)
         self.adapters = AdapterTable(config.num_adapter_slots)
         self.lora = AdapterBindings(self.adapters, core)
         self.swap = SwapContext(config, device, memory.kv, memory.ssm, staging=memory.staging, adapters=self.adapters)
@@ -75,7 +84,58 @@ class ModelParts:
                 core.close()
                 self.release()
                 raise
+        self._stats_base: Stats | None = None
         self.attach = PrefixAttach(core, config.block_size, memory.snapshots, self.tiers)
+
+    def reap(self, release_adapter: Callable[[int], None]) -> None:
+        """Release what sequences dropped without ``free_sequence`` still held (their slot guard
+        already released the slot); ``release_adapter`` takes back an adapter reference."""
+        queue = self.drop_queue
+        while queue:
+            try:
+                slot = self.core.finish(queue.popleft(), False)
+            except (SequenceStateError, TornDown, IndexError):
+                continue
+            if slot != NO_ADAPTER:
+                release_adapter(slot)
+
+    def take_events(self, data_parallel_rank: int | None) -> KVEventBatch:
+        """The KV events since the last call (none without an event log)."""
+        if self.events is None:
+            return KVEventBatch(ts=time.time(), events=(), data_parallel_rank=data_parallel_rank)
+        self.read_events()
+        return self.events.take(data_parallel_rank)
+
+    def retire(self, keys: frozenset[int]) -> None:
+        """Cache keys no request matches again (a reloaded adapter's): their blocks are published
+        as removed, after what the core's log holds."""
+        if keys and self.events is not None:
+            self.read_events()
+            self.events.retire(set(keys))
+
+    def reset(self) -> bool:
+        """Drop every cached block, and the tiers', unless a running sequence holds a cached prefix."""
+        done: bool = self.core.reset()
+        if done and self.tiers is not None:
+            self.tiers.clear()
+        return done
+
+    def counters(self, model: ModelCounters, reset: bool) -> Stats:
+        """Every counter (the core's, the model's own ``model``, the tiers') since the parts were
+        built, or since the last call with ``reset``."""
+        total = Stats.of_model(self.core.counters(), model, self.tiers.stats() if self.tiers is not None else {})
+        since = total.minus(self._stats_base) if self._stats_base is not None else total
+        if reset:
+            self._stats_base = total
+        return since
+
+    def check_invariants(self) -> None:
+        """Recount every reference from scratch (the core's, the slots', the adapters', the tiers')."""
+        self.core.check_invariants()
+        self.slots.check_invariants()
+        self.lora.check_invariants()
+        if self.tiers is not None:
+            self.tiers.check_invariants()
 
     def read_events(self) -> None:
         """The core's pending log into the event log, through the tiers where there are some (what
@@ -86,13 +146,13 @@ class ModelParts:
         else:
             self.events.read(self.core)
 
-    def close(self) -> tuple[int, int, int]:
-        """Close the tiers and the core; returns what the core still held: (sequences, blocks,
-        cached blocks). :meth:`release` frees the memory then."""
+    def close(self) -> TeardownReport:
+        """Close the tiers and the core; returns what was still held. :meth:`release` frees the
+        memory then."""
         if self.tiers is not None:
             self.tiers.close()
-        held: tuple[int, int, int] = self.core.close()
-        return held
+        live, blocks, cached = self.core.close()
+        return TeardownReport(live, blocks, cached, self.slots.num_detached, sum(self.adapters.refcounts()))
 
     def release(self) -> None:
         """Release the device memory, newest first, and the device when the model opened it."""
