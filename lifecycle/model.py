@@ -1,16 +1,14 @@
-"""``HybridModel``: the seventeen ``ModelLifecycle`` methods and their companions for a model of
-attention and SSM layers, a composition of its parts (:mod:`lifecycle.parts`): the KV cache core
-(every request's state, the prefix trie, snapshot ids, cache salts; one C call per scheduler step),
-the slot pool, the device memory, the adapters, the attach paths past the core's one call, the step
-off it, the slot moves, the swap glue and the tiers. The model keeps no copy of what they own.
-Bookkeeping calls on a pure-attention model go straight to the core (which has its own lock); calls
-that touch device memory or the adapter table take the model's lock, so teardown never frees memory
-under them. Bad input raises a :class:`~lifecycle.errors.LifecycleError` before anything changes.
+"""``HybridModel``: the seventeen ``ModelLifecycle`` methods and their companions, a composition of
+the parts of one model (:mod:`lifecycle.parts`), keeping no copy of what they own. Bookkeeping calls
+on a pure-attention model go straight to the KV cache core (which has its own lock); calls that touch
+device memory or the adapter table take the model's lock, so teardown never frees memory under them.
+Bad input raises a :class:`~lifecycle.errors.LifecycleError` before anything changes.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -48,16 +46,20 @@ _AnyInts = _Ints | Any  # also a CPU tensor or anything with the buffer protocol
 
 
 class HybridModel(LifecycleDefaults):
-    """The memory lifecycle of one hybrid (attention + SSM) model; pure-attention and pure-SSM
-    configurations work too. ``device`` is a :class:`~lifecycle.device.Device` or a kind for
-    :func:`~lifecycle.device.open_device` (a device opened here is closed by ``teardown``).
+    """The memory lifecycle of one hybrid (attention + SSM) model, or a pure-attention or pure-SSM one.
+    ``device``: a :class:`~lifecycle.device.Device` or a kind for :func:`~lifecycle.device.open_device`
+    (a device opened here is closed by ``teardown``). ``events``: log KV events (``take_events``).
+    ``host_tier_blocks``: keep up to that many evicted prefix-cache blocks in host memory and promote
+    them back at admission; ``store``: a Redis / Valkey URL shared by engines, written behind the host
+    tier (:mod:`lifecycle.tiers.promote`); tiers need a model without SSM layers. ``null_block``: block
+    0 is held for good, for engines that pad their block tables with it (vLLM's null block)."""
 
-    ``events``: log KV events (``take_events``). ``host_tier_blocks``: keep up to that many
-    evicted prefix-cache blocks in host memory and promote them back at admission; ``store``: a
-    Redis / Valkey URL shared by engines, written behind the host tier (see
-    :mod:`lifecycle.tiers.promote`). Tiers need a model without SSM layers (its reuse needs snapshots).
-    ``null_block``: block 0 is held for good (never handed out), for engines that pad their block
-    tables with it (vLLM's null block)."""
+    __slots__ = (  # attributes as slots: the hot paths read several per call
+        "_adapters", "_addrs_by_slot", "_attach", "_block_size", "_budget_limit", "_cache_by_default", "_clock",
+        "_config", "_core", "_counters", "_demoting", "_device", "_drop_queue", "_entered", "_innerq_hook", "_lock",
+        "_memory", "_moves", "_on_release", "_one_call_attach", "_parts", "_pool", "_slots", "_snapshots", "_ssm",
+        "_stepper", "_tiers", "_torn_down", "teardown_report",
+    )
 
     def __init__(
         self, config: ModelConfig, device: Device | str = "auto", *, ordinal: int = 0, events: bool = False,
@@ -65,32 +67,32 @@ class HybridModel(LifecycleDefaults):
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
-        self._config = config
-        self._block_size = config.block_size
+        self._config, self._block_size = config, config.block_size
         self._lock = threading.RLock()
         self._entered = Gate(self._lock, self._enter)
         self._torn_down = False
         self.teardown_report: TeardownReport | None = None
         self._counters = ModelCounters()
-        opened = isinstance(device, str)
+        opened = isinstance(device, str)  # a kind other than open_device's three is refused there (ConfigError)
         if isinstance(device, str):
-            # A kind other than open_device's three is refused there, with ConfigError naming them.
             device = open_device(device, ordinal)  # type: ignore[arg-type]
         self._parts = parts = ModelParts(config, device, owns_device=opened, events=events,
                                          host_tier_blocks=host_tier_blocks, store=store, null_block=null_block)
         self._device: Device = parts.device
         self._memory, self._pool, self._core, self._slots = parts.memory, parts.pool, parts.core, parts.slots
-        self._kv, self._ssm, self._snapshots = parts.memory.kv, parts.memory.ssm, parts.memory.snapshots
-        self._adapters, self._lora, self._events, self._tiers = parts.adapters, parts.lora, parts.events, parts.tiers
-        self._attach, self._swap_ctx, self._addrs_by_slot = parts.attach, parts.swap, parts.memory.addrs_by_slot
+        self._ssm, self._snapshots, self._adapters = parts.memory.ssm, parts.memory.snapshots, parts.adapters
+        self._addrs_by_slot, self._tiers, self._attach = parts.memory.addrs_by_slot, parts.tiers, parts.attach
         self._clock = DeviceClock(self._counters, self._core.time_ns)
         self._moves = SlotMoves(self._core, self._slots, self._ssm, self._device, self._counters, self._clock)
         self._stepper = Stepper(self._core, self._device, self._memory.tables, self._entered, self._clock,
                                 self._drained, self.step)
         self._drop_queue = parts.drop_queue
         self._innerq_hook: Callable[[], None] | None = None
-        self._max_budget_tokens = None if self._kv is None else config.max_blocks_per_seq_resolved * config.block_size
+        per_seq = config.max_blocks_per_seq_resolved * config.block_size
+        self._budget_limit = sys.maxsize if parts.memory.kv is None else per_seq
         self._demoting = self._tiers is not None and self._tiers.host is not None
+        self._one_call_attach = self._ssm is None and not self._demoting  # an attach is one core call
+        self._on_release = self._release_adapter  # bound once: the core calls it back as it releases a record
         self._cache_by_default = self._ssm is None and config.enable_prefix_cache  # what a step caches
 
     def _enter(self) -> None:
@@ -98,7 +100,7 @@ class HybridModel(LifecycleDefaults):
         if self._torn_down:
             raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
         if self._drop_queue:
-            self._parts.reap(self._release_adapter)
+            self._parts.reap(self._on_release)
 
     def _release_adapter(self, adapter_slot: int) -> None:
         """What the core calls back as it releases a record bound to an adapter."""
@@ -126,9 +128,10 @@ class HybridModel(LifecycleDefaults):
         if type(budget_tokens) is not int or budget_tokens < 0:
             if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
                 raise InvalidId(f"budget_tokens={budget_tokens!r} must be an int >= 0")
-        limit = self._max_budget_tokens
-        if limit is not None and budget_tokens > limit:
-            raise InvalidId(f"budget_tokens={budget_tokens} exceeds the per-sequence limit of {limit} tokens")
+        if budget_tokens > self._budget_limit:
+            raise InvalidId(
+                f"budget_tokens={budget_tokens} exceeds the per-sequence limit of {self._budget_limit} tokens"
+            )
         if self._torn_down or self._drop_queue:
             self._enter()
         seq = self._core.alloc(self._slots, budget_tokens, self._addrs_by_slot, self._drop_queue)
@@ -160,17 +163,17 @@ class HybridModel(LifecycleDefaults):
                     try:
                         cache_sequence(self._core, self._snapshots, seq, self._block_size)
                     finally:
-                        self._core.release(seq, False, self._release_adapter)
+                        self._core.release(seq, False, self._on_release)
             return
         if self._torn_down or self._drop_queue:
             self._enter()
-        self._core.release(seq, True, self._release_adapter)  # the slot, then the record: one C call
+        self._core.release(seq, True, self._on_release)  # the slot, then the record: one C call
 
     def free_sequence(self, seq: SequenceState) -> None:
         """Release the slot (unless detached), the adapter reference, the pins and the blocks; once."""
         if self._torn_down or self._drop_queue:
             self._enter()
-        self._core.release(seq, False, self._release_adapter)
+        self._core.release(seq, False, self._on_release)
 
     def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
         """Move the sequence's SSM state into ``new_slot`` (:meth:`lifecycle.compaction.SlotMoves.compact`)."""
@@ -195,10 +198,9 @@ class HybridModel(LifecycleDefaults):
         with self._lock:
             if self._torn_down:
                 return
-            self._parts.reap(self._release_adapter)
+            self._parts.reap(self._on_release)
             report = self._parts.close()
-            self._torn_down = True
-            self.teardown_report = report
+            self._torn_down, self.teardown_report = True, report
             self._parts.release()
             if report.leaked:
                 _log.warning("teardown of %r released memory still referenced: %s", self._config.name, report)
@@ -224,13 +226,13 @@ class HybridModel(LifecycleDefaults):
         """Write the sequence to ``writer`` as a swap record (:func:`lifecycle.swap.sequences.save_sequence`)."""
         self._core.handle_of(seq)
         with self._entered:
-            save_sequence(self._swap_ctx, seq, writer, self._counters, self._clock)
+            save_sequence(self._parts.swap, seq, writer, self._counters, self._clock)
 
     def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
         """Restore a fresh sequence from a swap record (:func:`lifecycle.swap.sequences.restore_sequence`)."""
         self._core.handle_of(seq)
         with self._entered:
-            restore_sequence(self._swap_ctx, self._core, seq, num_blocks, reader, self._counters, self._clock)
+            restore_sequence(self._parts.swap, self._core, seq, num_blocks, reader, self._counters, self._clock)
 
     def num_free_blocks(self) -> int:
         """Blocks with refcount 0 (blocks only the prefix cache holds are not free until evicted)."""
@@ -254,12 +256,11 @@ class HybridModel(LifecycleDefaults):
                 self._drained()
 
     def reclaim_prefix_blocks_for(self, prompt: _Ints, adapter_slot: int, blocks_needed: int) -> PrefixReclaim:
-        """Evict until the free blocks cover a prefill of ``prompt``
-        (:meth:`lifecycle.attach.PrefixAttach.reclaim_for`)."""
+        """Evict until the free blocks cover a prefill of ``prompt`` (see ``PrefixAttach.reclaim_for``)."""
         if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, int) or blocks_needed < 0:
             raise InvalidId(f"reclaim_prefix_blocks_for: blocks_needed={blocks_needed!r} must be an int >= 0")
         with self._entered:
-            return self._attach.reclaim_for(prompt, self._lora.root_of(adapter_slot), blocks_needed)
+            return self._attach.reclaim_for(prompt, self._parts.lora.root_of(adapter_slot), blocks_needed)
 
     def retire_sequence(self, seq: SequenceState) -> None:
         """Mark a finished sequence retired: it no longer grows, and may be compacted over (detaching it)."""
@@ -273,17 +274,17 @@ class HybridModel(LifecycleDefaults):
         sequence's adapter at the head of its table; returns the tokens reused (the rules, ``grow_to``,
         ``cache_salt`` and ``mm_keys``: :mod:`lifecycle.attach`). A retried call takes no second set of
         references."""
+        if self._one_call_attach and cache_salt is None and not mm_keys:
+            if self._drop_queue:
+                self._parts.reap(self._on_release)
+            try:
+                return self._core.attach_seq(seq, prompt, grow_to)
+            except InvalidId as error:
+                raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
+                raise
         if cache_salt is not None or mm_keys:
             return self._attach.keyed_attach(self.attach_prefix, seq, prompt, grow_to, cache_salt, mm_keys)
         if self._ssm is None:
-            if self._drop_queue:
-                self._parts.reap(self._release_adapter)
-            if not self._demoting:
-                try:
-                    return self._core.attach_seq(seq, prompt, grow_to)
-                except InvalidId as error:
-                    raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
-                    raise
             with self._entered, self._clock:
                 return self._attach.tiered(seq, prompt, grow_to)
         self._core.handle_of(seq)
@@ -346,7 +347,7 @@ class HybridModel(LifecycleDefaults):
         """Load (or reload, as a new generation) a LoRA adapter; returns its slot. With KV events, a
         reload publishes the removal of every block cached under the previous generation."""
         with self._entered:
-            slot, retired = self._lora.load(name)
+            slot, retired = self._parts.lora.load(name)
             self._parts.retire(retired)
             return slot
 
@@ -364,15 +365,14 @@ class HybridModel(LifecycleDefaults):
         released by ``free_sequence`` even after a reload). Bind before ``attach_prefix``."""
         handle = self._core.handle_of(seq)
         with self._entered:
-            self._lora.bind(seq, handle, adapter_slot)
+            self._parts.lora.bind(seq, handle, adapter_slot)
 
     def block_table(self, seq: SequenceState) -> npt.NDArray[np.int32]:
         """The sequence's block ids as an int32 array (a copy, safe to hand to a kernel)."""
         return self._core.block_table(self._core.handle_of(seq))
 
     def wait_stream(self, stream: object) -> None:
-        """Order the library's later device work after the engine's on ``stream``, without blocking
-        (before saves, caches and compactions of state its kernels may still write; see ``Device``)."""
+        """Order later device work after the engine\'s work on ``stream``, without blocking (``Device.wait_stream``)."""
         with self._entered:
             self._device.wait_stream(stream)
 
@@ -473,7 +473,7 @@ class HybridModel(LifecycleDefaults):
     @property
     def kv_pool(self) -> KVPool | None:
         """The paged KV memory (addresses, strides and array views for kernels)."""
-        return self._kv
+        return self._memory.kv
 
     @property
     def ssm_pool(self) -> SSMPool | None:
