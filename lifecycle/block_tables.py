@@ -199,7 +199,7 @@ def _rows_of(rows: Sequence[int] | npt.NDArray[np.integer] | None, count: int,
 
 
 def write_block_tables(core: KVCacheCore, device: Device, staging: TableStaging, seqs: Sequence[SequenceState],
-                       handles: list[int], table: object, rows: Sequence[int] | npt.NDArray[np.integer] | None,
+                       handles: Sequence[int], table: object, rows: Sequence[int] | npt.NDArray[np.integer] | None,
                        pad: int | None) -> None:
     """Write ``seqs[i]`` (core ``handles[i]``) into row ``rows[i]`` of ``table``, a CUDA table
     through ``staging`` on ``device``; see :meth:`lifecycle.model.HybridModel.write_block_tables`."""

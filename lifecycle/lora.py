@@ -11,9 +11,22 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import final
+from typing import TYPE_CHECKING, Final, final
 
-from lifecycle.errors import AdapterError, OutOfSlots, SlotOutOfRange
+from lifecycle.errors import (
+    AdapterError,
+    InvalidId,
+    InvariantViolation,
+    OutOfSlots,
+    SequenceStateError,
+    SlotOutOfRange,
+)
+
+if TYPE_CHECKING:
+    from lifecycle._kvcache import KVCacheCore, SequenceState
+
+_NO_ADAPTER: Final = -1  # lifecycle.sequence.NO_ADAPTER (that module loads the compiled core)
+_ACTIVE: Final = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +167,57 @@ class AdapterTable:
     def _check_range(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise SlotOutOfRange(f"adapter slot {slot} out of range [0, {self.num_slots})")
+
+
+@final
+class AdapterBindings:
+    """One model's adapter ``table`` bound to the records of its ``core``: a bound sequence holds
+    one reference on its slot index, released with its record; the cache key a lookup under a
+    slot uses; what KV events name. Called under the model's lock."""
+
+    __slots__ = ("_core", "_table")
+
+    def __init__(self, table: AdapterTable, core: KVCacheCore) -> None:
+        self._table = table
+        self._core = core
+
+    def root_of(self, adapter_slot: int) -> int:
+        """The cache key of requests served with ``adapter_slot`` (0 for ``NO_ADAPTER``)."""
+        if isinstance(adapter_slot, bool) or not isinstance(adapter_slot, int):
+            raise InvalidId(f"adapter_slot={adapter_slot!r} must be an int (NO_ADAPTER = -1 for none)")
+        return 0 if adapter_slot == _NO_ADAPTER else self._table.uid_of_loaded(adapter_slot)
+
+    def load(self, name: str) -> tuple[int, frozenset[int]]:
+        """Load (or reload) ``name``; returns its slot and, for a reload, the cache keys of the
+        previous generation (its own and those salted from it), which no request matches again."""
+        slot = self._table.load(name)
+        generation = self._table.info(slot).generation
+        if generation == 1:
+            return slot, frozenset()
+        old = adapter_key(name, generation - 1)
+        return slot, self._core.salts.derived(old) | {old}
+
+    def bind(self, seq: SequenceState, handle: int, adapter_slot: int) -> None:
+        """Take one reference on ``adapter_slot`` for the active sequence ``seq`` (``handle``)."""
+        if not seq.is_open or self._core.status(handle) != _ACTIVE:
+            raise SequenceStateError(f"bind_adapter: sequence {seq.seq_id} is {seq.status.value}, not active")
+        uid = self._table.acquire(adapter_slot)
+        try:
+            self._core.bind_adapter(handle, adapter_slot, uid)
+        except BaseException:
+            self._table.release_ref(adapter_slot)
+            raise
+
+    def adapter_of(self, key: int) -> tuple[int, str] | None:
+        """``(lora_id, lora_name)`` of a cache key, for KV events: the adapter's key and name."""
+        base = self._core.salts.base_of(key)
+        named = self._table.named(base)
+        return None if named is None else (base, named[0])
+
+    def check_invariants(self) -> None:
+        """Each slot's reference count is the number of records bound to it."""
+        held = [0] * self._table.num_slots
+        for slot in self._core.adapter_slots().tolist():
+            held[slot] += 1
+        if held != self._table.refcounts():
+            raise InvariantViolation(f"adapter refcounts {self._table.refcounts()} but sequences hold {held}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from time import perf_counter_ns
+from typing import final
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +118,25 @@ def human_bytes(nbytes: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+@final
+class DeviceClock:
+    """``with clock:`` around a call that moves device memory adds its time, less what the core
+    counted of it (``core_ns``, the core's own clock), to ``counters.device_ns``. Used under the
+    model's lock; nested uses each count their own span, as separate calls would."""
+
+    __slots__ = ("_core_ns", "_counters", "_started")
+
+    def __init__(self, counters: ModelCounters, core_ns: Callable[[], int]) -> None:
+        self._counters = counters
+        self._core_ns = core_ns
+        self._started: list[tuple[int, int]] = []
+
+    def __enter__(self) -> None:
+        self._started.append((perf_counter_ns(), self._core_ns()))
+
+    def __exit__(self, *_: object) -> None:
+        started, core_before = self._started.pop()
+        spent = perf_counter_ns() - started - (self._core_ns() - core_before)
+        self._counters.device_ns += max(spent, 0)

@@ -48,6 +48,7 @@ from lifecycle._records cimport (
     new_records, new_sequence, ok,
 )
 from lifecycle._slots cimport SlotGuard, SlotPool
+from lifecycle._saltmap cimport SaltMap
 from lifecycle._snapids cimport new_snapshot_ids
 from lifecycle._sync cimport NOGIL_MIN_WORK, PyThreadState, core_lock
 
@@ -112,6 +113,7 @@ cdef class KVCacheCore:
         self._snaps = new_snapshot_ids(num, self._trie)
         self._retention = new_retention(self._trie, self._records, self._lock, self._block_size)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
+        self.salts = SaltMap()
         self._pool = pool
         self._enabled = bool(enable_prefix_cache)
         self._snapshot_cut = bool(snapshot_cut)

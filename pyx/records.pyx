@@ -995,6 +995,6 @@ cdef class SequenceState:
     def append_tokens(self, tokens):
         """Record tokens whose KV the engine has computed (prompt first, then generated ones).
         Token ids are integers in [0, 2**31); anything else is refused with nothing recorded."""
-        if not isinstance(tokens, (np.ndarray, list, tuple)):
+        if not isinstance(tokens, (cnp.ndarray, list, tuple)):
             tokens = list(tokens)
         self._records.append(self._handle, tokens)

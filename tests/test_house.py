@@ -26,14 +26,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ),
 }
 
-#: State the model keeps that the core will own; not a write into another module, listed so that it
-#: is not forgotten.
-KEPT_STATE: dict[tuple[str, str], str] = {
-    ("lifecycle/model.py", "_salted"): (
-        "the salt map (salted cache key -> the key it was salted from and the salt) moves into the C core later"
-    ),
-}
-
 _SELF = {"self", "cls"}
 
 
@@ -224,12 +216,7 @@ def test_every_allowed_write_is_still_there() -> None:
 
 
 def test_every_allowed_entry_gives_a_reason() -> None:
-    assert all(reason.strip() for reason in (*ALLOWED.values(), *KEPT_STATE.values()))
-
-
-def test_the_state_kept_for_the_core_is_still_where_the_list_says() -> None:
-    for (name, field), _ in KEPT_STATE.items():
-        assert f"self.{field}" in (ROOT / name).read_text(), f"{name} no longer keeps {field}: drop it from KEPT_STATE"
+    assert all(reason.strip() for reason in ALLOWED.values())
 
 
 # --- the house as the docs describe it ----------------------------------------------------------------

@@ -42,8 +42,9 @@ section and offset; a ``LifecycleError`` or a ``BaseException`` that is not an `
 The rooms: :mod:`~lifecycle.swap.format` (constants, header, sizes and bounds),
 :mod:`~lifecycle.swap.context` (what save and restore work on), :mod:`~lifecycle.swap.streams`
 (the writer and reader), :mod:`~lifecycle.swap.staging` (the staging buffer and the device copies),
-:mod:`~lifecycle.swap.saving` and :mod:`~lifecycle.swap.restoring`; :mod:`~lifecycle.swap.tier` is
-the whole-sequence swap tier built on them. Every name below is importable from here.
+:mod:`~lifecycle.swap.saving` and :mod:`~lifecycle.swap.restoring`; :mod:`~lifecycle.swap.sequences`
+is a model's sequence saved and restored with its accounting, :mod:`~lifecycle.swap.tier` the
+whole-sequence swap tier built on them. Every name below is importable from here.
 """
 
 from __future__ import annotations

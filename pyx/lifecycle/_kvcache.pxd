@@ -13,6 +13,7 @@ from lifecycle._evlog cimport EventLog
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
 from lifecycle._retention cimport Retention
+from lifecycle._saltmap cimport SaltMap
 from lifecycle._snapids cimport SnapshotIds
 from lifecycle._sync cimport CoreLock
 
@@ -39,6 +40,7 @@ cdef class KVCacheCore:
     cdef Records _records
     cdef SnapshotIds _snaps
     cdef EventLog _evlog
+    cdef readonly SaltMap salts     # the cache salts of the records' keys (GIL held)
     cdef CoreLock _lock
     cdef Py_ssize_t _block_size
     cdef Py_ssize_t _max_blocks_per_seq
