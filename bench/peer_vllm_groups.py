@@ -273,8 +273,13 @@ def memory_record(setup: Setup) -> dict[str, Any]:
     }
 
 
-def replay_w3(setup: Setup, trace: Any) -> tuple[float, int, int]:
-    """One W3 replay through ``setup``'s manager; (seconds, hit tokens, refused admissions)."""
+def replay_w3(setup: Setup, trace: Any, as_scheduled: bool) -> tuple[float, int, int]:
+    """One W3 replay through ``setup``'s manager; (seconds, hit tokens, refused admissions).
+    ``as_scheduled``: ``allocate_slots`` caches the blocks as they are computed, as the scheduler
+    has it; else (W3's rule) they are cached at finish: ``allocate_slots(...,
+    delay_cache_blocks=True)`` (vLLM's P/D path) and ``cache_blocks(request, P + G)`` before
+    ``free``."""
+    delay = not as_scheduled
     manager = setup.manager()
     hasher = setup.hasher()
     # Trace preparation: prompts and outputs as Python lists, vLLM's input type.
@@ -284,15 +289,21 @@ def replay_w3(setup: Setup, trace: Any) -> tuple[float, int, int]:
     live: deque[Request] = deque()
     hit_tokens = refused = 0
     get_computed, allocate, free = manager.get_computed_blocks, manager.allocate_slots, manager.free
+
+    def finish(request: Request) -> None:
+        if delay:
+            manager.cache_blocks(request, request.num_computed_tokens)
+        free(request)
+
     with no_gc():
         start = time.perf_counter()
         for request_id, prompt, output in requests:
             if len(live) == trace.max_live:
-                free(live.popleft())
+                finish(live.popleft())
             request = Request(request_id, prompt, SamplingParams(max_tokens=max(len(output), 1)), None, block_hasher=hasher)
             computed, hit, boundary = get_computed(request)
             request.shared_prefix_boundary = boundary
-            if allocate(request, len(prompt) - hit, hit, computed) is None:
+            if allocate(request, len(prompt) - hit, hit, computed, delay_cache_blocks=delay) is None:
                 refused += 1
                 continue
             hit_tokens += hit
@@ -300,22 +311,23 @@ def replay_w3(setup: Setup, trace: Any) -> tuple[float, int, int]:
             request.status = RequestStatus.RUNNING
             if output:
                 request.append_output_token_ids(output)
-                if allocate(request, len(output)) is None:
+                if allocate(request, len(output), delay_cache_blocks=delay) is None:
                     refused += 1
                 request.num_computed_tokens = len(prompt) + len(output)
             live.append(request)
         while live:
-            free(live.popleft())
+            finish(live.popleft())
         seconds = time.perf_counter() - start
     return seconds, hit_tokens, refused
 
 
-def run_w3(setup: Setup, trace: Any) -> dict[str, Any]:
-    seconds, hits, refused = replay_w3(setup, trace)
+def run_w3(setup: Setup, trace: Any, caching: str, memory: dict[str, Any]) -> dict[str, Any]:
+    seconds, hits, refused = replay_w3(setup, trace, caching == "as-scheduled")
     return {
         "workload": "W3-groups",
         "preset": setup.preset.name,
         "library": setup.library,
+        "caching": caching,
         "us_per_request": round(seconds / trace.num_requests * 1e6, 3),
         "hit_tokens": hits,
         "prompt_tokens": trace.prompt_tokens,
@@ -323,7 +335,7 @@ def run_w3(setup: Setup, trace: Any) -> dict[str, Any]:
         "requests": trace.num_requests,
         "refused": refused,
         "ideal_32k_sequences": setup.preset.ideal_32k_sequences(),
-        **memory_record(setup),
+        **memory,
         "plan": setup.describe(),
     }
 
@@ -345,6 +357,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None, help="the first N requests of the W3 trace")
     parser.add_argument("--w4-steps", type=int, default=2000)
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
+    parser.add_argument("--caching", default="as-scheduled,at-finish")
     args = parser.parse_args()
     wanted = set(args.workloads.split(","))
     trace = None
@@ -360,7 +373,9 @@ def main() -> int:
             for library in args.libraries.split(","):
                 setup = Setup(preset, max_model_len, library == "vllm-hybrid", Path(scratch))
                 if trace is not None:
-                    print(json.dumps(run_w3(setup, trace)), flush=True)
+                    memory = memory_record(setup)
+                    for caching in args.caching.split(","):
+                        print(json.dumps(run_w3(setup, trace, caching, memory)), flush=True)
                 if "w4-groups" in wanted:
                     print(json.dumps(run_w4(setup, args.w4_steps)), flush=True)
     return 0
