@@ -136,7 +136,9 @@ class SWACache:
         ``alloc`` is for pages of one token)."""
         allocator = self.allocator
         aligned = -(-need // BLOCK_SIZE) * BLOCK_SIZE
-        if aligned > allocator.full_attn_allocator.available_size() or aligned > allocator.swa_attn_allocator.available_size():
+        full_free = allocator.full_attn_allocator.available_size()
+        swa_free = allocator.swa_attn_allocator.available_size()
+        if aligned > full_free or aligned > swa_free:
             return None
         full = allocator.full_attn_allocator.alloc(aligned)
         swa = allocator.swa_attn_allocator.alloc(aligned)
@@ -153,7 +155,8 @@ def replay_swa(preset: GroupPreset, trace: Any, as_scheduled: bool) -> tuple[flo
     tree, pool = cache.tree, cache.req_to_token_pool
     # Trace preparation: token arrays, SGLang's key type.
     requests = [
-        (array("q", trace.prompt(i).tolist()), array("q", trace.generated(i).tolist())) for i in range(trace.num_requests)
+        (array("q", trace.prompt(i).tolist()), array("q", trace.generated(i).tolist()))
+        for i in range(trace.num_requests)
     ]
     live: deque[Req] = deque()
     hit_tokens = refused = 0
@@ -258,12 +261,14 @@ def main() -> int:
                 for caching in args.caching.split(","):
                     seconds, hits, refused = replay_swa(preset, trace, caching == "as-scheduled")
                     entry = record(
-                        preset, "sglang-swa", seconds, hits, trace, caching=caching, refused=refused, **memory_record(preset)
+                        preset, "sglang-swa", seconds, hits, trace,
+                        caching=caching, refused=refused, **memory_record(preset),
                     )
                     print(json.dumps(entry), flush=True)
             else:
                 reason = NOT_SERVED.get(name, "not a hybrid SWA model in SGLang")
-                print(json.dumps({"workload": "W3-groups", "preset": name, "library": "sglang-swa", "not_served": reason}), flush=True)
+                entry = {"workload": "W3-groups", "preset": name, "library": "sglang-swa", "not_served": reason}
+                print(json.dumps(entry), flush=True)
         if "sglang" in libraries:
             pages = preset.budget_bytes // (preset.bytes_per_token_per_layer * len(preset.layers) * BLOCK_SIZE)
             seconds, hits, evicted = replay_w2(replace(trace, num_blocks=pages))  # type: ignore[arg-type]

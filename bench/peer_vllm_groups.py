@@ -121,7 +121,7 @@ def vllm_config(preset: GroupPreset, max_model_len: int, hybrid: bool, scratch: 
     platform = type(current_platform)
     saved = platform.__dict__.get("support_hybrid_kv_cache")
     # What CudaPlatform.support_hybrid_kv_cache returns; off for the plain manager.
-    platform.support_hybrid_kv_cache = classmethod(lambda cls: hybrid)  # type: ignore[method-assign]
+    platform.support_hybrid_kv_cache = classmethod(lambda cls: hybrid)
     try:
         return VllmConfig(
             model_config=model,
@@ -137,7 +137,7 @@ def vllm_config(preset: GroupPreset, max_model_len: int, hybrid: bool, scratch: 
         if saved is None:
             del platform.support_hybrid_kv_cache
         else:
-            platform.support_hybrid_kv_cache = saved  # type: ignore[method-assign]
+            platform.support_hybrid_kv_cache = saved
 
 
 class Setup:
@@ -192,7 +192,12 @@ class Setup:
             real = sum(_layer_spec(group, name).real_page_size_bytes for name in group.layer_names)
             window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None) or 0
             out.append(
-                {"spec": type(spec).__name__, "window": window, "layers": len(group.layer_names), "kv_bytes_per_block": real}
+                {
+                    "spec": type(spec).__name__,
+                    "window": window,
+                    "layers": len(group.layer_names),
+                    "kv_bytes_per_block": real,
+                }
             )
         return out
 
@@ -236,7 +241,10 @@ def fill_32k(setup: Setup, chunk: int) -> tuple[int, list[int], KVCacheManager]:
         done, first = hit, True
         while done < CONTEXT_32K:
             step = min(chunk, CONTEXT_32K - done)
-            new = manager.allocate_slots(request, step, hit, computed) if first else manager.allocate_slots(request, step)
+            if first:
+                new = manager.allocate_slots(request, step, hit, computed)
+            else:
+                new = manager.allocate_slots(request, step)
             if new is None:
                 return count, per_sequence, manager
             first = False
@@ -300,7 +308,8 @@ def replay_w3(setup: Setup, trace: Any, as_scheduled: bool) -> tuple[float, int,
         for request_id, prompt, output in requests:
             if len(live) == trace.max_live:
                 finish(live.popleft())
-            request = Request(request_id, prompt, SamplingParams(max_tokens=max(len(output), 1)), None, block_hasher=hasher)
+            params = SamplingParams(max_tokens=max(len(output), 1))
+            request = Request(request_id, prompt, params, None, block_hasher=hasher)
             computed, hit, boundary = get_computed(request)
             request.shared_prefix_boundary = boundary
             if allocate(request, len(prompt) - hit, hit, computed, delay_cache_blocks=delay) is None:
