@@ -2,7 +2,8 @@
 ``KVCacheManager`` (and its plain one: one full-attention group) and SGLang's SWA cache (and its
 ``RadixCache``: one full-attention group), at the budget of bench/group_presets.py.
 
-Run through ``python bench/peers.py --workloads w3-groups,w4-groups``; the peers run in their own
+Run through ``python bench/peers.py --workloads w3-groups,w4-groups`` (``python bench/peers_groups.py
+FILE...`` prints the table of records saved with ``--json``); the peers run in their own
 environments (``peer_vllm_groups.py``, ``peer_sglang_groups.py``, whose docstrings say how each
 peer's grouping and pools are set). Lifecycle's rows use the group config API (``preset(name,
 kv_budget_bytes=...)``, ``ModelConfig.kv_groups``) and ``workloads.run_w3_groups`` /
@@ -167,3 +168,10 @@ def table(records: list[dict[str, Any]]) -> str:
 def normalise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One workload spelling (``W3-GROUPS`` / ``W4-GROUPS``) across the runners."""
     return [{**r, "workload": r["workload"].upper()} for r in records]
+
+
+if __name__ == "__main__":
+    # The table of records saved with ``peers.py --json`` (or the runners' own output), one JSON line each.
+    lines = [line for path in sys.argv[1:] for line in Path(path).read_text().splitlines()]
+    saved = [json.loads(line) for line in lines if line.startswith("{")]
+    print(table(normalise(saved)))
