@@ -39,6 +39,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from array import array
 from collections import deque
 from dataclasses import replace
@@ -146,67 +147,90 @@ class SWACache:
         return full[:need]
 
 
-def replay_swa(preset: GroupPreset, trace: Any, as_scheduled: bool) -> tuple[float, int, int]:
-    """One W3 replay; (seconds, hit tokens, refused admissions). ``as_scheduled``: the prompt is
+def replay_swa(preset: GroupPreset, trace: Any, as_scheduled: bool) -> tuple[float, int, int, dict[str, Any]]:
+    """One W3 replay; (seconds, hit tokens, refused admissions, stop). ``as_scheduled``: the prompt is
     published into the tree after its prefill (``checkpoint_kv_cache``), as the scheduler does;
-    else only at finish (W3's rule), after the decode slid its window."""
+    else only at finish (W3's rule), after the decode slid its window. ``stop``: where and why
+    the replay stopped, when one of SGLang's own checks failed ({} when it ran to the end)."""
     longest = max(len(t) for t in trace.tokens)
     cache = SWACache(preset, trace.max_live, longest + BLOCK_SIZE)
-    tree, pool = cache.tree, cache.req_to_token_pool
     # Trace preparation: token arrays, SGLang's key type.
     requests = [
         (array("q", trace.prompt(i).tolist()), array("q", trace.generated(i).tolist()))
         for i in range(trace.num_requests)
     ]
     live: deque[Req] = deque()
-    hit_tokens = refused = 0
+    counts = [0, 0, 0]  # hit tokens, refused admissions, the request being replayed
 
     def finish(req: Req) -> None:
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-        release_kv_cache(req, tree, checkpoint=True)
+        release_kv_cache(req, cache.tree, checkpoint=True)
 
+    stopped: dict[str, Any] = {}
     with no_gc():
         start = time.perf_counter()
-        for number, (prompt, output) in enumerate(requests):
-            if len(live) == trace.max_live:
-                finish(live.popleft())
-            req = Req(
-                rid=str(number),
-                origin_input_text="",
-                origin_input_ids=prompt,
-                sampling_params=SamplingParams(temperature=0, max_new_tokens=max(len(output), 1)),
-            )
-            match_kv_cache(req, tree, prompt)
-            hit = req.prefix_len
-            req.lock = tree.lock(req.last_node)
-            total = len(prompt) + len(output)
-            # The tokens to allocate, whole pages: the allocator evicts what either pool lacks.
-            evict_from_tree_cache(tree, -(-(total - hit) // BLOCK_SIZE) * BLOCK_SIZE)
-            new = cache.alloc(total - hit)
-            if new is None:
-                refused += 1
-                tree.unlock(req.lock)
-                req.lock = None
-                continue
-            prefix = tree.prefix_device_indices(req) if hit else new[:0]
-            pool.alloc([req])
-            row = req.kv.req_pool_idx
-            pool.write((row, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
-            req.extend_end = len(prompt)
-            hit_tokens += hit
-            if as_scheduled:
-                req.full_untruncated_fill_ids = prompt
-                req.kv.kv_allocated_len = req.kv.kv_committed_len = len(prompt)
-                checkpoint_kv_cache(req, tree)
-            req.output_ids = output
-            req.kv.kv_allocated_len = req.kv.kv_committed_len = total
-            # The decode steps slide the window over the prompt and the output.
-            tree.evict_sliding_windows(req, total - 1)
-            live.append(req)
-        while live:
+        try:
+            seconds = _replay_requests(cache, requests, live, finish, trace.max_live, as_scheduled, counts)
+        except AssertionError as error:
+            seconds = time.perf_counter() - start
+            stopped = {"stopped_at_request": counts[2], "error": _where(error)}
+    return seconds, counts[0], counts[1], stopped
+
+
+def _where(error: BaseException) -> str:
+    """The failing check's file, line and function (SGLang's asserts carry no message)."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"AssertionError at {Path(frame.filename).name}:{frame.lineno} in {frame.name}: {frame.line}"
+
+
+def _replay_requests(
+    cache: SWACache, requests: list[tuple[array[int], array[int]]], live: deque[Req], finish: Any, max_live: int,
+    as_scheduled: bool, counts: list[int],
+) -> float:
+    """The replay's loop; ``counts`` gathers hit tokens, refusals and the requests begun."""
+    tree, pool = cache.tree, cache.req_to_token_pool
+    start = time.perf_counter()
+    for number, (prompt, output) in enumerate(requests):
+        counts[2] = number
+        if len(live) == max_live:
             finish(live.popleft())
-        seconds = time.perf_counter() - start
-    return seconds, hit_tokens, refused
+        req = Req(
+            rid=str(number),
+            origin_input_text="",
+            origin_input_ids=prompt,
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=max(len(output), 1)),
+        )
+        match_kv_cache(req, tree, prompt)
+        hit = req.prefix_len
+        req.lock = tree.lock(req.last_node)
+        total = len(prompt) + len(output)
+        # The tokens to allocate, whole pages: the allocator evicts what either pool lacks.
+        evict_from_tree_cache(tree, -(-(total - hit) // BLOCK_SIZE) * BLOCK_SIZE)
+        new = cache.alloc(total - hit)
+        if new is None:
+            counts[1] += 1
+            tree.unlock(req.lock)
+            req.lock = None
+            continue
+        prefix = tree.prefix_device_indices(req) if hit else new[:0]
+        pool.alloc([req])
+        row = req.kv.req_pool_idx
+        pool.write((row, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
+        req.extend_end = len(prompt)
+        counts[0] += hit
+        if as_scheduled:
+            req.full_untruncated_fill_ids = prompt
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = len(prompt)
+            checkpoint_kv_cache(req, tree)
+        req.output_ids = output
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = total
+        # The decode steps slide the window over the prompt and the output.
+        tree.evict_sliding_windows(req, total - 1)
+        live.append(req)
+    counts[2] = len(requests)
+    while live:
+        finish(live.popleft())
+    return time.perf_counter() - start
 
 
 def memory_record(preset: GroupPreset) -> dict[str, Any]:
@@ -259,10 +283,10 @@ def main() -> int:
         if "sglang-swa" in libraries:
             if name in SERVED:
                 for caching in args.caching.split(","):
-                    seconds, hits, refused = replay_swa(preset, trace, caching == "as-scheduled")
+                    seconds, hits, refused, stopped = replay_swa(preset, trace, caching == "as-scheduled")
                     entry = record(
                         preset, "sglang-swa", seconds, hits, trace,
-                        caching=caching, refused=refused, **memory_record(preset),
+                        caching=caching, refused=refused, **stopped, **memory_record(preset),
                     )
                     print(json.dumps(entry), flush=True)
             else:
