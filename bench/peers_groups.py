@@ -143,9 +143,9 @@ def table(records: list[dict[str, Any]]) -> str:
                 lines.append(f"{r['library']:<13} {r.get('unavailable') or 'not served: ' + r['not_served']}")
                 continue
             earlier = ISSUE_FIGURES.get((name, r["library"]))
-            note = (
-                f"{_figure(earlier[0])} us, {earlier[1] / 1e6:.2f}M, {earlier[2]}" if earlier else ""
-            ) if r.get("caching") in (None, "as-scheduled") or r["library"] in ("vllm", "sglang") else ""
+            note = f"{_figure(earlier[0])} us, {earlier[1] / 1e6:.2f}M, {earlier[2]}" if earlier else ""
+            if "stopped_at_request" in r:
+                note = f"stopped at request {r['stopped_at_request']:,} by a failed SGLang check; " + note
             lines.append(
                 f"{r['library']:<13} {r.get('caching', '-'):<13} {_figure(r['us_per_request'], 1):>11} "
                 f"{_figure(r['hit_tokens']):>12} {_figure(r.get('concurrent_32k_sequences')):>9} "
