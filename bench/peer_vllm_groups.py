@@ -226,21 +226,22 @@ def held_blocks(manager: KVCacheManager, request_id: str) -> list[int]:
     ]
 
 
-def fill_32k(setup: Setup, chunk: int) -> tuple[int, list[int], KVCacheManager]:
-    """How many 32k-token requests the manager holds at once, each prefilled in steps of ``chunk``
-    tokens (all of it in one step when ``chunk`` >= 32k); the blocks the first holds per group."""
+def fill_32k(setup: Setup, chunk: int, length: int = CONTEXT_32K) -> tuple[int, list[int], KVCacheManager]:
+    """How many requests of ``length`` tokens the manager holds at once, each prefilled in steps of
+    ``chunk`` tokens (all of it in one step when ``chunk`` >= ``length``); the blocks the first
+    holds per group."""
     manager = setup.manager()
     hasher = setup.hasher()
     per_sequence: list[int] = []
     count = 0
     while True:
-        tokens = (np.arange(CONTEXT_32K, dtype=np.int64) + count * CONTEXT_32K).tolist()
+        tokens = (np.arange(length, dtype=np.int64) + count * CONTEXT_32K).tolist()
         request = Request(f"s{count}", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
         computed, hit, boundary = manager.get_computed_blocks(request)
         request.shared_prefix_boundary = boundary
         done, first = hit, True
-        while done < CONTEXT_32K:
-            step = min(chunk, CONTEXT_32K - done)
+        while done < length:
+            step = min(chunk, length - done)
             if first:
                 new = manager.allocate_slots(request, step, hit, computed)
             else:
@@ -252,7 +253,7 @@ def fill_32k(setup: Setup, chunk: int) -> tuple[int, list[int], KVCacheManager]:
             request.num_computed_tokens = done
             request.status = RequestStatus.RUNNING
         # The next step would drop what left the window: count what the sequence holds then.
-        manager.remove_skipped_blocks(request.request_id, CONTEXT_32K, num_prompt_tokens=CONTEXT_32K)
+        manager.remove_skipped_blocks(request.request_id, length, num_prompt_tokens=length)
         if count == 0:
             per_sequence = held_blocks(manager, request.request_id)
         count += 1
@@ -262,6 +263,10 @@ def memory_record(setup: Setup) -> dict[str, Any]:
     chunk = setup.config.scheduler_config.max_num_batched_tokens
     concurrent, per_sequence, manager = fill_32k(setup, chunk)
     one_step, _, _ = fill_32k(setup, CONTEXT_32K)
+    chunked = any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in setup.kv_config.kv_cache_groups)
+    # At 32,768 tokens a chunked group has just finished a chunk and holds almost nothing: its
+    # worst case is one token earlier, with the whole chunk held.
+    before_boundary = fill_32k(setup, chunk, CONTEXT_32K - 1)[0] if chunked else concurrent
     groups = setup.groups()
     held = [0] * len(groups)
     for m_index, m in enumerate(manager.coordinator.single_type_managers):
@@ -273,6 +278,7 @@ def memory_record(setup: Setup) -> dict[str, Any]:
         "concurrent_32k_sequences": concurrent,
         "concurrent_32k_sequences_how": f"allocated until refused, prefill chunks of {chunk} tokens",
         "concurrent_32k_sequences_one_step_prefill": one_step,
+        "concurrent_sequences_of_32767_tokens": before_boundary,
         "concurrent_32k_sequences_from_num_blocks": (setup.kv_config.num_blocks - 1) // max(sum(per_sequence), 1),
         "blocks_per_32k_sequence": per_sequence,
         "padding_waste": waste,
