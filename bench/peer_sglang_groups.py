@@ -253,11 +253,13 @@ def memory_record(preset: GroupPreset) -> dict[str, Any]:
 
 
 def record(preset: GroupPreset, library: str, seconds: float, hits: int, trace: Any, **extra: Any) -> dict[str, Any]:
+    # A replay that stopped early is timed over the requests it replayed.
+    replayed = extra.get("stopped_at_request") or trace.num_requests
     return {
         "workload": "W3-groups",
         "preset": preset.name,
         "library": library,
-        "us_per_request": round(seconds / trace.num_requests * 1e6, 3),
+        "us_per_request": round(seconds / replayed * 1e6, 3),
         "hit_tokens": hits,
         "prompt_tokens": trace.prompt_tokens,
         "hit_rate": round(hits / trace.prompt_tokens, 6),

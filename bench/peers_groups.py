@@ -146,9 +146,12 @@ def table(records: list[dict[str, Any]]) -> str:
             note = f"{_figure(earlier[0])} us, {earlier[1] / 1e6:.2f}M, {earlier[2]}" if earlier else ""
             if "stopped_at_request" in r:
                 note = f"stopped at request {r['stopped_at_request']:,} by a failed SGLang check; " + note
+            sequences = _figure(r.get("concurrent_32k_sequences"))
+            if r.get("concurrent_sequences_of_32767_tokens") not in (None, r.get("concurrent_32k_sequences")):
+                sequences += f"/{r['concurrent_sequences_of_32767_tokens']}"  # at 32,767 tokens (chunked)
             lines.append(
                 f"{r['library']:<13} {r.get('caching', '-'):<13} {_figure(r['us_per_request'], 1):>11} "
-                f"{_figure(r['hit_tokens']):>12} {_figure(r.get('concurrent_32k_sequences')):>9} "
+                f"{_figure(r['hit_tokens']):>12} {sequences:>9} "
                 f"{_figure(r.get('padding_waste')):>10}   {note}"
             )
         w4 = [r for r in records if r["preset"] == name and r["workload"] == "W4-GROUPS"]
