@@ -145,12 +145,16 @@ def make_manager(num_blocks: int, block_size: int, manager_class: Any = KVCacheM
     return manager
 
 
-def replay_w4(trace: W4Trace, manager_class: Any = KVCacheManager) -> DecodeRun:
+def replay_w4(
+    trace: W4Trace, manager_class: Any = KVCacheManager, manager: Any = None, hasher: Any = None
+) -> DecodeRun:
     """W4 through ``manager_class`` (vLLM's ``KVCacheManager``, or lifecycle's facade, which
-    needs no block hashes: its requests get no hasher)."""
+    needs no block hashes: its requests get no hasher), or through ``manager`` built by the caller
+    (with its ``hasher``)."""
     bs = trace.block_size
-    manager = make_manager(trace.num_blocks, bs, manager_class)
-    hasher = kv_cache_utils.get_request_block_hasher(bs, HASH_FN) if manager_class is KVCacheManager else None
+    if manager is None:
+        manager = make_manager(trace.num_blocks, bs, manager_class)
+        hasher = kv_cache_utils.get_request_block_hasher(bs, HASH_FN) if manager_class is KVCacheManager else None
     step_tokens = trace.step_tokens()
     running: list[Request | None] = [None] * trace.running
     allocate_slots = manager.allocate_slots

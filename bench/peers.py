@@ -4,6 +4,7 @@
     python bench/peers.py --json       # one JSON line per (workload, library)
     python bench/peers.py --workloads w4   # W4 alone (any comma-separated subset of w1,w2,w3,w4)
     python bench/peers.py --no-adapters    # without W2/W3 through lifecycle's drop-in adapters
+    python bench/peers.py --workloads w3-groups,w4-groups   # issue 31's model presets (peers_groups.py)
 
 Each peer gets its own virtual environment under ``bench/.venv-peers/`` (ignored by git) with
 CPU-only torch and no GPU dependency: torch is pinned to the local CPU wheel by a constraints file
@@ -41,6 +42,7 @@ from workloads import DEFAULT_TRACE  # noqa: E402
 
 VENVS = HERE / ".venv-peers"
 WORKLOADS = ("w1", "w2", "w3", "w4")
+GROUP_WORKLOADS = ("w3-groups", "w4-groups")
 TORCH = "torch==2.13.0"
 
 
@@ -289,14 +291,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w4-repeats", type=int, default=1, help="W4 replays per peer (each lasts a minute or more)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of w1,w2,w3,w4")
     parser.add_argument("--no-adapters", action="store_true", help="skip W2/W3 through the drop-in adapters")
+    parser.add_argument("--presets", default=None, help="w3-groups/w4-groups: comma-separated model presets")
+    parser.add_argument("--requests", type=int, default=None, help="w3-groups: the first N requests of the trace")
+    parser.add_argument("--w4-steps", type=int, default=2000, help="w4-groups: decode steps of the W4 trace")
+    parser.add_argument(
+        "--caching", default="as-scheduled,at-finish", help="w3-groups: when the peers cache (see peers_groups.py)"
+    )
     args = parser.parse_args(argv)
-    workloads = [name for name in args.workloads.split(",") if name]
-    if not workloads or not set(workloads) <= set(WORKLOADS):
-        parser.error(f"--workloads {args.workloads!r}: choose among {','.join(WORKLOADS)}")
+    requested = [name for name in args.workloads.split(",") if name]
+    if not requested or not set(requested) <= set(WORKLOADS + GROUP_WORKLOADS):
+        parser.error(f"--workloads {args.workloads!r}: choose among {','.join(WORKLOADS + GROUP_WORKLOADS)}")
     if not args.trace.is_file():
         parser.error(f"--trace {args.trace}: no such file")
     chosen = [PEERS[name] for name in args.peers.split(",") if name]
     envs = {peer.name: ensure_peer(peer) for peer in chosen}
+    groups = [name for name in requested if name in GROUP_WORKLOADS]
+    workloads = [name for name in requested if name in WORKLOADS]
+    if groups:
+        from group_presets import DEFAULT_PRESETS
+        from peers_groups import normalise, run as run_groups, table as groups_table
+
+        presets = args.presets.split(",") if args.presets else list(DEFAULT_PRESETS)
+        group_records = normalise(run_groups(envs, presets, groups, args.requests, args.w4_steps, args.caching))
+        if args.json:
+            for record in group_records:
+                print(json.dumps(record), flush=True)
+        else:
+            print(groups_table(group_records), flush=True)
+        if not workloads:
+            return 0
     # lifecycle's window of replays lasts seconds, a peer's minutes: one slow spell of this shared
     # machine can cover all of ours. So its replays run before the peers and again after each of
     # them, and its fastest window counts (each window's figure is kept in the JSON record).
