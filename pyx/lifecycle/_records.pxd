@@ -60,6 +60,7 @@ cdef enum:
     E_NOT_CACHED = 11       # value: blocks asked for, limit: full blocks the record has
     E_CLOSED = 12
     E_INVALID_ARG = 13      # value: the argument, limit: its bound
+    E_GROUPS = 14           # a call a core with several KV cache groups does not offer
 
 
 # Why a locked step failed (raised once the lock is released: ``Records.raise_failure``).
@@ -67,11 +68,13 @@ cdef struct Failure:
     int code
     int64_t value
     int64_t limit
+    int32_t group              # the KV cache group (E_OUT_OF_BLOCKS, E_REFUSED)
     BatchResult batch
 
 
 cdef inline void ok(Failure *f) noexcept nogil:
     f.code = OK
+    f.group = 0
     f.batch.failed_at = -1
 
 
