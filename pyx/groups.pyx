@@ -31,13 +31,13 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._args cimport ssize_arg as _as_count
-from lifecycle._int32 cimport grow_array
+from lifecycle._int32 cimport grow_array, writeable_int32
 from lifecycle._radix cimport Chunk, RNode, chunk_column
 from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
 import numpy as np
 
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, InvalidId
 
 cnp.import_array()
 
@@ -88,6 +88,21 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     self._retention = retention
     self._specs = tuple((s[0], s[1], s[2]) for s in specs)
     return self
+
+
+cdef tuple group_tables(object tables, Py_ssize_t count, object table):
+    """The tables of a decode step's groups past 0: ``count`` writeable int32 arrays shaped as
+    ``table`` (which must be given)."""
+    if table is None:
+        raise InvalidId("step: group_tables were given without a table for group 0")
+    tables = tuple(tables)
+    if len(tables) != count:
+        raise InvalidId(f"step: {len(tables)} group_tables for the {count} KV cache groups past group 0")
+    for i, t in enumerate(tables, start=1):
+        writeable_int32(t, 2, f"step: group_tables[{i - 1}]", " (rows by request)")
+        if t.shape != table.shape:
+            raise InvalidId(f"step: group_tables[{i - 1}] is shaped {t.shape}, the table {table.shape}")
+    return tables
 
 
 def _checked_spec(Py_ssize_t index, object entry, Py_ssize_t block_size, Py_ssize_t max_tokens, list pools):
@@ -473,6 +488,14 @@ cdef class KVGroups:
             if cut == node.depth and self.settle_leaf(t, parent, freed0, trimmed, f):
                 break
         return self.num_free(g) - before
+
+    cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
+                         Py_ssize_t stop) noexcept nogil:
+        """Write the record's ids at ``[start, stop)`` of every group past 0 into entry ``row`` on
+        of that group's table (``tables[g - 1]``)."""
+        cdef Py_ssize_t g
+        for g in range(1, self.n):
+            memcpy(tables[g - 1] + row + start, chunk_column(rec.chunk, g) + start, (stop - start) * sizeof(int32_t))
 
     # -- (GIL held, lock held) -------------------------------------------------------------------------
 

@@ -106,11 +106,14 @@ cdef class KVGroups:
                          Failure *f) noexcept nogil
     cdef Py_ssize_t evict(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                           Failure *f) noexcept nogil
+    cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
+                         Py_ssize_t stop) noexcept nogil
     # (GIL held, lock held)
     cdef str problem(self, RadixTrie t, Records records, int32_t null_block)
     cdef list stats(self, RadixTrie t)
     cdef object column(self, SeqRec *rec, Py_ssize_t g)
 
 
+cdef tuple group_tables(object tables, Py_ssize_t count, object table)
 cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
                          Py_ssize_t max_tokens)

@@ -29,6 +29,7 @@ cdef struct SeqRec:
     int32_t pin_node           # end of the cached path it holds pinned, -1 = none
     int32_t pin_blocks         # blocks from the root to the end of pin_node
     int32_t ssm_tokens         # tokens the SSM state has consumed, -1 = as many as num_tokens
+    int32_t kv_tokens          # (KV cache groups) tokens whose KV exists: windows released up to them
     int32_t rolling            # its rolling snapshot id, -1 = none
     uint32_t rolling_generation
     uint32_t generation        # bumped at every reuse of the slot: stale handles are refused
