@@ -105,6 +105,14 @@ cdef tuple group_tables(object tables, Py_ssize_t count, object table):
     return tables
 
 
+def _spec_count(object value, str what, Py_ssize_t low, Py_ssize_t high):
+    """A count of a group's spec, refused with ``ConfigError`` naming it and its range."""
+    try:
+        return _as_count(value, what, low, high)
+    except InvalidId as refused:
+        raise ConfigError(str(refused)) from None
+
+
 def _checked_spec(Py_ssize_t index, object entry, Py_ssize_t block_size, Py_ssize_t max_tokens, list pools):
     """One group's ``(kind, window, sink_tokens, pool)``, checked."""
     if not isinstance(entry, tuple) or len(entry) != 4:
@@ -117,14 +125,14 @@ def _checked_spec(Py_ssize_t index, object entry, Py_ssize_t block_size, Py_ssiz
     if any(group_pool is p for p in pools):
         raise ConfigError(f"group {index}: its BlockPool is another group's; every group needs a pool of its own")
     if kind == "full":
-        window = _as_count(window, f"group {index}: window (0 for full attention)", 0, 0)
-        sink = _as_count(sink, f"group {index}: sink_tokens (0 for full attention)", 0, 0)
+        window = _spec_count(window, f"group {index}: window (0 for full attention)", 0, 0)
+        sink = _spec_count(sink, f"group {index}: sink_tokens (0 for full attention)", 0, 0)
     else:
-        window = _as_count(window, f"group {index}: window", 1, max(max_tokens, 1))
+        window = _spec_count(window, f"group {index}: window (tokens, at most max_tokens_per_seq)", 1, max_tokens)
         if kind == "chunked_local":
-            sink = _as_count(sink, f"group {index}: sink_tokens (0 for chunked local attention)", 0, 0)
+            sink = _spec_count(sink, f"group {index}: sink_tokens (0 for chunked local attention)", 0, 0)
         else:
-            sink = _as_count(sink, f"group {index}: sink_tokens", 0, max(max_tokens, 0))
+            sink = _spec_count(sink, f"group {index}: sink_tokens", 0, max_tokens)
     return kind, window, sink, group_pool
 
 
