@@ -10,6 +10,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from lifecycle._blockpool cimport BlockPool
 from lifecycle._evlog cimport EventLog
+from lifecycle._groups cimport KVGroups
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
 from lifecycle._snapids cimport SnapshotIds
@@ -54,6 +55,8 @@ cdef class KVCacheCore:
     cdef Py_ssize_t _token_scratch_capacity
     cdef uint64_t *_hash_scratch
     cdef Py_ssize_t _hash_scratch_capacity
+    cdef KVGroups _groups           # groups past group 0 (None: one group, the pool's)
+    cdef bint _grouped              # _groups is not None
 
     # -- the surface: the lock (``lock().enter_gil()`` ... ``lock().leave(NULL)``), then locked calls --
     cdef inline CoreLock lock(self):
@@ -105,6 +108,10 @@ cdef class KVCacheCore:
     ) noexcept nogil
     cdef Py_ssize_t _step_locked(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
-        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, Failure *f
+        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, int32_t **group_tabs, Failure *f
     ) noexcept nogil
     cdef str _recount(self)
+    cdef int _refuse_grouped(self, str call) except -1
+    cdef int _append_grouped(self, int64_t handle, object tokens) except -1
+    cdef object _group_column(self, int64_t handle, object group, str call)
+    cdef Py_ssize_t _group_arg(self, object group, str call) except -1

@@ -1,0 +1,598 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
+"""KV cache groups of a KV cache core (module lifecycle._groups).
+
+A group is the layers that share one attention rule: ``full`` (every block of the context),
+``sliding_window`` (the blocks covering the last ``window`` tokens, plus ``sink_tokens`` at the
+start) or ``chunked_local`` (the blocks from the start of the current chunk of ``window`` tokens).
+Group 0 is the core's own pool (full attention); each further group has a ``BlockPool`` of its
+own, with the core's block size, so a trie position means the same tokens in every group.
+
+The trie stays one trie over tokens. Each chunk (record or cached run) holds one column of block
+ids per group (``chunk_column``); -1 marks a block a windowed group released or never needed.
+Ownership per group is as for group 0: a record holds one reference on every id of its own
+columns, a cached run one on every id of its range.
+
+The rules the core runs here, in its own calls and under its lock:
+- a cut (a number of blocks admission reuses) is valid when every group has the blocks a query at
+  the cut reads (``best_cut``);
+- a record releases a windowed block once its tokens left the window or chunk, keeping it when it
+  lies in the window before a checkpoint (every ``retention_interval`` tokens) for the cache;
+- a finishing record leaves in the cache, per group, its sink blocks, its last window and the
+  windows before its checkpoints (``kept``), filling holes of the path it extends;
+- every leaf of the trie ends at a valid cut: eviction trims a leaf down to one, in every group
+  at once, so no group is left holding blocks of a prefix another group cannot serve.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.object cimport PyObject
+from libc.stdint cimport INT32_MAX, int32_t, uint8_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+from lifecycle._args cimport ssize_arg as _as_count
+from lifecycle._int32 cimport grow_array, writeable_int32
+from lifecycle._radix cimport Chunk, RNode, chunk_column
+from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
+
+import numpy as np
+
+from lifecycle.errors import ConfigError, InvalidId
+
+cnp.import_array()
+
+KINDS = ("full", "sliding_window", "chunked_local")
+DEFAULT_RETENTION_TOKENS = 4096
+
+
+cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
+                         Py_ssize_t max_tokens):
+    """The groups of a core over ``pool`` (group 0) and ``groups``: a sequence of
+    ``(kind, window, sink_tokens, pool)``; refused with ``ConfigError`` naming the bad entry
+    before anything is allocated."""
+    cdef KVGroups self
+    cdef Py_ssize_t i, n, retention
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__"):
+        raise ConfigError(f"groups must be a sequence of (kind, window, sink_tokens, pool), got {groups!r}")
+    specs = [("full", 0, 0, pool)]
+    for i, entry in enumerate(groups, start=1):
+        specs.append(_checked_spec(i, entry, block_size, max_tokens, [s[3] for s in specs]))
+    if retention_interval is None:
+        retention = max(DEFAULT_RETENTION_TOKENS // block_size, 1)
+    else:
+        retention = _as_count(retention_interval, "retention_interval", 0, max(max_tokens, 0))
+        if retention % block_size:
+            raise ConfigError(
+                f"retention_interval {retention} is not a multiple of the block size {block_size} (0: no checkpoints)"
+            )
+        retention //= block_size
+    n = len(specs)
+    self = KVGroups.__new__(KVGroups)
+    self._rules = <GroupRule *>malloc(n * sizeof(GroupRule))
+    self._pools = <PyObject **>malloc(n * sizeof(PyObject *))
+    self._counts = <GroupCounts *>malloc(n * sizeof(GroupCounts))
+    if self._rules == NULL or self._pools == NULL or self._counts == NULL:
+        raise MemoryError("KVCacheCore: out of host memory for its KV cache groups")
+    memset(self._counts, 0, n * sizeof(GroupCounts))
+    self._keep = tuple(s[3] for s in specs)
+    for i in range(n):
+        kind, window, sink, group_pool = specs[i]
+        self._rules[i].kind = KINDS.index(kind)
+        self._rules[i].window = <int32_t>window
+        self._rules[i].sink_blocks = <int32_t>((sink + block_size - 1) // block_size)
+        self._pools[i] = <PyObject *>self._keep[i]
+        if self._rules[i].kind != KIND_FULL:
+            self.windowed = True
+    self.n = n
+    self._block_size = block_size
+    self._retention = retention
+    self._specs = tuple((s[0], s[1], s[2]) for s in specs)
+    return self
+
+
+cdef tuple group_tables(object tables, Py_ssize_t count, object table):
+    """The tables of a decode step's groups past 0: ``count`` writeable int32 arrays shaped as
+    ``table`` (which must be given)."""
+    if table is None:
+        raise InvalidId("step: group_tables were given without a table for group 0")
+    tables = tuple(tables)
+    if len(tables) != count:
+        raise InvalidId(f"step: {len(tables)} group_tables for the {count} KV cache groups past group 0")
+    for i, t in enumerate(tables, start=1):
+        writeable_int32(t, 2, f"step: group_tables[{i - 1}]", " (rows by request)")
+        if t.shape != table.shape:
+            raise InvalidId(f"step: group_tables[{i - 1}] is shaped {t.shape}, the table {table.shape}")
+    return tables
+
+
+def _spec_count(object value, str what, Py_ssize_t low, Py_ssize_t high):
+    """A count of a group's spec, refused with ``ConfigError`` naming it and its range."""
+    try:
+        return _as_count(value, what, low, high)
+    except InvalidId as refused:
+        raise ConfigError(str(refused)) from None
+
+
+def _checked_spec(Py_ssize_t index, object entry, Py_ssize_t block_size, Py_ssize_t max_tokens, list pools):
+    """One group's ``(kind, window, sink_tokens, pool)``, checked."""
+    if not isinstance(entry, tuple) or len(entry) != 4:
+        raise ConfigError(f"groups[{index - 1}] must be (kind, window, sink_tokens, pool), got {entry!r}")
+    kind, window, sink, group_pool = entry
+    if kind not in KINDS:
+        raise ConfigError(f"group {index}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if not isinstance(group_pool, BlockPool):
+        raise ConfigError(f"group {index}: a BlockPool of its own is needed, got {type(group_pool).__name__}")
+    if any(group_pool is p for p in pools):
+        raise ConfigError(f"group {index}: its BlockPool is another group's; every group needs a pool of its own")
+    if kind == "full":
+        window = _spec_count(window, f"group {index}: window (0 for full attention)", 0, 0)
+        sink = _spec_count(sink, f"group {index}: sink_tokens (0 for full attention)", 0, 0)
+    else:
+        window = _spec_count(window, f"group {index}: window (tokens, at most max_tokens_per_seq)", 1, max_tokens)
+        if kind == "chunked_local":
+            sink = _spec_count(sink, f"group {index}: sink_tokens (0 for chunked local attention)", 0, 0)
+        else:
+            sink = _spec_count(sink, f"group {index}: sink_tokens", 0, max_tokens)
+    return kind, window, sink, group_pool
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class KVGroups:
+    """The KV cache groups of a ``KVCacheCore`` (made by the core; read ``KVCacheCore.group_stats``)."""
+
+    def __init__(self, *args, **kwargs):
+        """Not for callers: a ``KVCacheCore`` given ``groups=`` makes its own."""
+        raise TypeError("KVGroups are made by KVCacheCore(groups=...)")
+
+    def __dealloc__(self):
+        free(self._rules)
+        free(self._pools)
+        free(self._counts)
+        free(self._ids)
+        free(self._valid)
+        free(self._trimmed)
+
+    @property
+    def specs(self):
+        """``(kind, window, sink_tokens)`` of every group, group 0 first."""
+        return self._specs
+
+    @property
+    def pools(self):
+        """The ``BlockPool`` of every group, group 0 (the core's) first."""
+        return self._keep
+
+    @property
+    def retention_blocks(self):
+        """Blocks between checkpoints (0: none)."""
+        return self._retention
+
+    # -- (lock held) ------------------------------------------------------------------------------
+
+    cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil:
+        if grow_array(<void **>&self._ids, &self._ids_capacity, blocks + 1, sizeof(int32_t)):
+            return 1
+        if grow_array(<void **>&self._valid, &self._valid_capacity, blocks + 1, sizeof(uint8_t)):
+            return 1
+        return grow_array(<void **>&self._trimmed, &self._trimmed_capacity, blocks + 1, sizeof(int32_t))
+
+    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil:
+        """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
+        ``v`` (which covers the first ``limit`` blocks), else ``low``; -1 when out of memory."""
+        cdef Py_ssize_t g, c, p, sink, sink_missing, last_missing
+        cdef RNode *node
+        cdef int32_t *ids
+        cdef uint8_t *valid
+        if limit <= low:
+            return low
+        if self._reserve(limit):
+            return -1
+        ids = self._ids
+        valid = self._valid
+        memset(valid, 1, (limit + 1) * sizeof(uint8_t))
+        for g in range(1, self.n):
+            node = &t._nodes[v]
+            while node.parent >= 0:
+                if node.depth < limit:
+                    memcpy(
+                        ids + node.depth, chunk_column(node.chunk, g) + node.start,
+                        (min(<Py_ssize_t>node.depth + node.length, limit) - node.depth) * sizeof(int32_t),
+                    )
+                node = &t._nodes[node.parent]
+            sink = self._rules[g].sink_blocks
+            sink_missing = sink
+            last_missing = -1
+            for c in range(1, limit + 1):
+                p = c - 1
+                if ids[p] < 0:
+                    if p < sink:
+                        if sink_missing == sink:
+                            sink_missing = p
+                    else:
+                        last_missing = p
+                if c > low and valid[c] and (
+                    sink_missing < min(sink, c) or last_missing >= self.first_needed(g, c * self._block_size)
+                ):
+                    valid[c] = 0
+        for c in range(limit, low, -1):
+            if valid[c]:
+                return c
+        return low
+
+    cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil:
+        """Give a fresh record (its table empty, its chunk reserved) every group's blocks a query
+        at ``cut`` reads from the path ending at ``end`` (a valid cut), with a reference each;
+        -1 elsewhere. Nothing changes when refused."""
+        cdef Py_ssize_t g, h, p, sink, first, count
+        cdef int32_t *col
+        cdef RNode *node
+        cdef Failure ignored
+        if self._reserve(cut):
+            f.code = E_NO_MEMORY
+            return -1
+        for g in range(1, self.n):
+            col = chunk_column(rec.chunk, g)
+            node = &t._nodes[end] if cut > 0 else NULL
+            while node != NULL and node.parent >= 0:
+                memcpy(col + node.depth, chunk_column(node.chunk, g) + node.start, node.length * sizeof(int32_t))
+                node = &t._nodes[node.parent]
+            sink = min(<Py_ssize_t>self._rules[g].sink_blocks, cut)
+            first = max(self.first_needed(g, cut * self._block_size), sink)
+            count = 0
+            for p in range(cut):
+                if sink <= p < first:
+                    col[p] = -1
+                else:
+                    self._ids[count] = col[p]
+                    count += 1
+            if count:
+                (<BlockPool>self._pools[g])._inc_ref_locked(self._ids, count, &f.batch)
+            if f.batch.failed_at >= 0:
+                f.code = E_REFUSED
+                f.group = <int32_t>g
+                ok(&ignored)
+                for h in range(1, g):
+                    self._drop_column(rec, h, 0, cut, &ignored)
+                return -1
+        return 0
+
+    cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
+        """Fresh blocks for positions ``[rec.num_blocks, num_blocks)`` in every group but 0,
+        evicting when a group is short; all or nothing (blocks evicted stay evicted)."""
+        cdef Py_ssize_t g, need = num_blocks - rec.num_blocks, freed0 = 0, trimmed = 0, free_now
+        if need <= 0:
+            return 0
+        for g in range(1, self.n):
+            free_now = self.num_free(g)
+            if free_now < need:
+                self.evict(t, g, need - free_now, &freed0, &trimmed, f)
+                if f.code != OK:
+                    self.ungrow(rec, rec.num_blocks, num_blocks, g)
+                    return -1
+            if not (<BlockPool>self._pools[g])._allocate_locked(chunk_column(rec.chunk, g) + rec.num_blocks, need):
+                self.ungrow(rec, rec.num_blocks, num_blocks, g)
+                f.code = E_OUT_OF_BLOCKS
+                f.value = need
+                f.limit = self.num_free(g)
+                f.group = <int32_t>g
+                return -1
+            self._counts[g].allocated += need
+        return 0
+
+    cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil:
+        """Give back the blocks ``grow`` just took at ``[start, stop)`` in groups 1 .. groups - 1."""
+        cdef Py_ssize_t g
+        cdef BatchResult ignored
+        for g in range(1, groups):
+            (<BlockPool>self._pools[g])._dec_ref_locked(chunk_column(rec.chunk, g) + start, stop - start, &ignored)
+            self._counts[g].allocated -= stop - start
+
+    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, Failure *f) noexcept nogil:
+        """The record's KV now covers ``tokens`` tokens: release, per windowed group, the blocks
+        that left its window or chunk, except those before a checkpoint (the record keeps them
+        for the cache). Only whole-block cuts count, so the last window of the record's full
+        blocks stays whole for ``finish``."""
+        cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
+        cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
+        cdef int32_t *col
+        if tokens <= rec.kv_tokens:
+            return 0
+        rec.kv_tokens = <int32_t>tokens
+        if now <= done or not self.windowed:
+            return 0
+        for g in range(1, self.n):
+            if self._rules[g].kind == KIND_FULL:
+                continue
+            low = max(self.first_needed(g, done), <Py_ssize_t>self._rules[g].sink_blocks)
+            high = min(self.first_needed(g, now), <Py_ssize_t>rec.num_blocks)
+            if high <= low:
+                continue
+            if self._reserve(high - low):
+                f.code = E_NO_MEMORY
+                return -1
+            col = chunk_column(rec.chunk, g)
+            count = 0
+            for p in range(low, high):
+                if col[p] < 0:
+                    continue
+                self._counts[g].released += 1
+                if self.at_checkpoint(g, p):
+                    self._counts[g].kept += 1
+                    continue
+                self._ids[count] = col[p]
+                count += 1
+                col[p] = -1
+            self._unref(g, count, f)
+        return 0 if f.code == OK else -1
+
+    cdef Py_ssize_t _unref(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil:
+        """Drop one reference on each of the first ``count`` ids of the scratch in group ``g``."""
+        cdef Py_ssize_t freed
+        if count <= 0:
+            return 0
+        freed = (<BlockPool>self._pools[g])._dec_ref_locked(self._ids, count, &f.batch)
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
+            f.group = <int32_t>g
+        self._counts[g].freed += freed
+        return freed
+
+    cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                                 Failure *f) noexcept nogil:
+        """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after)."""
+        cdef Py_ssize_t p, count = 0
+        cdef int32_t *col = chunk_column(rec.chunk, g)
+        if stop <= start:
+            return 0
+        if self._reserve(stop - start):
+            f.code = E_NO_MEMORY
+            return 0
+        for p in range(start, stop):
+            if col[p] >= 0:
+                self._ids[count] = col[p]
+                count += 1
+                col[p] = -1
+        return self._unref(g, count, f)
+
+    cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil:
+        """Drop every reference the record holds in groups 1 .. n - 1 (group 0's: the caller)."""
+        cdef Py_ssize_t g
+        for g in range(1, self.n):
+            self._drop_column(rec, g, 0, rec.num_blocks, f)
+        return 0 if f.code == OK else -1
+
+    cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
+                    Failure *f) noexcept nogil:
+        """A finishing record's groups 1 .. n - 1, once group 0 cached its first ``full`` blocks:
+        the path ending at node ``v`` held ``[0, pos)``, the new ``leaf`` (-1: none) holds
+        ``[pos, full)``. Per group the cache keeps what ``kept`` says (the leaf's other entries
+        become -1; holes of the path it extends are filled from the record's blocks) and the
+        record's other references go."""
+        cdef Py_ssize_t g, p, count, stop
+        cdef int32_t *col
+        cdef int32_t *leaf_col
+        cdef int32_t *node_col
+        cdef RNode *node
+        if self._reserve(rec.num_blocks):
+            f.code = E_NO_MEMORY
+            return -1
+        for g in range(1, self.n):
+            col = chunk_column(rec.chunk, g)
+            count = 0
+            if leaf >= 0:
+                node = &t._nodes[leaf]
+                leaf_col = chunk_column(node.chunk, g) + node.start
+                if node.chunk != rec.chunk:
+                    memcpy(leaf_col, col + pos, (full - pos) * sizeof(int32_t))
+                for p in range(pos, full):
+                    if leaf_col[p - pos] >= 0 and not self.kept(g, p, full):
+                        self._ids[count] = leaf_col[p - pos]
+                        count += 1
+                        leaf_col[p - pos] = -1
+            node = &t._nodes[v] if v >= 0 else NULL
+            while node != NULL and node.parent >= 0:
+                node_col = chunk_column(node.chunk, g) + node.start
+                stop = min(<Py_ssize_t>node.depth + node.length, pos)
+                for p in range(node.depth, stop):
+                    if col[p] < 0:
+                        continue
+                    if node_col[p - node.depth] < 0 and self.kept(g, p, full):
+                        node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
+                    else:
+                        self._ids[count] = col[p]
+                        count += 1
+                node = &t._nodes[node.parent]
+            for p in range(full, rec.num_blocks):
+                if col[p] >= 0:
+                    self._ids[count] = col[p]
+                    count += 1
+            self._unref(g, count, f)
+        return 0 if f.code == OK else -1
+
+    cdef int _trim_to(self, RadixTrie t, int32_t v, Py_ssize_t cut, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                      Failure *f) noexcept nogil:
+        """Trim leaf ``v`` (unprotected) to end at block ``cut`` in every group (``cut`` at its
+        start: the node goes)."""
+        cdef RNode *node = &t._nodes[v]
+        cdef Py_ssize_t g, p, count, freed, end = node.depth + node.length, take = end - cut
+        cdef int32_t *col
+        if take <= 0:
+            return 0
+        if self._reserve(take):
+            f.code = E_NO_MEMORY
+            return -1
+        for g in range(1, self.n):
+            col = chunk_column(node.chunk, g) + node.start + node.length - take
+            count = 0
+            for p in range(take):
+                if col[p] >= 0:
+                    self._ids[count] = col[p]
+                    count += 1
+            self._counts[g].evicted += count
+            self._unref(g, count, f)
+        t._trim_leaf(v, take, self._trimmed, NULL, NULL, 0)
+        freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, take, &f.batch)
+        freed0[0] += freed
+        trimmed[0] += take
+        self._counts[0].freed += freed
+        self._counts[0].evicted += take
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
+            return -1
+        return 0 if f.code == OK else -1
+
+    cdef int settle_leaf(self, RadixTrie t, int32_t v, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                         Failure *f) noexcept nogil:
+        """Trim node ``v``, if it is an unprotected leaf, back to the last cut every group can
+        serve, and its parent likewise when it goes."""
+        cdef RNode *node
+        cdef Py_ssize_t end, cut
+        cdef int32_t parent
+        while v >= 0 and t._nodes[v].parent >= 0:
+            node = &t._nodes[v]
+            if node.num_children != 0 or node.lock_count != 0:
+                return 0
+            end = node.depth + node.length
+            cut = self.best_cut(t, v, end, node.depth)
+            if cut < 0:
+                f.code = E_NO_MEMORY
+                return -1
+            if cut == end:
+                return 0
+            parent = node.parent
+            if self._trim_to(t, v, cut, freed0, trimmed, f):
+                return -1
+            if cut > node.depth:
+                return 0
+            v = parent
+        return 0
+
+    cdef Py_ssize_t evict(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                          Failure *f) noexcept nogil:
+        """Trim least recently used leaves, each to a cut every group can serve, until group
+        ``g``'s pool gained ``n`` free blocks or nothing is evictable; returns what it gained."""
+        cdef Py_ssize_t before = self.num_free(g), end, cut
+        cdef int32_t v, parent
+        cdef RNode *node
+        while self.num_free(g) - before < n:
+            v = t._lru_head
+            if v < 0:
+                break
+            node = &t._nodes[v]
+            if node.num_children != 0:
+                f.code = E_INVARIANT
+                f.value = v
+                break
+            end = node.depth + node.length
+            cut = self.best_cut(t, v, max(<Py_ssize_t>node.depth, end - (n - (self.num_free(g) - before))),
+                                node.depth)
+            if cut < 0:
+                f.code = E_NO_MEMORY
+                break
+            parent = node.parent
+            if self._trim_to(t, v, cut, freed0, trimmed, f):
+                break
+            if cut == node.depth and self.settle_leaf(t, parent, freed0, trimmed, f):
+                break
+        return self.num_free(g) - before
+
+    cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
+                         Py_ssize_t stop) noexcept nogil:
+        """Write the record's ids at ``[start, stop)`` of every group past 0 into entry ``row`` on
+        of that group's table (``tables[g - 1]``)."""
+        cdef Py_ssize_t g
+        for g in range(1, self.n):
+            memcpy(tables[g - 1] + row + start, chunk_column(rec.chunk, g) + start, (stop - start) * sizeof(int32_t))
+
+    # -- (GIL held, lock held) -------------------------------------------------------------------------
+
+    cdef str problem(self, RadixTrie t, Records records, int32_t null_block):
+        """The first inconsistency of groups 1 .. n - 1 (refcounts against the records' columns
+        and the cached runs', each pool's own tables) or of the rule that every leaf ends at a
+        cut every group can serve; None when there is none."""
+        cdef Py_ssize_t g, i, p, nb, end
+        cdef SeqRec *rec
+        cdef RNode *node
+        cdef int32_t *col
+        cdef BlockPool pool
+        for g in range(1, self.n):
+            pool = self.pool_of(g)
+            problem = pool._problem()
+            if problem is not None:
+                return f"BlockPool of group {g}: {problem}"
+            nb = pool._num_blocks
+            expected = np.zeros(nb + 1, dtype=np.int64)
+            if null_block >= 0:
+                expected[null_block] += 1
+            for i in range(records.high_water()):
+                rec = records.slot(i)
+                if rec.status == FREE:
+                    continue
+                col = chunk_column(rec.chunk, g)
+                for p in range(rec.num_blocks):
+                    if col[p] >= nb or col[p] < -1:
+                        return f"group {g}: sequence {rec.seq_id} holds block id {col[p]} out of range [0, {nb})"
+                    if col[p] >= 0:
+                        expected[col[p]] += 1
+            for i in range(t._high_water):
+                node = &t._nodes[i]
+                if node.parent < 0:
+                    continue
+                col = chunk_column(node.chunk, g) + node.start
+                for p in range(node.length):
+                    if col[p] >= nb or col[p] < -1:
+                        return f"group {g}: node {i} holds block id {col[p]} out of range [0, {nb})"
+                    if col[p] >= 0:
+                        expected[col[p]] += 1
+            for i in range(nb):
+                if expected[i] != pool._refcounts[i]:
+                    return (
+                        f"group {g}: block {i}: refcount {pool._refcounts[i]} but sequences and cache hold "
+                        f"{expected[i]}"
+                    )
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if node.parent < 0 or node.num_children != 0:
+                continue
+            end = node.depth + node.length
+            if self.best_cut(t, <int32_t>i, end, end - 1) != end:
+                return f"leaf node {i} ends at block {end}, a prefix not every KV cache group can serve"
+        return None
+
+    cdef list stats(self, RadixTrie t):
+        """Per group: its rule, its pool's counts, the blocks the cache holds in it, its counters."""
+        cdef Py_ssize_t g, i, p, cached
+        cdef RNode *node
+        cdef int32_t *col
+        cdef BlockPool pool
+        out = []
+        for g in range(self.n):
+            pool = self.pool_of(g)
+            if g == 0:
+                cached = t._num_blocks
+            else:
+                cached = 0
+                for i in range(t._high_water):
+                    node = &t._nodes[i]
+                    if node.parent < 0:
+                        continue
+                    col = chunk_column(node.chunk, g) + node.start
+                    for p in range(node.length):
+                        cached += col[p] >= 0
+            kind, window, sink = self._specs[g]
+            out.append({
+                "group": g, "kind": kind, "window": window, "sink_tokens": sink,
+                "num_blocks": pool._num_blocks, "num_free": pool._num_free, "num_cached": cached,
+                "blocks_allocated": self._counts[g].allocated, "blocks_freed": self._counts[g].freed,
+                "blocks_released": self._counts[g].released, "blocks_kept_at_checkpoints": self._counts[g].kept,
+                "blocks_evicted": self._counts[g].evicted,
+            })
+        return out
+
+    cdef object column(self, SeqRec *rec, Py_ssize_t g):
+        """A copy of the record's block ids in group ``g`` (-1: released or never needed)."""
+        cdef cnp.ndarray out = np.empty(rec.num_blocks, dtype=np.int32)
+        if rec.num_blocks:
+            memcpy(cnp.PyArray_DATA(out), chunk_column(rec.chunk, g), rec.num_blocks * sizeof(int32_t))
+        return out
