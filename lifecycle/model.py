@@ -44,7 +44,9 @@ from lifecycle.errors import (
     SlotInUse,
     SlotOutOfRange,
     TornDown,
+    Unsupported,
 )
+from lifecycle.kv_groups import core_groups, group_stats, refuse_grouped_swap
 from lifecycle.memory import ModelMemory
 from lifecycle.pools import KVPool, SSMPool
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
@@ -115,7 +117,10 @@ class HybridModel(LifecycleDefaults):
             # Without attention layers a sequence holds no blocks, and its tokens are not bounded by them.
             max_tokens_per_seq=None if self._kv is not None else 2**31 - 1,
             null_block=null_block,
+            groups=core_groups(config),
         )
+        # A core of several KV cache groups caches a sequence at its finish, not in the step.
+        self._step_caches = self._ssm is None and config.enable_prefix_cache and self._core.num_groups == 1
         self._slots = SlotPool(config.max_seqs)
         self._adapters = AdapterTable(config.num_adapter_slots)
         self._drop_queue: deque[int] = deque()
@@ -378,6 +383,7 @@ class HybridModel(LifecycleDefaults):
             self._enter()
             if not seq.is_open:
                 raise SequenceStateError(f"save_sequence_state: sequence {seq.seq_id} was freed")
+            refuse_grouped_swap(self._config, "save_sequence_state")
             try:
                 with self._device_work():
                     written = swap_save(self._swap_ctx, seq, writer)
@@ -396,6 +402,7 @@ class HybridModel(LifecycleDefaults):
         handle = self._handle(seq)
         with self._lock:
             self._enter()
+            refuse_grouped_swap(self._config, "restore_sequence_state")
             self._core.allocate(handle, num_blocks, "restore_sequence_state")
             try:
                 with self._device_work():
@@ -634,6 +641,7 @@ class HybridModel(LifecycleDefaults):
         rows: Sequence[int] | npt.NDArray[np.integer] | Any | None = None,
         cache: bool | None = None,
         pad: int | None = None,
+        group_tables: Sequence[npt.NDArray[np.int32]] | None = None,
     ) -> npt.NDArray[np.int32]:
         """One decode step for the running sequences in one core call with the GIL released:
         append one token per sequence (or ``counts[i]`` of the concatenated ``tokens``), grow the
@@ -653,7 +661,11 @@ class HybridModel(LifecycleDefaults):
         :class:`~lifecycle.errors.InvalidType` (a ``TypeError``).
 
         All or nothing per sequence: returns the positions of those that could not grow even
-        after eviction, left exactly as they were, for the scheduler to preempt."""
+        after eviction, left exactly as they were, for the scheduler to preempt.
+
+        A model of several KV cache groups: ``group_tables`` (host tables shaped as ``table``, one
+        per group past 0) get each group's new ids; blocks that left a window are released in the
+        same call; ``cache`` defaults to off (the sequence is cached at its finish)."""
         handles: Any
         if isinstance(seqs, np.ndarray):
             handles = seqs
@@ -666,24 +678,28 @@ class HybridModel(LifecycleDefaults):
                 raise_if_wrong_type(InvalidId(str(error)), "step", {"seqs": seqs})
                 raise
         if cache is None:
-            cache = self._ssm is None and self._config.enable_prefix_cache
+            cache = self._step_caches
         if self._torn_down or self._drop_queue:
             self._enter()
         if table is not None and not isinstance(table, np.ndarray):
             host = host_table(table, "step")
             if host is None:
+                if group_tables is not None:
+                    raise Unsupported("step: group_tables with a CUDA table; step into host tables, or write each "
+                                      "group's table with write_block_tables(..., group=)")
                 return self._step_cuda(handles, tokens, counts, table, rows, cache, pad)
             if not host.flags.c_contiguous:  # rows apart in memory (a slice of rows): stepped in a copy
                 scratch = np.ascontiguousarray(host)
-                refused = self.step(handles, tokens, counts=counts, table=scratch, rows=rows, cache=cache)
+                refused = self.step(handles, tokens, counts=counts, table=scratch, rows=rows, cache=cache,
+                                    group_tables=group_tables)
                 host[...] = scratch
                 return refused
             table = host
         try:
             if not self._demoting:
-                return self._core.step(handles, tokens, counts, table, rows, cache)
+                return self._core.step(handles, tokens, counts, table, rows, cache, group_tables)
             try:
-                return self._core.step(handles, tokens, counts, table, rows, cache)
+                return self._core.step(handles, tokens, counts, table, rows, cache, group_tables)
             finally:
                 self._drained()
         except InvalidId as error:
@@ -780,9 +796,10 @@ class HybridModel(LifecycleDefaults):
                 self._adapters.release_ref(adapter_slot)
                 raise
 
-    def block_table(self, seq: SequenceState) -> npt.NDArray[np.int32]:
-        """The sequence's block ids as an int32 array (a copy, safe to hand to a kernel)."""
-        return self._core.block_table(self._handle(seq))
+    def block_table(self, seq: SequenceState, group: int = 0) -> npt.NDArray[np.int32]:
+        """The sequence's block ids in KV cache group ``group`` as an int32 array (a copy, safe to
+        hand to a kernel); in a windowed group, -1 where the sequence holds no block."""
+        return self._core.block_table(self._handle(seq), group)
 
     def wait_stream(self, stream: object) -> None:
         """Order the library's later device work after everything the engine has issued so far on
@@ -858,12 +875,13 @@ class HybridModel(LifecycleDefaults):
             ) from None
         return int(self._core.num_common_prefix_blocks(handles))
 
-    def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None) -> int:
+    def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None, group: int = 0) -> int:
         """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer the engine
         owns (a numpy row, anything with the buffer protocol, a CPU tensor through DLPack), the
-        rest padded with ``pad`` (the null block) if given; returns the ids written."""
+        rest padded with ``pad`` (the null block) if given; returns the ids written. ``group``: its
+        table in that KV cache group."""
         try:
-            return int(self._core.write_table(self._handle(seq), out, pad))
+            return int(self._core.write_table(self._handle(seq), out, pad, group))
         except InvalidId as error:
             raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
             raise
@@ -875,9 +893,11 @@ class HybridModel(LifecycleDefaults):
         *,
         rows: Sequence[int] | npt.NDArray[np.integer] | None = None,
         pad: int | None = None,
+        group: int = 0,
     ) -> None:
         """Write each sequence's block ids into row ``rows[i]`` (default ``i``) of ``table``, a 2-D
-        int32 block table the engine owns. Everything is checked before anything is written.
+        int32 block table the engine owns (its table in KV cache group ``group``: one engine table
+        per group). Everything is checked before anything is written.
 
         A host table (a numpy array, anything with the buffer protocol, a CPU tensor through
         DLPack) is written in place; with ``pad``, each row's columns past its blocks get that id.
@@ -891,7 +911,7 @@ class HybridModel(LifecycleDefaults):
         handles = [self._handle(seq) for seq in seqs]
         with self._lock, self._device_work():
             self._enter()
-            write_block_tables(self._core, self._device, self._memory.tables, seqs, handles, table, rows, pad)
+            write_block_tables(self._core, self._device, self._memory.tables, seqs, handles, table, rows, pad, group)
 
     def flush_store(self, timeout_s: float = 10.0) -> bool:
         """Wait until the blocks queued for the shared store are written (True; False when
@@ -912,6 +932,14 @@ class HybridModel(LifecycleDefaults):
             if reset:
                 self._stats_base = total
             return since
+
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per KV cache group, group 0 first: the core's counts (``kind``, ``window``,
+        ``num_blocks``, ``num_free``, ``num_cached``, blocks allocated, freed, released from
+        windows, kept at checkpoints, evicted) and the group's ``layers`` and pool ``bytes``."""
+        with self._lock:
+            self._enter()
+            return group_stats(self._core, self._memory.kv_groups)
 
     @property
     def config(self) -> ModelConfig:
@@ -940,6 +968,11 @@ class HybridModel(LifecycleDefaults):
     def kv_pool(self) -> KVPool | None:
         """The paged KV memory (addresses, strides and array views for kernels)."""
         return self._kv
+
+    @property
+    def kv_pools(self) -> tuple[KVPool, ...]:
+        """The paged KV memory of every KV cache group, group 0 (``kv_pool``) first."""
+        return self._memory.kv_groups
 
     @property
     def ssm_pool(self) -> SSMPool | None:
