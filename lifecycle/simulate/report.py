@@ -74,6 +74,9 @@ class Summary:
     wall_seconds: float
     leaked: int
     teardown: dict[str, int]
+    #: Per KV cache group at the end (``HybridModel.group_stats``: rule, blocks, free, cached,
+    #: released from windows, kept at checkpoints, evicted, layers, bytes), group 0 first.
+    kv_groups: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
