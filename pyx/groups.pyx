@@ -26,13 +26,13 @@ The rules the core runs here, in its own calls and under its lock:
 cimport cython
 cimport numpy as cnp
 from cpython.object cimport PyObject
-from libc.stdint cimport INT32_MAX, int32_t, uint8_t
+from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._int32 cimport grow_array, writeable_int32
-from lifecycle._radix cimport Chunk, RNode, chunk_column
+from lifecycle._radix cimport RNode, chunk_column
 from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
 import numpy as np
@@ -76,7 +76,7 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     memset(self._counts, 0, n * sizeof(GroupCounts))
     self._keep = tuple(s[3] for s in specs)
     for i in range(n):
-        kind, window, sink, group_pool = specs[i]
+        kind, window, sink, _ = specs[i]
         self._rules[i].kind = KINDS.index(kind)
         self._rules[i].window = <int32_t>window
         self._rules[i].sink_blocks = <int32_t>((sink + block_size - 1) // block_size)

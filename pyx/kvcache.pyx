@@ -1242,8 +1242,9 @@ cdef class KVCacheCore:
                     for j in range(rec.num_blocks, rec.num_blocks + need):
                         row[j] = rec.chunk.blocks[j]
                     if group_tabs != NULL:
-                        self._groups.write_rows(rec, group_tabs, <Py_ssize_t>(row_of[i] if row_of != NULL else i) * ncols,
-                                                rec.num_blocks, rec.num_blocks + need)
+                        self._groups.write_rows(
+                            rec, group_tabs, (row - tab), rec.num_blocks, rec.num_blocks + need
+                        )
                 rec.num_blocks += <int32_t>need
                 self._counters.blocks_allocated += need
             memcpy(rec.chunk.tokens + rec.num_tokens, tok + offset, added * sizeof(int32_t))
@@ -1700,9 +1701,11 @@ cdef class KVCacheCore:
             if self._grouped:
                 rows = self._groups.stats(self._trie)
             else:
-                rows = [{"group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": self._pool._num_blocks,
-                         "num_free": self._pool._num_free, "num_cached": self._trie._num_blocks,
-                         "blocks_released": 0, "blocks_kept_at_checkpoints": 0}]
+                rows = [{
+                    "group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": self._pool._num_blocks,
+                    "num_free": self._pool._num_free, "num_cached": self._trie._num_blocks,
+                    "blocks_released": 0, "blocks_kept_at_checkpoints": 0,
+                }]
         finally:
             self._lock.leave(NULL)
         for key in ("blocks_allocated", "blocks_freed", "blocks_evicted"):

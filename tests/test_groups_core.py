@@ -7,6 +7,8 @@ every ``retention_interval`` tokens keep the window before them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,7 +22,7 @@ BS = 4
 
 
 def make(kind: str = "sliding_window", window: int = 8, sink: int = 0, *, blocks: int = 64,
-         group_blocks: int = 64, retention: int = 0, **options: object) -> tuple[KVCacheCore, BlockPool, BlockPool]:
+         group_blocks: int = 64, retention: int = 0, **options: Any) -> tuple[KVCacheCore, BlockPool, BlockPool]:
     pool, other = BlockPool(blocks), BlockPool(group_blocks)
     core = KVCacheCore(pool, BS, groups=[(kind, window, sink, other)], retention_interval=retention, **options)
     return core, pool, other
@@ -312,14 +314,14 @@ def test_a_null_block_is_held_in_every_groups_pool() -> None:
         (["sliding_window"], r"groups\[0\] must be"),
     ],
 )
-def test_a_bad_group_is_refused_by_name_with_nothing_allocated(groups: list[object], message: str) -> None:
+def test_a_bad_group_is_refused_by_name_with_nothing_allocated(groups: list[Any], message: str) -> None:
     pool, other = BlockPool(8), BlockPool(8)
-    given_groups = []
+    pools: dict[Any, Any] = {None: other, "main": pool, "first": other}
+    given_groups: list[Any] = []
     for entry in groups:
         if isinstance(entry, tuple):
             kind, window, sink, which = entry
-            group_pool = {None: other, "main": pool, "first": other}.get(which, which)  # type: ignore[call-overload]
-            given_groups.append((kind, window, sink, group_pool))
+            given_groups.append((kind, window, sink, pools.get(which, which)))
         else:
             given_groups.append(entry)
     with pytest.raises(ConfigError, match=message):
@@ -374,7 +376,7 @@ OPS = st.lists(
     sink=st.sampled_from([0, 4]),
 )
 def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
-    ops: list[tuple[str, object, object]], kind: str, retention: int, sink: int
+    ops: list[tuple[str, Any, Any]], kind: str, retention: int, sink: int
 ) -> None:
     """After every call: every group's refcounts balance against the records and the cache, and
     every leaf of the trie ends at a cut every group can serve (``check_invariants``); a refused
@@ -386,8 +388,8 @@ def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
     for op, a, b in ops:
         if op == "admit":
             # Prompts from a few shared stems, so that runs share prefixes and diverge.
-            prompt = [t for stem in a for t in range(stem * 8, stem * 8 + 8)]  # type: ignore[union-attr]
-            grow = len(prompt) // BS + int(b)  # type: ignore[call-overload]
+            prompt = [t for stem in a for t in range(stem * 8, stem * 8 + 8)]
+            grow = len(prompt) // BS + int(b)
             before = (pool.num_free, other.num_free, core.num_cached_blocks)
             try:
                 live.append(core.admit(prompt, grow))
@@ -395,14 +397,14 @@ def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
                 assert (pool.num_free, other.num_free) >= before[:2]  # only evictions changed the pools
                 assert core.num_live_sequences == len(live)
         elif op == "step" and live:
-            h = live[int(a) % len(live)]  # type: ignore[call-overload]
-            for token in range(int(b)):  # type: ignore[call-overload]
+            h = live[int(a) % len(live)]
+            for token in range(int(b)):
                 if core.step([h], [token + 30]).size:
                     break
         elif op == "finish" and live:
-            core.finish(live.pop(int(a) % len(live)), cache=bool(b))  # type: ignore[call-overload]
+            core.finish(live.pop(int(a) % len(live)), cache=bool(b))
         elif op == "evict":
-            core.evict(int(a))  # type: ignore[call-overload]
+            core.evict(int(a))
         core.check_invariants()
     for h in live:
         core.finish(h)
