@@ -152,6 +152,7 @@ cdef class KVGroups:
         free(self._ids)
         free(self._valid)
         free(self._trimmed)
+        free(self._hashes)
 
     @property
     def specs(self):
@@ -170,8 +171,16 @@ cdef class KVGroups:
 
     # -- (lock held) ------------------------------------------------------------------------------
 
+    cdef void log_to(self, EventLog log) noexcept:
+        """Log stored and removed blocks of every group to ``log`` (None: stop)."""
+        self._evlog = log
+
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil:
         if grow_array(<void **>&self._ids, &self._ids_capacity, blocks + 1, sizeof(int32_t)):
+            return 1
+        if self._evlog is not None and grow_array(
+            <void **>&self._hashes, &self._hashes_capacity, blocks + 1, sizeof(uint64_t)
+        ):
             return 1
         if grow_array(<void **>&self._valid, &self._valid_capacity, blocks + 1, sizeof(uint8_t)):
             return 1
@@ -390,6 +399,8 @@ cdef class KVGroups:
                         self._ids[count] = leaf_col[p - pos]
                         count += 1
                         leaf_col[p - pos] = -1
+                if self._evlog is not None:
+                    self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v] if v >= 0 else NULL
             while node != NULL and node.parent >= 0:
                 node_col = chunk_column(node.chunk, g) + node.start
@@ -399,6 +410,8 @@ cdef class KVGroups:
                         continue
                     if node_col[p - node.depth] < 0 and self.kept(g, p, full):
                         node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
+                        if self._evlog is not None:
+                            self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
                     else:
                         self._ids[count] = col[p]
                         count += 1
@@ -409,6 +422,34 @@ cdef class KVGroups:
                     count += 1
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
+
+    cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t end) noexcept nogil:
+        """Log as stored, in group ``g``, the runs of blocks node ``v`` (ending at block ``end``)
+        holds in that group at ``[start, stop)``."""
+        cdef RNode *node = &t._nodes[v]
+        cdef int32_t *col = chunk_column(node.chunk, g) + node.start - node.depth
+        cdef Py_ssize_t a = start, b
+        cdef const uint64_t *hashes
+        cdef uint64_t parent
+        cdef int64_t key
+        cdef bint has_parent
+        while a < stop:
+            if col[a] < 0:
+                a += 1
+                continue
+            b = a
+            while b < stop and col[b] >= 0:
+                b += 1
+            hashes = t._hash_tail(v, end - a, &key, &parent, &has_parent)
+            if hashes == NULL:
+                self._evlog.lost()
+            else:
+                self._evlog.stored(
+                    key, parent, has_parent, hashes,
+                    node.chunk.tokens + (node.start + a - node.depth) * self._block_size, b - a, <int>g,
+                )
+            a = b
 
     cdef int _trim_to(self, RadixTrie t, int32_t v, Py_ssize_t cut, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                       Failure *f) noexcept nogil:
@@ -422,16 +463,26 @@ cdef class KVGroups:
         if self._reserve(take):
             f.code = E_NO_MEMORY
             return -1
+        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef uint64_t *chunk_hashes = node.chunk.hashes
         for g in range(1, self.n):
             col = chunk_column(node.chunk, g) + node.start + node.length - take
             count = 0
             for p in range(take):
                 if col[p] >= 0:
                     self._ids[count] = col[p]
+                    if logging:
+                        self._hashes[count] = (
+                            chunk_hashes[node.start + node.length - take + p] if chunk_hashes != NULL else 0
+                        )
                     count += 1
+            if logging and count:
+                self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
             self._counts[g].evicted += count
             self._unref(g, count, f)
-        t._trim_leaf(v, take, self._trimmed, NULL, NULL, 0)
+        t._trim_leaf(v, take, self._trimmed, NULL, self._hashes if logging else NULL, 0)
+        if logging:
+            self._evlog.removed(self._trimmed, NULL, self._hashes, take, 0)
         freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, take, &f.batch)
         freed0[0] += freed
         trimmed[0] += take

@@ -1491,8 +1491,12 @@ cdef class KVCacheCore:
             f.code = E_CLOSED
         elif self._trie._lru_blocks == self._trie._num_blocks:
             self._quiet = True
+            if self._grouped:
+                self._groups.quiet = True
             self.evict_locked(self._trie._num_blocks + self._pool._num_blocks, &f)
             self._quiet = False
+            if self._grouped:
+                self._groups.quiet = False
             done = self._trie._num_blocks == 0
             if done and self._evlog.events:
                 self._evlog.cleared()
@@ -1517,14 +1521,16 @@ cdef class KVCacheCore:
         (``RawEvents.dropped``)."""
         cdef bint track = events or demote
         cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
-        if self._grouped and track:
-            self._refuse_grouped("set_events")
+        if self._grouped and demote:
+            self._refuse_grouped("set_events(demote=True)")
         self._lock.enter_gil()
         try:
             if track and not self._track and self._trie._hash_all():
                 raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
             self._track = track
             self._evlog.configure(events, demote, cap)
+            if self._grouped:
+                self._groups.log_to(self._evlog if events else None)
         finally:
             self._lock.leave(NULL)
 

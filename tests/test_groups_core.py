@@ -346,8 +346,6 @@ def test_calls_a_grouped_core_does_not_offer_are_refused_by_name() -> None:
         core.cache(h, 1)
     with pytest.raises(Unsupported, match="step"):
         core.step([h], [1], cache=True)
-    with pytest.raises(Unsupported, match="set_events"):
-        core.set_events(True)
     with pytest.raises(Unsupported, match="attach"):
         core.attach(h, list(range(8)))
     core.check_invariants()
@@ -374,16 +372,20 @@ OPS = st.lists(
     kind=st.sampled_from(["sliding_window", "chunked_local", "full"]),
     retention=st.sampled_from([0, 8, 16]),
     sink=st.sampled_from([0, 4]),
+    events=st.booleans(),
 )
 def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
-    ops: list[tuple[str, Any, Any]], kind: str, retention: int, sink: int
+    ops: list[tuple[str, Any, Any]], kind: str, retention: int, sink: int, events: bool
 ) -> None:
     """After every call: every group's refcounts balance against the records and the cache, and
     every leaf of the trie ends at a cut every group can serve (``check_invariants``); a refused
-    admission leaves every pool as it was."""
+    admission leaves every pool as it was. With events, each group's stored blocks less its
+    removed ones are the blocks it has cached."""
+    from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
+
     window = 0 if kind == "full" else 8
     core, pool, other = make(kind, window, sink if kind == "sliding_window" else 0, blocks=24, group_blocks=14,
-                             retention=retention)
+                             retention=retention, events=events)
     live: list[int] = []
     for op, a, b in ops:
         if op == "admit":
@@ -409,5 +411,38 @@ def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
     for h in live:
         core.finish(h)
     core.check_invariants()
+    if events:
+        held = {0: 0, 1: 0}
+        for event in KVEventTranslator(BS).events(core.take_events()):
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                sign = 1 if isinstance(event, BlockStored) else -1
+                held[event.group_idx or 0] += sign * len(event.block_hashes)
+        assert [held[0], held[1]] == [row["num_cached"] for row in core.group_stats()]
     core.reset()
     assert (pool.num_free, other.num_free) == (24, 14)
+
+
+# --- events ---------------------------------------------------------------------------------------
+
+
+def test_events_name_the_group_of_the_blocks_each_group_stores_and_removes() -> None:
+    from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
+
+    core, _, _ = make(retention=0, events=True)
+    core.finish(run(core, list(range(16)), 4, []))
+    core.evict(4)
+    events = KVEventTranslator(BS).events(core.take_events())
+    stored = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
+    removed = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockRemoved)]
+    # Group 0 stores its 4 blocks, the window group the 2 of its last window (blocks 2, 3).
+    assert stored == [(None, 4), (1, 2)]
+    assert sorted(removed, key=str) == sorted([(None, 4), (1, 2)], key=str)
+    window_hashes = next(e.block_hashes for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
+    full_hashes = next(e.block_hashes for e in events if isinstance(e, BlockStored) and e.group_idx is None)
+    assert window_hashes == full_hashes[2:]
+
+
+def test_demotion_is_not_offered_with_groups() -> None:
+    core, _, _ = make()
+    with pytest.raises(Unsupported, match="demote"):
+        core.set_events(True, demote=True)

@@ -5,9 +5,10 @@
 
 cimport cython
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 from lifecycle._blockpool cimport BatchResult, BlockPool
+from lifecycle._evlog cimport EventLog
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
 
@@ -49,7 +50,11 @@ cdef class KVGroups:
     cdef Py_ssize_t _valid_capacity
     cdef int32_t *_trimmed          # scratch: group 0's ids of trimmed blocks
     cdef Py_ssize_t _trimmed_capacity
+    cdef uint64_t *_hashes          # scratch: content hashes of removed blocks
+    cdef Py_ssize_t _hashes_capacity
+    cdef EventLog _evlog            # the core's, once its events are on (None: off)
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
+    cdef public bint quiet          # (the core's reset) evictions are not logged one by one
 
     cdef inline BlockPool pool_of(self, Py_ssize_t g):
         return <BlockPool>self._pools[g]
@@ -88,7 +93,10 @@ cdef class KVGroups:
         return c <= end and self.first_needed(g, c * self._block_size) <= p
 
     # (lock held)
+    cdef void log_to(self, EventLog log) noexcept
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil
+    cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t end) noexcept nogil
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
