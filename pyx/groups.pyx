@@ -25,13 +25,15 @@ The rules the core runs here, in its own calls and under its lock:
 
 cimport cython
 cimport numpy as cnp
+from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._args cimport ssize_arg as _as_count
-from lifecycle._int32 cimport grow_array, writeable_int32
+from lifecycle._int32 cimport grow_array, token_vector, writeable_int32
+from lifecycle._sync cimport PyThreadState
 from lifecycle._radix cimport RNode, chunk_column
 from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
@@ -90,19 +92,45 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     return self
 
 
-cdef tuple group_tables(object tables, Py_ssize_t count, object table):
-    """The tables of a decode step's groups past 0: ``count`` writeable int32 arrays shaped as
-    ``table`` (which must be given)."""
+cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1:
+    """A KV cache group index of a core with ``n`` groups, refused by name when it has no such group."""
+    cdef Py_ssize_t g
+    if isinstance(group, bool) or not hasattr(group, "__index__"):
+        raise InvalidId(f"{call}: group must be an int, got {type(group).__name__}")
+    g = group.__index__()
+    if not 0 <= g < n:
+        raise InvalidId(f"{call}: group {g} does not exist; this core has {n} KV cache group{'s' if n > 1 else ''}")
+    return g
+
+
+cdef list one_group_stats(BlockPool pool, RadixTrie t):
+    """``KVCacheCore.group_stats`` of a core with one group (lock held; the core adds its counters)."""
+    return [{
+        "group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": pool._num_blocks,
+        "num_free": pool._num_free, "num_cached": t._num_blocks, "blocks_released": 0, "blocks_kept_at_checkpoints": 0,
+    }]
+
+
+cdef int32_t **group_tables(object tables, Py_ssize_t count, object table) except NULL:
+    """The rows of a decode step's tables of the groups past 0 (PyMem_Malloc'd; the caller frees
+    them): ``count`` writeable int32 arrays shaped as ``table`` (which must be given), which the
+    caller holds while it writes."""
+    cdef int32_t **rows
+    cdef Py_ssize_t i
     if table is None:
         raise InvalidId("step: group_tables were given without a table for group 0")
-    tables = tuple(tables)
     if len(tables) != count:
         raise InvalidId(f"step: {len(tables)} group_tables for the {count} KV cache groups past group 0")
-    for i, t in enumerate(tables, start=1):
-        writeable_int32(t, 2, f"step: group_tables[{i - 1}]", " (rows by request)")
-        if t.shape != table.shape:
-            raise InvalidId(f"step: group_tables[{i - 1}] is shaped {t.shape}, the table {table.shape}")
-    return tables
+    for i in range(count):
+        writeable_int32(tables[i], 2, f"step: group_tables[{i}]", " (rows by request)")
+        if tables[i].shape != table.shape:
+            raise InvalidId(f"step: group_tables[{i}] is shaped {tables[i].shape}, the table {table.shape}")
+    rows = <int32_t **>PyMem_Malloc(max(count, <Py_ssize_t>1) * sizeof(int32_t *))
+    if rows == NULL:
+        raise MemoryError("step: out of host memory")
+    for i in range(count):
+        rows[i] = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tables[i])
+    return rows
 
 
 def _spec_count(object value, str what, Py_ssize_t low, Py_ssize_t high):
@@ -640,6 +668,49 @@ cdef class KVGroups:
                 "blocks_evicted": self._counts[g].evicted,
             })
         return out
+
+    cdef int append(self, Records records, int64_t handle, object tokens) except -1:
+        """``KVCacheCore.append``: the tokens recorded, then what left a window released (the
+        record's KV covers the tokens it had before)."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, before
+        cdef SeqRec *rec
+        cdef Failure f
+        tokens = token_vector(tokens, &data, &n)
+        ok(&f)
+        cdef PyThreadState *released = records.lock.enter(n)
+        rec = records.get(handle, &f)
+        if rec != NULL:
+            before = rec.num_tokens
+            records.append_locked(handle, data, n, &f)
+            if f.code == OK:
+                self.release(rec, before, &f)
+        records.lock.leave(released)
+        return records.raise_failure(&f, "append", tokens)
+
+    cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call):
+        """A copy of the record's ids in group ``g`` (1 .. n - 1)."""
+        records.lock.enter_gil()
+        try:
+            return self.column(records.read(handle, call), g)
+        finally:
+            records.lock.leave(NULL)
+
+    cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
+                                Py_ssize_t g) except -1:
+        """``KVCacheCore.write_table`` for group ``g`` (1 .. n - 1): ``pad`` also where it needs no block."""
+        cdef int32_t pad_id = -1
+        if pad is not None:
+            pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self.pool_of(g)._num_blocks - 1, 0))
+        ids = self.table(records, handle, g, "write_table")
+        if ids.shape[0] > dest.shape[0]:
+            raise InvalidId(f"write_table: the sequence holds {ids.shape[0]} blocks, the buffer takes {dest.shape[0]}")
+        view = np.asarray(dest)
+        view[: ids.shape[0]] = ids
+        if pad is not None:
+            view[: ids.shape[0]][ids < 0] = pad_id
+            view[ids.shape[0]:] = pad_id
+        return ids.shape[0]
 
     cdef object column(self, SeqRec *rec, Py_ssize_t g):
         """A copy of the record's block ids in group ``g`` (-1: released or never needed)."""

@@ -120,8 +120,15 @@ cdef class KVGroups:
     cdef str problem(self, RadixTrie t, Records records, int32_t null_block)
     cdef list stats(self, RadixTrie t)
     cdef object column(self, SeqRec *rec, Py_ssize_t g)
+    # (GIL held, lock released: each takes it)
+    cdef int append(self, Records records, int64_t handle, object tokens) except -1
+    cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call)
+    cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
+                                Py_ssize_t g) except -1
 
 
-cdef tuple group_tables(object tables, Py_ssize_t count, object table)
+cdef int32_t **group_tables(object tables, Py_ssize_t count, object table) except NULL
+cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1
+cdef list one_group_stats(BlockPool pool, RadixTrie t)
 cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
                          Py_ssize_t max_tokens)
