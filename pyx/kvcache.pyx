@@ -1307,7 +1307,9 @@ cdef class KVCacheCore:
         """A copy of the record's block table (int32, for kernels) in KV cache group ``group``
         (a windowed group's holds -1 where it needs no block)."""
         cdef int64_t h = _handle_arg(handle, "block_table")
-        cdef Py_ssize_t g = 0 if type(group) is int and group == 0 else group_index(group, self._ngroups(), "block_table")
+        cdef Py_ssize_t g = 0
+        if not (type(group) is int and group == 0):
+            g = group_index(group, self._ngroups(), "block_table")
         return self._records.block_table(h) if g == 0 else self._groups.table(self._records, h, g, "block_table")
 
     def block_hashes(self, handle):
@@ -1584,7 +1586,9 @@ cdef class KVCacheCore:
         cdef int64_t h = _handle_arg(handle, "write_table")
         cdef int32_t pad_id = -1
         cdef int32_t[::1] dest = int32_buffer(out, "write_table")
-        cdef Py_ssize_t g = 0 if type(group) is int and group == 0 else group_index(group, self._ngroups(), "write_table")
+        cdef Py_ssize_t g = 0
+        if not (type(group) is int and group == 0):
+            g = group_index(group, self._ngroups(), "write_table")
         if g:
             return self._groups.write_table(self._records, h, dest, pad, g)
         if pad is not None:
