@@ -27,7 +27,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, uint8_t
+from libc.stdint cimport int32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
@@ -178,7 +178,6 @@ cdef class KVGroups:
         free(self._pools)
         free(self._counts)
         free(self._ids)
-        free(self._valid)
         free(self._trimmed)
         free(self._hashes)
 
@@ -210,52 +209,59 @@ cdef class KVGroups:
             <void **>&self._hashes, &self._hashes_capacity, blocks + 1, sizeof(uint64_t)
         ):
             return 1
-        if grow_array(<void **>&self._valid, &self._valid_capacity, blocks + 1, sizeof(uint8_t)):
-            return 1
         return grow_array(<void **>&self._trimmed, &self._trimmed_capacity, blocks + 1, sizeof(int32_t))
 
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
-        ``v`` (which covers the first ``limit`` blocks), else ``low``; -1 when out of memory."""
-        cdef Py_ssize_t g, c, p, sink, sink_missing, last_missing
-        cdef RNode *node
-        cdef int32_t *ids
-        cdef uint8_t *valid
-        if limit <= low:
-            return low
-        if self._reserve(limit):
-            return -1
-        ids = self._ids
-        valid = self._valid
-        memset(valid, 1, (limit + 1) * sizeof(uint8_t))
-        for g in range(1, self.n):
-            node = &t._nodes[v]
-            while node.parent >= 0:
-                if node.depth < limit:
-                    memcpy(
-                        ids + node.depth, chunk_column(node.chunk, g) + node.start,
-                        (min(<Py_ssize_t>node.depth + node.length, limit) - node.depth) * sizeof(int32_t),
-                    )
-                node = &t._nodes[node.parent]
-            sink = self._rules[g].sink_blocks
-            sink_missing = sink
-            last_missing = -1
-            for c in range(1, limit + 1):
-                p = c - 1
-                if ids[p] < 0:
-                    if p < sink:
-                        if sink_missing == sink:
-                            sink_missing = p
-                    else:
-                        last_missing = p
-                if c > low and valid[c] and (
-                    sink_missing < min(sink, c) or last_missing >= self.first_needed(g, c * self._block_size)
-                ):
-                    valid[c] = 0
-        for c in range(limit, low, -1):
-            if valid[c]:
-                return c
+        ``v`` (which covers the first ``limit`` blocks), else ``low``. A full group serves every
+        cut of a cached path; each windowed one is asked in turn until they agree."""
+        cdef Py_ssize_t g, cut = limit, found
+        cdef bint moved = True
+        while cut > low and moved:
+            moved = False
+            for g in range(1, self.n):
+                if self._rules[g].kind == KIND_FULL:
+                    continue
+                found = self._group_cut(t, v, g, cut, low)
+                if found < cut:
+                    cut = found
+                    moved = True
+        return cut if cut > low else low
+
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut, Py_ssize_t low) noexcept nogil:
+        """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
+        down from the cut, a missing block at ``p`` rules out every cut above it."""
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first
+        cdef RNode *node = &t._nodes[v]
+        if sink and cut > low:
+            p = self._first_missing(t, v, g, min(sink, cut))
+            if p < min(sink, cut):
+                cut = p  # a cut past a missing sink block reads it
+        while cut > low:
+            first = max(self.first_needed(g, cut * self._block_size), sink)
+            p = cut - 1
+            while p >= first:
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
+                if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
+                    break
+                p -= 1
+            if p < first:
+                return cut
+            cut = p
         return low
+
+    cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil:
+        """The first block below ``stop`` group ``g`` lacks on the path ending at ``v`` (``stop``: none)."""
+        cdef RNode *node = &t._nodes[v]
+        cdef Py_ssize_t p, found = stop
+        while node.parent >= 0:
+            if node.depth < stop:
+                for p in range(min(<Py_ssize_t>node.depth + node.length, stop) - 1, node.depth - 1, -1):
+                    if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
+                        found = p
+            node = &t._nodes[node.parent]
+        return found
 
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil:
         """Give a fresh record (its table empty, its chunk reserved) every group's blocks a query
@@ -406,7 +412,7 @@ cdef class KVGroups:
         ``[pos, full)``. Per group the cache keeps what ``kept`` says (the leaf's other entries
         become -1; holes of the path it extends are filled from the record's blocks) and the
         record's other references go."""
-        cdef Py_ssize_t g, p, count, stop
+        cdef Py_ssize_t g, p, count
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
@@ -430,20 +436,22 @@ cdef class KVGroups:
                 if self._evlog is not None:
                     self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v] if v >= 0 else NULL
-            while node != NULL and node.parent >= 0:
+            p = pos - 1
+            while node != NULL and p >= 0:
+                if col[p] < 0:
+                    p -= 1
+                    continue
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
                 node_col = chunk_column(node.chunk, g) + node.start
-                stop = min(<Py_ssize_t>node.depth + node.length, pos)
-                for p in range(node.depth, stop):
-                    if col[p] < 0:
-                        continue
-                    if node_col[p - node.depth] < 0 and self.kept(g, p, full):
-                        node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
-                        if self._evlog is not None:
-                            self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
-                    else:
-                        self._ids[count] = col[p]
-                        count += 1
-                node = &t._nodes[node.parent]
+                if node_col[p - node.depth] < 0 and self.kept(g, p, full):
+                    node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
+                    if self._evlog is not None:
+                        self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
+                else:
+                    self._ids[count] = col[p]
+                    count += 1
+                p -= 1
             for p in range(full, rec.num_blocks):
                 if col[p] >= 0:
                     self._ids[count] = col[p]

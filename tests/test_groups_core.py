@@ -446,3 +446,12 @@ def test_demotion_is_not_offered_with_groups() -> None:
     core, _, _ = make()
     with pytest.raises(Unsupported, match="demote"):
         core.set_events(True, demote=True)
+
+
+def test_a_short_run_with_sink_blocks_stays_cached_whole() -> None:
+    core, _, _ = make(sink=4, retention=0)
+    core.finish(run(core, list(range(8)), 2, []))
+    # Two blocks: the sink block and the last window, both kept; the run's end is servable.
+    assert [row["num_cached"] for row in core.group_stats()] == [2, 2]
+    b = core.admit(list(range(12)), 3)
+    assert core.cached_tokens(b) == 8

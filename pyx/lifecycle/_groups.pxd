@@ -5,7 +5,7 @@
 
 cimport cython
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 from lifecycle._blockpool cimport BatchResult, BlockPool
 from lifecycle._evlog cimport EventLog
@@ -46,8 +46,6 @@ cdef class KVGroups:
     cdef Py_ssize_t _retention      # checkpoint every this many blocks (0: none)
     cdef int32_t *_ids              # scratch: one column of block ids
     cdef Py_ssize_t _ids_capacity
-    cdef uint8_t *_valid            # scratch: one flag per cut
-    cdef Py_ssize_t _valid_capacity
     cdef int32_t *_trimmed          # scratch: group 0's ids of trimmed blocks
     cdef Py_ssize_t _trimmed_capacity
     cdef uint64_t *_hashes          # scratch: content hashes of removed blocks
@@ -98,6 +96,9 @@ cdef class KVGroups:
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                         Py_ssize_t end) noexcept nogil
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
+                               Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil
