@@ -428,11 +428,7 @@ cdef class KVGroups:
                 leaf_col = chunk_column(node.chunk, g) + node.start
                 if node.chunk != rec.chunk:
                     memcpy(leaf_col, col + pos, (full - pos) * sizeof(int32_t))
-                for p in range(pos, full):
-                    if leaf_col[p - pos] >= 0 and not self.kept(g, p, full):
-                        self._ids[count] = leaf_col[p - pos]
-                        count += 1
-                        leaf_col[p - pos] = -1
+                count = self._drop_unkept(g, leaf_col - pos, pos, full)
                 if self._evlog is not None:
                     self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v] if v >= 0 else NULL
@@ -458,6 +454,26 @@ cdef class KVGroups:
                     count += 1
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
+
+    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil:
+        """Move the ids at ``[start, end)`` of ``col`` that a run ending at block ``end`` does not
+        keep (``kept``) to the scratch, -1 in their place; how many. By checkpoint segments: in
+        each, the blocks before the checkpoint's window go."""
+        cdef Py_ssize_t p = max(start, <Py_ssize_t>self._rules[g].sink_blocks), q, stop, keep_from, count = 0
+        cdef Py_ssize_t last = min(self.first_needed(g, end * self._block_size), end), c
+        if self._rules[g].kind == KIND_FULL:
+            return 0
+        while p < last:
+            c = (p // self._retention + 1) * self._retention if self._retention > 0 else last
+            stop = min(c, last)
+            keep_from = self.first_needed(g, c * self._block_size) if c <= end and self._retention > 0 else stop
+            for q in range(p, min(keep_from, stop)):
+                if col[q] >= 0:
+                    self._ids[count] = col[q]
+                    count += 1
+                    col[q] = -1
+            p = stop
+        return count
 
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                         Py_ssize_t end) noexcept nogil:
@@ -603,13 +619,15 @@ cdef class KVGroups:
         cdef RNode *node
         cdef int32_t *col
         cdef BlockPool pool
+        cdef int64_t[::1] expected
         for g in range(1, self.n):
             pool = self.pool_of(g)
             problem = pool._problem()
             if problem is not None:
                 return f"BlockPool of group {g}: {problem}"
             nb = pool._num_blocks
-            expected = np.zeros(nb + 1, dtype=np.int64)
+            counted = np.zeros(nb + 1, dtype=np.int64)
+            expected = counted
             if null_block >= 0:
                 expected[null_block] += 1
             for i in range(records.high_water()):
