@@ -38,7 +38,9 @@ def replay(trace: PrefixTrace, *, groups: bool, retention: int | None = None) ->
     from lifecycle._kvcache import KVCacheCore
 
     pool = BlockPool(trace.num_blocks)
-    extra = [("sliding_window", WINDOW, 0, BlockPool(trace.num_blocks))] if groups else None
+    extra: list[tuple[str, int, int, BlockPool]] | None = (
+        [("sliding_window", WINDOW, 0, BlockPool(trace.num_blocks))] if groups else None
+    )
     core = KVCacheCore(pool, trace.block_size, groups=extra, retention_interval=retention)
     requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
     live: deque[int] = deque()
@@ -87,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="replay only the first LIMIT requests")
     args = parser.parse_args(argv)
-    from w3 import MOONCAKE_TRACE, load_w3
+    from w3 import load_w3
 
-    trace = load_w3(MOONCAKE_TRACE, limit=args.limit)
+    trace = load_w3(limit=args.limit)
     for entry in run(trace, args.repeats):
         print(json.dumps(entry) if args.json else "  ".join(f"{k}={v}" for k, v in entry.items()))
     return 0

@@ -25,14 +25,16 @@ The rules the core runs here, in its own calls and under its lock:
 
 cimport cython
 cimport numpy as cnp
+from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
-from libc.stdint cimport INT32_MAX, int32_t, uint8_t
+from libc.stdint cimport int32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._args cimport ssize_arg as _as_count
-from lifecycle._int32 cimport grow_array, writeable_int32
-from lifecycle._radix cimport Chunk, RNode, chunk_column
+from lifecycle._int32 cimport grow_array, token_vector, writeable_int32
+from lifecycle._sync cimport PyThreadState
+from lifecycle._radix cimport RNode, chunk_column
 from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
 import numpy as np
@@ -76,7 +78,7 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     memset(self._counts, 0, n * sizeof(GroupCounts))
     self._keep = tuple(s[3] for s in specs)
     for i in range(n):
-        kind, window, sink, group_pool = specs[i]
+        kind, window, sink, _ = specs[i]
         self._rules[i].kind = KINDS.index(kind)
         self._rules[i].window = <int32_t>window
         self._rules[i].sink_blocks = <int32_t>((sink + block_size - 1) // block_size)
@@ -90,19 +92,45 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     return self
 
 
-cdef tuple group_tables(object tables, Py_ssize_t count, object table):
-    """The tables of a decode step's groups past 0: ``count`` writeable int32 arrays shaped as
-    ``table`` (which must be given)."""
+cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1:
+    """A KV cache group index of a core with ``n`` groups, refused by name when it has no such group."""
+    cdef Py_ssize_t g
+    if isinstance(group, bool) or not hasattr(group, "__index__"):
+        raise InvalidId(f"{call}: group must be an int, got {type(group).__name__}")
+    g = group.__index__()
+    if not 0 <= g < n:
+        raise InvalidId(f"{call}: group {g} does not exist; this core has {n} KV cache group{'s' if n > 1 else ''}")
+    return g
+
+
+cdef list one_group_stats(BlockPool pool, RadixTrie t):
+    """``KVCacheCore.group_stats`` of a core with one group (lock held; the core adds its counters)."""
+    return [{
+        "group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": pool._num_blocks,
+        "num_free": pool._num_free, "num_cached": t._num_blocks, "blocks_released": 0, "blocks_kept_at_checkpoints": 0,
+    }]
+
+
+cdef int32_t **group_tables(object tables, Py_ssize_t count, object table) except NULL:
+    """The rows of a decode step's tables of the groups past 0 (PyMem_Malloc'd; the caller frees
+    them): ``count`` writeable int32 arrays shaped as ``table`` (which must be given), which the
+    caller holds while it writes."""
+    cdef int32_t **rows
+    cdef Py_ssize_t i
     if table is None:
         raise InvalidId("step: group_tables were given without a table for group 0")
-    tables = tuple(tables)
     if len(tables) != count:
         raise InvalidId(f"step: {len(tables)} group_tables for the {count} KV cache groups past group 0")
-    for i, t in enumerate(tables, start=1):
-        writeable_int32(t, 2, f"step: group_tables[{i - 1}]", " (rows by request)")
-        if t.shape != table.shape:
-            raise InvalidId(f"step: group_tables[{i - 1}] is shaped {t.shape}, the table {table.shape}")
-    return tables
+    for i in range(count):
+        writeable_int32(tables[i], 2, f"step: group_tables[{i}]", " (rows by request)")
+        if tables[i].shape != table.shape:
+            raise InvalidId(f"step: group_tables[{i}] is shaped {tables[i].shape}, the table {table.shape}")
+    rows = <int32_t **>PyMem_Malloc(max(count, <Py_ssize_t>1) * sizeof(int32_t *))
+    if rows == NULL:
+        raise MemoryError("step: out of host memory")
+    for i in range(count):
+        rows[i] = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tables[i])
+    return rows
 
 
 def _spec_count(object value, str what, Py_ssize_t low, Py_ssize_t high):
@@ -150,8 +178,8 @@ cdef class KVGroups:
         free(self._pools)
         free(self._counts)
         free(self._ids)
-        free(self._valid)
         free(self._trimmed)
+        free(self._hashes)
 
     @property
     def specs(self):
@@ -170,55 +198,70 @@ cdef class KVGroups:
 
     # -- (lock held) ------------------------------------------------------------------------------
 
+    cdef void log_to(self, EventLog log) noexcept:
+        """Log stored and removed blocks of every group to ``log`` (None: stop)."""
+        self._evlog = log
+
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil:
         if grow_array(<void **>&self._ids, &self._ids_capacity, blocks + 1, sizeof(int32_t)):
             return 1
-        if grow_array(<void **>&self._valid, &self._valid_capacity, blocks + 1, sizeof(uint8_t)):
+        if self._evlog is not None and grow_array(
+            <void **>&self._hashes, &self._hashes_capacity, blocks + 1, sizeof(uint64_t)
+        ):
             return 1
         return grow_array(<void **>&self._trimmed, &self._trimmed_capacity, blocks + 1, sizeof(int32_t))
 
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
-        ``v`` (which covers the first ``limit`` blocks), else ``low``; -1 when out of memory."""
-        cdef Py_ssize_t g, c, p, sink, sink_missing, last_missing
-        cdef RNode *node
-        cdef int32_t *ids
-        cdef uint8_t *valid
-        if limit <= low:
-            return low
-        if self._reserve(limit):
-            return -1
-        ids = self._ids
-        valid = self._valid
-        memset(valid, 1, (limit + 1) * sizeof(uint8_t))
-        for g in range(1, self.n):
-            node = &t._nodes[v]
-            while node.parent >= 0:
-                if node.depth < limit:
-                    memcpy(
-                        ids + node.depth, chunk_column(node.chunk, g) + node.start,
-                        (min(<Py_ssize_t>node.depth + node.length, limit) - node.depth) * sizeof(int32_t),
-                    )
-                node = &t._nodes[node.parent]
-            sink = self._rules[g].sink_blocks
-            sink_missing = sink
-            last_missing = -1
-            for c in range(1, limit + 1):
-                p = c - 1
-                if ids[p] < 0:
-                    if p < sink:
-                        if sink_missing == sink:
-                            sink_missing = p
-                    else:
-                        last_missing = p
-                if c > low and valid[c] and (
-                    sink_missing < min(sink, c) or last_missing >= self.first_needed(g, c * self._block_size)
-                ):
-                    valid[c] = 0
-        for c in range(limit, low, -1):
-            if valid[c]:
-                return c
+        ``v`` (which covers the first ``limit`` blocks), else ``low``. A full group serves every
+        cut of a cached path; each windowed one is asked in turn until they agree."""
+        cdef Py_ssize_t g, cut = limit, found
+        cdef bint moved = True
+        while cut > low and moved:
+            moved = False
+            for g in range(1, self.n):
+                if self._rules[g].kind == KIND_FULL:
+                    continue
+                found = self._group_cut(t, v, g, cut, low)
+                if found < cut:
+                    cut = found
+                    moved = True
+        return cut if cut > low else low
+
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut, Py_ssize_t low) noexcept nogil:
+        """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
+        down from the cut, a missing block at ``p`` rules out every cut above it."""
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first
+        cdef RNode *node = &t._nodes[v]
+        if sink and cut > low:
+            p = self._first_missing(t, v, g, min(sink, cut))
+            if p < min(sink, cut):
+                cut = p  # a cut past a missing sink block reads it
+        while cut > low:
+            first = max(self.first_needed(g, cut * self._block_size), sink)
+            p = cut - 1
+            while p >= first:
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
+                if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
+                    break
+                p -= 1
+            if p < first:
+                return cut
+            cut = p
         return low
+
+    cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil:
+        """The first block below ``stop`` group ``g`` lacks on the path ending at ``v`` (``stop``: none)."""
+        cdef RNode *node = &t._nodes[v]
+        cdef Py_ssize_t p, found = stop
+        while node.parent >= 0:
+            if node.depth < stop:
+                for p in range(min(<Py_ssize_t>node.depth + node.length, stop) - 1, node.depth - 1, -1):
+                    if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
+                        found = p
+            node = &t._nodes[node.parent]
+        return found
 
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil:
         """Give a fresh record (its table empty, its chunk reserved) every group's blocks a query
@@ -369,7 +412,7 @@ cdef class KVGroups:
         ``[pos, full)``. Per group the cache keeps what ``kept`` says (the leaf's other entries
         become -1; holes of the path it extends are filled from the record's blocks) and the
         record's other references go."""
-        cdef Py_ssize_t g, p, count, stop
+        cdef Py_ssize_t g, p, count
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
@@ -385,30 +428,80 @@ cdef class KVGroups:
                 leaf_col = chunk_column(node.chunk, g) + node.start
                 if node.chunk != rec.chunk:
                     memcpy(leaf_col, col + pos, (full - pos) * sizeof(int32_t))
-                for p in range(pos, full):
-                    if leaf_col[p - pos] >= 0 and not self.kept(g, p, full):
-                        self._ids[count] = leaf_col[p - pos]
-                        count += 1
-                        leaf_col[p - pos] = -1
+                count = self._drop_unkept(g, leaf_col - pos, pos, full)
+                if self._evlog is not None:
+                    self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v] if v >= 0 else NULL
-            while node != NULL and node.parent >= 0:
+            p = pos - 1
+            while node != NULL and p >= 0:
+                if col[p] < 0:
+                    p -= 1
+                    continue
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
                 node_col = chunk_column(node.chunk, g) + node.start
-                stop = min(<Py_ssize_t>node.depth + node.length, pos)
-                for p in range(node.depth, stop):
-                    if col[p] < 0:
-                        continue
-                    if node_col[p - node.depth] < 0 and self.kept(g, p, full):
-                        node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
-                    else:
-                        self._ids[count] = col[p]
-                        count += 1
-                node = &t._nodes[node.parent]
+                if node_col[p - node.depth] < 0 and self.kept(g, p, full):
+                    node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
+                    if self._evlog is not None:
+                        self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
+                else:
+                    self._ids[count] = col[p]
+                    count += 1
+                p -= 1
             for p in range(full, rec.num_blocks):
                 if col[p] >= 0:
                     self._ids[count] = col[p]
                     count += 1
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
+
+    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil:
+        """Move the ids at ``[start, end)`` of ``col`` that a run ending at block ``end`` does not
+        keep (``kept``) to the scratch, -1 in their place; how many. By checkpoint segments: in
+        each, the blocks before the checkpoint's window go."""
+        cdef Py_ssize_t p = max(start, <Py_ssize_t>self._rules[g].sink_blocks), q, stop, keep_from, count = 0
+        cdef Py_ssize_t last = min(self.first_needed(g, end * self._block_size), end), c
+        if self._rules[g].kind == KIND_FULL:
+            return 0
+        while p < last:
+            c = (p // self._retention + 1) * self._retention if self._retention > 0 else last
+            stop = min(c, last)
+            keep_from = self.first_needed(g, c * self._block_size) if c <= end and self._retention > 0 else stop
+            for q in range(p, min(keep_from, stop)):
+                if col[q] >= 0:
+                    self._ids[count] = col[q]
+                    count += 1
+                    col[q] = -1
+            p = stop
+        return count
+
+    cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t end) noexcept nogil:
+        """Log as stored, in group ``g``, the runs of blocks node ``v`` (ending at block ``end``)
+        holds in that group at ``[start, stop)``."""
+        cdef RNode *node = &t._nodes[v]
+        cdef int32_t *col = chunk_column(node.chunk, g) + node.start - node.depth
+        cdef Py_ssize_t a = start, b
+        cdef const uint64_t *hashes
+        cdef uint64_t parent
+        cdef int64_t key
+        cdef bint has_parent
+        while a < stop:
+            if col[a] < 0:
+                a += 1
+                continue
+            b = a
+            while b < stop and col[b] >= 0:
+                b += 1
+            hashes = t._hash_tail(v, end - a, &key, &parent, &has_parent)
+            if hashes == NULL:
+                self._evlog.lost()
+            else:
+                self._evlog.stored(
+                    key, parent, has_parent, hashes,
+                    node.chunk.tokens + (node.start + a - node.depth) * self._block_size, b - a, <int>g,
+                )
+            a = b
 
     cdef int _trim_to(self, RadixTrie t, int32_t v, Py_ssize_t cut, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                       Failure *f) noexcept nogil:
@@ -422,16 +515,26 @@ cdef class KVGroups:
         if self._reserve(take):
             f.code = E_NO_MEMORY
             return -1
+        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef uint64_t *chunk_hashes = node.chunk.hashes
         for g in range(1, self.n):
             col = chunk_column(node.chunk, g) + node.start + node.length - take
             count = 0
             for p in range(take):
                 if col[p] >= 0:
                     self._ids[count] = col[p]
+                    if logging:
+                        self._hashes[count] = (
+                            chunk_hashes[node.start + node.length - take + p] if chunk_hashes != NULL else 0
+                        )
                     count += 1
+            if logging and count:
+                self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
             self._counts[g].evicted += count
             self._unref(g, count, f)
-        t._trim_leaf(v, take, self._trimmed, NULL, NULL, 0)
+        t._trim_leaf(v, take, self._trimmed, NULL, self._hashes if logging else NULL, 0)
+        if logging:
+            self._evlog.removed(self._trimmed, NULL, self._hashes, take, 0)
         freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, take, &f.batch)
         freed0[0] += freed
         trimmed[0] += take
@@ -516,13 +619,15 @@ cdef class KVGroups:
         cdef RNode *node
         cdef int32_t *col
         cdef BlockPool pool
+        cdef int64_t[::1] expected
         for g in range(1, self.n):
             pool = self.pool_of(g)
             problem = pool._problem()
             if problem is not None:
                 return f"BlockPool of group {g}: {problem}"
             nb = pool._num_blocks
-            expected = np.zeros(nb + 1, dtype=np.int64)
+            counted = np.zeros(nb + 1, dtype=np.int64)
+            expected = counted
             if null_block >= 0:
                 expected[null_block] += 1
             for i in range(records.high_water()):
@@ -589,6 +694,49 @@ cdef class KVGroups:
                 "blocks_evicted": self._counts[g].evicted,
             })
         return out
+
+    cdef int append(self, Records records, int64_t handle, object tokens) except -1:
+        """``KVCacheCore.append``: the tokens recorded, then what left a window released (the
+        record's KV covers the tokens it had before)."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, before
+        cdef SeqRec *rec
+        cdef Failure f
+        tokens = token_vector(tokens, &data, &n)
+        ok(&f)
+        cdef PyThreadState *released = records.lock.enter(n)
+        rec = records.get(handle, &f)
+        if rec != NULL:
+            before = rec.num_tokens
+            records.append_locked(handle, data, n, &f)
+            if f.code == OK:
+                self.release(rec, before, &f)
+        records.lock.leave(released)
+        return records.raise_failure(&f, "append", tokens)
+
+    cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call):
+        """A copy of the record's ids in group ``g`` (1 .. n - 1)."""
+        records.lock.enter_gil()
+        try:
+            return self.column(records.read(handle, call), g)
+        finally:
+            records.lock.leave(NULL)
+
+    cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
+                                Py_ssize_t g) except -1:
+        """``KVCacheCore.write_table`` for group ``g`` (1 .. n - 1): ``pad`` also where it needs no block."""
+        cdef int32_t pad_id = -1
+        if pad is not None:
+            pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self.pool_of(g)._num_blocks - 1, 0))
+        ids = self.table(records, handle, g, "write_table")
+        if ids.shape[0] > dest.shape[0]:
+            raise InvalidId(f"write_table: the sequence holds {ids.shape[0]} blocks, the buffer takes {dest.shape[0]}")
+        view = np.asarray(dest)
+        view[: ids.shape[0]] = ids
+        if pad is not None:
+            view[: ids.shape[0]][ids < 0] = pad_id
+            view[ids.shape[0]:] = pad_id
+        return ids.shape[0]
 
     cdef object column(self, SeqRec *rec, Py_ssize_t g):
         """A copy of the record's block ids in group ``g`` (-1: released or never needed)."""

@@ -28,14 +28,14 @@ cimport cython
 cimport numpy as cnp
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._blockpool cimport BatchResult
 from lifecycle._evlog cimport EvLog, new_event_log
-from lifecycle._groups cimport group_tables as _group_tables, new_groups
+from lifecycle._groups cimport group_index, group_tables as _group_tables, new_groups, one_group_stats
 from lifecycle._hash cimport lc_content_hashes, lc_root_hash, lc_stream_tokens_checked, lc_tokens_differ
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key, block_ids, empty_int32 as _empty_int32, first_negative as _first_negative,
@@ -853,26 +853,9 @@ cdef class KVCacheCore:
         KV cache groups, the record's KV then covers the tokens it had before: each windowed
         group releases what left the window."""
         if self._grouped:
-            self._append_grouped(_handle_arg(handle, "append"), tokens)
+            self._groups.append(self._records, _handle_arg(handle, "append"), tokens)
         else:
             self._records.append(_handle_arg(handle, "append"), tokens)
-
-    cdef int _append_grouped(self, int64_t handle, object tokens) except -1:
-        cdef const int32_t *data = NULL
-        cdef Py_ssize_t n = 0, before
-        cdef SeqRec *rec
-        cdef Failure f
-        tokens = _token_vector(tokens, &data, &n)
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(n)
-        rec = self._records.get(handle, &f)
-        if rec != NULL:
-            before = rec.num_tokens
-            self._records.append_locked(handle, data, n, &f)
-            if f.code == OK:
-                self._groups.release(rec, before, &f)
-        self._lock.leave(released)
-        return self._records.raise_failure(&f, "append", tokens)
 
     def grow(self, handle, num_blocks):
         """Extend the table to ``num_blocks`` blocks, all or nothing, evicting cached blocks when
@@ -1165,12 +1148,9 @@ cdef class KVCacheCore:
         if self._grouped and (cache or group_tables is not None):
             if cache:
                 self._refuse_grouped("step(cache=True)")
-            keep_tables = _group_tables(group_tables, self._groups.n - 1, table)
-            group_tabs = <int32_t **>PyMem_Malloc(len(keep_tables) * sizeof(int32_t *))
-            if group_tabs == NULL:
-                raise MemoryError("step: out of host memory")
-            for i, t in enumerate(keep_tables):
-                group_tabs[i] = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>t)
+            if group_tables is not None:
+                group_tables = tuple(group_tables)  # held while the step writes them
+                group_tabs = _group_tables(group_tables, self._groups.n - 1, table)
         elif group_tables is not None:
             raise InvalidId("step: group_tables were given to a core with one KV cache group")
         refused = _empty_int32(n)
@@ -1242,8 +1222,9 @@ cdef class KVCacheCore:
                     for j in range(rec.num_blocks, rec.num_blocks + need):
                         row[j] = rec.chunk.blocks[j]
                     if group_tabs != NULL:
-                        self._groups.write_rows(rec, group_tabs, <Py_ssize_t>(row_of[i] if row_of != NULL else i) * ncols,
-                                                rec.num_blocks, rec.num_blocks + need)
+                        self._groups.write_rows(
+                            rec, group_tabs, (row - tab), rec.num_blocks, rec.num_blocks + need
+                        )
                 rec.num_blocks += <int32_t>need
                 self._counters.blocks_allocated += need
             memcpy(rec.chunk.tokens + rec.num_tokens, tok + offset, added * sizeof(int32_t))
@@ -1325,33 +1306,11 @@ cdef class KVCacheCore:
     def block_table(self, handle, group=0):
         """A copy of the record's block table (int32, for kernels) in KV cache group ``group``
         (a windowed group's holds -1 where it needs no block)."""
-        if type(group) is int and group == 0:
-            return self._records.block_table(_handle_arg(handle, "block_table"))
-        return self._group_column(_handle_arg(handle, "block_table"), group, "block_table")
-
-    cdef Py_ssize_t _group_arg(self, object group, str call) except -1:
-        """A KV cache group index, refused by name when this core has no such group."""
-        cdef Py_ssize_t n = self._groups.n if self._grouped else 1
-        cdef Py_ssize_t g
-        if isinstance(group, bool) or not hasattr(group, "__index__"):
-            raise InvalidId(f"{call}: group must be an int, got {type(group).__name__}")
-        g = group.__index__()
-        if not 0 <= g < n:
-            raise InvalidId(f"{call}: group {g} does not exist; this core has {n} KV cache group{'s' if n > 1 else ''}")
-        return g
-
-    cdef object _group_column(self, int64_t handle, object group, str call):
-        """A copy of the record's ids in KV cache group ``group``."""
-        cdef Py_ssize_t g = self._group_arg(group, call)
-        cdef SeqRec *rec
-        if g == 0:
-            return self._records.block_table(handle)
-        self._lock.enter_gil()
-        try:
-            rec = self._records.read(handle, call)
-            return self._groups.column(rec, g)
-        finally:
-            self._lock.leave(NULL)
+        cdef int64_t h = _handle_arg(handle, "block_table")
+        cdef Py_ssize_t g = 0
+        if not (type(group) is int and group == 0):
+            g = group_index(group, self._ngroups(), "block_table")
+        return self._records.block_table(h) if g == 0 else self._groups.table(self._records, h, g, "block_table")
 
     def block_hashes(self, handle):
         """The content hashes of the record's full blocks (uint64; see docs/content-hashes.md),
@@ -1490,8 +1449,12 @@ cdef class KVCacheCore:
             f.code = E_CLOSED
         elif self._trie._lru_blocks == self._trie._num_blocks:
             self._quiet = True
+            if self._grouped:
+                self._groups.quiet = True
             self.evict_locked(self._trie._num_blocks + self._pool._num_blocks, &f)
             self._quiet = False
+            if self._grouped:
+                self._groups.quiet = False
             done = self._trie._num_blocks == 0
             if done and self._evlog.events:
                 self._evlog.cleared()
@@ -1516,14 +1479,16 @@ cdef class KVCacheCore:
         (``RawEvents.dropped``)."""
         cdef bint track = events or demote
         cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
-        if self._grouped and track:
-            self._refuse_grouped("set_events")
+        if self._grouped and demote:
+            self._refuse_grouped("set_events(demote=True)")
         self._lock.enter_gil()
         try:
             if track and not self._track and self._trie._hash_all():
                 raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
             self._track = track
             self._evlog.configure(events, demote, cap)
+            if self._grouped:
+                self._groups.log_to(self._evlog if events else None)
         finally:
             self._lock.leave(NULL)
 
@@ -1621,22 +1586,14 @@ cdef class KVCacheCore:
         cdef int64_t h = _handle_arg(handle, "write_table")
         cdef int32_t pad_id = -1
         cdef int32_t[::1] dest = int32_buffer(out, "write_table")
-        cdef Py_ssize_t g = 0 if type(group) is int and group == 0 else self._group_arg(group, "write_table")
-        cdef BlockPool pool = self._pool if g == 0 else self._groups.pool_of(g)
+        cdef Py_ssize_t g = 0
+        if not (type(group) is int and group == 0):
+            g = group_index(group, self._ngroups(), "write_table")
+        if g:
+            return self._groups.write_table(self._records, h, dest, pad, g)
         if pad is not None:
-            pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(pool._num_blocks - 1, 0))
-        if g == 0:
-            return self._records.write_table(h, dest, pad_id)
-        ids = self._group_column(h, g, "write_table")
-        if ids.shape[0] > dest.shape[0]:
-            raise InvalidId(f"write_table: a table of {ids.shape[0]} blocks does not fit {dest.shape[0]} entries")
-        if pad is not None:
-            ids[ids < 0] = pad_id
-        view = np.asarray(dest)
-        view[: ids.shape[0]] = ids
-        if pad is not None:
-            view[ids.shape[0]:] = pad_id
-        return ids.shape[0]
+            pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self._pool._num_blocks - 1, 0))
+        return self._records.write_table(h, dest, pad_id)
 
     def check_invariants(self):
         """Recount everything from scratch under the lock and raise ``InvariantViolation`` on any
@@ -1666,13 +1623,16 @@ cdef class KVCacheCore:
 
     # -- KV cache groups ------------------------------------------------------------------------------
 
+    cdef Py_ssize_t _ngroups(self) noexcept:
+        return self._groups.n if self._grouped else 1
+
     cdef int _refuse_grouped(self, str call) except -1:
         raise Unsupported(f"{call}: not offered by a KV cache core with several KV cache groups")
 
     @property
     def num_groups(self):
         """KV cache groups (1: the pool's alone)."""
-        return self._groups.n if self._grouped else 1
+        return self._ngroups()
 
     @property
     def groups(self):
@@ -1697,16 +1657,10 @@ cdef class KVCacheCore:
         counters = self.counters()
         self._lock.enter_gil()
         try:
-            if self._grouped:
-                rows = self._groups.stats(self._trie)
-            else:
-                rows = [{"group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": self._pool._num_blocks,
-                         "num_free": self._pool._num_free, "num_cached": self._trie._num_blocks,
-                         "blocks_released": 0, "blocks_kept_at_checkpoints": 0}]
+            rows = self._groups.stats(self._trie) if self._grouped else one_group_stats(self._pool, self._trie)
         finally:
             self._lock.leave(NULL)
-        for key in ("blocks_allocated", "blocks_freed", "blocks_evicted"):
-            rows[0][key] = counters[key]
+        rows[0].update({key: counters[key] for key in ("blocks_allocated", "blocks_freed", "blocks_evicted")})
         return rows
 
     cdef str _recount(self):

@@ -7,6 +7,8 @@ every ``retention_interval`` tokens keep the window before them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,7 +22,7 @@ BS = 4
 
 
 def make(kind: str = "sliding_window", window: int = 8, sink: int = 0, *, blocks: int = 64,
-         group_blocks: int = 64, retention: int = 0, **options: object) -> tuple[KVCacheCore, BlockPool, BlockPool]:
+         group_blocks: int = 64, retention: int = 0, **options: Any) -> tuple[KVCacheCore, BlockPool, BlockPool]:
     pool, other = BlockPool(blocks), BlockPool(group_blocks)
     core = KVCacheCore(pool, BS, groups=[(kind, window, sink, other)], retention_interval=retention, **options)
     return core, pool, other
@@ -312,14 +314,14 @@ def test_a_null_block_is_held_in_every_groups_pool() -> None:
         (["sliding_window"], r"groups\[0\] must be"),
     ],
 )
-def test_a_bad_group_is_refused_by_name_with_nothing_allocated(groups: list[object], message: str) -> None:
+def test_a_bad_group_is_refused_by_name_with_nothing_allocated(groups: list[Any], message: str) -> None:
     pool, other = BlockPool(8), BlockPool(8)
-    given_groups = []
+    pools: dict[Any, Any] = {None: other, "main": pool, "first": other}
+    given_groups: list[Any] = []
     for entry in groups:
         if isinstance(entry, tuple):
             kind, window, sink, which = entry
-            group_pool = {None: other, "main": pool, "first": other}.get(which, which)  # type: ignore[call-overload]
-            given_groups.append((kind, window, sink, group_pool))
+            given_groups.append((kind, window, sink, pools.get(which, which)))
         else:
             given_groups.append(entry)
     with pytest.raises(ConfigError, match=message):
@@ -344,8 +346,6 @@ def test_calls_a_grouped_core_does_not_offer_are_refused_by_name() -> None:
         core.cache(h, 1)
     with pytest.raises(Unsupported, match="step"):
         core.step([h], [1], cache=True)
-    with pytest.raises(Unsupported, match="set_events"):
-        core.set_events(True)
     with pytest.raises(Unsupported, match="attach"):
         core.attach(h, list(range(8)))
     core.check_invariants()
@@ -372,22 +372,26 @@ OPS = st.lists(
     kind=st.sampled_from(["sliding_window", "chunked_local", "full"]),
     retention=st.sampled_from([0, 8, 16]),
     sink=st.sampled_from([0, 4]),
+    events=st.booleans(),
 )
 def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
-    ops: list[tuple[str, object, object]], kind: str, retention: int, sink: int
+    ops: list[tuple[str, Any, Any]], kind: str, retention: int, sink: int, events: bool
 ) -> None:
     """After every call: every group's refcounts balance against the records and the cache, and
     every leaf of the trie ends at a cut every group can serve (``check_invariants``); a refused
-    admission leaves every pool as it was."""
+    admission leaves every pool as it was. With events, each group's stored blocks less its
+    removed ones are the blocks it has cached."""
+    from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
+
     window = 0 if kind == "full" else 8
     core, pool, other = make(kind, window, sink if kind == "sliding_window" else 0, blocks=24, group_blocks=14,
-                             retention=retention)
+                             retention=retention, events=events)
     live: list[int] = []
     for op, a, b in ops:
         if op == "admit":
             # Prompts from a few shared stems, so that runs share prefixes and diverge.
-            prompt = [t for stem in a for t in range(stem * 8, stem * 8 + 8)]  # type: ignore[union-attr]
-            grow = len(prompt) // BS + int(b)  # type: ignore[call-overload]
+            prompt = [t for stem in a for t in range(stem * 8, stem * 8 + 8)]
+            grow = len(prompt) // BS + int(b)
             before = (pool.num_free, other.num_free, core.num_cached_blocks)
             try:
                 live.append(core.admit(prompt, grow))
@@ -395,17 +399,59 @@ def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
                 assert (pool.num_free, other.num_free) >= before[:2]  # only evictions changed the pools
                 assert core.num_live_sequences == len(live)
         elif op == "step" and live:
-            h = live[int(a) % len(live)]  # type: ignore[call-overload]
-            for token in range(int(b)):  # type: ignore[call-overload]
+            h = live[int(a) % len(live)]
+            for token in range(int(b)):
                 if core.step([h], [token + 30]).size:
                     break
         elif op == "finish" and live:
-            core.finish(live.pop(int(a) % len(live)), cache=bool(b))  # type: ignore[call-overload]
+            core.finish(live.pop(int(a) % len(live)), cache=bool(b))
         elif op == "evict":
-            core.evict(int(a))  # type: ignore[call-overload]
+            core.evict(int(a))
         core.check_invariants()
     for h in live:
         core.finish(h)
     core.check_invariants()
+    if events:
+        held = {0: 0, 1: 0}
+        for event in KVEventTranslator(BS).events(core.take_events()):
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                sign = 1 if isinstance(event, BlockStored) else -1
+                held[event.group_idx or 0] += sign * len(event.block_hashes)
+        assert [held[0], held[1]] == [row["num_cached"] for row in core.group_stats()]
     core.reset()
     assert (pool.num_free, other.num_free) == (24, 14)
+
+
+# --- events ---------------------------------------------------------------------------------------
+
+
+def test_events_name_the_group_of_the_blocks_each_group_stores_and_removes() -> None:
+    from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
+
+    core, _, _ = make(retention=0, events=True)
+    core.finish(run(core, list(range(16)), 4, []))
+    core.evict(4)
+    events = KVEventTranslator(BS).events(core.take_events())
+    stored = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
+    removed = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockRemoved)]
+    # Group 0 stores its 4 blocks, the window group the 2 of its last window (blocks 2, 3).
+    assert stored == [(None, 4), (1, 2)]
+    assert sorted(removed, key=str) == sorted([(None, 4), (1, 2)], key=str)
+    window_hashes = next(e.block_hashes for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
+    full_hashes = next(e.block_hashes for e in events if isinstance(e, BlockStored) and e.group_idx is None)
+    assert window_hashes == full_hashes[2:]
+
+
+def test_demotion_is_not_offered_with_groups() -> None:
+    core, _, _ = make()
+    with pytest.raises(Unsupported, match="demote"):
+        core.set_events(True, demote=True)
+
+
+def test_a_short_run_with_sink_blocks_stays_cached_whole() -> None:
+    core, _, _ = make(sink=4, retention=0)
+    core.finish(run(core, list(range(8)), 2, []))
+    # Two blocks: the sink block and the last window, both kept; the run's end is servable.
+    assert [row["num_cached"] for row in core.group_stats()] == [2, 2]
+    b = core.admit(list(range(12)), 3)
+    assert core.cached_tokens(b) == 8

@@ -5,9 +5,10 @@
 
 cimport cython
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 from lifecycle._blockpool cimport BatchResult, BlockPool
+from lifecycle._evlog cimport EventLog
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
 
@@ -45,11 +46,13 @@ cdef class KVGroups:
     cdef Py_ssize_t _retention      # checkpoint every this many blocks (0: none)
     cdef int32_t *_ids              # scratch: one column of block ids
     cdef Py_ssize_t _ids_capacity
-    cdef uint8_t *_valid            # scratch: one flag per cut
-    cdef Py_ssize_t _valid_capacity
     cdef int32_t *_trimmed          # scratch: group 0's ids of trimmed blocks
     cdef Py_ssize_t _trimmed_capacity
+    cdef uint64_t *_hashes          # scratch: content hashes of removed blocks
+    cdef Py_ssize_t _hashes_capacity
+    cdef EventLog _evlog            # the core's, once its events are on (None: off)
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
+    cdef public bint quiet          # (the core's reset) evictions are not logged one by one
 
     cdef inline BlockPool pool_of(self, Py_ssize_t g):
         return <BlockPool>self._pools[g]
@@ -88,8 +91,15 @@ cdef class KVGroups:
         return c <= end and self.first_needed(g, c * self._block_size) <= p
 
     # (lock held)
+    cdef void log_to(self, EventLog log) noexcept
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil
+    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil
+    cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t end) noexcept nogil
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
+                               Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil
@@ -112,8 +122,15 @@ cdef class KVGroups:
     cdef str problem(self, RadixTrie t, Records records, int32_t null_block)
     cdef list stats(self, RadixTrie t)
     cdef object column(self, SeqRec *rec, Py_ssize_t g)
+    # (GIL held, lock released: each takes it)
+    cdef int append(self, Records records, int64_t handle, object tokens) except -1
+    cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call)
+    cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
+                                Py_ssize_t g) except -1
 
 
-cdef tuple group_tables(object tables, Py_ssize_t count, object table)
+cdef int32_t **group_tables(object tables, Py_ssize_t count, object table) except NULL
+cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1
+cdef list one_group_stats(BlockPool pool, RadixTrie t)
 cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
                          Py_ssize_t max_tokens)

@@ -112,6 +112,4 @@ cdef class KVCacheCore:
     ) noexcept nogil
     cdef str _recount(self)
     cdef int _refuse_grouped(self, str call) except -1
-    cdef int _append_grouped(self, int64_t handle, object tokens) except -1
-    cdef object _group_column(self, int64_t handle, object group, str call)
-    cdef Py_ssize_t _group_arg(self, object group, str call) except -1
+    cdef Py_ssize_t _ngroups(self) noexcept

@@ -12,9 +12,9 @@ from lifecycle._blockpool import BlockPool
 #: The attention rules a group follows.
 GroupKind: TypeAlias = Literal["full", "sliding_window", "chunked_local"]
 #: One group past group 0 as ``KVCacheCore(groups=...)`` takes it: ``(kind, window, sink_tokens,
-#: pool)``, ``window`` in tokens (the sliding window, or the chunk; 0 for full), ``sink_tokens``
-#: for a sliding window only (else 0).
-GroupSpec: TypeAlias = tuple[GroupKind, int, int, BlockPool]
+#: pool)``, ``kind`` a ``GroupKind``, ``window`` in tokens (the sliding window, or the chunk; 0 for
+#: full), ``sink_tokens`` for a sliding window only (else 0). Another kind raises ``ConfigError``.
+GroupSpec: TypeAlias = tuple[str, int, int, BlockPool]
 
 KINDS: tuple[str, str, str]
 #: Checkpoints (windows kept for later hits) every this many tokens unless told otherwise.
