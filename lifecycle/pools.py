@@ -181,22 +181,21 @@ class KVPool(LayerPool[KVLayer]):
     (group 0: every attention layer of a one-group model, for ``config.num_blocks_resolved``)."""
 
     _name = "KVPool"
-    _layer_name = "KV layer"
+    _layer_name = "attention layer"
 
     def __init__(self, device: Device, config: ModelConfig, group: int = 0) -> None:
         groups = config.kv_groups
-        if not 0 <= group < len(groups):
+        if not 0 <= group < max(len(groups), 1):
             raise InvalidId(f"KVPool: group {group!r} is out of range: {config.name!r} has {len(groups)} KV groups")
-        spec = groups[group]
         layers: list[KVLayer] = []
-        for index in spec.layer_indices:
+        for index in groups[group].layer_indices if groups else ():  # no KV layer: an empty pool
             layer = config.layers[index]
             assert not isinstance(layer, SSMLayer)
             layers.append(layer)
         super().__init__(device, tuple(layers))
         self._group = group
-        self._kind = spec.kind
-        self._num_blocks = spec.num_blocks
+        self._kind = groups[group].kind if groups else "full"
+        self._num_blocks = groups[group].num_blocks if groups else 0
         self._block_size = config.block_size
         self._block_bytes = tuple(layer.block_bytes(config.block_size) for layer in self._layers)
         blocks = self._num_blocks
