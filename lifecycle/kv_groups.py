@@ -56,6 +56,16 @@ def refuse_grouped_swap(config: ModelConfig, call: str) -> None:
         )
 
 
+def refuse_grouped_tiers(config: ModelConfig, host_tier_blocks: int, store: str | None) -> None:
+    """The host tier and the shared store move group 0's blocks only: refuse them for a model of
+    several KV groups."""
+    if len(config.kv_groups) > 1 and (host_tier_blocks or store is not None):
+        raise Unsupported(
+            f"HybridModel: host_tier_blocks={host_tier_blocks}, store={store!r}: {config.name!r} has KV groups "
+            f"{describe_groups(config)}; the host tier and the store hold blocks of one group"
+        )
+
+
 def group_stats(core: KVCacheCore, pools: Sequence[KVPool]) -> list[dict[str, Any]]:
     """The core's ``group_stats()``, each with its group's ``layers`` and pool ``bytes`` (0 layers
     and bytes for a model without a KV pool)."""

@@ -46,7 +46,7 @@ from lifecycle.errors import (
     TornDown,
     Unsupported,
 )
-from lifecycle.kv_groups import core_groups, group_stats, refuse_grouped_swap
+from lifecycle.kv_groups import core_groups, group_stats, refuse_grouped_swap, refuse_grouped_tiers
 from lifecycle.memory import ModelMemory
 from lifecycle.pools import KVPool, SSMPool
 from lifecycle.protocol import LifecycleDefaults, PrefixReclaim
@@ -140,6 +140,7 @@ class HybridModel(LifecycleDefaults):
         )
         if events or host_tier_blocks or store is not None:
             try:
+                refuse_grouped_tiers(config, host_tier_blocks, store)
                 self._tiers = open_tiers(
                     self._core, self._device, self._kv, config, ssm=self._ssm is not None,
                     host_blocks=host_tier_blocks, store_url=store, events=self._events,

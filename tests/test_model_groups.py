@@ -180,3 +180,8 @@ def test_a_pool_of_a_group_that_does_not_exist_is_refused() -> None:
             KVPool(device, config(), 2)
     finally:
         device.close()
+
+
+def test_a_host_tier_for_several_groups_is_refused_naming_them() -> None:
+    with pytest.raises(Unsupported, match="host_tier_blocks=8.*sliding_window 16"):
+        HybridModel(config(), "host", host_tier_blocks=8)
