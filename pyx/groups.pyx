@@ -13,6 +13,7 @@ Ownership per group is as for group 0: a record holds one reference on every id 
 columns, a cached run one on every id of its range.
 
 The rules the core runs here, in its own calls and under its lock:
+
 - a cut (a number of blocks admission reuses) is valid when every group has the blocks a query at
   the cut reads (``best_cut``);
 - a record releases a windowed block once its tokens left the window or chunk, keeping it when it
