@@ -229,7 +229,8 @@ cdef class KVGroups:
                     moved = True
         return cut if cut > low else low
 
-    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut, Py_ssize_t low) noexcept nogil:
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
+                               Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
         down from the cut, a missing block at ``p`` rules out every cut above it."""
         cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first
