@@ -10,6 +10,8 @@ in order, ``admit`` (the prefix every group can serve, the rest allocated) and `
 cached by its rule: the window group keeps its last window and the windows before its checkpoints).
 Each record: ``us_per_request`` (best of the replays), ``hit_tokens``, the window group's cached and
 free blocks at the end, and for the two-group core its cost relative to the one-group core's.
+``--decode`` adds the decode step's cost (``KVCacheCore.step`` over a batch of sequences, which with
+two groups also releases the window blocks each step leaves behind), per sequence-step.
 """
 
 from __future__ import annotations
@@ -59,6 +61,33 @@ def replay(trace: PrefixTrace, *, groups: bool, retention: int | None = None) ->
     return seconds, core.counters()["prefix_hit_tokens"], core.group_stats()[-1]
 
 
+def decode(*, groups: bool, batch: int = 64, prompt: int = 2048, steps: int = 512,
+           block_size: int = 16) -> float:
+    """Seconds per sequence-step of ``steps`` decode steps over ``batch`` sequences of ``prompt``
+    tokens (distinct prompts, no cache hits)."""
+    import numpy as np
+
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._kvcache import KVCacheCore
+
+    blocks = batch * ((prompt + steps) // block_size + 2)
+    extra = [("sliding_window", WINDOW, 0, BlockPool(blocks))] if groups else None
+    core = KVCacheCore(BlockPool(blocks), block_size, groups=extra)
+    handles = np.array([
+        core.admit(np.arange(i * prompt, (i + 1) * prompt, dtype=np.int32) % 50000, prompt // block_size + 1)
+        for i in range(batch)
+    ], dtype=np.int64)
+    tokens = np.ones(batch, dtype=np.int32)
+    step = core.step
+    with no_gc():
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(handles, tokens)
+        seconds = time.perf_counter() - start
+    core.check_invariants()
+    return seconds / (batch * steps)
+
+
 def run(trace: PrefixTrace, repeats: int) -> list[dict[str, Any]]:
     """The one-group and the two-group core, replays interleaved (a noisy machine's drift hits both)."""
     runs: dict[bool, list[tuple[float, int, dict[str, Any]]]] = {False: [], True: []}
@@ -88,11 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON line per setup")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="replay only the first LIMIT requests")
+    parser.add_argument("--decode", action="store_true", help="also the decode step's cost per sequence-step")
     args = parser.parse_args(argv)
     from w3 import load_w3
 
     trace = load_w3(limit=args.limit)
-    for entry in run(trace, args.repeats):
+    records = run(trace, args.repeats)
+    if args.decode:
+        best = {g: min(decode(groups=g) for _ in range(args.repeats)) for g in (False, True)}
+        for g in (False, True):
+            records.append({
+                "workload": "decode-steps-core", "setup": "two groups" if g else "one group",
+                "us_per_sequence_step": round(best[g] * 1e6, 4),
+                **({"cost_vs_one_group": round(best[True] / best[False], 3)} if g else {}),
+            })
+    for entry in records:
         print(json.dumps(entry) if args.json else "  ".join(f"{k}={v}" for k, v in entry.items()))
     return 0
 

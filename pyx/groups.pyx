@@ -13,6 +13,7 @@ Ownership per group is as for group 0: a record holds one reference on every id 
 columns, a cached run one on every id of its range.
 
 The rules the core runs here, in its own calls and under its lock:
+
 - a cut (a number of blocks admission reuses) is valid when every group has the blocks a query at
   the cut reads (``best_cut``);
 - a record releases a windowed block once its tokens left the window or chunk, keeping it when it
@@ -228,7 +229,8 @@ cdef class KVGroups:
                     moved = True
         return cut if cut > low else low
 
-    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut, Py_ssize_t low) noexcept nogil:
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
+                               Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
         down from the cut, a missing block at ``p`` rules out every cut above it."""
         cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first

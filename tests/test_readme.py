@@ -129,6 +129,7 @@ SHORT: dict[str, list[str]] = {
     "python bench/swap_bench.py": ["run: python bench/swap_bench.py --tokens 64 --repeats 1"],
     "python bench/multiturn.py": ["run: python bench/multiturn.py --requests 30"],
     "python bench/w3.py": ["run: python bench/w3.py"],
+    "python bench/groups_bench.py --json": ["run: python bench/groups_bench.py --json --repeats 1 --limit 200"],
     "python bench/reliability.py --ops 1000000 --json": [
         "run: python bench/reliability.py --ops 300 --episode-ops 150 --fuzz 5 --thread-runs 1 --fault-ops 50 --json"
     ],

@@ -52,7 +52,7 @@ cdef class KVGroups:
     cdef Py_ssize_t _hashes_capacity
     cdef EventLog _evlog            # the core's, once its events are on (None: off)
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
-    cdef public bint quiet          # (the core's reset) evictions are not logged one by one
+    cdef bint quiet                 # (the core's reset) evictions are not logged one by one
 
     cdef inline BlockPool pool_of(self, Py_ssize_t g):
         return <BlockPool>self._pools[g]
