@@ -115,7 +115,6 @@ SHORT: dict[str, list[str]] = {
     "python bench/workloads.py w3-tiers --json": ["run: python bench/workloads.py w3-tiers --json --trace {w3}"],
     "python bench/workloads.py w3-groups --json": ["run: python bench/workloads.py w3-groups --json --trace {w3}"],
     "python bench/workloads.py w4-groups --json": ["help: python bench/workloads.py --help"],
-    "python bench/groups_bench.py --json": ["run: python bench/groups_bench.py --json --repeats 1 --limit 50"],
     "python bench/tiers_bench.py": ["run: python bench/tiers_bench.py --part copies --repeats 1"],
     "python bench/memory.py --json": ["run: python bench/memory.py --blocks 20000 --json"],
     "python bench/memory.py": ["run: python bench/memory.py --blocks 20000"],
