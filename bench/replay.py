@@ -87,12 +87,19 @@ def replay_core(trace: PrefixTrace, *, events: bool = False) -> tuple[float, int
     if events and stored != core.counters()["blocks_cached"] + core.counters()["blocks_evicted"]:
         raise AssertionError(f"{stored} hashes in the events, but the core cached and evicted a different count")
     core.check_invariants()
-    if pool.num_free + core.num_cached_blocks != pool.num_total:
-        raise AssertionError(
-            f"leaked blocks: {pool.num_free} free + {core.num_cached_blocks} cached != {pool.num_total}"
-        )
+    check_no_leak(core)
     counters = core.counters()
     return seconds, counters["prefix_hit_tokens"], counters["blocks_evicted"]
+
+
+def check_no_leak(core: Any) -> None:
+    """After a replay: every block of every KV cache group's pool is free or cached."""
+    for group in core.group_stats():
+        if group["num_free"] + group["num_cached"] != group["num_blocks"]:
+            raise AssertionError(
+                f"leaked blocks in group {group['group']}: {group['num_free']} free + {group['num_cached']} cached "
+                f"!= {group['num_blocks']}"
+            )
 
 
 def replay_model(trace: PrefixTrace, *, host_tier_blocks: int = 0) -> tuple[float, int, int]:

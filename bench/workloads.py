@@ -11,7 +11,8 @@
     python bench/workloads.py w4 --json         # W4 decode steps: the model's and the core's step, the core's own time
     python bench/workloads.py w3-policies --json  # eviction policies beside the offline optimum (bench/policies.py)
     python bench/workloads.py w2-policies --json  # likewise on W2
-    python bench/workloads.py w3-groups --json  # issue 31's presets: their KV memory per group at its budget
+    python bench/workloads.py w3-groups --json  # issue 31's presets: W3 through the core with their KV groups
+    python bench/workloads.py w4-groups --json  # W4's decode steps through the core with each preset's groups
 
 Each prints one JSON line per library measured (``--json``) or a small table. W1 and W2 read
 ``bench/data/traces.npz`` (see bench/data/README.md; ``--trace PATH`` names another file, compact or
@@ -19,12 +20,14 @@ in the original ``traces.npz`` format); W3 reads ``bench/data/mooncake_synthetic
 (``--trace PATH`` names another Mooncake JSONL file, plain or ``.xz``); W4 generates its trace
 (bench/w4.py) and takes no ``--trace``.
 
-``w3-groups`` prints one record per published-model preset (lifecycle/presets.py) with its layout at
-the budget issue 31 measures at (half the all-full-attention footprint of 262,144 blocks of 16
-tokens): ``concurrent_32k_sequences``, ``ideal_32k_sequences``, ``padding_waste`` and the blocks of
-each group. The replay fields of the issue's record (``us_per_request``, ``hit_tokens``,
-``prompt_tokens``) need the groups core, which this build lacks: they are left out of the record,
-not estimated, and ``replay`` says so.
+``w3-groups`` prints two records per published-model preset (lifecycle/presets.py), at the budget
+issue 31 measures at (half the all-full-attention footprint of 262,144 blocks of 16 tokens): W3
+through a core with the preset's KV cache groups (``setup: groups``: ``us_per_request``,
+``hit_tokens``, ``prompt_tokens``, its layout's ``concurrent_32k_sequences``, ``padding_waste``,
+and ``cost_vs_one_group``), then W3 through one full-attention group of every KV layer at the same
+budget (the hit-rate baseline and the single-group cost). ``w4-groups`` does the same for W4's
+decode steps (``us_per_step``) at the budget of W4's pool had every layer full attention
+(bench/groups_replay.py says how).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ DEFAULT_TRACE = TRACES
 Result = dict[str, Any]
 WORKLOADS = (
     "w1", "w2", "w2-model", "w2-events", "w2-policies", "w3", "w3-model", "w3-events", "w3-tiers", "w3-policies",
-    "w3-groups", "w4",
+    "w3-groups", "w4", "w4-groups",
 )
 #: Replays per figure: the best counts, the median is reported beside it. W3's replay lasts ~50x
 #: longer than W2's, so fewer of them give as steady a minimum.
@@ -95,32 +98,50 @@ def run_w4(repeats: int | None = None) -> list[Result]:
     return run(generate(), W4_REPEATS if repeats is None else repeats)
 
 
-def run_w3_groups() -> list[Result]:
-    """Each published-model preset's KV memory at the reference budget: one record per preset."""
+def reference_presets(blocks: int | None = None, max_model_len: int | None = None) -> dict[str, Any]:
+    """Each published-model preset at issue 31's budget: half the all-full-attention footprint of
+    262,144 blocks (``blocks``: the whole footprint of that many blocks instead). ``max_model_len``
+    sizes the split between the groups (never below a preset's largest window or chunk)."""
     from lifecycle.presets import PUBLISHED_CONFIGS, preset, reference_kv_budget
 
-    tokens = 32768
-    records = []
+    configs = {}
     for name in PUBLISHED_CONFIGS:
         base = preset(name)
-        plan = base.replace(kv_budget_bytes=reference_kv_budget(base)).memory_plan()
-        records.append({
-            "preset": name,
-            "concurrent_32k_sequences": plan.concurrent_sequences(tokens),
-            "ideal_32k_sequences": plan.ideal_sequences(tokens),
-            "padding_waste": round(plan.padding_waste(tokens), 6),
-            "kv_budget_bytes": plan.budget_bytes,
-            "groups": [f"{group.kind}:{group.layers}x{group.num_blocks}" for group in plan.groups],
-            "replay": "us_per_request, hit_tokens, prompt_tokens need the groups core (not measured)",
-        })
-    return records
+        budget = reference_kv_budget(base) if blocks is None else base.full_attention_bytes(blocks * base.block_size)
+        changes: dict[str, Any] = {"kv_budget_bytes": budget}
+        if max_model_len is not None:
+            spans = [group.window + group.sink_tokens for group in base.kv_groups]
+            changes["max_model_len"] = max(max_model_len, *spans)
+        configs[name] = base.replace(**changes)
+    return configs
+
+
+def run_w3_groups(trace_path: Path, repeats: int = 3) -> list[Result]:
+    """Each published-model preset's groups through the core on W3 at the reference budget, and
+    one full-attention group at the same budget (bench/groups_replay.py)."""
+    from groups_replay import w3_groups
+    from w3 import load_w3
+
+    return w3_groups(load_w3(trace_path), reference_presets(), repeats)
+
+
+def run_w4_groups(repeats: int = 3) -> list[Result]:
+    """W4's decode steps through the core with each preset's groups, and with one group, at the
+    budget of W4's pool had every layer full attention, the groups split for W4's longest
+    sequence."""
+    from groups_replay import w4_groups
+    from w4 import GEN_MAX, NUM_BLOCKS, PROMPT_MAX, generate
+
+    return w4_groups(generate(), reference_presets(NUM_BLOCKS, PROMPT_MAX + GEN_MAX), repeats)
 
 
 def results(workload: str, trace: Path | None) -> list[Result]:
     if workload == "w3-groups":
+        return run_w3_groups(trace or MOONCAKE_TRACE)
+    if workload == "w4-groups":
         if trace is not None:
-            raise SystemExit("w3-groups lays the presets out at the reference budget; --trace does not apply yet")
-        return run_w3_groups()
+            raise SystemExit("w4-groups generates its trace (bench/w4.py); --trace does not apply")
+        return run_w4_groups()
     if workload == "w1":
         from w1 import run as run_w1
 

@@ -200,9 +200,10 @@ def _rows_of(rows: Sequence[int] | npt.NDArray[np.integer] | None, count: int,
 
 def write_block_tables(core: KVCacheCore, device: Device, staging: TableStaging, seqs: Sequence[SequenceState],
                        handles: Sequence[int], table: object, rows: Sequence[int] | npt.NDArray[np.integer] | None,
-                       pad: int | None) -> None:
-    """Write ``seqs[i]`` (core ``handles[i]``) into row ``rows[i]`` of ``table``, a CUDA table
-    through ``staging`` on ``device``; see :meth:`lifecycle.model.HybridModel.write_block_tables`."""
+                       pad: int | None, group: int = 0) -> None:
+    """Write ``seqs[i]`` (core ``handles[i]``) into row ``rows[i]`` of ``table`` (its table in KV
+    cache group ``group``), a CUDA table through ``staging`` on ``device``; see
+    :meth:`lifecycle.model.HybridModel.write_block_tables`."""
     host = host_table(table)
     if host is None:
         if device.kind != "cuda":
@@ -220,14 +221,14 @@ def write_block_tables(core: KVCacheCore, device: Device, staging: TableStaging,
                             "columns")
     if host is not None:
         for handle, row in zip(handles, positions.tolist()):
-            core.write_table(handle, host[row], pad)
+            core.write_table(handle, host[row], pad, group)
         return
     if not handles or width == 0:
         return
     first = _span(positions, pad)
     staged = staging.rows(len(handles), width)
     for handle, row in zip(handles, positions.tolist()):
-        core.write_table(handle, staged[row - first], pad)
+        core.write_table(handle, staged[row - first], pad, group)
     _send(device, staging, target, first, staged)
 
 

@@ -3,8 +3,9 @@
 ``lifecycle simulate`` replays a synthetic multi-turn serving trace through the whole lifecycle API
 (see :mod:`lifecycle.simulate`) and prints a summary: a progress bar on stderr while it runs, then a
 table (or, with ``--json``, one JSON object) on stdout. ``--plan`` prints the model's KV memory per
-group instead (what a model with several KV groups, or MLA layers, always gets: their serving replay
-needs the groups core). ``lifecycle info`` prints the versions, the
+group instead. A model with several KV groups (sliding window, chunked local) replays through one
+pool per group, prefilled in chunks, without swap (a swap record holds one group), and reports its
+memory and counts per group. ``lifecycle info`` prints the versions, the
 CUDA driver and device, and what ``open_device("auto")`` picks here. ``--version``; ``--log-level``
 shows the library's log records (warnings by default) on stderr.
 
@@ -241,7 +242,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plan",
         action="store_true",
         help="print the KV memory per group (blocks, bytes, concurrent max_model_len sequences, padding) and "
-        "exit; the only output for models with several KV groups or MLA layers until the groups core",
+        "exit instead of replaying",
     )
     _log_level_option(out, argparse.SUPPRESS)
     sim.set_defaults(command_parser=sim)  # errors found after parsing print this command's usage
@@ -437,14 +438,14 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
 
     config = _config(parser, args)
-    if args.plan or not config.is_single_attention_group:
-        return _plan(config, args.json, replay=config.is_single_attention_group)
+    if args.plan:
+        return _plan(config, args.json)
     _check_turns(parser, args, config)
     options = SimulationOptions(
         max_live=args.max_live if args.max_live is not None else config.max_seqs,
         check_every=args.check_every,
         snapshot_interval_blocks=args.snapshot_every,
-        swap=not args.no_swap,
+        swap=not args.no_swap and config.is_single_attention_group,
         swap_host_bytes=args.swap_host_mb << 20,
         spill_dir=args.spill_dir,
     )
@@ -488,7 +489,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_json(), "memory_plan": plan_json(config)}, sort_keys=True))
     else:
         _print_summary(result)
-        print(_groups_line(config))
+        print(_groups_line(result.summary.kv_groups, config))
     if args.plot is not None:
         from lifecycle.simulate import plot
 
@@ -498,10 +499,6 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0 if result.summary.leaked == 0 else 1
 
 
-_NO_REPLAY: Final = (
-    "the serving replay of a model with several KV groups (or MLA / indexer layers) needs the groups core, "
-    "which this build does not have yet: its memory plan is shown instead"
-)
 
 
 def plan_json(config: ModelConfig) -> dict[str, Any]:
@@ -524,20 +521,26 @@ def plan_json(config: ModelConfig) -> dict[str, Any]:
     return plan
 
 
-def _groups_line(config: ModelConfig) -> str:
-    """One line naming each KV group's blocks and bytes."""
-    parts = [
-        f"group {group.index} {group.kind} ({len(group.layer_indices)} layers): {group.num_blocks:,} blocks of "
-        f"{human_bytes(group.block_bytes)} = {human_bytes(group.num_blocks * group.block_bytes)}"
-        for group in config.kv_groups
-    ]
+def _groups_line(groups: list[dict[str, Any]], config: ModelConfig) -> str:
+    """One line naming each KV group's blocks and bytes, and what the replay left in it (free,
+    cached; released from a window)."""
+    parts = []
+    for group, counts in zip(config.kv_groups, groups, strict=True):
+        part = (
+            f"group {group.index} {group.kind} ({len(group.layer_indices)} layers): {group.num_blocks:,} blocks of "
+            f"{human_bytes(group.block_bytes)} = {human_bytes(group.num_blocks * group.block_bytes)}, "
+            f"{counts['num_free']:,} free and {counts['num_cached']:,} cached at the end"
+        )
+        if group.kind != "full":
+            part += f", {counts['blocks_released']:,} released from the window"
+        parts.append(part)
     return "KV memory per group: " + ("; ".join(parts) if parts else "none (no KV layers)")
 
 
-def _plan(config: ModelConfig, as_json: bool, *, replay: bool) -> int:
+def _plan(config: ModelConfig, as_json: bool) -> int:
     plan = plan_json(config)
     if as_json:
-        print(json.dumps({"model": config.name, "memory_plan": plan, "replay": None if replay else _NO_REPLAY}))
+        print(json.dumps({"model": config.name, "memory_plan": plan}))
         return 0
     tokens = plan["tokens"]
     row = "{:>5}  {:<14}  {:>6}  {:>6}  {:>11}  {:>10}  {:>11}  {:>10}"
@@ -565,8 +568,6 @@ def _plan(config: ModelConfig, as_json: bool, *, replay: bool) -> int:
             f"{reference['all_full_blocks']:,} blocks): {reference['concurrent_sequences']:,} sequences "
             f"(ideal {reference['ideal_sequences']:,}), padding {100 * reference['padding_waste']:.2f}%"
         )
-    if not replay:
-        lines.append(f"note: {_NO_REPLAY}")
     print("\n".join(lines))
     return 0
 

@@ -11,7 +11,7 @@ from lifecycle.block_tables import TableStaging
 from lifecycle.config import ModelConfig
 from lifecycle.device.base import Device
 from lifecycle.errors import LifecycleError
-from lifecycle.pools import KVPool, SSMPool
+from lifecycle.pools import KVPool, SSMPool, kv_group_pools
 from lifecycle.snapshots import SnapshotPool
 from lifecycle.swap import StagingBuffer
 
@@ -20,7 +20,8 @@ __all__ = ["ModelMemory"]
 
 @final
 class ModelMemory:
-    """What ``config`` needs on ``device``: ``kv`` (None without attention layers), ``ssm`` (None
+    """What ``config`` needs on ``device``: ``kv_groups`` (a KV pool per KV cache group), ``kv``
+    (group 0's; None without KV layers), ``ssm`` (None
     without SSM layers), ``snapshots`` (None without snapshots), ``staging`` (pinned on CUDA,
     allocated on first use), ``tables`` (the pinned rows CUDA block tables are sent from, allocated
     on first use) and, per SSM slot, its layers' (h, conv) addresses. A failure while
@@ -29,9 +30,10 @@ class ModelMemory:
     def __init__(self, device: Device, config: ModelConfig) -> None:
         self._releases: list[Callable[[], None]] = []
         try:
-            self.kv = KVPool(device, config) if config.kv_block_bytes() > 0 else None
-            if self.kv is not None:
-                self._releases.append(self.kv.release)
+            #: One KV pool per KV cache group, group 0 first; ``kv`` is group 0's.
+            self.kv_groups: tuple[KVPool, ...] = kv_group_pools(device, config) if config.kv_block_bytes() > 0 else ()
+            self._releases.extend(pool.release for pool in self.kv_groups)
+            self.kv = self.kv_groups[0] if self.kv_groups else None
             self.ssm = SSMPool(device, config) if config.ssm_layers else None
             if self.ssm is not None:
                 self._releases.append(self.ssm.release)

@@ -22,7 +22,8 @@ from lifecycle.cache_keys import MMKey
 from lifecycle.compaction import SlotMoves
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
-from lifecycle.errors import ConfigError, InvalidId, TornDown
+from lifecycle.errors import ConfigError, InvalidId, TornDown, Unsupported
+from lifecycle.kv_groups import refuse_grouped_swap
 from lifecycle.events.types import KVEventBatch
 from lifecycle.lora import AdapterInfo
 from lifecycle.parts import Gate, ModelParts, ModelViews
@@ -96,7 +97,8 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         self._demoting = self._tiers is not None and self._tiers.host is not None
         self._one_call_attach = self._ssm is None and not self._demoting  # an attach is one core call
         self._on_release = self._release_adapter  # bound once: the core calls it back as it releases a record
-        self._cache_by_default = self._ssm is None and config.enable_prefix_cache  # what a step caches
+        # what a step caches (a core of several KV cache groups caches a sequence at its finish)
+        self._cache_by_default = self._ssm is None and config.enable_prefix_cache and self._core.num_groups == 1
 
     def _enter(self) -> None:
         """Start of a call (under the lock): refuse after teardown, reap dropped sequences."""
@@ -241,12 +243,14 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         """Write the sequence to ``writer`` as a swap record (:func:`lifecycle.swap.sequences.save_sequence`)."""
         self._core.handle_of(seq)
         with self._entered:
+            refuse_grouped_swap(self._config, "save_sequence_state")
             save_sequence(self._parts.swap, seq, writer, self._counters, self._clock)
 
     def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
         """Restore a fresh sequence from a swap record (:func:`lifecycle.swap.sequences.restore_sequence`)."""
         self._core.handle_of(seq)
         with self._entered:
+            refuse_grouped_swap(self._config, "restore_sequence_state")
             restore_sequence(self._parts.swap, self._core, seq, num_blocks, reader, self._counters, self._clock)
 
     def num_free_blocks(self) -> int:
@@ -330,12 +334,15 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         self, seqs: Sequence[SequenceState] | _AnyInts, tokens: _AnyInts, *, counts: _AnyInts | None = None,
         table: npt.NDArray[np.int32] | Any | None = None, rows: _AnyInts | None = None, cache: bool | None = None,
         pad: int | None = None,
+        group_tables: Sequence[npt.NDArray[np.int32]] | None = None,
     ) -> npt.NDArray[np.int32]:
         """One decode step in one core call with the GIL released: append one token per sequence (or
         ``counts[i]`` of ``tokens``), grow the tables whose last block filled (evicting when short), write
         the new ids into row ``rows[i]`` (default ``i``) of ``table``, cache the blocks that filled
         (``cache``; default: pure attention with the prefix cache on). All or nothing per sequence:
-        returns the positions of those that could not grow, unchanged. Argument forms: :mod:`lifecycle.stepping`."""
+        returns the positions of those that could not grow, unchanged. Argument forms: :mod:`lifecycle.stepping`.
+        Several KV cache groups: ``group_tables`` (host tables shaped as ``table``, one per group past 0)
+        get each group's new ids; blocks that left a window are released in the same call."""
         handles: Any = seqs if isinstance(seqs, np.ndarray) else handles_of(seqs)
         if cache is None:
             cache = self._cache_by_default
@@ -344,10 +351,13 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         if table is not None and not isinstance(table, np.ndarray):
             host = host_table(table, "step")
             if host is None or not host.flags.c_contiguous:
+                if group_tables is not None:
+                    raise Unsupported("step: group_tables need a C-contiguous host table; write each group's "
+                                      "table with write_block_tables(..., group=)")
                 return self._stepper.into(handles, tokens, counts, table, host, rows, cache, pad)
             table = host
         try:
-            return self._core.step(handles, tokens, counts, table, rows, cache)
+            return self._core.step(handles, tokens, counts, table, rows, cache, group_tables)
         except InvalidId as error:
             step_refused(error, handles, tokens, counts, rows, table)
             raise
@@ -391,9 +401,9 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         with self._entered:
             self._parts.lora.bind(seq, handle, adapter_slot)
 
-    def block_table(self, seq: SequenceState) -> npt.NDArray[np.int32]:
-        """The sequence's block ids as an int32 array (a copy, safe to hand to a kernel)."""
-        return self._core.block_table(self._core.handle_of(seq))
+    def block_table(self, seq: SequenceState, group: int = 0) -> npt.NDArray[np.int32]:
+        """The sequence's block ids in KV cache group ``group`` (int32, a copy); -1 where a windowed group holds none."""
+        return self._core.block_table(self._core.handle_of(seq), group)
 
     def wait_stream(self, stream: object) -> None:
         """Order later device work after the engine\'s work on ``stream``, without blocking (``Device.wait_stream``)."""
@@ -442,24 +452,27 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
             raise InvalidId(f"num_common_prefix_blocks: seqs must be SequenceStates, got {seqs!r}") from None
         return int(self._core.num_common_prefix_blocks(handles))
 
-    def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None) -> int:
-        """Write the sequence's block ids into ``out``, a writable 1-D int32 buffer (padded with ``pad``)."""
+    def write_block_table(self, seq: SequenceState, out: object, *, pad: int | None = None, group: int = 0) -> int:
+        """Write the sequence's block ids (in KV cache group ``group``) into ``out``, a writable 1-D int32
+        buffer (padded with ``pad``)."""
         try:
-            return int(self._core.write_table(self._core.handle_of(seq), out, pad))
+            return int(self._core.write_table(self._core.handle_of(seq), out, pad, group))
         except InvalidId as error:
             raise_if_wrong_type(error, "write_block_table", {}, {"out": out})
             raise
 
     def write_block_tables(
-        self, seqs: Sequence[SequenceState], table: object, *, rows: _Ints | None = None, pad: int | None = None
+        self, seqs: Sequence[SequenceState], table: object, *, rows: _Ints | None = None, pad: int | None = None,
+        group: int = 0,
     ) -> None:
-        """Write each sequence's block ids into row ``rows[i]`` (default ``i``) of ``table``, a 2-D int32
-        table in host or CUDA memory (:mod:`lifecycle.block_tables`); everything is checked first."""
+        """Write each sequence's block ids (in KV cache group ``group``: one engine table per group) into row
+        ``rows[i]`` (default ``i``) of ``table``, a 2-D int32 table in host or CUDA memory
+        (:mod:`lifecycle.block_tables`); everything is checked first."""
         seqs = list(seqs)
         handle_of = self._core.handle_of
         handles = [handle_of(seq) for seq in seqs]
         with self._entered, self._clock:
-            write_block_tables(self._core, self._device, self._memory.tables, seqs, handles, table, rows, pad)
+            write_block_tables(self._core, self._device, self._memory.tables, seqs, handles, table, rows, pad, group)
 
     def flush_store(self, timeout_s: float = 10.0) -> bool:
         """Wait until the blocks queued for the shared store are written (False: ``timeout_s`` passed)."""

@@ -25,6 +25,7 @@ from lifecycle.device.base import Device
 from lifecycle.events.translate import KVEventLog
 from lifecycle.errors import SequenceStateError, TornDown
 from lifecycle.events.types import KVEventBatch
+from lifecycle.kv_groups import core_groups, group_stats, refuse_grouped_tiers
 from lifecycle.lora import AdapterBindings, AdapterTable
 from lifecycle.memory import ModelMemory
 from lifecycle.pools import KVPool, SSMPool
@@ -66,6 +67,7 @@ class ModelParts:
             # Without attention layers a sequence holds no blocks, and its tokens are not bounded by them.
             max_tokens_per_seq=None if memory.kv is not None else 2**31 - 1,
             null_block=null_block,
+            groups=core_groups(config),
         )
         self.slots = SlotPool(config.max_seqs)
         self.drop_queue: deque[int] = deque()  # handles of sequences dropped unfreed (their finalizers fill it)
@@ -79,6 +81,7 @@ class ModelParts:
         self.tiers: ModelTiers | None = None
         if events or host_tier_blocks or store is not None:
             try:
+                refuse_grouped_tiers(config, host_tier_blocks, store)
                 self.tiers = open_tiers(
                     core, device, memory.kv, config, ssm=memory.ssm,
                     host_blocks=host_tier_blocks, store_url=store, events=self.events,
@@ -240,6 +243,18 @@ class ModelViews:
     def kv_pool(self) -> KVPool | None:
         """The paged KV memory (addresses, strides and array views for kernels)."""
         return self._memory.kv
+
+    @property
+    def kv_pools(self) -> tuple[KVPool, ...]:
+        """The paged KV memory of every KV cache group, group 0 (``kv_pool``) first."""
+        return self._memory.kv_groups
+
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per KV cache group, group 0 first: the core's counts (``kind``, ``window``, ``num_blocks``,
+        ``num_free``, ``num_cached``, blocks allocated, freed, released from windows, kept at checkpoints,
+        evicted) and the group's ``layers`` and pool ``bytes``."""
+        with self._entered:
+            return group_stats(self._core, self._memory.kv_groups)
 
     @property
     def ssm_pool(self) -> SSMPool | None:

@@ -1,16 +1,23 @@
-"""The KV pool and the SSM pool: the model's state in device memory, and its addresses for kernels.
+"""The KV pools and the SSM pool: the model's state in device memory, and its addresses for kernels.
 
-KV pool: one allocation per attention layer, shaped ``[num_blocks, planes, block_size,
-num_kv_heads, head_dim]`` (``planes`` = 2 for K and V, 1 where V aliases K). The K/V axis sits
-inside the block, so one ``(layer, block)`` is one contiguous range of ``layer_block_bytes(layer)``
-bytes: a block moves with one copy per layer, and paged-attention kernels (FlashInfer's NHD layout
-with K and V in one tensor) index it as ``cache[block_table[i]]``.
+KV pools: one per KV cache group (``config.kv_groups``; one for a model of one group), each with
+its own block ids ``0 .. num_blocks - 1`` (the group's own ``BlockPool`` in the core) and one
+allocation per layer of the group. An attention layer (full, sliding window, chunked local) is
+shaped ``[num_blocks, planes, block_size, num_kv_heads, head_dim]`` (``planes`` = 2 for K and V,
+1 where V aliases K); an MLA layer ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``;
+a sparse-attention indexer ``[num_blocks, block_size, bytes_per_token]`` (bytes). The K/V axis
+sits inside the block, so one ``(layer, block)`` is one contiguous range of
+``layer_block_bytes(layer)`` bytes: a block moves with one copy per layer, and paged-attention
+kernels (FlashInfer's NHD layout with K and V in one tensor) index it as ``cache[block_table[i]]``.
+Groups share no memory, so a block of one group is exactly its layers' pages (no padding to a
+common page size); :func:`kv_group_pools` builds them all.
 
 SSM pool: per SSM layer, one allocation of ``h`` state and one of conv state, each
 ``max_seqs + 1`` slots (the last, ``padding_slot``, is never handed out; kernels point padded batch
 entries at it).
 
-Layer indices count attention layers (KV pool) and SSM layers (SSM pool) separately, in model order.
+Layer indices count a KV group's layers (its KV pool; for a one-group model of attention layers,
+every attention layer) and SSM layers (SSM pool) separately, in model order.
 Copies and memsets are asynchronous on the device's stream; ``device.synchronize()`` makes them
 visible. Both pools free their memory newest allocation first, exactly once; any call but
 ``release`` afterwards raises :class:`~lifecycle.errors.TornDown`, and views taken before are invalid.
@@ -24,9 +31,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypeAli
 
 from numpy.typing import NDArray
 
-from lifecycle.config import DTYPE_SIZES, AttentionLayer, DType, ModelConfig, SSMLayer, StorageScalar
+from lifecycle.config import (
+    DTYPE_SIZES,
+    DType,
+    IndexerLayer,
+    KVLayer,
+    ModelConfig,
+    SSMLayer,
+    StorageScalar,
+)
 from lifecycle.device.base import Copy, Device
-from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown, Unsupported
+from lifecycle.errors import BlockIdOutOfRange, InvalidId, SlotOutOfRange, TornDown
 
 if TYPE_CHECKING:
     from lifecycle.device.cuda import CudaArrayView
@@ -99,7 +114,7 @@ class _Allocations:
             error.add_note(f"while freeing after the failure: {failure!r}")
 
 
-LayerT = TypeVar("LayerT", AttentionLayer, SSMLayer)
+LayerT = TypeVar("LayerT", bound=KVLayer | SSMLayer)
 
 
 class LayerPool(Generic[LayerT]):
@@ -154,25 +169,47 @@ class LayerPool(Generic[LayerT]):
         self._allocations.release()
 
 
-class KVPool(LayerPool[AttentionLayer]):
-    """K and V of every attention layer for ``config.num_blocks_resolved`` blocks."""
+def _element(layer: KVLayer) -> tuple[DType, int]:
+    """The dtype of a layer's array view and its size (an indexer's blocks are viewed as bytes:
+    its key and scale share a token's row)."""
+    dtype: DType = "uint8" if isinstance(layer, IndexerLayer) else layer.dtype
+    return dtype, DTYPE_SIZES[dtype]
+
+
+class KVPool(LayerPool[KVLayer]):
+    """The layers of KV cache group ``group`` of ``config`` for that group's ``num_blocks`` blocks
+    (group 0: every attention layer of a one-group model, for ``config.num_blocks_resolved``)."""
 
     _name = "KVPool"
     _layer_name = "attention layer"
 
-    def __init__(self, device: Device, config: ModelConfig) -> None:
-        if not config.is_single_attention_group:
-            groups = ", ".join(f"{group.kind} ({len(group.layer_indices)} layers)" for group in config.kv_groups)
-            raise Unsupported(
-                f"KVPool: {config.name!r} has KV groups {groups}; this pool holds one group of AttentionLayers "
-                "(several groups and MLA or indexer layers need the groups core)"
-            )
-        super().__init__(device, config.attention_layers)
-        self._num_blocks = config.num_blocks_resolved
+    def __init__(self, device: Device, config: ModelConfig, group: int = 0) -> None:
+        groups = config.kv_groups
+        if not 0 <= group < max(len(groups), 1):
+            raise InvalidId(f"KVPool: group {group!r} is out of range: {config.name!r} has {len(groups)} KV groups")
+        layers: list[KVLayer] = []
+        for index in groups[group].layer_indices if groups else ():  # no KV layer: an empty pool
+            layer = config.layers[index]
+            assert not isinstance(layer, SSMLayer)
+            layers.append(layer)
+        super().__init__(device, tuple(layers))
+        self._group = group
+        self._kind = groups[group].kind if groups else "full"
+        self._num_blocks = groups[group].num_blocks if groups else 0
         self._block_size = config.block_size
         self._block_bytes = tuple(layer.block_bytes(config.block_size) for layer in self._layers)
         blocks = self._num_blocks
         self._ptrs = self._allocate(blocks * block_bytes for block_bytes in self._block_bytes) if blocks else ()
+
+    @property
+    def group(self) -> int:
+        """The KV cache group this pool holds (its index in ``config.kv_groups``)."""
+        return self._group
+
+    @property
+    def kind(self) -> str:
+        """The group's attention rule: ``"full"``, ``"sliding_window"`` or ``"chunked_local"``."""
+        return self._kind
 
     # --- sizes and addresses ---------------------------------------------------------------------
 
@@ -208,17 +245,19 @@ class KVPool(LayerPool[AttentionLayer]):
         """Bytes from one block of ``layer`` to the next (blocks are packed: the block's size)."""
         return self.layer_block_bytes(layer)
 
-    def layer_shape(self, layer: int) -> tuple[int, int, int, int, int]:
-        """``(num_blocks, planes, block_size, num_kv_heads, head_dim)`` of ``layer``."""
+    def layer_shape(self, layer: int) -> tuple[int, ...]:
+        """``(num_blocks, *block_shape)`` of ``layer``: ``(num_blocks, planes, block_size,
+        num_kv_heads, head_dim)`` for attention, ``(num_blocks, block_size, width)`` for MLA (width
+        elements) and the indexer (width bytes)."""
         return (self._num_blocks, *self._layers[self._layer(layer)].block_shape(self._block_size))
 
-    def layer_strides(self, layer: int) -> tuple[int, int, int, int, int]:
+    def layer_strides(self, layer: int) -> tuple[int, ...]:
         """Byte strides of :meth:`layer_shape` (C order)."""
-        spec = self._layers[self._layer(layer)]
-        head = spec.head_dim * spec.itemsize
-        token = spec.num_kv_heads * head
-        plane = self._block_size * token
-        return (spec.kv_planes * plane, plane, token, head, spec.itemsize)
+        shape = self.layer_shape(layer)
+        strides = [_element(self._layers[layer])[1]]
+        for extent in reversed(shape[1:]):
+            strides.append(strides[-1] * extent)
+        return tuple(reversed(strides))
 
     def block_addr(self, layer: int, block_id: int) -> int:
         """Address of block ``block_id`` of ``layer``: ``layer_block_bytes(layer)`` contiguous bytes,
@@ -275,13 +314,14 @@ class KVPool(LayerPool[AttentionLayer]):
         (``torch.from_dlpack(pool.kv_view(0))`` is a bfloat16 / float8 tensor over the pool). numpy
         and the array interface see bfloat16 / float8 as unsigned integers of the same width."""
         index = self._layer(layer)
-        view = self._device.device_array(self._ptrs[index], self.layer_shape(index), self._layers[index].dtype)
+        dtype = _element(self._layers[index])[0]
+        view = self._device.device_array(self._ptrs[index], self.layer_shape(index), dtype)
         return cast(PoolView, view)
 
     def __repr__(self) -> str:
         return (
-            f"KVPool(layers={len(self._layers)}, num_blocks={self._num_blocks}, "
-            f"total_bytes={self.total_bytes}, released={self.released})"
+            f"KVPool(group={self._group}, kind={self._kind!r}, layers={len(self._layers)}, "
+            f"num_blocks={self._num_blocks}, total_bytes={self.total_bytes}, released={self.released})"
         )
 
 
@@ -398,3 +438,17 @@ class SSMPool(LayerPool[SSMLayer]):
             f"SSMPool(layers={len(self._layers)}, num_slots={self._num_slots}, "
             f"total_bytes={self.total_bytes}, released={self.released})"
         )
+
+
+def kv_group_pools(device: Device, config: ModelConfig) -> tuple[KVPool, ...]:
+    """One :class:`KVPool` per KV cache group of ``config``, group 0 first (none without KV
+    layers); if one cannot be allocated, those before it are released and the error raised."""
+    pools: list[KVPool] = []
+    try:
+        for group in range(len(config.kv_groups)):
+            pools.append(KVPool(device, config, group))
+    except BaseException:
+        for pool in reversed(pools):
+            pool.release()
+        raise
+    return tuple(pools)

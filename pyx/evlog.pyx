@@ -88,14 +88,16 @@ cdef class EventLog:
         return &log.entries[log.num_entries - 1]
 
     cdef void stored(self, int64_t adapter, uint64_t parent, bint has_parent, const uint64_t *hashes,
-                     const int32_t *tokens, Py_ssize_t count) noexcept nogil:
-        """``count`` blocks were cached under root key ``adapter``, after the block hashed
-        ``parent`` (the root's hash when not ``has_parent``): their hashes and tokens."""
+                     const int32_t *tokens, Py_ssize_t count, int group=0) noexcept nogil:
+        """``count`` blocks of KV cache group ``group`` were cached under root key ``adapter``,
+        after the block hashed ``parent`` (the root's hash when not ``has_parent``): their hashes
+        and tokens."""
         cdef Py_ssize_t bs = self._block_size
         cdef EvEntry *entry = self._entry(count, count * bs, 0)
         if entry == NULL:
             return
         entry.kind = 1
+        entry.group = <int8_t>group
         entry.adapter = adapter
         entry.parent = parent
         entry.has_parent = has_parent
@@ -108,15 +110,16 @@ cdef class EventLog:
         self._log.num_tokens += count * bs
 
     cdef void removed(self, const int32_t *ids, const int32_t *tokens, const uint64_t *hashes,
-                      Py_ssize_t count) noexcept nogil:
-        """``count`` cached blocks left the cache: their ``hashes`` (with ``tokens``, as demotion
-        keeps them, their ids and tokens too)."""
+                      Py_ssize_t count, int group=0) noexcept nogil:
+        """``count`` cached blocks of KV cache group ``group`` left the cache: their ``hashes``
+        (with ``tokens``, as demotion keeps them, their ids and tokens too)."""
         cdef Py_ssize_t bs = self._block_size
         cdef bint with_tokens = tokens != NULL
         cdef EvEntry *entry = self._entry(count, count * bs if with_tokens else 0, count if with_tokens else 0)
         if entry == NULL:
             return
         entry.kind = 2
+        entry.group = <int8_t>group
         entry.adapter = 0
         entry.parent = 0
         entry.has_parent = 0
@@ -140,6 +143,7 @@ cdef class EventLog:
             entry.num_tokens = 0
             entry.has_ids = 0
             entry.has_parent = 0
+            entry.group = 0
             entry.adapter = 0
             entry.parent = 0
 
@@ -187,13 +191,13 @@ cdef class EventLog:
 
 #: The layout of one entry of ``RawEvents.entries``: the C struct, field for field.
 EVENT_DTYPE = np.dtype({
-    "names": ["adapter", "parent", "count", "num_tokens", "kind", "has_parent", "has_ids"],
-    "formats": ["<i8", "<u8", "<i4", "<i4", "i1", "?", "?"],
+    "names": ["adapter", "parent", "count", "num_tokens", "kind", "has_parent", "has_ids", "group"],
+    "formats": ["<i8", "<u8", "<i4", "<i4", "i1", "?", "?", "i1"],
     "offsets": [
         <Py_ssize_t>&(<EvEntry *>NULL).adapter, <Py_ssize_t>&(<EvEntry *>NULL).parent,
         <Py_ssize_t>&(<EvEntry *>NULL).count, <Py_ssize_t>&(<EvEntry *>NULL).num_tokens,
         <Py_ssize_t>&(<EvEntry *>NULL).kind, <Py_ssize_t>&(<EvEntry *>NULL).has_parent,
-        <Py_ssize_t>&(<EvEntry *>NULL).has_ids,
+        <Py_ssize_t>&(<EvEntry *>NULL).has_ids, <Py_ssize_t>&(<EvEntry *>NULL).group,
     ],
     "itemsize": sizeof(EvEntry),
 })
@@ -229,7 +233,7 @@ cdef class RawEvents:
       tokens in ``tokens`` (a stored entry's always, a removed one's with demotion); ``has_ids``:
       a removed entry's block ids are in ``ids`` (demotion); ``adapter``: the trie root's key of a
       stored entry; ``parent``: the hash before its first block (``has_parent`` False when that is
-      the root).
+      the root); ``group``: the KV cache group of the entry's blocks (0 without groups).
     - ``hashes`` (uint64), ``tokens`` (int32), ``ids`` (int32).
 
     ``dropped``: entries lost before this drain (over 16M pending tokens, or out of host memory).

@@ -28,11 +28,14 @@ cimport cython
 cimport numpy as cnp
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
+from cpython.mem cimport PyMem_Free
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
 from lifecycle._args cimport ssize_arg as _as_count
+from lifecycle._blockpool cimport BatchResult
 from lifecycle._evlog cimport EvLog, new_event_log
+from lifecycle._groups cimport group_index, group_tables as _group_tables, new_groups, one_group_stats
 from lifecycle._hash cimport lc_content_hashes, lc_root_hash, lc_stream_tokens_checked, lc_tokens_differ
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key, block_ids, empty_int32 as _empty_int32, first_negative as _first_negative,
@@ -43,7 +46,7 @@ from lifecycle._radix cimport Chunk, RNode, WalkEnd, chunk_decref, chunk_new
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
-    E_CLOSED, E_GROWN, E_INVALID_ARG, E_INVARIANT, E_NEGATIVE_TOKEN, E_NO_MEMORY, E_NOT_CACHED,
+    E_CLOSED, E_GROUPS, E_GROWN, E_INVALID_ARG, E_INVARIANT, E_NEGATIVE_TOKEN, E_NO_MEMORY, E_NOT_CACHED,
     E_OTHER_TOKENS, E_OUT_OF_BLOCKS, E_REFUSED, E_TOO_LONG, OK, blocks_for, handle_arg as _handle_arg,
     new_records, new_sequence, ok,
 )
@@ -57,7 +60,7 @@ import numpy as np
 # The event log's and the records' names that callers import from this module.
 from lifecycle._evlog import CLEARED, EVENT_DTYPE, REMOVED, STORED, RawEvents  # no-cython-lint
 from lifecycle._records import SeqStatus, SequenceState  # no-cython-lint
-from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, TornDown
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, TornDown, Unsupported
 
 cnp.import_array()
 
@@ -79,14 +82,25 @@ cdef class KVCacheCore:
     snapshot, of which it keeps ids for ``num_snapshots``; ``max_blocks_per_seq`` caps a table.
     ``events`` / ``demote``: see ``set_events``; ``null_block=True`` holds block 0 of a fresh
     pool for good (engines pad their tables with it), so it is never handed out or cached.
+
+    ``groups``: the KV cache groups past group 0 (``pool``, full attention), each
+    ``(kind, window, sink_tokens, pool)`` with kind ``"full"``, ``"sliding_window"`` or
+    ``"chunked_local"`` (``window``: its window or chunk in tokens) and a ``BlockPool`` of its own
+    (the core's alone: it works on it under its own lock), with this block size. Admission reuses
+    the longest prefix every group can serve; a windowed group's table holds -1 where it needs no
+    block (before its window, or released since); the decode step releases what left a window,
+    keeping the windows before checkpoints every ``retention_interval`` tokens (default 4096, a
+    multiple of the block size; 0: none) for later hits. See ``lifecycle._groups``.
     """
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
                  num_snapshots=0, max_blocks_per_seq=None, max_tokens_per_seq=None, capacity=None,
-                 events=False, demote=False, null_block=False):
+                 events=False, demote=False, null_block=False, groups=None, retention_interval=None):
         """An empty cache over ``pool`` with ``block_size`` tokens per block; the class says what
         each option does."""
         cdef PyThreadState *released
+        cdef int32_t null_id
+        cdef Py_ssize_t i
         if self._pool is not None:
             raise ConfigError("this KVCacheCore is already initialized; make a new one")
         total = pool.num_total
@@ -105,6 +119,12 @@ cdef class KVCacheCore:
         self._trie = RadixTrie(
             self._block_size, capacity=_as_count(1024 if capacity is None else capacity, "capacity", 0, INT32_MAX // 4)
         )
+        if groups is not None and len(groups):
+            if snapshot_cut:
+                raise ConfigError("snapshot_cut is not offered with KV cache groups (groups=): give one or the other")
+            self._groups = new_groups(pool, self._block_size, groups, retention_interval, self._max_tokens_per_seq)
+            self._grouped = True
+            self._trie._set_groups(self._groups.n)
         self._lock = core_lock(pool, pool.mutex())
         self._trie._share_lock(pool, pool.mutex())
         self._records = new_records(
@@ -119,13 +139,17 @@ cdef class KVCacheCore:
         self._snapshot_cut = bool(snapshot_cut)
         self._null_block = -1
         if null_block:
-            if self._pool.num_free != self._pool.num_total or self._pool.num_total == 0:
-                raise ConfigError(
-                    f"null_block needs a fresh pool with at least one block (free {self._pool.num_free} of "
-                    f"{self._pool.num_total})"
-                )
+            for group_pool in (self._groups.pools if self._grouped else (pool,)):
+                if group_pool.num_free != group_pool.num_total or group_pool.num_total == 0:
+                    raise ConfigError(
+                        f"null_block needs a fresh pool with at least one block (free {group_pool.num_free} of "
+                        f"{group_pool.num_total})"
+                    )
             released = self._lock.enter(LONG_CALL)
             self._pool._allocate_locked(&self._null_block, 1)
+            if self._grouped:
+                for i in range(1, self._groups.n):
+                    self._groups.pool_of(i)._allocate_locked(&null_id, 1)  # block 0 of a fresh pool
             self._lock.leave(released)
             if self._null_block != 0:
                 raise InvariantViolation(f"a fresh pool handed out block {self._null_block} first, not block 0")
@@ -255,6 +279,10 @@ cdef class KVCacheCore:
         but frees nothing, so the next round trims more."""
         cdef Py_ssize_t freed = 0, want, count
         cdef bint keep_tokens, logging
+        if self._grouped:
+            count = 0
+            self._groups.evict(self._trie, 0, n, &freed, &count, f)  # counted in the groups' counters
+            return freed
         while freed < n:
             want = min(n - freed, self._trie._lru_blocks)
             if want <= 0:
@@ -335,14 +363,17 @@ cdef class KVCacheCore:
         if self._records.reserve(rec, num_blocks, 0):
             f.code = E_NO_MEMORY
             return -1
+        if self._grouped and self._groups.grow(self._trie, rec, num_blocks, f):
+            return -1
         if self._pool._num_free < need:
             self.evict_locked(need - self._pool._num_free, f)
-            if f.code != OK:
-                return -1
-        if not self._pool._allocate_locked(rec.chunk.blocks + rec.num_blocks, need):
+        if f.code == OK and not self._pool._allocate_locked(rec.chunk.blocks + rec.num_blocks, need):
             f.code = E_OUT_OF_BLOCKS
             f.value = need
             f.limit = self._pool._num_free
+        if f.code != OK:
+            if self._grouped:
+                self._groups.ungrow(rec, rec.num_blocks, num_blocks, self._groups.n)
             return -1
         rec.num_blocks = <int32_t>num_blocks
         self._counters.blocks_allocated += need
@@ -407,6 +438,10 @@ cdef class KVCacheCore:
         cdef Chunk *fresh = NULL
         cdef WalkEnd walk
         cdef int32_t root = -1
+        cdef BatchResult undo
+        if retry and self._grouped:
+            f.code = E_GROUPS
+            return -1
         if retry:
             self._records.materialize(rec)
             if rec.num_tokens != n or lc_tokens_differ(rec.chunk.tokens, tokens, n):
@@ -438,6 +473,14 @@ cdef class KVCacheCore:
             if root >= 0 and limit > 0:
                 matched = self._trie._walk(root, tokens, limit, &walk)
                 reuse = matched if not self._snapshot_cut else walk.tagged_blocks
+                if self._grouped and matched:
+                    # The longest cut every group serves; the walk is redone to end there.
+                    reuse = self._groups.best_cut(self._trie, walk.node, matched, 0)
+                    if reuse < 0:
+                        f.code = E_NO_MEMORY
+                        return -1
+                    if reuse < matched:
+                        matched = self._trie._walk(root, tokens, reuse, &walk)
         chunk = rec.chunk
         if not retry:
             # Only what the cache does not hold is copied; the reused head is the pinned path's.
@@ -496,6 +539,9 @@ cdef class KVCacheCore:
                 if f.batch.failed_at >= 0:
                     f.code = E_REFUSED
                     return -1
+                if self._grouped and self._groups.attach(self._trie, end, rec, reuse, f):
+                    self._pool._dec_ref_locked(chunk.blocks, reuse, &undo)  # taken just above: none frees
+                    return -1
                 self._trie._pin(end)
                 if self._snapshot_cut:
                     self._snaps.touch(self._trie._nodes[end].tag)
@@ -505,6 +551,7 @@ cdef class KVCacheCore:
             rec.num_tokens = <int32_t>n
             rec.prompt_len = <int32_t>n
             rec.lazy_tokens = <int32_t>(reuse * bs)
+            rec.kv_tokens = <int32_t>(reuse * bs)
             self._count_lookup(n, matched, reuse)
         rec.cached_tokens = <int32_t>(reuse * bs)
         if grow_to > rec.num_blocks:
@@ -593,13 +640,14 @@ cdef class KVCacheCore:
         most of it would be waste), unpin, release its block references and close it; returns
         how many blocks became free."""
         cdef Py_ssize_t bs = self._block_size, d = rec.pin_blocks, full = 0, pos = 0, matched, length
-        cdef Py_ssize_t freed
-        cdef int32_t start, v, leaf = -1, tip
+        cdef Py_ssize_t freed, freed0 = 0, trimmed = 0
+        cdef int32_t start, v = rec.pin_node, leaf = -1, tip
         cdef WalkEnd walk
         cdef Chunk *chunk = rec.chunk
         cdef Chunk *copy
+        cdef bint cached = cache and self._enabled and not rec.failed
         tip = rec.pin_node if self._enabled and not rec.failed else -1  # the request's cached path
-        if cache and self._enabled and not rec.failed:
+        if cached:
             full = min(<Py_ssize_t>rec.num_tokens // bs, <Py_ssize_t>rec.num_blocks)
             pos = full
             if full > d:
@@ -636,6 +684,11 @@ cdef class KVCacheCore:
                 tip = leaf if length > 0 else v
         if self._retention._num_hints:
             self._retention.apply(rec, tip, rec.cached_tokens // bs)
+        if self._grouped:
+            if cached:
+                self._groups.finish(self._trie, rec, v, pos, full, leaf, f)
+            else:
+                self._groups.release_all(rec, f)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
         # The blocks [pos, full) now belong to the cache: the record's references changed owner.
@@ -646,7 +699,10 @@ cdef class KVCacheCore:
             f.code = E_INVARIANT
         self._counters.blocks_freed += freed
         self._records.close(rec)
-        return freed
+        if self._grouped and cached and f.code == OK:
+            # The run left must end where every group can serve it.
+            self._groups.settle_leaf(self._trie, leaf if leaf >= 0 else v, &freed0, &trimmed, f)
+        return freed + freed0
 
     # -- the calls ------------------------------------------------------------------------------------
 
@@ -726,8 +782,14 @@ cdef class KVCacheCore:
         cdef int64_t h = _handle_arg(handle, "clear")
         cdef Failure f
         cdef PyThreadState *released
+        cdef SeqRec *rec
         ok(&f)
         released = self._lock.enter(LONG_CALL)
+        if self._grouped:
+            rec = self._records.get(h, &f)
+            if rec != NULL:
+                self._groups.release_all(rec, &f)
+            ok(&f)  # clear_locked says what was wrong
         self._counters.blocks_freed += self._records.clear_locked(h, &f)
         self._lock.leave(released)
         self._records.raise_failure(&f, "clear")
@@ -795,8 +857,13 @@ cdef class KVCacheCore:
         return handle
 
     def append(self, handle, tokens):
-        """Record tokens whose KV the engine computed (prompt first, then generated ones)."""
-        self._records.append(_handle_arg(handle, "append"), tokens)
+        """Record tokens whose KV the engine computed (prompt first, then generated ones). With
+        KV cache groups, the record's KV then covers the tokens it had before: each windowed
+        group releases what left the window."""
+        if self._grouped:
+            self._groups.append(self._records, _handle_arg(handle, "append"), tokens)
+        else:
+            self._records.append(_handle_arg(handle, "append"), tokens)
 
     def grow(self, handle, num_blocks):
         """Extend the table to ``num_blocks`` blocks, all or nothing, evicting cached blocks when
@@ -829,6 +896,8 @@ cdef class KVCacheCore:
         are free. ``call`` names the caller in errors."""
         cdef int64_t h = _handle_arg(handle, "allocate")
         cdef Py_ssize_t wanted = _as_count(num_blocks, f"{call}: num_blocks", 0, self._max_blocks_per_seq)
+        if self._grouped:
+            self._refuse_grouped(call)
         self._counters.blocks_allocated += self._records.allocate(h, wanted, call)
 
     def cache(self, handle, num_blocks):
@@ -839,6 +908,8 @@ cdef class KVCacheCore:
         cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
         cdef Py_ssize_t taken = 0
         cdef Failure f
+        if self._grouped:
+            self._refuse_grouped("cache_sequence")
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         self._cache_checked(h, full, &taken, &f)
@@ -856,6 +927,8 @@ cdef class KVCacheCore:
         cdef Py_ssize_t taken = 0
         cdef SeqRec *rec
         cdef Failure f
+        if self._grouped:
+            self._refuse_grouped("mark_computed")
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         rec = self._records.active(h, &f)
@@ -927,6 +1000,8 @@ cdef class KVCacheCore:
         cdef int32_t sid = -1
         cdef bint fresh = False
         cdef Failure f
+        if self._grouped:
+            self._refuse_grouped("save_snapshot")
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         sid = self._snapshot_locked(h, full, rolling, &fresh, &f)
@@ -1028,7 +1103,7 @@ cdef class KVCacheCore:
         """Whether ``handle`` is a record of this core not yet finished."""
         return self._records.is_live(_handle_arg(handle, "is_live"))
 
-    def step(self, handles, tokens, counts=None, table=None, rows=None, bint cache=False):
+    def step(self, handles, tokens, counts=None, table=None, rows=None, bint cache=False, group_tables=None):
         """One decode step for a batch of running requests, in one call with the GIL released:
         append each request's new tokens (one per request, or ``counts[i]`` of the concatenated
         ``tokens`` for speculative decoding), grow every table whose last block filled (evicting
@@ -1040,7 +1115,12 @@ cdef class KVCacheCore:
         was, and its position in ``handles`` is returned (int32, empty when every request
         stepped), for the scheduler to preempt. A bad argument (a stale handle, a retired request,
         a negative token, a table too small) raises before anything changes. Blocks evicted for a
-        request that was refused all the same stay evicted, as for ``grow``."""
+        request that was refused all the same stay evicted, as for ``grow``.
+
+        With KV cache groups every group grows at once (a request short in any group is refused),
+        ``group_tables`` (one table per group past 0, shaped as ``table``) get each group's new
+        ids, and each windowed group first releases the blocks that left the request's window or
+        chunk (its KV covers the tokens it had before this step), a refused request's too."""
         cdef const int32_t *tok = NULL
         cdef Py_ssize_t n, num_tok = 0, ncols = -1, nrows = 0
         cdef const int64_t *hs
@@ -1051,6 +1131,7 @@ cdef class KVCacheCore:
         cdef cnp.ndarray count_array, row_array, table_array, refused
         cdef Failure f
         cdef Py_ssize_t num_refused = 0, bad = -1
+        cdef int32_t **group_tabs = NULL
         n = cnp.PyArray_DIM(handle_array, 0)
         hs = <const int64_t *>cnp.PyArray_DATA(handle_array)
         tokens = _token_vector(tokens, &tok, &num_tok)
@@ -1072,15 +1153,24 @@ cdef class KVCacheCore:
                 raise InvalidId(f"step: a table of {nrows} rows for {n} requests (give rows)")
         elif rows is not None:
             raise InvalidId("step: rows were given without a table to write them in")
+        if self._grouped and (cache or group_tables is not None):
+            if cache:
+                self._refuse_grouped("step(cache=True)")
+            if group_tables is not None:
+                group_tables = tuple(group_tables)  # held while the step writes them
+                group_tabs = _group_tables(group_tables, self._groups.n - 1, table)
+        elif group_tables is not None:
+            raise InvalidId("step: group_tables were given to a core with one KV cache group")
         refused = _empty_int32(n)
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         bad = self._records.check_step(hs, n, tok, num_tok, cnt, row_of, nrows, ncols, &f)
         if bad < 0:
             num_refused = self._step_locked(
-                hs, n, tok, cnt, tab, row_of, ncols, cache, <int32_t *>cnp.PyArray_DATA(refused), &f
+                hs, n, tok, cnt, tab, row_of, ncols, cache, <int32_t *>cnp.PyArray_DATA(refused), group_tabs, &f
             )
         self._lock.leave(released)
+        PyMem_Free(group_tabs)
         if bad >= 0 or f.code != OK:
             if f.code == E_NEGATIVE_TOKEN:
                 self._records.raise_failure(&f, "step", tokens)
@@ -1100,7 +1190,7 @@ cdef class KVCacheCore:
 
     cdef Py_ssize_t _step_locked(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
-        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, Failure *f
+        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, int32_t **group_tabs, Failure *f
     ) noexcept nogil:
         """(Lock held, arguments checked) the step itself; returns how many requests it refused."""
         cdef Py_ssize_t i, added, need, num_refused = 0, offset = 0, j, full, taken
@@ -1113,12 +1203,24 @@ cdef class KVCacheCore:
             if self._records.reserve(rec, rec.num_blocks + max(need, <Py_ssize_t>0), rec.num_tokens + added):
                 f.code = E_NO_MEMORY
                 return num_refused
+            if self._grouped and self._groups.release(rec, rec.num_tokens, f):
+                return num_refused
             if need > 0:
+                if self._grouped and self._groups.grow(self._trie, rec, rec.num_blocks + need, f):
+                    if f.code != E_OUT_OF_BLOCKS:
+                        return num_refused
+                    ok(f)
+                    refused[num_refused] = <int32_t>i
+                    num_refused += 1
+                    offset += added
+                    continue
                 if self._pool._num_free < need:
                     self.evict_locked(need - self._pool._num_free, f)
                     if f.code != OK:
                         return num_refused
                 if not self._pool._allocate_locked(rec.chunk.blocks + rec.num_blocks, need):
+                    if self._grouped:
+                        self._groups.ungrow(rec, rec.num_blocks, rec.num_blocks + need, self._groups.n)
                     refused[num_refused] = <int32_t>i
                     num_refused += 1
                     offset += added
@@ -1127,6 +1229,10 @@ cdef class KVCacheCore:
                     row = tab + <Py_ssize_t>(row_of[i] if row_of != NULL else i) * ncols
                     for j in range(rec.num_blocks, rec.num_blocks + need):
                         row[j] = rec.chunk.blocks[j]
+                    if group_tabs != NULL:
+                        self._groups.write_rows(
+                            rec, group_tabs, (row - tab), rec.num_blocks, rec.num_blocks + need
+                        )
                 rec.num_blocks += <int32_t>need
                 self._counters.blocks_allocated += need
             memcpy(rec.chunk.tokens + rec.num_tokens, tok + offset, added * sizeof(int32_t))
@@ -1205,9 +1311,14 @@ cdef class KVCacheCore:
         """A copy of the record's token ids."""
         return self._records.tokens(_handle_arg(handle, "tokens"))
 
-    def block_table(self, handle):
-        """A copy of the record's block table (int32, for kernels)."""
-        return self._records.block_table(_handle_arg(handle, "block_table"))
+    def block_table(self, handle, group=0):
+        """A copy of the record's block table (int32, for kernels) in KV cache group ``group``
+        (a windowed group's holds -1 where it needs no block)."""
+        cdef int64_t h = _handle_arg(handle, "block_table")
+        cdef Py_ssize_t g = 0
+        if not (type(group) is int and group == 0):
+            g = group_index(group, self._ngroups(), "block_table")
+        return self._records.block_table(h) if g == 0 else self._groups.table(self._records, h, g, "block_table")
 
     def block_hashes(self, handle):
         """The content hashes of the record's full blocks (uint64; see docs/content-hashes.md),
@@ -1275,6 +1386,10 @@ cdef class KVCacheCore:
     def counters(self):
         """The core's counters since it was made, as a dict."""
         cdef Counters c = self._counters
+        if self._grouped:
+            # The groups' eviction frees and trims group 0's blocks too.
+            c.blocks_freed += self._groups._counts[0].freed
+            c.blocks_evicted += self._groups._counts[0].evicted
         return {
             "sequences_allocated": self._records.num_opened,
             "sequences_freed": self._records.num_closed,
@@ -1363,8 +1478,12 @@ cdef class KVCacheCore:
             f.code = E_CLOSED
         elif self._trie._lru_blocks == self._trie._num_blocks:
             self._quiet = True
+            if self._grouped:
+                self._groups.quiet = True
             self.evict_locked(self._trie._num_blocks + self._pool._num_blocks, &f)
             self._quiet = False
+            if self._grouped:
+                self._groups.quiet = False
             done = self._trie._num_blocks == 0
             if done and self._evlog.events:
                 self._evlog.cleared()
@@ -1389,12 +1508,16 @@ cdef class KVCacheCore:
         (``RawEvents.dropped``)."""
         cdef bint track = events or demote
         cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
+        if self._grouped and demote:
+            self._refuse_grouped("set_events(demote=True)")
         self._lock.enter_gil()
         try:
             if track and not self._track and self._trie._hash_all():
                 raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
             self._track = track
             self._evlog.configure(events, demote, cap)
+            if self._grouped:
+                self._groups.log_to(self._evlog if events else None)
         finally:
             self._lock.leave(NULL)
 
@@ -1429,6 +1552,8 @@ cdef class KVCacheCore:
         invalid. Blocks on the path of a running request are left alone (it still reads them).
         Returns the ids of the blocks that left the cache (int32, the given ones and those after
         them); ids that are not cached are ignored. Costs one pass over the trie's nodes."""
+        if self._grouped:
+            self._refuse_grouped("evict_blocks")
         cdef cnp.ndarray wanted = block_ids(ids, self._pool._num_blocks, "evict_blocks")
         cdef const int32_t *data = <const int32_t *>cnp.PyArray_DATA(wanted)
         cdef Py_ssize_t i, n = cnp.PyArray_DIM(wanted, 0), nb = self._pool._num_blocks, count, total = 0
@@ -1480,14 +1605,21 @@ cdef class KVCacheCore:
             <const int64_t *>cnp.PyArray_DATA(handle_array), cnp.PyArray_DIM(handle_array, 0)
         )
 
-    def write_table(self, handle, out, pad=None):
+    def write_table(self, handle, out, pad=None, group=0):
         """Write the record's block ids into ``out``, a writable 1-D int32 buffer the engine owns
         (a numpy array or row, anything with the buffer protocol, or a CPU tensor through DLPack);
         with ``pad``, fill the rest of ``out`` with that id (the null block). Returns how many ids
-        it wrote before the padding. ``out`` shorter than the table is refused, nothing written."""
+        it wrote before the padding. ``out`` shorter than the table is refused, nothing written.
+        ``group``: that KV cache group's table, whose -1 entries (no block needed) get ``pad``
+        too when it is given."""
         cdef int64_t h = _handle_arg(handle, "write_table")
         cdef int32_t pad_id = -1
         cdef int32_t[::1] dest = int32_buffer(out, "write_table")
+        cdef Py_ssize_t g = 0
+        if not (type(group) is int and group == 0):
+            g = group_index(group, self._ngroups(), "write_table")
+        if g:
+            return self._groups.write_table(self._records, h, dest, pad, g)
         if pad is not None:
             pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self._pool._num_blocks - 1, 0))
         return self._records.write_table(h, dest, pad_id)
@@ -1511,10 +1643,54 @@ cdef class KVCacheCore:
                 problem = f"BlockPool: {problem}"
             if problem is None:
                 problem = self._recount()
+            if problem is None and self._grouped:
+                problem = self._groups.problem(self._trie, self._records, self._null_block)
         finally:
             self._lock.leave(NULL)
         if problem is not None:
             raise InvariantViolation(problem)
+
+    # -- KV cache groups ------------------------------------------------------------------------------
+
+    cdef Py_ssize_t _ngroups(self) noexcept:
+        return self._groups.n if self._grouped else 1
+
+    cdef int _refuse_grouped(self, str call) except -1:
+        raise Unsupported(f"{call}: not offered by a KV cache core with several KV cache groups")
+
+    @property
+    def num_groups(self):
+        """KV cache groups (1: the pool's alone)."""
+        return self._ngroups()
+
+    @property
+    def groups(self):
+        """``(kind, window, sink_tokens)`` of every KV cache group, group 0 first."""
+        return self._groups.specs if self._grouped else (("full", 0, 0),)
+
+    @property
+    def group_pools(self):
+        """The ``BlockPool`` of every KV cache group, group 0 (``pool``) first."""
+        return self._groups.pools if self._grouped else (self._pool,)
+
+    @property
+    def retention_interval(self):
+        """Tokens between the checkpoints windowed groups keep for later hits (0: none, or no groups)."""
+        return self._groups.retention_blocks * self._block_size if self._grouped else 0
+
+    def group_stats(self):
+        """Per KV cache group, group 0 first, a dict: ``group``, ``kind``, ``window``,
+        ``sink_tokens``, its pool's ``num_blocks`` and ``num_free``, ``num_cached`` (blocks the
+        cache holds in it), ``blocks_allocated``, ``blocks_freed``, ``blocks_released`` (left a
+        window), ``blocks_kept_at_checkpoints``, ``blocks_evicted``."""
+        counters = self.counters()
+        self._lock.enter_gil()
+        try:
+            rows = self._groups.stats(self._trie) if self._grouped else one_group_stats(self._pool, self._trie)
+        finally:
+            self._lock.leave(NULL)
+        rows[0].update({key: counters[key] for key in ("blocks_allocated", "blocks_freed", "blocks_evicted")})
+        return rows
 
     cdef str _recount(self):
         cdef Py_ssize_t i, j, nb = self._pool._num_blocks

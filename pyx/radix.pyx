@@ -23,7 +23,7 @@ cimport cython
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.math cimport INFINITY
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from lifecycle._sync cimport lc_enter_gil, lc_leave, lc_mutex_init
@@ -71,6 +71,10 @@ cdef inline Py_ssize_t _class_tokens(Py_ssize_t size_class) noexcept nogil:
     return ((4 + size_class % 4) << (size_class // 4)) * 16
 
 
+cdef inline Py_ssize_t _chunk_nbytes(ChunkCache *cache, Chunk *chunk) noexcept nogil:
+    return (chunk.token_capacity + chunk.block_capacity * cache.num_groups) * sizeof(int32_t)
+
+
 cdef Chunk *chunk_new(ChunkCache *cache, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
     """A chunk with room for at least ``blocks`` block ids and ``tokens`` token ids and one
     reference; a cached one of its size class when there is one."""
@@ -83,7 +87,7 @@ cdef Chunk *chunk_new(ChunkCache *cache, Py_ssize_t blocks, Py_ssize_t tokens) n
             if chunk != NULL:
                 cache.free[size_class] = chunk.next_free
                 cache.count[size_class] -= 1
-                cache.bytes -= chunk.token_capacity * sizeof(int32_t) + chunk.block_capacity * sizeof(int32_t)
+                cache.bytes -= _chunk_nbytes(cache, chunk)
                 chunk.refs = 1
                 chunk.num_hashed = 0
                 chunk.next_free = NULL
@@ -105,7 +109,7 @@ cdef Chunk *chunk_new(ChunkCache *cache, Py_ssize_t blocks, Py_ssize_t tokens) n
     chunk.hashes = NULL
     chunk.next_free = NULL
     chunk.tokens = <int32_t *>malloc((tokens if tokens > 0 else 1) * sizeof(int32_t))
-    chunk.blocks = <int32_t *>malloc((blocks if blocks > 0 else 1) * sizeof(int32_t))
+    chunk.blocks = <int32_t *>malloc((blocks if blocks > 0 else 1) * cache.num_groups * sizeof(int32_t))
     if chunk.tokens == NULL or chunk.blocks == NULL:
         free(chunk.tokens)
         free(chunk.blocks)
@@ -121,7 +125,7 @@ cdef void chunk_decref(ChunkCache *cache, Chunk *chunk) noexcept nogil:
         return
     free(chunk.hashes)
     chunk.hashes = NULL
-    nbytes = chunk.token_capacity * sizeof(int32_t) + chunk.block_capacity * sizeof(int32_t)
+    nbytes = _chunk_nbytes(cache, chunk)
     if size_class >= 0 and cache.count[size_class] < CACHED_PER_CLASS and cache.bytes + nbytes <= CACHED_BYTES:
         chunk.next_free = cache.free[size_class]
         cache.free[size_class] = chunk
@@ -172,10 +176,12 @@ cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ss
     if blocks > chunk.block_capacity:
         if blocks > INT32_MAX:
             return 1
-        grown = <int32_t *>realloc(chunk.blocks, blocks * sizeof(int32_t))
+        grown = <int32_t *>realloc(chunk.blocks, blocks * cache.num_groups * sizeof(int32_t))
         if grown == NULL:
             return 1
         chunk.blocks = grown
+        if cache.num_groups > 1:
+            _spread_columns(grown, chunk.block_capacity, blocks, cache.num_groups)
         if chunk.hashes != NULL:
             hashes = <uint64_t *>realloc(chunk.hashes, blocks * sizeof(uint64_t))
             if hashes == NULL:
@@ -192,6 +198,14 @@ cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ss
     else:
         chunk.size_class = -1
     return 0
+
+
+cdef inline void _spread_columns(int32_t *blocks, Py_ssize_t old, Py_ssize_t new, Py_ssize_t groups) noexcept nogil:
+    """Move the group columns of a block array grown from ``old`` to ``new`` entries per column
+    (the last column first, as they only move up)."""
+    cdef Py_ssize_t g
+    for g in range(groups - 1, 0, -1):
+        memmove(blocks + g * new, blocks + g * old, old * sizeof(int32_t))
 
 
 # -- node helpers (lock held) --------------------------------------------------------------------
@@ -533,6 +547,7 @@ cdef class RadixTrie:
         lc_fill_keys(self._keys, block_size + 1)
         self._block_size = block_size
         self._chunks.block_size = block_size
+        self._chunks.num_groups = 1
         if self._reserve(max(<Py_ssize_t>capacity, <Py_ssize_t>MIN_CAPACITY)):
             raise MemoryError(f"RadixTrie: cannot allocate tables for {capacity} nodes")
 
@@ -899,7 +914,7 @@ cdef class RadixTrie:
         hashes their chunk keeps to ``hash_dest``, 0 where it keeps none) and return how many (-1:
         the LRU head was not a leaf, an invariant broke). Tags at trimmed ends go to the evicted
         tags."""
-        cdef Py_ssize_t count = 0, take, bs = self._block_size
+        cdef Py_ssize_t count = 0, take
         cdef int32_t v, q
         cdef RNode *node
         if self._heap_size and self._heap[0].at <= self._now():
@@ -918,27 +933,38 @@ cdef class RadixTrie:
                 self._set_priority(v, q, INFINITY)
                 continue
             take = min(<Py_ssize_t>node.length, n - count)
-            memcpy(dest + count, node.chunk.blocks + node.start + node.length - take, take * sizeof(int32_t))
-            if token_dest != NULL:
-                memcpy(
-                    token_dest + count * bs, node.chunk.tokens + (node.start + node.length - take) * bs,
-                    take * bs * sizeof(int32_t),
-                )
-            if hash_dest != NULL:
-                _copy_hashes(hash_dest + count, node.chunk, node.start + node.length - take, take)
+            self._trim_leaf(v, take, dest + count, token_dest, hash_dest, count)
             count += take
-            if node.tag >= 0:
-                self._evicted_tags[self._num_evicted_tags] = node.tag
-                self._num_evicted_tags += 1
-                node.tag = -1
-            if take == node.length:
-                _lru_remove(self, v)
-                _remove_leaf(self, v)
-            else:
-                node.length -= <int32_t>take
-                self._lru_blocks -= take
-                self._num_blocks -= take
         return count
+
+    # -- KV cache groups: a leaf trimmed to a chosen end (the groups' eviction picks the end) --
+
+    cdef void _trim_leaf(self, int32_t v, Py_ssize_t take, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest,
+                         Py_ssize_t at) noexcept nogil:
+        """Drop the last ``take`` blocks of leaf ``v`` (off the protected part of the trie; all of
+        them: the node goes), writing their ids to ``dest`` and, unless NULL, their tokens to
+        ``token_dest`` and hashes to ``hash_dest`` at entry ``at``. Its tag goes to the evicted tags."""
+        cdef Py_ssize_t bs = self._block_size
+        cdef RNode *node = &self._nodes[v]
+        memcpy(dest, node.chunk.blocks + node.start + node.length - take, take * sizeof(int32_t))
+        if token_dest != NULL:
+            memcpy(
+                token_dest + at * bs, node.chunk.tokens + (node.start + node.length - take) * bs,
+                take * bs * sizeof(int32_t),
+            )
+        if hash_dest != NULL:
+            _copy_hashes(hash_dest + at, node.chunk, node.start + node.length - take, take)
+        if node.tag >= 0:
+            self._evicted_tags[self._num_evicted_tags] = node.tag
+            self._num_evicted_tags += 1
+            node.tag = -1
+        if take == node.length:
+            _lru_remove(self, v)
+            _remove_leaf(self, v)
+        else:
+            node.length -= <int32_t>take
+            self._lru_blocks -= take
+            self._num_blocks -= take
 
     cdef Py_ssize_t _drop_subtree(
         self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
@@ -1016,7 +1042,7 @@ cdef class RadixTrie:
                 if <size_t>chunk in seen:
                     continue
                 seen.add(<size_t>chunk)
-                chunk_bytes += sizeof(Chunk) + chunk.block_capacity * sizeof(int32_t)
+                chunk_bytes += sizeof(Chunk) + chunk.block_capacity * self._chunks.num_groups * sizeof(int32_t)
                 token_bytes += chunk.token_capacity * sizeof(int32_t)
                 if chunk.hashes != NULL:
                     hash_bytes += chunk.block_capacity * sizeof(uint64_t)

@@ -29,7 +29,7 @@ import enum
 import numpy as np
 
 from lifecycle.errors import (
-    ForeignSequence, InvalidId, InvariantViolation, OutOfBlocks, SequenceStateError, TornDown,
+    ForeignSequence, InvalidId, InvariantViolation, OutOfBlocks, SequenceStateError, TornDown, Unsupported,
 )
 
 cnp.import_array()
@@ -148,6 +148,7 @@ cdef class Records:
         rec.pin_node = -1
         rec.pin_blocks = 0
         rec.ssm_tokens = -1
+        rec.kv_tokens = 0
         rec.rolling = -1
         rec.rolling_generation = 0
         rec.status = ACTIVE
@@ -212,6 +213,7 @@ cdef class Records:
             rec.cached_tokens = 0
             rec.lazy_tokens = 0
             rec.ssm_tokens = -1
+            rec.kv_tokens = 0
             if fresh != NULL:
                 chunk_decref(self.trie._chunk_cache(), rec.chunk)
                 rec.chunk = fresh
@@ -387,6 +389,13 @@ cdef class Records:
             )
         if code == E_STATE:
             raise SequenceStateError(f"{call}: sequence {f.value} is {_STATUS_NAMES[f.limit]}, not active")
+        if code == E_OUT_OF_BLOCKS and f.group > 0:
+            raise OutOfBlocks(
+                f"{call}: need {f.value} blocks of KV cache group {f.group}, {f.limit} free in that group's pool "
+                "after evicting every evictable cached block"
+            )
+        if code == E_GROUPS:
+            raise Unsupported(f"{call}: not offered by a KV cache core with several KV cache groups")
         if code == E_OUT_OF_BLOCKS:
             raise OutOfBlocks(
                 f"{call}: need {f.value} blocks, {f.limit} free of {self.pool._num_blocks} after evicting "

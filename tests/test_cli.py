@@ -414,24 +414,37 @@ def test_plan_reports_memory_per_group_of_every_published_preset(capsys: pytest.
     assert plan["reference"]["concurrent_sequences"] >= 0.95 * plan["reference"]["ideal_sequences"] > 0
 
 
-def test_a_model_with_several_groups_prints_its_plan_and_says_the_replay_needs_the_groups_core(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    result = plan_of(capsys, "--model", "gpt-oss-20b", "--requests", "5")
-    assert "groups core" in result["replay"]
-    assert [g["kind"] for g in result["memory_plan"]["groups"]] == ["full", "sliding_window"]
+def test_a_model_with_several_groups_replays_and_reports_each_group(capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_of(capsys, "--model", "gpt-oss-20b", "--requests", "5", "--kv-budget", "1G")
+    assert result["requests"] == 5 and result["leaked"] == 0
+    kinds = [(g["kind"], g["num_blocks"]) for g in result["kv_groups"]]
+    assert kinds == [(g["kind"], g["num_blocks"]) for g in result["memory_plan"]["groups"]]
+    assert kinds[1][0] == "sliding_window"
+    window = result["kv_groups"][1]
+    assert window["blocks_released"] > 0  # the decode released what left the window
+    assert all(g["num_free"] + g["num_cached"] == g["num_blocks"] for g in result["kv_groups"])
+
+
+def test_a_model_with_several_groups_replays_without_swap(capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_of(capsys, "--model", "llama-4-scout", "--requests", "5", "--kv-budget", "1G")
+    assert result["swaps_out"] == 0 and result["pools"]["swap_host_bytes"] == 0
 
 
 def test_the_plan_table_names_each_group_and_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--model", "llama-4-scout", "--kv-budget", "16G"]) == 0
+    assert main(["simulate", "--model", "llama-4-scout", "--kv-budget", "16G", "--plan"]) == 0
     out = capsys.readouterr().out
     assert "chunked_local" in out and "8,192" in out
     assert "concurrent sequences of 32,768 tokens" in out and "reference budget" in out
-    assert "needs the groups core" in out
+
+
+def test_the_replay_table_of_several_groups_ends_with_each_groups_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "gpt-oss-20b", "--requests", "5", "--kv-budget", "1G", "--quiet"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "group 1 sliding_window (12 layers)" in last and "released from the window" in last
 
 
 def test_the_plan_follows_the_kv_budget_option(capsys: pytest.CaptureFixture[str]) -> None:
-    plan = plan_of(capsys, "--model", "gemma-3-27b", "--kv-budget", "64G")["memory_plan"]
+    plan = plan_of(capsys, "--model", "gemma-3-27b", "--kv-budget", "64G", "--plan")["memory_plan"]
     assert plan["budget_bytes"] == 64 << 30
     assert plan["concurrent_sequences"] > 0
 

@@ -18,7 +18,7 @@ from lifecycle.config import (
     SlidingWindowLayer,
     SSMLayer,
 )
-from lifecycle.errors import ConfigError, Unsupported
+from lifecycle.errors import ConfigError
 
 FULL = AttentionLayer(num_kv_heads=2, head_dim=8)
 SWA = SlidingWindowLayer(num_kv_heads=2, head_dim=8, window=32)
@@ -341,16 +341,24 @@ def test_full_attention_bytes_treat_every_kv_layer_as_full() -> None:
     assert cfg.full_attention_bytes(100) == 100 * (SWA.bytes_per_token + FULL.bytes_per_token + CHUNK.bytes_per_token)
 
 
-# --- the pools serve one attention group until the groups core lands ---------------------------------
+# --- the pools: one per group -------------------------------------------------------------------------
 
 
-def test_the_kv_pool_refuses_several_groups_naming_them() -> None:
+def test_each_kv_pool_holds_its_groups_layers_and_block_count() -> None:
     from lifecycle.device import HostDevice
-    from lifecycle.pools import KVPool
+    from lifecycle.pools import kv_group_pools
 
+    config = hybrid(layers=(SWA, FULL, SWA, FULL))
     device = HostDevice()
     try:
-        with pytest.raises(Unsupported, match=r"full \(2 layers\), sliding_window \(2 layers\)"):
-            KVPool(device, hybrid())
+        pools = kv_group_pools(device, config)
+        try:
+            assert [(p.group, p.kind, p.num_layers, p.num_blocks) for p in pools] == [
+                (g.index, g.kind, len(g.layer_indices), g.num_blocks) for g in config.kv_groups
+            ]
+            assert sum(p.total_bytes for p in pools) == config.kv_pool_bytes()
+        finally:
+            for pool in pools:
+                pool.release()
     finally:
         device.close()

@@ -113,7 +113,8 @@ SHORT: dict[str, list[str]] = {
                                                    "run: python bench/workloads.py w3-events --json --trace {w3}"],
     "python bench/workloads.py w2-events": ["run: python bench/workloads.py w2-events --trace {w2}"],
     "python bench/workloads.py w3-tiers --json": ["run: python bench/workloads.py w3-tiers --json --trace {w3}"],
-    "python bench/workloads.py w3-groups --json": ["run: python bench/workloads.py w3-groups --json"],
+    "python bench/workloads.py w3-groups --json": ["run: python bench/workloads.py w3-groups --json --trace {w3}"],
+    "python bench/workloads.py w4-groups --json": ["help: python bench/workloads.py --help"],
     "python bench/tiers_bench.py": ["run: python bench/tiers_bench.py --part copies --repeats 1"],
     "python bench/memory.py --json": ["run: python bench/memory.py --blocks 20000 --json"],
     "python bench/memory.py": ["run: python bench/memory.py --blocks 20000"],
@@ -127,6 +128,7 @@ SHORT: dict[str, list[str]] = {
     "python bench/swap_bench.py": ["run: python bench/swap_bench.py --tokens 64 --repeats 1"],
     "python bench/multiturn.py": ["run: python bench/multiturn.py --requests 30"],
     "python bench/w3.py": ["run: python bench/w3.py"],
+    "python bench/groups_bench.py --json": ["run: python bench/groups_bench.py --json --repeats 1 --limit 200"],
     "python bench/reliability.py --ops 1000000 --json": [
         "run: python bench/reliability.py --ops 300 --episode-ops 150 --fuzz 5 --thread-runs 1 --fault-ops 50 --json"
     ],

@@ -4,6 +4,7 @@ stream in order (the cache keys of published blocks, the adapter generations ret
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -37,9 +38,18 @@ def _no_salt(adapter_key: int) -> bytes | str | int | None:
     return None
 
 
+def _group(what: str, group: object) -> int:
+    if isinstance(group, np.integer):
+        group = int(group)
+    if type(group) is not int or group < 0:
+        raise MalformedEvent(f"{what}: KV cache group {group!r} is not an int >= 0")
+    return group
+
+
 def raw_entries(raw: RawEvents) -> list[RawEvent]:
     """The core's drained log as tuple entries: ``("stored", hashes, parent_hash | None, tokens,
-    adapter_key)``, ``("removed", hashes)``, ``("cleared",)`` (slices of its arrays, no copy)."""
+    adapter_key)``, ``("removed", hashes)``, ``("cleared",)`` (slices of its arrays, no copy); an
+    entry of a KV cache group past 0 carries its group index last."""
     entries = raw.entries
     if not len(entries):
         return []
@@ -49,11 +59,12 @@ def raw_entries(raw: RawEvents) -> list[RawEvent]:
     out: list[RawEvent] = []
     h = t = 0
     for row, h_end, t_end in zip(entries.tolist(), hash_ends, token_ends):
-        adapter, parent, _, _, kind, has_parent, _ = row
+        adapter, parent, _, _, kind, has_parent, _, group = row
+        tail = (group,) if group else ()
         if kind == STORED:
-            out.append(("stored", hashes[h:h_end], parent if has_parent else None, tokens[t:t_end], adapter))
+            out.append(("stored", hashes[h:h_end], parent if has_parent else None, tokens[t:t_end], adapter, *tail))
         elif kind == REMOVED:
-            out.append(("removed", hashes[h:h_end]))
+            out.append(("removed", hashes[h:h_end], *tail))
         else:
             out.append(("cleared",))
         h, t = h_end, t_end
@@ -177,16 +188,17 @@ class KVEventTranslator:
     def _event(self, index: int, entry: RawEvent) -> KVEvent:
         kind = entry[0] if isinstance(entry, tuple) and entry else None
         what = f"raw event {index} ({kind!r})"
-        if kind == "stored" and len(entry) == 5:
-            _, raw_hashes, parent, raw_tokens, adapter_key = entry
-            return self._stored(what, raw_hashes, parent, raw_tokens, adapter_key)
-        if kind == "removed" and len(entry) == 2:
-            return BlockRemoved(block_hashes=_hashes(what, entry[1]), medium=self._medium)
+        if kind == "stored" and len(entry) in (5, 6):
+            stored = self._stored(what, entry[1], entry[2], entry[3], entry[4])
+            return stored if len(entry) == 5 else dataclasses.replace(stored, group_idx=_group(what, entry[5]))
+        if kind == "removed" and len(entry) in (2, 3):
+            group = _group(what, entry[2]) if len(entry) == 3 else None
+            return BlockRemoved(block_hashes=_hashes(what, entry[1]), medium=self._medium, group_idx=group)
         if kind == "cleared" and len(entry) == 1:
             return AllBlocksCleared()
         raise MalformedEvent(
-            f"raw event {index} is {entry!r}; expected ('stored', hashes, parent_hash, tokens, adapter_key), "
-            "('removed', hashes) or ('cleared',)"
+            f"raw event {index} is {entry!r}; expected ('stored', hashes, parent_hash, tokens, adapter_key[, group]), "
+            "('removed', hashes[, group]) or ('cleared',)"
         )
 
     def __repr__(self) -> str:
@@ -222,7 +234,10 @@ class KVEventLog:
         """The core's drained log ``raw`` into this one; ``leaving`` gets the key of each block
         removed, where not 0."""
         for entry in raw_entries(raw):
-            if entry[0] == "stored":
+            if entry[0] in ("stored", "removed") and len(entry) in (6, 3):
+                # A KV cache group past 0: its blocks are group 0's positions again, not new keys.
+                self._events.append(self._translators[MEDIUM_GPU].events([entry])[0])
+            elif entry[0] == "stored":
                 _, hashes, parent, tokens, key = entry
                 self.stored(MEDIUM_GPU, hashes, parent, tokens, key)
             elif entry[0] == "removed":

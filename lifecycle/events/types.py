@@ -85,7 +85,8 @@ class KVEventBatch:
 
 
 #: One entry of the core's raw log (``KVCacheCore.take_events()``), oldest first:
-#: ``("stored", hashes, parent_hash, tokens, adapter_key)``, ``("removed", hashes)``, ``("cleared",)``.
+#: ``("stored", hashes, parent_hash, tokens, adapter_key)``, ``("removed", hashes)``, ``("cleared",)``;
+#: blocks of a KV cache group past 0 carry the group index last.
 RawEvent: TypeAlias = tuple[Any, ...]
 
 #: ``adapter_of(adapter_key)``: ``(lora_id, lora_name)`` of an adapter key, or None for none.

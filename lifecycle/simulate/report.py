@@ -79,6 +79,9 @@ class Summary:
     tier_ns: int = 0
     tier_copy_ns: int = 0
     tier_store_ns: int = 0
+    #: Per KV cache group at the end (``HybridModel.group_stats``: rule, blocks, free, cached,
+    #: released from windows, kept at checkpoints, evicted, layers, bytes), group 0 first.
+    kv_groups: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Final, Literal, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from lifecycle.config import ModelConfig
 from lifecycle.device import open_device
@@ -127,6 +128,10 @@ class _Simulation:
         self.on_request_done = on_request_done
         self.block_size = model.config.block_size
         self.hybrid = model.ssm_pool is not None
+        # Several KV cache groups: prefill in chunks and append through the core, whose windowed
+        # groups release what left their window (their pools hold windows, not whole prompts).
+        self.grouped = model.core.num_groups > 1
+        self.chunk_blocks = _prefill_chunk_blocks(model.config) if self.grouped else 0
         self.tiered = model.host_tier is not None
         self.total_blocks = model.num_total_blocks()
         self.watermark_blocks = int(options.watermark * self.total_blocks)
@@ -217,7 +222,7 @@ class _Simulation:
 
     def run(self) -> None:
         options = self.options
-        if options.swap:
+        if options.swap and not self.grouped:  # a swap record holds one group (save_sequence_state refuses more)
             self.tier = SwapTier(self.model, host_bytes=options.swap_host_bytes, spill_dir=options.spill_dir)
         try:
             while self.ready or self.restart or self.swapped or self.running:
@@ -324,8 +329,11 @@ class _Simulation:
         try:
             if adapter_slot != NO_ADAPTER:
                 model.bind_adapter(seq, adapter_slot)
-            reused = model.attach_prefix(seq, prompt)
-            model.grow(seq, prompt_len)
+            if self.grouped:
+                reused = self._prefill_chunked(seq, prompt)
+            else:
+                reused = model.attach_prefix(seq, prompt)
+                model.grow(seq, prompt_len)
         except PoolExhausted:
             model.free_sequence(seq)
             return False
@@ -335,6 +343,27 @@ class _Simulation:
             self._prefill_snapshots(seq, reused, prompt_len)
         self.running.append(_Live(request, seq, generated))
         return True
+
+    def _prefill_chunked(self, seq: SequenceState, prompt: npt.NDArray[np.int32]) -> int:
+        """Prefill ``prompt`` in chunks of ``chunk_blocks`` blocks after its cached prefix: a
+        lookup (a core record admitted without growth and closed uncached) finds the cut every
+        group serves; the prompt up to it and one chunk is attached, then each chunk grown and
+        appended, then an empty append (the last chunk is computed). Returns the reused tokens."""
+        model, core, bs = self.model, self.model.core, self.block_size
+        step = self.chunk_blocks * bs
+        total = int(prompt.shape[0])
+        probe = core.admit(prompt, 0, max(total - 1, 0) // bs, core.cache_key(seq.handle))
+        cut = core.num_blocks(probe)
+        core.finish(probe, False)
+        end = min(total, cut * bs + step)
+        reused = model.attach_prefix(seq, prompt[:end], grow_to=end)
+        while end < total:
+            stop = min(total, end + step)
+            model.grow(seq, stop)
+            core.append(seq.handle, prompt[end:stop])
+            end = stop
+        core.append(seq.handle, prompt[:0])
+        return reused
 
     def _prefill_snapshots(self, seq: SequenceState, reused: int, prompt_len: int) -> None:
         """The prefill runs in chunks of ``snapshot_interval_blocks`` blocks (at fixed positions,
@@ -389,7 +418,11 @@ class _Simulation:
             if not self._reserve_next_token(live):
                 break  # it preempted itself: it was the last one
             seq = live.seq
-            seq.append_tokens(live.request.response[live.generated : live.generated + 1])
+            token = live.request.response[live.generated : live.generated + 1]
+            if self.grouped:
+                self.model.core.append(seq.handle, token)
+            else:
+                seq.append_tokens(token)
             live.generated += 1
             self.generated_tokens += 1
             if self.hybrid:
@@ -408,7 +441,12 @@ class _Simulation:
             try:
                 self.model.grow(seq, seq.num_tokens + 1)
                 return True
-            except OutOfBlocks:
+            except OutOfBlocks as error:
+                if len(self.running) == 1:  # alone and still short: preempting it would loop for ever
+                    raise OutOfBlocks(
+                        f"request {live.request.request_id} cannot grow to {seq.num_tokens + 1} tokens with no other "
+                        f"sequence running: {error}"
+                    ) from error
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is live:
@@ -443,13 +481,21 @@ class _Simulation:
                 return
         if not live.seq.is_freed:
             with self._cause("finish"):
-                self.model.cache_sequence(live.seq)
-                self.model.free_sequence(live.seq)
+                self._cache_and_free(live.seq)
         self.recomputes += 1
         self.step_events["recomputes"] += 1
         self.restart.append((live.request, live.generated))
 
     # ---------------------------------------------------------------- finish
+
+    def _cache_and_free(self, seq: SequenceState) -> None:
+        """Cache the sequence's blocks and free it; with several KV groups in one core call (the
+        core caches a grouped sequence when it finishes)."""
+        if self.grouped:
+            self.model.finish_sequence(seq)
+        else:
+            self.model.cache_sequence(seq)
+            self.model.free_sequence(seq)
 
     def _finish(self, live: _Live) -> None:
         """Retire, move the last running sequence into the freed slot, cache, free."""
@@ -463,14 +509,24 @@ class _Simulation:
                 # Compaction detached the retired sequence already; the engine's detach step is idempotent.
                 model.detach_slot_for_reuse(seq)
         with self._cause("finish"):
-            model.cache_sequence(seq)
-            model.free_sequence(seq)
+            self._cache_and_free(seq)
         self.done += 1
         if self.on_request_done is not None:
             self.on_request_done(self.done)
         successor = self.successor.pop(live.request.request_id, None)
         if successor is not None:
             heapq.heappush(self.ready, (successor.request_id, successor))
+
+
+def _prefill_chunk_blocks(config: ModelConfig) -> int:
+    """Blocks per prefill chunk of a model with several KV groups: half of what the smallest
+    windowed pool has left past one sequence's window (at least 1, at most 128)."""
+    spare = [
+        (group.num_blocks - group.blocks_per_sequence(config.max_model_len, config.block_size)) // 2
+        for group in config.kv_groups
+        if group.kind != "full"
+    ]
+    return max(1, min([128, *spare]))
 
 
 def _fault_in_kv_pool(model: HybridModel) -> None:
@@ -534,6 +590,7 @@ def simulate(
         _fault_in_kv_pool(model)
         sim.run()
         stats = model.stats()
+        kv_groups = model.group_stats()
     finally:
         model.teardown()
         if timer is not None and timer.close_with_simulation:
@@ -561,8 +618,10 @@ def simulate(
         requests=sim.done,
         prompt_tokens=sim.prompt_tokens,
         generated_tokens=sim.generated_tokens,
-        prefix_hit_rate=stats.hit_rate,
-        prefix_hit_tokens=stats.prefix_hit_tokens,
+        # A grouped model's prefill looks its prompt up twice in the core (the cut, then the
+        # attach): the scheduler's own count is the one lookup per prefill.
+        prefix_hit_rate=sim.hit_tokens / sim.lookup_tokens if sim.grouped and sim.lookup_tokens else stats.hit_rate,
+        prefix_hit_tokens=sim.hit_tokens if sim.grouped else stats.prefix_hit_tokens,
         host_hit_tokens=stats.host_hit_blocks * model.config.block_size,
         store_hit_tokens=stats.store_hit_blocks * model.config.block_size,
         hit_rate_with_tiers=(
@@ -597,6 +656,7 @@ def simulate(
         tier_ns=stats.tier_ns,
         tier_copy_ns=stats.tier_copy_ns,
         tier_store_ns=stats.tier_store_ns,
+        kv_groups=kv_groups,
     )
     return SimulationResult(summary=summary, series=sim.series, stats=stats, teardown=report)
 

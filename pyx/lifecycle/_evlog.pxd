@@ -17,6 +17,7 @@ cdef struct EvEntry:
     int8_t kind                # 1 stored, 2 removed, 3 cleared
     int8_t has_parent          # stored: the first block follows a cached block (0: follows the root)
     int8_t has_ids             # removed: block ids kept
+    int8_t group               # the KV cache group the blocks are of (0: the core's pool)
 
 
 cdef struct EvLog:
@@ -53,9 +54,9 @@ cdef class EventLog:
     cdef EvEntry *_entry(self, Py_ssize_t hashes, Py_ssize_t tokens, Py_ssize_t ids) noexcept nogil
     cdef void configure(self, bint events, bint demote, Py_ssize_t max_pending_tokens) noexcept nogil
     cdef void stored(self, int64_t adapter, uint64_t parent, bint has_parent, const uint64_t *hashes,
-                     const int32_t *tokens, Py_ssize_t count) noexcept nogil
+                     const int32_t *tokens, Py_ssize_t count, int group=*) noexcept nogil
     cdef void removed(self, const int32_t *ids, const int32_t *tokens, const uint64_t *hashes,
-                      Py_ssize_t count) noexcept nogil
+                      Py_ssize_t count, int group=*) noexcept nogil
     cdef void cleared(self) noexcept nogil
     cdef void lost(self) noexcept nogil
     cdef EvLog drain(self) noexcept nogil

@@ -10,6 +10,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from lifecycle._blockpool cimport BlockPool
 from lifecycle._evlog cimport EventLog
+from lifecycle._groups cimport KVGroups
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
 from lifecycle._retention cimport Retention
@@ -58,6 +59,8 @@ cdef class KVCacheCore:
     cdef uint64_t *_hash_scratch
     cdef Py_ssize_t _hash_scratch_capacity
     cdef Retention _retention       # retention hints and pinned prefixes
+    cdef KVGroups _groups           # groups past group 0 (None: one group, the pool's)
+    cdef bint _grouped              # _groups is not None
 
     # -- the surface: the lock (``lock().enter_gil()`` ... ``lock().leave(NULL)``), then locked calls --
     cdef inline CoreLock lock(self):
@@ -109,6 +112,8 @@ cdef class KVCacheCore:
     ) noexcept nogil
     cdef Py_ssize_t _step_locked(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
-        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, Failure *f
+        const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, int32_t **group_tabs, Failure *f
     ) noexcept nogil
     cdef str _recount(self)
+    cdef int _refuse_grouped(self, str call) except -1
+    cdef Py_ssize_t _ngroups(self) noexcept

@@ -18,7 +18,7 @@ cdef struct Chunk:
     int32_t num_hashed         # leading blocks whose content hash is in ``hashes``
     int32_t size_class         # its capacities are those of this size class, -1: other sizes
     int32_t *tokens
-    int32_t *blocks
+    int32_t *blocks            # one column of block_capacity ids per KV cache group (group 0 first)
     uint64_t *hashes           # NULL until a content hash is asked for
     Chunk *next_free           # in a ChunkCache's free list
 
@@ -34,6 +34,7 @@ cdef struct ChunkCache:
     int32_t count[80]
     Py_ssize_t bytes
     Py_ssize_t block_size
+    Py_ssize_t num_groups      # block id columns per chunk (KV cache groups), 1 without groups
 
 
 # One node: a run of ``length`` whole blocks starting at block ``start`` of its chunk. A root
@@ -63,6 +64,11 @@ cdef struct WalkEnd:
     int32_t partial            # blocks of ``node`` matched when it was matched only in part, else 0
     int32_t tagged_node        # deepest fully matched node with a tag, -1 if none
     int32_t tagged_blocks      # blocks from the root to the end of tagged_node
+
+
+# Group ``g``'s block ids of a chunk (-1: released in that group); group 0's is ``blocks``.
+cdef inline int32_t *chunk_column(Chunk *chunk, Py_ssize_t g) noexcept nogil:
+    return chunk.blocks + g * chunk.block_capacity
 
 
 cdef enum:
@@ -134,6 +140,10 @@ cdef class RadixTrie:
         """Keep snapshot ``tag`` at the end of node ``v``'s run (-1: none)."""
         self._nodes[v].tag = tag
 
+    cdef inline void _set_groups(self, Py_ssize_t n) noexcept nogil:
+        """Chunks made from now on hold ``n`` block id columns (KV cache groups; before any is made)."""
+        self._chunks.num_groups = n
+
     cdef inline ChunkCache *_chunk_cache(self) noexcept nogil:
         """The chunks' free lists, shared with the owner's records (whose chunks nodes take over)."""
         return &self._chunks
@@ -159,6 +169,8 @@ cdef class RadixTrie:
     cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil
     cdef void _path_tokens(self, int32_t v, int32_t *dest, Py_ssize_t blocks) noexcept nogil
     cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest) noexcept nogil
+    cdef void _trim_leaf(self, int32_t v, Py_ssize_t take, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest,
+                         Py_ssize_t at) noexcept nogil
     cdef Py_ssize_t _drop_subtree(
         self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
     ) noexcept nogil

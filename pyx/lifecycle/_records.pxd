@@ -29,6 +29,7 @@ cdef struct SeqRec:
     int32_t pin_node           # end of the cached path it holds pinned, -1 = none
     int32_t pin_blocks         # blocks from the root to the end of pin_node
     int32_t ssm_tokens         # tokens the SSM state has consumed, -1 = as many as num_tokens
+    int32_t kv_tokens          # (KV cache groups) tokens whose KV exists: windows released up to them
     int32_t rolling            # its rolling snapshot id, -1 = none
     uint32_t rolling_generation
     uint32_t generation        # bumped at every reuse of the slot: stale handles are refused
@@ -60,6 +61,7 @@ cdef enum:
     E_NOT_CACHED = 11       # value: blocks asked for, limit: full blocks the record has
     E_CLOSED = 12
     E_INVALID_ARG = 13      # value: the argument, limit: its bound
+    E_GROUPS = 14           # a call a core with several KV cache groups does not offer
 
 
 # Why a locked step failed (raised once the lock is released: ``Records.raise_failure``).
@@ -67,11 +69,13 @@ cdef struct Failure:
     int code
     int64_t value
     int64_t limit
+    int32_t group              # the KV cache group (E_OUT_OF_BLOCKS, E_REFUSED)
     BatchResult batch
 
 
 cdef inline void ok(Failure *f) noexcept nogil:
     f.code = OK
+    f.group = 0
     f.batch.failed_at = -1
 
 

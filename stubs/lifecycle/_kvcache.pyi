@@ -18,6 +18,7 @@ from lifecycle._evlog import EVENT_DTYPE as EVENT_DTYPE
 from lifecycle._evlog import REMOVED as REMOVED
 from lifecycle._evlog import STORED as STORED
 from lifecycle._evlog import RawEvents as RawEvents
+from lifecycle._groups import GroupSpec
 from lifecycle._radix import RadixTrie
 from lifecycle._records import SeqHandle as SeqHandle
 from lifecycle._records import SeqStatus as SeqStatus
@@ -34,7 +35,24 @@ _Int: TypeAlias = int | np.integer[Any]
 
 @final
 class KVCacheCore:
-    """Block pool + prefix trie + per-request records, with one call per scheduler step."""
+    """Block pool + prefix trie + per-request records, with one call per scheduler step.
+
+    KV cache groups (``groups=``): group 0 is ``pool`` (full attention); each
+    ``(kind, window, sink_tokens, pool)`` adds a group with its own ``BlockPool`` (the core's
+    alone; same block size): ``"full"`` (window 0, e.g. a sparse-attention indexer cache),
+    ``"sliding_window"`` (``window`` tokens, plus ``sink_tokens`` at the start) or
+    ``"chunked_local"`` (chunks of ``window`` tokens). Admission (``admit``/``attach``) reuses, in
+    one locked call, the longest cut every group can serve (a windowed group: the blocks a query at
+    the cut reads) and gives each group its blocks there; a windowed group's table holds -1 where
+    it needs no block (before its window; released since). The decode step, ``append`` and
+    ``finish`` release what left a window, keeping the windows before checkpoints every
+    ``retention_interval`` tokens (default 4096, a multiple of ``block_size``; 0: none) and the
+    last window of a finished run for later hits. Eviction trims a run in every group at once, to a
+    cut every group serves. A call short of blocks in any group raises ``OutOfBlocks`` naming the
+    group, nothing changed. With several groups ``cache``, ``mark_computed``, ``snapshot_point``,
+    ``step(cache=True)``, ``allocate``, ``evict_blocks``, ``set_events`` (on) and a second
+    ``attach`` of a record raise ``Unsupported``, and ``snapshot_cut`` is refused.
+    """
 
     def __init__(
         self,
@@ -50,6 +68,8 @@ class KVCacheCore:
         events: bool = False,
         demote: bool = False,
         null_block: bool = False,
+        groups: Sequence[GroupSpec] | None = None,
+        retention_interval: _Int | None = None,
     ) -> None: ...
     @property
     def pool(self) -> BlockPool: ...
@@ -106,7 +126,9 @@ class KVCacheCore:
 
     # -- reading and setting a record --
     def tokens(self, handle: int) -> npt.NDArray[np.int32]: ...
-    def block_table(self, handle: int) -> npt.NDArray[np.int32]: ...
+    def block_table(self, handle: int, group: _Int = 0) -> npt.NDArray[np.int32]:
+        """A copy of the record's table in KV cache group ``group`` (-1: no block needed there);
+        ``InvalidId`` naming the group and the number of groups for one that does not exist."""
     def block_hashes(self, handle: int) -> npt.NDArray[np.uint64]: ...
     def info(self, handle: int) -> tuple[int, int, int, int, int, int, int, bool, int]:
         """(seq_id, status, num_tokens, prompt_len, num_blocks, cached_tokens, ssm_tokens, failed,
@@ -134,7 +156,10 @@ class KVCacheCore:
         table: npt.NDArray[np.int32] | None = None,
         rows: npt.NDArray[np.integer[Any]] | Sequence[int] | None = None,
         cache: bool = False,
-    ) -> npt.NDArray[np.int32]: ...
+        group_tables: Sequence[npt.NDArray[np.int32]] | None = None,
+    ) -> npt.NDArray[np.int32]:
+        """The indices (into ``handles``) of the requests refused for want of blocks in any group;
+        ``group_tables``: one table per group past 0, shaped as ``table``, given each group's new ids."""
     def evict(self, num_blocks: _Int) -> int: ...
     def reclaim_for(self, tokens: _TokenIds, adapter: _Int, blocks_needed: _Int) -> tuple[int, int]:
         """(target, free)."""
@@ -175,4 +200,20 @@ class KVCacheCore:
     def salts(self) -> SaltMap: ...
     def evict_blocks(self, ids: _TokenIds) -> npt.NDArray[np.int32]: ...
     def num_common_prefix_blocks(self, handles: Sequence[int] | npt.NDArray[np.int64]) -> int: ...
-    def write_table(self, handle: int, out: Any, pad: _Int | None = None) -> int: ...
+    def write_table(self, handle: int, out: Any, pad: _Int | None = None, group: _Int = 0) -> int: ...
+
+    # -- KV cache groups --
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def groups(self) -> tuple[tuple[str, int, int], ...]:
+        """``(kind, window, sink_tokens)`` of every group, group 0 first."""
+    @property
+    def group_pools(self) -> tuple[BlockPool, ...]: ...
+    @property
+    def retention_interval(self) -> int:
+        """Tokens between checkpoints (0: none, or one group)."""
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per group, group 0 first: ``group``, ``kind``, ``window``, ``sink_tokens``, ``num_blocks``,
+        ``num_free``, ``num_cached``, ``blocks_allocated``, ``blocks_freed``, ``blocks_released``,
+        ``blocks_kept_at_checkpoints``, ``blocks_evicted``."""

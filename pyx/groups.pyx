@@ -1,0 +1,750 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, autotestdict=False, binding=False
+"""KV cache groups of a KV cache core (module lifecycle._groups).
+
+A group is the layers that share one attention rule: ``full`` (every block of the context),
+``sliding_window`` (the blocks covering the last ``window`` tokens, plus ``sink_tokens`` at the
+start) or ``chunked_local`` (the blocks from the start of the current chunk of ``window`` tokens).
+Group 0 is the core's own pool (full attention); each further group has a ``BlockPool`` of its
+own, with the core's block size, so a trie position means the same tokens in every group.
+
+The trie stays one trie over tokens. Each chunk (record or cached run) holds one column of block
+ids per group (``chunk_column``); -1 marks a block a windowed group released or never needed.
+Ownership per group is as for group 0: a record holds one reference on every id of its own
+columns, a cached run one on every id of its range.
+
+The rules the core runs here, in its own calls and under its lock:
+
+- a cut (a number of blocks admission reuses) is valid when every group has the blocks a query at
+  the cut reads (``best_cut``);
+- a record releases a windowed block once its tokens left the window or chunk, keeping it when it
+  lies in the window before a checkpoint (every ``retention_interval`` tokens) for the cache;
+- a finishing record leaves in the cache, per group, its sink blocks, its last window and the
+  windows before its checkpoints (``kept``), filling holes of the path it extends;
+- every leaf of the trie ends at a valid cut: eviction trims a leaf down to one, in every group
+  at once, so no group is left holding blocks of a prefix another group cannot serve.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.mem cimport PyMem_Malloc
+from cpython.object cimport PyObject
+from libc.stdint cimport int32_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+from lifecycle._args cimport ssize_arg as _as_count
+from lifecycle._int32 cimport grow_array, token_vector, writeable_int32
+from lifecycle._sync cimport PyThreadState
+from lifecycle._radix cimport RNode, chunk_column
+from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
+
+import numpy as np
+
+from lifecycle.errors import ConfigError, InvalidId
+
+cnp.import_array()
+
+KINDS = ("full", "sliding_window", "chunked_local")
+DEFAULT_RETENTION_TOKENS = 4096
+
+
+cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
+                         Py_ssize_t max_tokens):
+    """The groups of a core over ``pool`` (group 0) and ``groups``: a sequence of
+    ``(kind, window, sink_tokens, pool)``; refused with ``ConfigError`` naming the bad entry
+    before anything is allocated."""
+    cdef KVGroups self
+    cdef Py_ssize_t i, n, retention
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__len__"):
+        raise ConfigError(f"groups must be a sequence of (kind, window, sink_tokens, pool), got {groups!r}")
+    specs = [("full", 0, 0, pool)]
+    for i, entry in enumerate(groups, start=1):
+        specs.append(_checked_spec(i, entry, block_size, max_tokens, [s[3] for s in specs]))
+    if retention_interval is None:
+        retention = max(DEFAULT_RETENTION_TOKENS // block_size, 1)
+    else:
+        retention = _as_count(retention_interval, "retention_interval", 0, max(max_tokens, 0))
+        if retention % block_size:
+            raise ConfigError(
+                f"retention_interval {retention} is not a multiple of the block size {block_size} (0: no checkpoints)"
+            )
+        retention //= block_size
+    n = len(specs)
+    self = KVGroups.__new__(KVGroups)
+    self._rules = <GroupRule *>malloc(n * sizeof(GroupRule))
+    self._pools = <PyObject **>malloc(n * sizeof(PyObject *))
+    self._counts = <GroupCounts *>malloc(n * sizeof(GroupCounts))
+    if self._rules == NULL or self._pools == NULL or self._counts == NULL:
+        raise MemoryError("KVCacheCore: out of host memory for its KV cache groups")
+    memset(self._counts, 0, n * sizeof(GroupCounts))
+    self._keep = tuple(s[3] for s in specs)
+    for i in range(n):
+        kind, window, sink, _ = specs[i]
+        self._rules[i].kind = KINDS.index(kind)
+        self._rules[i].window = <int32_t>window
+        self._rules[i].sink_blocks = <int32_t>((sink + block_size - 1) // block_size)
+        self._pools[i] = <PyObject *>self._keep[i]
+        if self._rules[i].kind != KIND_FULL:
+            self.windowed = True
+    self.n = n
+    self._block_size = block_size
+    self._retention = retention
+    self._specs = tuple((s[0], s[1], s[2]) for s in specs)
+    return self
+
+
+cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1:
+    """A KV cache group index of a core with ``n`` groups, refused by name when it has no such group."""
+    cdef Py_ssize_t g
+    if isinstance(group, bool) or not hasattr(group, "__index__"):
+        raise InvalidId(f"{call}: group must be an int, got {type(group).__name__}")
+    g = group.__index__()
+    if not 0 <= g < n:
+        raise InvalidId(f"{call}: group {g} does not exist; this core has {n} KV cache group{'s' if n > 1 else ''}")
+    return g
+
+
+cdef list one_group_stats(BlockPool pool, RadixTrie t):
+    """``KVCacheCore.group_stats`` of a core with one group (lock held; the core adds its counters)."""
+    return [{
+        "group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": pool._num_blocks,
+        "num_free": pool._num_free, "num_cached": t._num_blocks, "blocks_released": 0, "blocks_kept_at_checkpoints": 0,
+    }]
+
+
+cdef int32_t **group_tables(object tables, Py_ssize_t count, object table) except NULL:
+    """The rows of a decode step's tables of the groups past 0 (PyMem_Malloc'd; the caller frees
+    them): ``count`` writeable int32 arrays shaped as ``table`` (which must be given), which the
+    caller holds while it writes."""
+    cdef int32_t **rows
+    cdef Py_ssize_t i
+    if table is None:
+        raise InvalidId("step: group_tables were given without a table for group 0")
+    if len(tables) != count:
+        raise InvalidId(f"step: {len(tables)} group_tables for the {count} KV cache groups past group 0")
+    for i in range(count):
+        writeable_int32(tables[i], 2, f"step: group_tables[{i}]", " (rows by request)")
+        if tables[i].shape != table.shape:
+            raise InvalidId(f"step: group_tables[{i}] is shaped {tables[i].shape}, the table {table.shape}")
+    rows = <int32_t **>PyMem_Malloc(max(count, <Py_ssize_t>1) * sizeof(int32_t *))
+    if rows == NULL:
+        raise MemoryError("step: out of host memory")
+    for i in range(count):
+        rows[i] = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>tables[i])
+    return rows
+
+
+def _spec_count(object value, str what, Py_ssize_t low, Py_ssize_t high):
+    """A count of a group's spec, refused with ``ConfigError`` naming it and its range."""
+    try:
+        return _as_count(value, what, low, high)
+    except InvalidId as refused:
+        raise ConfigError(str(refused)) from None
+
+
+def _checked_spec(Py_ssize_t index, object entry, Py_ssize_t block_size, Py_ssize_t max_tokens, list pools):
+    """One group's ``(kind, window, sink_tokens, pool)``, checked."""
+    if not isinstance(entry, tuple) or len(entry) != 4:
+        raise ConfigError(f"groups[{index - 1}] must be (kind, window, sink_tokens, pool), got {entry!r}")
+    kind, window, sink, group_pool = entry
+    if kind not in KINDS:
+        raise ConfigError(f"group {index}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if not isinstance(group_pool, BlockPool):
+        raise ConfigError(f"group {index}: a BlockPool of its own is needed, got {type(group_pool).__name__}")
+    if any(group_pool is p for p in pools):
+        raise ConfigError(f"group {index}: its BlockPool is another group's; every group needs a pool of its own")
+    if kind == "full":
+        window = _spec_count(window, f"group {index}: window (0 for full attention)", 0, 0)
+        sink = _spec_count(sink, f"group {index}: sink_tokens (0 for full attention)", 0, 0)
+    else:
+        window = _spec_count(window, f"group {index}: window (tokens, at most max_tokens_per_seq)", 1, max_tokens)
+        if kind == "chunked_local":
+            sink = _spec_count(sink, f"group {index}: sink_tokens (0 for chunked local attention)", 0, 0)
+        else:
+            sink = _spec_count(sink, f"group {index}: sink_tokens", 0, max_tokens)
+    return kind, window, sink, group_pool
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class KVGroups:
+    """The KV cache groups of a ``KVCacheCore`` (made by the core; read ``KVCacheCore.group_stats``)."""
+
+    def __init__(self, *args, **kwargs):
+        """Not for callers: a ``KVCacheCore`` given ``groups=`` makes its own."""
+        raise TypeError("KVGroups are made by KVCacheCore(groups=...)")
+
+    def __dealloc__(self):
+        free(self._rules)
+        free(self._pools)
+        free(self._counts)
+        free(self._ids)
+        free(self._trimmed)
+        free(self._hashes)
+
+    @property
+    def specs(self):
+        """``(kind, window, sink_tokens)`` of every group, group 0 first."""
+        return self._specs
+
+    @property
+    def pools(self):
+        """The ``BlockPool`` of every group, group 0 (the core's) first."""
+        return self._keep
+
+    @property
+    def retention_blocks(self):
+        """Blocks between checkpoints (0: none)."""
+        return self._retention
+
+    # -- (lock held) ------------------------------------------------------------------------------
+
+    cdef void log_to(self, EventLog log) noexcept:
+        """Log stored and removed blocks of every group to ``log`` (None: stop)."""
+        self._evlog = log
+
+    cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil:
+        if grow_array(<void **>&self._ids, &self._ids_capacity, blocks + 1, sizeof(int32_t)):
+            return 1
+        if self._evlog is not None and grow_array(
+            <void **>&self._hashes, &self._hashes_capacity, blocks + 1, sizeof(uint64_t)
+        ):
+            return 1
+        return grow_array(<void **>&self._trimmed, &self._trimmed_capacity, blocks + 1, sizeof(int32_t))
+
+    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil:
+        """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
+        ``v`` (which covers the first ``limit`` blocks), else ``low``. A full group serves every
+        cut of a cached path; each windowed one is asked in turn until they agree."""
+        cdef Py_ssize_t g, cut = limit, found
+        cdef bint moved = True
+        while cut > low and moved:
+            moved = False
+            for g in range(1, self.n):
+                if self._rules[g].kind == KIND_FULL:
+                    continue
+                found = self._group_cut(t, v, g, cut, low)
+                if found < cut:
+                    cut = found
+                    moved = True
+        return cut if cut > low else low
+
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
+                               Py_ssize_t low) noexcept nogil:
+        """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
+        down from the cut, a missing block at ``p`` rules out every cut above it."""
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first
+        cdef RNode *node = &t._nodes[v]
+        if sink and cut > low:
+            p = self._first_missing(t, v, g, min(sink, cut))
+            if p < min(sink, cut):
+                cut = p  # a cut past a missing sink block reads it
+        while cut > low:
+            first = max(self.first_needed(g, cut * self._block_size), sink)
+            p = cut - 1
+            while p >= first:
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
+                if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
+                    break
+                p -= 1
+            if p < first:
+                return cut
+            cut = p
+        return low
+
+    cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil:
+        """The first block below ``stop`` group ``g`` lacks on the path ending at ``v`` (``stop``: none)."""
+        cdef RNode *node = &t._nodes[v]
+        cdef Py_ssize_t p, found = stop
+        while node.parent >= 0:
+            if node.depth < stop:
+                for p in range(min(<Py_ssize_t>node.depth + node.length, stop) - 1, node.depth - 1, -1):
+                    if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
+                        found = p
+            node = &t._nodes[node.parent]
+        return found
+
+    cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil:
+        """Give a fresh record (its table empty, its chunk reserved) every group's blocks a query
+        at ``cut`` reads from the path ending at ``end`` (a valid cut), with a reference each;
+        -1 elsewhere. Nothing changes when refused."""
+        cdef Py_ssize_t g, h, p, sink, first, count
+        cdef int32_t *col
+        cdef RNode *node
+        cdef Failure ignored
+        if self._reserve(cut):
+            f.code = E_NO_MEMORY
+            return -1
+        for g in range(1, self.n):
+            col = chunk_column(rec.chunk, g)
+            node = &t._nodes[end] if cut > 0 else NULL
+            while node != NULL and node.parent >= 0:
+                memcpy(col + node.depth, chunk_column(node.chunk, g) + node.start, node.length * sizeof(int32_t))
+                node = &t._nodes[node.parent]
+            sink = min(<Py_ssize_t>self._rules[g].sink_blocks, cut)
+            first = max(self.first_needed(g, cut * self._block_size), sink)
+            count = 0
+            for p in range(cut):
+                if sink <= p < first:
+                    col[p] = -1
+                else:
+                    self._ids[count] = col[p]
+                    count += 1
+            if count:
+                (<BlockPool>self._pools[g])._inc_ref_locked(self._ids, count, &f.batch)
+            if f.batch.failed_at >= 0:
+                f.code = E_REFUSED
+                f.group = <int32_t>g
+                ok(&ignored)
+                for h in range(1, g):
+                    self._drop_column(rec, h, 0, cut, &ignored)
+                return -1
+        return 0
+
+    cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
+        """Fresh blocks for positions ``[rec.num_blocks, num_blocks)`` in every group but 0,
+        evicting when a group is short; all or nothing (blocks evicted stay evicted)."""
+        cdef Py_ssize_t g, need = num_blocks - rec.num_blocks, freed0 = 0, trimmed = 0, free_now
+        if need <= 0:
+            return 0
+        for g in range(1, self.n):
+            free_now = self.num_free(g)
+            if free_now < need:
+                self.evict(t, g, need - free_now, &freed0, &trimmed, f)
+                if f.code != OK:
+                    self.ungrow(rec, rec.num_blocks, num_blocks, g)
+                    return -1
+            if not (<BlockPool>self._pools[g])._allocate_locked(chunk_column(rec.chunk, g) + rec.num_blocks, need):
+                self.ungrow(rec, rec.num_blocks, num_blocks, g)
+                f.code = E_OUT_OF_BLOCKS
+                f.value = need
+                f.limit = self.num_free(g)
+                f.group = <int32_t>g
+                return -1
+            self._counts[g].allocated += need
+        return 0
+
+    cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil:
+        """Give back the blocks ``grow`` just took at ``[start, stop)`` in groups 1 .. groups - 1."""
+        cdef Py_ssize_t g
+        cdef BatchResult ignored
+        for g in range(1, groups):
+            (<BlockPool>self._pools[g])._dec_ref_locked(chunk_column(rec.chunk, g) + start, stop - start, &ignored)
+            self._counts[g].allocated -= stop - start
+
+    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, Failure *f) noexcept nogil:
+        """The record's KV now covers ``tokens`` tokens: release, per windowed group, the blocks
+        that left its window or chunk, except those before a checkpoint (the record keeps them
+        for the cache). Only whole-block cuts count, so the last window of the record's full
+        blocks stays whole for ``finish``."""
+        cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
+        cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
+        cdef int32_t *col
+        if tokens <= rec.kv_tokens:
+            return 0
+        rec.kv_tokens = <int32_t>tokens
+        if now <= done or not self.windowed:
+            return 0
+        for g in range(1, self.n):
+            if self._rules[g].kind == KIND_FULL:
+                continue
+            low = max(self.first_needed(g, done), <Py_ssize_t>self._rules[g].sink_blocks)
+            high = min(self.first_needed(g, now), <Py_ssize_t>rec.num_blocks)
+            if high <= low:
+                continue
+            if self._reserve(high - low):
+                f.code = E_NO_MEMORY
+                return -1
+            col = chunk_column(rec.chunk, g)
+            count = 0
+            for p in range(low, high):
+                if col[p] < 0:
+                    continue
+                self._counts[g].released += 1
+                if self.at_checkpoint(g, p):
+                    self._counts[g].kept += 1
+                    continue
+                self._ids[count] = col[p]
+                count += 1
+                col[p] = -1
+            self._unref(g, count, f)
+        return 0 if f.code == OK else -1
+
+    cdef Py_ssize_t _unref(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil:
+        """Drop one reference on each of the first ``count`` ids of the scratch in group ``g``."""
+        cdef Py_ssize_t freed
+        if count <= 0:
+            return 0
+        freed = (<BlockPool>self._pools[g])._dec_ref_locked(self._ids, count, &f.batch)
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
+            f.group = <int32_t>g
+        self._counts[g].freed += freed
+        return freed
+
+    cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                                 Failure *f) noexcept nogil:
+        """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after)."""
+        cdef Py_ssize_t p, count = 0
+        cdef int32_t *col = chunk_column(rec.chunk, g)
+        if stop <= start:
+            return 0
+        if self._reserve(stop - start):
+            f.code = E_NO_MEMORY
+            return 0
+        for p in range(start, stop):
+            if col[p] >= 0:
+                self._ids[count] = col[p]
+                count += 1
+                col[p] = -1
+        return self._unref(g, count, f)
+
+    cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil:
+        """Drop every reference the record holds in groups 1 .. n - 1 (group 0's: the caller)."""
+        cdef Py_ssize_t g
+        for g in range(1, self.n):
+            self._drop_column(rec, g, 0, rec.num_blocks, f)
+        return 0 if f.code == OK else -1
+
+    cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
+                    Failure *f) noexcept nogil:
+        """A finishing record's groups 1 .. n - 1, once group 0 cached its first ``full`` blocks:
+        the path ending at node ``v`` held ``[0, pos)``, the new ``leaf`` (-1: none) holds
+        ``[pos, full)``. Per group the cache keeps what ``kept`` says (the leaf's other entries
+        become -1; holes of the path it extends are filled from the record's blocks) and the
+        record's other references go."""
+        cdef Py_ssize_t g, p, count
+        cdef int32_t *col
+        cdef int32_t *leaf_col
+        cdef int32_t *node_col
+        cdef RNode *node
+        if self._reserve(rec.num_blocks):
+            f.code = E_NO_MEMORY
+            return -1
+        for g in range(1, self.n):
+            col = chunk_column(rec.chunk, g)
+            count = 0
+            if leaf >= 0:
+                node = &t._nodes[leaf]
+                leaf_col = chunk_column(node.chunk, g) + node.start
+                if node.chunk != rec.chunk:
+                    memcpy(leaf_col, col + pos, (full - pos) * sizeof(int32_t))
+                count = self._drop_unkept(g, leaf_col - pos, pos, full)
+                if self._evlog is not None:
+                    self._log_kept(t, leaf, g, pos, full, full)
+            node = &t._nodes[v] if v >= 0 else NULL
+            p = pos - 1
+            while node != NULL and p >= 0:
+                if col[p] < 0:
+                    p -= 1
+                    continue
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
+                node_col = chunk_column(node.chunk, g) + node.start
+                if node_col[p - node.depth] < 0 and self.kept(g, p, full):
+                    node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
+                    if self._evlog is not None:
+                        self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
+                else:
+                    self._ids[count] = col[p]
+                    count += 1
+                p -= 1
+            for p in range(full, rec.num_blocks):
+                if col[p] >= 0:
+                    self._ids[count] = col[p]
+                    count += 1
+            self._unref(g, count, f)
+        return 0 if f.code == OK else -1
+
+    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil:
+        """Move the ids at ``[start, end)`` of ``col`` that a run ending at block ``end`` does not
+        keep (``kept``) to the scratch, -1 in their place; how many. By checkpoint segments: in
+        each, the blocks before the checkpoint's window go."""
+        cdef Py_ssize_t p = max(start, <Py_ssize_t>self._rules[g].sink_blocks), q, stop, keep_from, count = 0
+        cdef Py_ssize_t last = min(self.first_needed(g, end * self._block_size), end), c
+        if self._rules[g].kind == KIND_FULL:
+            return 0
+        while p < last:
+            c = (p // self._retention + 1) * self._retention if self._retention > 0 else last
+            stop = min(c, last)
+            keep_from = self.first_needed(g, c * self._block_size) if c <= end and self._retention > 0 else stop
+            for q in range(p, min(keep_from, stop)):
+                if col[q] >= 0:
+                    self._ids[count] = col[q]
+                    count += 1
+                    col[q] = -1
+            p = stop
+        return count
+
+    cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t end) noexcept nogil:
+        """Log as stored, in group ``g``, the runs of blocks node ``v`` (ending at block ``end``)
+        holds in that group at ``[start, stop)``."""
+        cdef RNode *node = &t._nodes[v]
+        cdef int32_t *col = chunk_column(node.chunk, g) + node.start - node.depth
+        cdef Py_ssize_t a = start, b
+        cdef const uint64_t *hashes
+        cdef uint64_t parent
+        cdef int64_t key
+        cdef bint has_parent
+        while a < stop:
+            if col[a] < 0:
+                a += 1
+                continue
+            b = a
+            while b < stop and col[b] >= 0:
+                b += 1
+            hashes = t._hash_tail(v, end - a, &key, &parent, &has_parent)
+            if hashes == NULL:
+                self._evlog.lost()
+            else:
+                self._evlog.stored(
+                    key, parent, has_parent, hashes,
+                    node.chunk.tokens + (node.start + a - node.depth) * self._block_size, b - a, <int>g,
+                )
+            a = b
+
+    cdef int _trim_to(self, RadixTrie t, int32_t v, Py_ssize_t cut, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                      Failure *f) noexcept nogil:
+        """Trim leaf ``v`` (unprotected) to end at block ``cut`` in every group (``cut`` at its
+        start: the node goes)."""
+        cdef RNode *node = &t._nodes[v]
+        cdef Py_ssize_t g, p, count, freed, end = node.depth + node.length, take = end - cut
+        cdef int32_t *col
+        if take <= 0:
+            return 0
+        if self._reserve(take):
+            f.code = E_NO_MEMORY
+            return -1
+        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef uint64_t *chunk_hashes = node.chunk.hashes
+        for g in range(1, self.n):
+            col = chunk_column(node.chunk, g) + node.start + node.length - take
+            count = 0
+            for p in range(take):
+                if col[p] >= 0:
+                    self._ids[count] = col[p]
+                    if logging:
+                        self._hashes[count] = (
+                            chunk_hashes[node.start + node.length - take + p] if chunk_hashes != NULL else 0
+                        )
+                    count += 1
+            if logging and count:
+                self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
+            self._counts[g].evicted += count
+            self._unref(g, count, f)
+        t._trim_leaf(v, take, self._trimmed, NULL, self._hashes if logging else NULL, 0)
+        if logging:
+            self._evlog.removed(self._trimmed, NULL, self._hashes, take, 0)
+        freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, take, &f.batch)
+        freed0[0] += freed
+        trimmed[0] += take
+        self._counts[0].freed += freed
+        self._counts[0].evicted += take
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
+            return -1
+        return 0 if f.code == OK else -1
+
+    cdef int settle_leaf(self, RadixTrie t, int32_t v, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                         Failure *f) noexcept nogil:
+        """Trim node ``v``, if it is an unprotected leaf, back to the last cut every group can
+        serve, and its parent likewise when it goes."""
+        cdef RNode *node
+        cdef Py_ssize_t end, cut
+        cdef int32_t parent
+        while v >= 0 and t._nodes[v].parent >= 0:
+            node = &t._nodes[v]
+            if node.num_children != 0 or node.lock_count != 0:
+                return 0
+            end = node.depth + node.length
+            cut = self.best_cut(t, v, end, node.depth)
+            if cut < 0:
+                f.code = E_NO_MEMORY
+                return -1
+            if cut == end:
+                return 0
+            parent = node.parent
+            if self._trim_to(t, v, cut, freed0, trimmed, f):
+                return -1
+            if cut > node.depth:
+                return 0
+            v = parent
+        return 0
+
+    cdef Py_ssize_t evict(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                          Failure *f) noexcept nogil:
+        """Trim least recently used leaves, each to a cut every group can serve, until group
+        ``g``'s pool gained ``n`` free blocks or nothing is evictable; returns what it gained."""
+        cdef Py_ssize_t before = self.num_free(g), end, cut
+        cdef int32_t v, parent
+        cdef RNode *node
+        if t._heap_size and t._heap[0].at <= t._now():
+            t._decay(t._now())  # priorities whose duration ran out go back to the default first
+        while self.num_free(g) - before < n:
+            v = t._victim()
+            if v < 0:
+                break
+            node = &t._nodes[v]
+            if node.num_children != 0:
+                f.code = E_INVARIANT
+                f.value = v
+                break
+            end = node.depth + node.length
+            cut = self.best_cut(t, v, max(<Py_ssize_t>node.depth, end - (n - (self.num_free(g) - before))),
+                                node.depth)
+            if cut < 0:
+                f.code = E_NO_MEMORY
+                break
+            parent = node.parent
+            if self._trim_to(t, v, cut, freed0, trimmed, f):
+                break
+            if cut == node.depth and self.settle_leaf(t, parent, freed0, trimmed, f):
+                break
+        return self.num_free(g) - before
+
+    cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
+                         Py_ssize_t stop) noexcept nogil:
+        """Write the record's ids at ``[start, stop)`` of every group past 0 into entry ``row`` on
+        of that group's table (``tables[g - 1]``)."""
+        cdef Py_ssize_t g
+        for g in range(1, self.n):
+            memcpy(tables[g - 1] + row + start, chunk_column(rec.chunk, g) + start, (stop - start) * sizeof(int32_t))
+
+    # -- (GIL held, lock held) -------------------------------------------------------------------------
+
+    cdef str problem(self, RadixTrie t, Records records, int32_t null_block):
+        """The first inconsistency of groups 1 .. n - 1 (refcounts against the records' columns
+        and the cached runs', each pool's own tables) or of the rule that every leaf ends at a
+        cut every group can serve; None when there is none."""
+        cdef Py_ssize_t g, i, p, nb, end
+        cdef SeqRec *rec
+        cdef RNode *node
+        cdef int32_t *col
+        cdef BlockPool pool
+        cdef int64_t[::1] expected
+        for g in range(1, self.n):
+            pool = self.pool_of(g)
+            problem = pool._problem()
+            if problem is not None:
+                return f"BlockPool of group {g}: {problem}"
+            nb = pool._num_blocks
+            counted = np.zeros(nb + 1, dtype=np.int64)
+            expected = counted
+            if null_block >= 0:
+                expected[null_block] += 1
+            for i in range(records.high_water()):
+                rec = records.slot(i)
+                if rec.status == FREE:
+                    continue
+                col = chunk_column(rec.chunk, g)
+                for p in range(rec.num_blocks):
+                    if col[p] >= nb or col[p] < -1:
+                        return f"group {g}: sequence {rec.seq_id} holds block id {col[p]} out of range [0, {nb})"
+                    if col[p] >= 0:
+                        expected[col[p]] += 1
+            for i in range(t._high_water):
+                node = &t._nodes[i]
+                if node.parent < 0:
+                    continue
+                col = chunk_column(node.chunk, g) + node.start
+                for p in range(node.length):
+                    if col[p] >= nb or col[p] < -1:
+                        return f"group {g}: node {i} holds block id {col[p]} out of range [0, {nb})"
+                    if col[p] >= 0:
+                        expected[col[p]] += 1
+            for i in range(nb):
+                if expected[i] != pool._refcounts[i]:
+                    return (
+                        f"group {g}: block {i}: refcount {pool._refcounts[i]} but sequences and cache hold "
+                        f"{expected[i]}"
+                    )
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if node.parent < 0 or node.num_children != 0:
+                continue
+            end = node.depth + node.length
+            if self.best_cut(t, <int32_t>i, end, end - 1) != end:
+                return f"leaf node {i} ends at block {end}, a prefix not every KV cache group can serve"
+        return None
+
+    cdef list stats(self, RadixTrie t):
+        """Per group: its rule, its pool's counts, the blocks the cache holds in it, its counters."""
+        cdef Py_ssize_t g, i, p, cached
+        cdef RNode *node
+        cdef int32_t *col
+        cdef BlockPool pool
+        out = []
+        for g in range(self.n):
+            pool = self.pool_of(g)
+            if g == 0:
+                cached = t._num_blocks
+            else:
+                cached = 0
+                for i in range(t._high_water):
+                    node = &t._nodes[i]
+                    if node.parent < 0:
+                        continue
+                    col = chunk_column(node.chunk, g) + node.start
+                    for p in range(node.length):
+                        cached += col[p] >= 0
+            kind, window, sink = self._specs[g]
+            out.append({
+                "group": g, "kind": kind, "window": window, "sink_tokens": sink,
+                "num_blocks": pool._num_blocks, "num_free": pool._num_free, "num_cached": cached,
+                "blocks_allocated": self._counts[g].allocated, "blocks_freed": self._counts[g].freed,
+                "blocks_released": self._counts[g].released, "blocks_kept_at_checkpoints": self._counts[g].kept,
+                "blocks_evicted": self._counts[g].evicted,
+            })
+        return out
+
+    cdef int append(self, Records records, int64_t handle, object tokens) except -1:
+        """``KVCacheCore.append``: the tokens recorded, then what left a window released (the
+        record's KV covers the tokens it had before)."""
+        cdef const int32_t *data = NULL
+        cdef Py_ssize_t n = 0, before
+        cdef SeqRec *rec
+        cdef Failure f
+        tokens = token_vector(tokens, &data, &n)
+        ok(&f)
+        cdef PyThreadState *released = records.lock.enter(n)
+        rec = records.get(handle, &f)
+        if rec != NULL:
+            before = rec.num_tokens
+            records.append_locked(handle, data, n, &f)
+            if f.code == OK:
+                self.release(rec, before, &f)
+        records.lock.leave(released)
+        return records.raise_failure(&f, "append", tokens)
+
+    cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call):
+        """A copy of the record's ids in group ``g`` (1 .. n - 1)."""
+        records.lock.enter_gil()
+        try:
+            return self.column(records.read(handle, call), g)
+        finally:
+            records.lock.leave(NULL)
+
+    cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
+                                Py_ssize_t g) except -1:
+        """``KVCacheCore.write_table`` for group ``g`` (1 .. n - 1): ``pad`` also where it needs no block."""
+        cdef int32_t pad_id = -1
+        if pad is not None:
+            pad_id = <int32_t>_as_count(pad, "write_table: pad", 0, max(self.pool_of(g)._num_blocks - 1, 0))
+        ids = self.table(records, handle, g, "write_table")
+        if ids.shape[0] > dest.shape[0]:
+            raise InvalidId(f"write_table: the sequence holds {ids.shape[0]} blocks, the buffer takes {dest.shape[0]}")
+        view = np.asarray(dest)
+        view[: ids.shape[0]] = ids
+        if pad is not None:
+            view[: ids.shape[0]][ids < 0] = pad_id
+            view[ids.shape[0]:] = pad_id
+        return ids.shape[0]
+
+    cdef object column(self, SeqRec *rec, Py_ssize_t g):
+        """A copy of the record's block ids in group ``g`` (-1: released or never needed)."""
+        cdef cnp.ndarray out = np.empty(rec.num_blocks, dtype=np.int32)
+        if rec.num_blocks:
+            memcpy(cnp.PyArray_DATA(out), chunk_column(rec.chunk, g), rec.num_blocks * sizeof(int32_t))
+        return out

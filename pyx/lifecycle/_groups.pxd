@@ -1,0 +1,136 @@
+# KV cache groups of a KV cache core, module lifecycle._groups: the attention rule of each group
+# (full, sliding window, chunked local), its own BlockPool, and the locked steps the core runs for
+# every group in its own calls. Everything here is guarded by the core's lock; the core owns the
+# one ``KVGroups`` (None when it has one group).
+
+cimport cython
+from cpython.object cimport PyObject
+from libc.stdint cimport int32_t, int64_t, uint64_t
+
+from lifecycle._blockpool cimport BatchResult, BlockPool
+from lifecycle._evlog cimport EventLog
+from lifecycle._radix cimport RadixTrie
+from lifecycle._records cimport Failure, Records, SeqRec
+
+
+cdef enum:
+    KIND_FULL = 0
+    KIND_SLIDING = 1
+    KIND_CHUNKED = 2
+
+
+cdef struct GroupRule:
+    int32_t kind
+    int32_t window             # sliding window or chunk, tokens (0: full)
+    int32_t sink_blocks        # leading blocks a sliding window always keeps
+
+
+# Per group counters (group 0's: what the groups' own eviction did to it; the core counts the rest).
+cdef struct GroupCounts:
+    int64_t allocated
+    int64_t freed
+    int64_t released           # blocks that left a window or chunk (freed or kept at a checkpoint)
+    int64_t kept               # of those, kept by their record for a checkpoint
+    int64_t evicted
+
+
+@cython.final
+cdef class KVGroups:
+    cdef Py_ssize_t n               # groups, group 0 (the core's pool) included
+    cdef GroupRule *_rules
+    cdef PyObject **_pools          # borrowed from _keep
+    cdef tuple _keep
+    cdef tuple _specs               # (kind, window, sink_tokens) per group
+    cdef GroupCounts *_counts
+    cdef Py_ssize_t _block_size
+    cdef Py_ssize_t _retention      # checkpoint every this many blocks (0: none)
+    cdef int32_t *_ids              # scratch: one column of block ids
+    cdef Py_ssize_t _ids_capacity
+    cdef int32_t *_trimmed          # scratch: group 0's ids of trimmed blocks
+    cdef Py_ssize_t _trimmed_capacity
+    cdef uint64_t *_hashes          # scratch: content hashes of removed blocks
+    cdef Py_ssize_t _hashes_capacity
+    cdef EventLog _evlog            # the core's, once its events are on (None: off)
+    cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
+    cdef bint quiet                 # (the core's reset) evictions are not logged one by one
+
+    cdef inline BlockPool pool_of(self, Py_ssize_t g):
+        return <BlockPool>self._pools[g]
+
+    cdef inline Py_ssize_t num_free(self, Py_ssize_t g) noexcept nogil:
+        return (<BlockPool>self._pools[g])._num_free
+
+    cdef inline Py_ssize_t first_needed(self, Py_ssize_t g, Py_ssize_t tokens) noexcept nogil:
+        """The first block (past the sink blocks) a query at token ``tokens`` reads in group ``g``."""
+        cdef GroupRule *r = &self._rules[g]
+        cdef Py_ssize_t t
+        if r.kind == KIND_SLIDING:
+            t = tokens - r.window + 1
+            return t // self._block_size if t > 0 else 0
+        if r.kind == KIND_CHUNKED:
+            return (tokens // r.window) * r.window // self._block_size
+        return 0
+
+    cdef inline bint at_checkpoint(self, Py_ssize_t g, Py_ssize_t p) noexcept nogil:
+        """Whether block ``p`` lies in the window before the first checkpoint above it."""
+        cdef Py_ssize_t c
+        if self._retention <= 0:
+            return False
+        c = (p // self._retention + 1) * self._retention
+        return self.first_needed(g, c * self._block_size) <= p
+
+    cdef inline bint kept(self, Py_ssize_t g, Py_ssize_t p, Py_ssize_t end) noexcept nogil:
+        """Whether a cached run ending at block ``end`` keeps block ``p`` in group ``g``: its
+        sink blocks, its last window, the windows before its checkpoints."""
+        cdef Py_ssize_t c
+        if p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size):
+            return True
+        if self._retention <= 0:
+            return False
+        c = (p // self._retention + 1) * self._retention
+        return c <= end and self.first_needed(g, c * self._block_size) <= p
+
+    # (lock held)
+    cdef void log_to(self, EventLog log) noexcept
+    cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil
+    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil
+    cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                        Py_ssize_t end) noexcept nogil
+    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
+                               Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil
+    cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
+    cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
+    cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil
+    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, Failure *f) noexcept nogil
+    cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil
+    cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
+                    Failure *f) noexcept nogil
+    cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
+                                 Failure *f) noexcept nogil
+    cdef Py_ssize_t _unref(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil
+    cdef int _trim_to(self, RadixTrie t, int32_t v, Py_ssize_t cut, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                      Failure *f) noexcept nogil
+    cdef int settle_leaf(self, RadixTrie t, int32_t v, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                         Failure *f) noexcept nogil
+    cdef Py_ssize_t evict(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                          Failure *f) noexcept nogil
+    cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
+                         Py_ssize_t stop) noexcept nogil
+    # (GIL held, lock held)
+    cdef str problem(self, RadixTrie t, Records records, int32_t null_block)
+    cdef list stats(self, RadixTrie t)
+    cdef object column(self, SeqRec *rec, Py_ssize_t g)
+    # (GIL held, lock released: each takes it)
+    cdef int append(self, Records records, int64_t handle, object tokens) except -1
+    cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call)
+    cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
+                                Py_ssize_t g) except -1
+
+
+cdef int32_t **group_tables(object tables, Py_ssize_t count, object table) except NULL
+cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1
+cdef list one_group_stats(BlockPool pool, RadixTrie t)
+cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
+                         Py_ssize_t max_tokens)

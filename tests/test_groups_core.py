@@ -1,0 +1,457 @@
+"""KV cache groups in the C core (issue 31): ``KVCacheCore(pool, block_size, groups=...)``.
+
+Blocks of 4 tokens throughout. A sliding window of 8 tokens reads, from a cut at token ``t``, the
+blocks from ``(t - 7) // 4``; a chunk of 8 tokens the blocks from the chunk's start. Checkpoints
+every ``retention_interval`` tokens keep the window before them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lifecycle._blockpool import BlockPool
+from lifecycle._kvcache import KVCacheCore
+from lifecycle.errors import ConfigError, InvalidId, OutOfBlocks, Unsupported
+
+BS = 4
+
+
+def make(kind: str = "sliding_window", window: int = 8, sink: int = 0, *, blocks: int = 64,
+         group_blocks: int = 64, retention: int = 0, **options: Any) -> tuple[KVCacheCore, BlockPool, BlockPool]:
+    pool, other = BlockPool(blocks), BlockPool(group_blocks)
+    core = KVCacheCore(pool, BS, groups=[(kind, window, sink, other)], retention_interval=retention, **options)
+    return core, pool, other
+
+
+def run(core: KVCacheCore, prompt: list[int], grow_to: int, generated: list[int]) -> int:
+    """Admit ``prompt`` and decode ``generated`` one token a step; the handle."""
+    h = core.admit(prompt, grow_to)
+    for token in generated:
+        assert core.step([h], [token]).size == 0
+    core.check_invariants()
+    return h
+
+
+PROMPT = list(range(40))          # 10 blocks
+DECODED = [100, 101, 102, 103, 104]
+
+
+# --- one group ------------------------------------------------------------------------------------
+
+
+def test_a_core_without_groups_has_one_full_group() -> None:
+    core = KVCacheCore(BlockPool(8), BS)
+    assert (core.num_groups, core.groups, core.retention_interval) == (1, (("full", 0, 0),), 0)
+    assert core.group_pools == (core.pool,)
+    h = core.admit(list(range(8)), 2)
+    assert core.block_table(h, 0).tolist() == core.block_table(h).tolist()
+    with pytest.raises(InvalidId, match=r"group 1 does not exist; this core has 1 KV cache group\b"):
+        core.block_table(h, 1)
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def test_a_finished_runs_end_is_a_hit_in_every_group() -> None:
+    core, _, other = make(retention=16)
+    a = run(core, PROMPT, 11, DECODED)
+    window = core.block_table(a, 1)
+    core.finish(a)
+    b = core.admit(PROMPT + DECODED + [7, 7, 7], 12)
+    assert core.cached_tokens(b) == 44
+    # A query at token 44 reads blocks 9 and 10 of the window group, nothing before.
+    table = core.block_table(b, 1)
+    assert table[:9].tolist() == [-1] * 9
+    assert table[9:11].tolist() == window[9:11].tolist()
+    assert (table[11:] >= 0).all()
+    core.check_invariants()
+
+
+def test_a_window_hit_is_cut_to_the_last_cut_the_window_group_can_serve() -> None:
+    core, _, _ = make(retention=16)
+    a = run(core, PROMPT, 11, DECODED)
+    window = core.block_table(a, 1)
+    core.finish(a)
+    # 7 blocks are cached in the full group, but the window group kept only the windows before
+    # the checkpoints at blocks 4 and 8 and the run's end: the longest cut it serves is block 4.
+    b = core.admit(PROMPT[:30] + [9] * 10, 10)
+    assert core.cached_tokens(b) == 16
+    assert core.block_table(b, 1)[:4].tolist() == [-1, -1, *window[2:4].tolist()]
+    assert core.block_table(b)[:4].tolist() == list(range(4))
+    core.check_invariants()
+
+
+def test_without_checkpoints_a_later_turn_that_diverges_early_misses() -> None:
+    core, _, _ = make(retention=0)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    b = core.admit(PROMPT[:30] + [9] * 10, 10)
+    assert core.cached_tokens(b) == 0
+    core.check_invariants()
+
+
+def test_admission_takes_a_reference_only_on_the_window_it_reads() -> None:
+    core, _, other = make(retention=0)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    cached = core.group_stats()[1]["num_cached"]
+    free = other.num_free
+    b = core.admit(PROMPT + DECODED + [7, 7, 7], 12)
+    # Two cached window blocks are shared, one fresh block is allocated per group.
+    assert other.num_free == free - 1
+    assert core.group_stats()[1]["num_cached"] == cached == 2
+    core.finish(b, cache=False)
+    assert other.num_free == free
+    core.check_invariants()
+
+
+def test_an_extra_full_group_serves_every_cached_block() -> None:
+    core, _, other = make("full", 0)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    b = core.admit(PROMPT[:30] + [9] * 10, 10)
+    assert core.cached_tokens(b) == 28
+    assert (core.block_table(b, 1) >= 0).all()
+    assert other.num_free == 64 - 11 - 3
+    core.check_invariants()
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+
+def test_decode_frees_the_blocks_that_left_the_window() -> None:
+    core, pool, other = make(retention=0)
+    h = core.admit(list(range(16)), 5)
+    assert other.num_free == 59
+    core.step([h], [1])
+    # The query at token 16 reads tokens 9..16: blocks 0 and 1 left the window.
+    assert other.num_free == 61
+    table = core.block_table(h, 1)
+    assert table[:2].tolist() == [-1, -1] and (table[2:] >= 0).all()
+    for token in range(4):
+        core.step([h], [token])
+    # Token 20 reads from token 13 (block 3); the table grew one block in each group.
+    assert core.block_table(h, 1)[:3].tolist() == [-1, -1, -1]
+    assert (core.num_blocks(h), pool.num_free, other.num_free) == (6, 58, 61)
+    core.check_invariants()
+
+
+def test_decode_keeps_the_windows_before_checkpoints() -> None:
+    core, _, other = make(retention=16)
+    h = core.admit(list(range(32)), 9)
+    core.step([h], [1])
+    table = core.block_table(h, 1)
+    # Blocks 0..5 left the window; 2, 3 (before the checkpoint at token 16) and 6, 7 (before 32) stay.
+    assert [int(b) >= 0 for b in table] == [False, False, True, True, False, False, True, True, True]
+    assert other.num_free == 64 - 9 + 4
+    stats = core.group_stats()[1]
+    assert (stats["blocks_released"], stats["blocks_kept_at_checkpoints"]) == (6, 2)
+    core.check_invariants()
+
+
+def test_appending_tokens_releases_what_left_the_window() -> None:
+    core, _, other = make(retention=0)
+    h = core.admit(list(range(16)), 5)
+    core.append(h, [1, 2])
+    assert core.block_table(h, 1)[:2].tolist() == [-1, -1]
+    assert other.num_free == 61
+    core.check_invariants()
+
+
+def test_sink_blocks_stay_with_the_sequence() -> None:
+    core, _, other = make(sink=4, retention=0)
+    h = core.admit(list(range(32)), 9)
+    core.step([h], [1])
+    assert [int(b) >= 0 for b in core.block_table(h, 1)] == [True] + [False] * 5 + [True] * 3
+    assert other.num_free == 64 - 9 + 5
+    core.check_invariants()
+
+
+def test_a_step_short_in_any_group_refuses_the_request_and_changes_it_not() -> None:
+    core, pool, other = make("full", 0, group_blocks=4)
+    h = core.admit(list(range(16)), 4)
+    refused = core.step([h], [1])
+    assert refused.tolist() == [0]
+    assert (core.num_tokens(h), core.num_blocks(h), pool.num_free, other.num_free) == (16, 4, 60, 0)
+    core.check_invariants()
+
+
+def test_step_writes_each_groups_new_ids_into_its_table() -> None:
+    core, _, _ = make(retention=0)
+    h = core.admit(list(range(16)), 4)
+    table = np.full((1, 8), -7, dtype=np.int32)
+    window = np.full((1, 8), -7, dtype=np.int32)
+    core.step([h], [1], table=table, group_tables=[window])
+    assert table[0, 4] == core.block_table(h)[4]
+    assert window[0, 4] == core.block_table(h, 1)[4]
+    with pytest.raises(InvalidId, match="group_tables"):
+        core.step([h], [1], table=table, group_tables=[])
+
+
+# --- chunked local --------------------------------------------------------------------------------
+
+
+def test_chunked_local_releases_past_chunks_and_caches_the_current_one() -> None:
+    core, _, other = make("chunked_local", 8, retention=0)
+    h = run(core, list(range(16)), 5, [1, 2, 3, 4])
+    # The query at token 16 starts a chunk: blocks 0..3 (tokens 0..15) are gone.
+    assert [int(b) >= 0 for b in core.block_table(h, 1)] == [False] * 4 + [True]
+    core.finish(h)
+    assert core.group_stats()[1]["num_cached"] == 1
+    b = core.admit(list(range(16)) + [1, 2, 3, 4, 5, 6, 7, 8], 6)
+    assert core.cached_tokens(b) == 20
+    core.check_invariants()
+
+
+def test_a_cut_at_a_chunk_boundary_needs_no_block_of_the_chunked_group() -> None:
+    core, _, _ = make("chunked_local", 8, retention=0)
+    core.finish(run(core, list(range(16)), 5, [1, 2, 3, 4]))
+    # 3 blocks match; block 2 (the chunk of tokens 8..15) is gone, so the cut falls back to token 8.
+    b = core.admit(list(range(14)) + [9] * 6, 5)
+    assert core.cached_tokens(b) == 8
+    assert core.block_table(b, 1)[:2].tolist() == [-1, -1]
+    core.check_invariants()
+
+
+# --- eviction -------------------------------------------------------------------------------------
+
+
+def test_eviction_trims_a_run_back_to_a_cut_every_group_serves() -> None:
+    core, pool, other = make(retention=16)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    assert [row["num_cached"] for row in core.group_stats()] == [11, 6]
+    # One block asked for: cuts 10 and 9 lack window blocks, so the run ends at block 8, in
+    # every group (the window blocks past it go too).
+    assert core.evict(1) == 3
+    assert [row["num_cached"] for row in core.group_stats()] == [8, 4]
+    assert (pool.num_free, other.num_free) == (64 - 8, 64 - 4)
+    b = core.admit(PROMPT, 11)
+    assert core.cached_tokens(b) == 32
+    core.check_invariants()
+
+
+def test_a_window_groups_shortage_evicts_cached_runs() -> None:
+    core, _, other = make(group_blocks=6, retention=0)
+    core.finish(run(core, list(range(16)), 4, []))
+    assert other.num_free == 4
+    b = core.admit([50 + i for i in range(20)], 6)
+    assert core.num_blocks(b) == 6
+    assert core.num_cached_blocks == 0
+    core.check_invariants()
+
+
+def test_out_of_blocks_in_a_group_names_it_and_changes_nothing() -> None:
+    core, pool, other = make(group_blocks=3)
+    with pytest.raises(OutOfBlocks, match="group 1"):
+        core.admit(list(range(16)), 4)
+    assert (pool.num_free, other.num_free, core.num_live_sequences) == (64, 3, 0)
+    core.check_invariants()
+
+
+def test_reset_drops_every_groups_cached_blocks() -> None:
+    core, pool, other = make(retention=16)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    assert core.reset()
+    assert (pool.num_free, other.num_free) == (64, 64)
+    core.check_invariants()
+
+
+def test_clear_gives_back_every_groups_blocks() -> None:
+    core, pool, other = make()
+    h = core.admit(list(range(16)), 5)
+    core.clear(h)
+    assert (core.num_blocks(h), pool.num_free, other.num_free) == (0, 64, 64)
+    core.check_invariants()
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+
+def test_write_table_of_a_group_pads_where_it_needs_no_block() -> None:
+    core, _, _ = make(retention=0)
+    h = core.admit(list(range(16)), 5)
+    core.step([h], [1])
+    out = np.full(8, 99, dtype=np.int32)
+    assert core.write_table(h, out, pad=0, group=1) == 5
+    assert out.tolist() == [0, 0, *core.block_table(h, 1)[2:].tolist(), 0, 0, 0]
+
+
+@pytest.mark.parametrize("group", [2, -1])
+def test_a_table_of_a_group_that_does_not_exist_is_refused_by_name(group: int) -> None:
+    core, _, _ = make()
+    h = core.admit(list(range(8)), 2)
+    with pytest.raises(InvalidId, match=rf"group {group} does not exist; this core has 2 KV cache groups"):
+        core.block_table(h, group)
+    with pytest.raises(InvalidId, match=rf"group {group} does not exist"):
+        core.write_table(h, np.zeros(4, dtype=np.int32), group=group)
+
+
+def test_a_null_block_is_held_in_every_groups_pool() -> None:
+    core, pool, other = make(null_block=True)
+    assert (pool.num_free, other.num_free) == (63, 63)
+    h = core.admit(list(range(8)), 2)
+    assert 0 not in core.block_table(h, 1).tolist()
+    core.check_invariants()
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ([("sliding_window", 0, 0, None)], r"group 1: window"),
+        ([("sliding_window", 65, 0, None)], r"group 1: window"),
+        ([("chunked_local", 0, 0, None)], r"group 1: window"),
+        ([("local", 8, 0, None)], r"kind 'local'"),
+        ([("chunked_local", 8, 4, None)], r"sink_tokens"),
+        ([("full", 8, 0, None)], r"window \(0 for full attention\)"),
+        ([("sliding_window", 8, 0, "main")], r"another group's"),
+        ([("full", 0, 0, None), ("full", 0, 0, "first")], r"group 2: its BlockPool is another group's"),
+        ([("sliding_window", 8, 0, 3)], r"BlockPool of its own"),
+        (["sliding_window"], r"groups\[0\] must be"),
+    ],
+)
+def test_a_bad_group_is_refused_by_name_with_nothing_allocated(groups: list[Any], message: str) -> None:
+    pool, other = BlockPool(8), BlockPool(8)
+    pools: dict[Any, Any] = {None: other, "main": pool, "first": other}
+    given_groups: list[Any] = []
+    for entry in groups:
+        if isinstance(entry, tuple):
+            kind, window, sink, which = entry
+            given_groups.append((kind, window, sink, pools.get(which, which)))
+        else:
+            given_groups.append(entry)
+    with pytest.raises(ConfigError, match=message):
+        KVCacheCore(pool, BS, groups=given_groups, max_tokens_per_seq=64, null_block=True)
+    assert (pool.num_free, other.num_free) == (8, 8)
+
+
+def test_a_retention_interval_off_the_block_grid_is_refused() -> None:
+    with pytest.raises(ConfigError, match="retention_interval 6 is not a multiple of the block size 4"):
+        make(retention=6)
+
+
+def test_snapshot_cut_is_refused_with_groups() -> None:
+    with pytest.raises(ConfigError, match="snapshot_cut"):
+        make(snapshot_cut=True)
+
+
+def test_calls_a_grouped_core_does_not_offer_are_refused_by_name() -> None:
+    core, _, _ = make()
+    h = core.admit(list(range(8)), 2)
+    with pytest.raises(Unsupported, match="cache_sequence"):
+        core.cache(h, 1)
+    with pytest.raises(Unsupported, match="step"):
+        core.step([h], [1], cache=True)
+    with pytest.raises(Unsupported, match="attach"):
+        core.attach(h, list(range(8)))
+    core.check_invariants()
+
+
+# --- every step keeps every group consistent --------------------------------------------------------
+
+VOCAB = st.integers(0, 2)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.lists(VOCAB, min_size=1, max_size=5), st.integers(1, 6)),
+        st.tuples(st.just("step"), st.integers(0, 7), st.integers(1, 6)),
+        st.tuples(st.just("finish"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("evict"), st.integers(1, 12), st.just(0)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=OPS,
+    kind=st.sampled_from(["sliding_window", "chunked_local", "full"]),
+    retention=st.sampled_from([0, 8, 16]),
+    sink=st.sampled_from([0, 4]),
+    events=st.booleans(),
+)
+def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
+    ops: list[tuple[str, Any, Any]], kind: str, retention: int, sink: int, events: bool
+) -> None:
+    """After every call: every group's refcounts balance against the records and the cache, and
+    every leaf of the trie ends at a cut every group can serve (``check_invariants``); a refused
+    admission leaves every pool as it was. With events, each group's stored blocks less its
+    removed ones are the blocks it has cached."""
+    from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
+
+    window = 0 if kind == "full" else 8
+    core, pool, other = make(kind, window, sink if kind == "sliding_window" else 0, blocks=24, group_blocks=14,
+                             retention=retention, events=events)
+    live: list[int] = []
+    for op, a, b in ops:
+        if op == "admit":
+            # Prompts from a few shared stems, so that runs share prefixes and diverge.
+            prompt = [t for stem in a for t in range(stem * 8, stem * 8 + 8)]
+            grow = len(prompt) // BS + int(b)
+            before = (pool.num_free, other.num_free, core.num_cached_blocks)
+            try:
+                live.append(core.admit(prompt, grow))
+            except OutOfBlocks:
+                assert (pool.num_free, other.num_free) >= before[:2]  # only evictions changed the pools
+                assert core.num_live_sequences == len(live)
+        elif op == "step" and live:
+            h = live[int(a) % len(live)]
+            for token in range(int(b)):
+                if core.step([h], [token + 30]).size:
+                    break
+        elif op == "finish" and live:
+            core.finish(live.pop(int(a) % len(live)), cache=bool(b))
+        elif op == "evict":
+            core.evict(int(a))
+        core.check_invariants()
+    for h in live:
+        core.finish(h)
+    core.check_invariants()
+    if events:
+        held = {0: 0, 1: 0}
+        for event in KVEventTranslator(BS).events(core.take_events()):
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                sign = 1 if isinstance(event, BlockStored) else -1
+                held[event.group_idx or 0] += sign * len(event.block_hashes)
+        assert [held[0], held[1]] == [row["num_cached"] for row in core.group_stats()]
+    core.reset()
+    assert (pool.num_free, other.num_free) == (24, 14)
+
+
+# --- events ---------------------------------------------------------------------------------------
+
+
+def test_events_name_the_group_of_the_blocks_each_group_stores_and_removes() -> None:
+    from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
+
+    core, _, _ = make(retention=0, events=True)
+    core.finish(run(core, list(range(16)), 4, []))
+    core.evict(4)
+    events = KVEventTranslator(BS).events(core.take_events())
+    stored = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
+    removed = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockRemoved)]
+    # Group 0 stores its 4 blocks, the window group the 2 of its last window (blocks 2, 3).
+    assert stored == [(None, 4), (1, 2)]
+    assert sorted(removed, key=str) == sorted([(None, 4), (1, 2)], key=str)
+    window_hashes = next(e.block_hashes for e in events if isinstance(e, BlockStored) and e.group_idx == 1)
+    full_hashes = next(e.block_hashes for e in events if isinstance(e, BlockStored) and e.group_idx is None)
+    assert window_hashes == full_hashes[2:]
+
+
+def test_demotion_is_not_offered_with_groups() -> None:
+    core, _, _ = make()
+    with pytest.raises(Unsupported, match="demote"):
+        core.set_events(True, demote=True)
+
+
+def test_a_short_run_with_sink_blocks_stays_cached_whole() -> None:
+    core, _, _ = make(sink=4, retention=0)
+    core.finish(run(core, list(range(8)), 2, []))
+    # Two blocks: the sink block and the last window, both kept; the run's end is servable.
+    assert [row["num_cached"] for row in core.group_stats()] == [2, 2]
+    b = core.admit(list(range(12)), 3)
+    assert core.cached_tokens(b) == 8
