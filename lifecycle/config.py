@@ -137,8 +137,31 @@ def _check_heads(kind: str, num_kv_heads: object, head_dim: object, dtype: objec
     _check_dtype(f"{kind}.dtype", dtype)
 
 
+class _LocalKV:
+    """What the local attention layers (sliding window, chunked) share: K and V of
+    ``num_kv_heads * head_dim`` elements per token."""
+
+    __slots__ = ()
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this layer (K and V)."""
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    def block_shape(self, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one block of this layer: ``(2, block_size, num_kv_heads, head_dim)``."""
+        return (2, block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes one block of this layer holds."""
+        return block_size * self.bytes_per_token
+
+
 @dataclass(frozen=True, slots=True)
-class SlidingWindowLayer:
+class SlidingWindowLayer(_LocalKV):
     """A sliding-window attention layer: K and V of ``num_kv_heads * head_dim`` elements per token,
     of which a token attends to the last ``window`` (plus the first ``sink_tokens`` of the
     sequence, as attention sinks)."""
@@ -154,22 +177,9 @@ class SlidingWindowLayer:
         _check_int("SlidingWindowLayer.window", self.window, 1, _INT32_MAX)
         _check_int("SlidingWindowLayer.sink_tokens", self.sink_tokens, 0, _INT32_MAX)
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token takes in this layer (K and V)."""
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one block of this layer: ``(2, block_size, num_kv_heads, head_dim)``."""
-        return (2, block_size, self.num_kv_heads, self.head_dim)
-
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes one block of this layer holds."""
-        return block_size * self.bytes_per_token
-
 
 @dataclass(frozen=True, slots=True)
-class ChunkedLocalLayer:
+class ChunkedLocalLayer(_LocalKV):
     """A chunked local attention layer (Llama 4's): a token attends to the tokens of its own
     ``chunk_size``-token chunk only; K and V of ``num_kv_heads * head_dim`` elements per token."""
 
@@ -181,19 +191,6 @@ class ChunkedLocalLayer:
     def __post_init__(self) -> None:
         _check_heads("ChunkedLocalLayer", self.num_kv_heads, self.head_dim, self.dtype)
         _check_int("ChunkedLocalLayer.chunk_size", self.chunk_size, 1, _INT32_MAX)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token takes in this layer (K and V)."""
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of one block of this layer: ``(2, block_size, num_kv_heads, head_dim)``."""
-        return (2, block_size, self.num_kv_heads, self.head_dim)
-
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes one block of this layer holds."""
-        return block_size * self.bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)
