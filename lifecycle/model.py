@@ -105,7 +105,8 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         if self._torn_down:
             raise TornDown(f"model {self._config.name!r} was torn down; only teardown() may be called again")
         if self._drop_queue:
-            self._parts.reap(self._on_release)
+            with self._lock:  # (reentrant) the tiers learn what a dropped sequence held under it
+                self._parts.reap(self._on_release)
 
     def _release_adapter(self, adapter_slot: int) -> None:
         """What the core calls back as it releases a record bound to an adapter."""

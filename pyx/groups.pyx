@@ -379,6 +379,7 @@ cdef class KVGroups:
         freed = (<BlockPool>self._pools[g])._dec_ref_locked(self._ids, count, &f.batch)
         if f.batch.failed_at >= 0:
             f.code = E_INVARIANT
+            f.value = self._ids[f.batch.failed_at]  # the id whose reference was not there
             f.group = <int32_t>g
         self._counts[g].freed += freed
         return freed

@@ -131,7 +131,7 @@ cdef class KVCacheCore:
             self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
         )
         self._snaps = new_snapshot_ids(num, self._trie)
-        self._retention = new_retention(self._trie, self._records, self._lock, self._block_size)
+        self._retention = new_retention(self._trie, self._records, self._lock, self._block_size, self._grouped)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
         self.salts = SaltMap()
         self._pool = pool
@@ -1292,7 +1292,9 @@ cdef class KVCacheCore:
             if data[i] < 0:
                 f.code = E_NEGATIVE_TOKEN
                 return 0
-        if self._enabled and n > 1:
+        # With several groups the walk's end need not be a cut every group serves: no reuse is
+        # counted or protected (it evicts as if nothing were cached, never leaving an unservable leaf).
+        if self._enabled and n > 1 and not self._grouped:
             end = self._match(key, data, (n - 1) // self._block_size, &matched, &reuse, f)
             if f.code != OK:
                 return 0

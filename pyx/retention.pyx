@@ -25,7 +25,7 @@ from lifecycle._int32 cimport token_vector as _token_vector
 from lifecycle._radix cimport DEFAULT_PRIORITY, MAX_PRIORITY, RNode, WalkEnd
 from lifecycle._records cimport E_NO_MEMORY, Failure, handle_arg as _handle_arg, ok
 
-from lifecycle.errors import RetentionError
+from lifecycle.errors import RetentionError, Unsupported
 
 cnp.import_array()
 
@@ -36,14 +36,16 @@ DEFAULT_RETENTION = DEFAULT_PRIORITY
 TTL_PRIORITY = DEFAULT_PRIORITY + 1
 
 
-cdef Retention new_retention(RadixTrie trie, Records records, CoreLock lock, Py_ssize_t block_size):
-    """The retention state of one core (no hints, no pins, a pin budget of 0 blocks)."""
+cdef Retention new_retention(RadixTrie trie, Records records, CoreLock lock, Py_ssize_t block_size, bint grouped):
+    """The retention state of one core (no hints, no pins, a pin budget of 0 blocks); ``grouped``: the
+    core has several KV cache groups, whose finish and eviction rules hints and pins do not follow yet."""
     cdef Retention r = Retention.__new__(Retention)
     r._trie = trie
     r._records = records
     r._lock = lock
     r._block_size = block_size
     r._pins = []
+    r._grouped = grouped
     return r
 
 
@@ -190,6 +192,7 @@ cdef class Retention:
         ``decode_duration_s``) for its generated tokens, ``ttl_s`` for its whole path. Applied
         at its finish. Bad input raises ``RetentionError`` and keeps the old hint."""
         cdef int64_t h = _handle_arg(handle, "set_retention")
+        self._refuse_grouped("set_retention")
         cdef Failure f
         cdef SeqRec *rec
         cdef Span *spans
@@ -284,6 +287,12 @@ cdef class Retention:
                 self._drop(i)
                 return
 
+    cdef int _refuse_grouped(self, str call) except -1:
+        if self._grouped:
+            raise Unsupported(f"{call}: retention hints and pins are not offered by a KV cache core with several "
+                              "KV cache groups")
+        return 0
+
     def prioritize(self, tokens, int64_t key, priority, duration_s=None):
         """Raise the cached whole blocks of ``tokens`` under adapter ``key`` to ``priority``
         (0-100) for ``duration_s`` seconds (None: for good), as SGLang's priority policy keeps a
@@ -294,6 +303,7 @@ cdef class Retention:
         cdef WalkEnd walk
         cdef int32_t root
         cdef Span span
+        self._refuse_grouped("prioritize")
         span.start = 0
         span.priority = _priority(priority, "priority")
         span.duration = _seconds(duration_s, "duration_s")
@@ -329,6 +339,7 @@ cdef class Retention:
         cdef WalkEnd walk
         cdef int32_t root, v = -1
         cdef RadixTrie t = self._trie
+        self._refuse_grouped("pin_prefix")
         tokens = _token_vector(tokens, &data, &n)
         blocks = n // self._block_size
         self._lock.enter_gil()

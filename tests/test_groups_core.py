@@ -455,3 +455,42 @@ def test_a_short_run_with_sink_blocks_stays_cached_whole() -> None:
     assert [row["num_cached"] for row in core.group_stats()] == [2, 2]
     b = core.admit(list(range(12)), 3)
     assert core.cached_tokens(b) == 8
+
+
+# -- what a grouped core refuses or does differently (found in review) --------------------------------
+
+
+def _grouped_after_a_finish() -> tuple[KVCacheCore, list[int]]:
+    core = KVCacheCore(BlockPool(64), 4, groups=[("sliding_window", 8, 0, BlockPool(64))], retention_interval=0)
+    prompt = list(range(40))
+    handle = core.admit(prompt, 11)
+    for token in (100, 101, 102, 103, 104):
+        core.step([handle], [token])
+    core.finish(handle)
+    core.check_invariants()
+    return core, prompt
+
+
+def test_retention_hints_and_pins_are_refused_with_several_groups() -> None:
+    core, prompt = _grouped_after_a_finish()
+    handle = core.admit(prompt, 11)
+    cached = core.group_stats()
+    with pytest.raises(Unsupported, match="set_retention"):
+        core.set_retention(handle, [(12, 20, 90)])
+    core.retention.set_pin_budget(100)
+    with pytest.raises(Unsupported, match="pin_prefix"):
+        core.pin_prefix(prompt[:20])
+    with pytest.raises(Unsupported, match="prioritize"):
+        core.retention.prioritize(prompt[:20], 0, 90)
+    assert core.retention.pinned_blocks == 0
+    assert core.group_stats() == cached
+    core.finish(handle)
+    core.check_invariants()
+
+
+def test_reclaim_for_on_a_grouped_core_counts_no_reuse_and_leaves_only_servable_leaves() -> None:
+    core, prompt = _grouped_after_a_finish()
+    target, free = core.reclaim_for(prompt[:21], 0, 64)
+    assert target == 64  # no cached prefix is counted: its end need not be a cut every group serves
+    assert free == core.pool.num_free
+    core.check_invariants()
