@@ -78,12 +78,13 @@ def _project_records(workload: str) -> dict[str, dict[str, Any]]:
     no such runner."""
     if workload not in _PROJECT:
         import workloads as project
+        from traces import MOONCAKE_TRACE
 
         runner = getattr(project, "run_" + workload.replace("-", "_"), None)
         if runner is None:
             _PROJECT[workload] = {}
         else:
-            found = runner(project.MOONCAKE_TRACE, repeats=1) if workload == "w3-groups" else runner(repeats=1)
+            found = runner(MOONCAKE_TRACE, repeats=1) if workload == "w3-groups" else runner(repeats=1)
             _PROJECT[workload] = {r["preset"]: r for r in found if r.get("setup") == "groups"}
     return _PROJECT[workload]
 
