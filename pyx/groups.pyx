@@ -89,6 +89,7 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     self.n = n
     self._block_size = block_size
     self._retention = retention
+    self.pad = -1
     self._specs = tuple((s[0], s[1], s[2]) for s in specs)
     return self
 
@@ -321,9 +322,26 @@ cdef class KVGroups:
                 f.value = need
                 f.limit = self.num_free(g)
                 f.group = <int32_t>g
+                f.pinned = self._pinned_only(t, g)
                 return -1
             self._counts[g].allocated += need
         return 0
+
+    cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil:
+        """Blocks of group ``g`` that only the cache holds, on runs a pin protects from eviction
+        (what a refusal for want of them names)."""
+        cdef Py_ssize_t i, p, count = 0
+        cdef RNode *node
+        cdef int32_t *col
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if node.parent < 0 or node.lock_count == 0:
+                continue
+            col = chunk_column(node.chunk, g) + node.start
+            for p in range(node.length):
+                count += col[p] >= 0 and refs[col[p]] == 1
+        return count
 
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil:
         """Give back the blocks ``grow`` just took at ``[start, stop)`` in groups 1 .. groups - 1."""
@@ -333,11 +351,14 @@ cdef class KVGroups:
             (<BlockPool>self._pools[g])._dec_ref_locked(chunk_column(rec.chunk, g) + start, stop - start, &ignored)
             self._counts[g].allocated -= stop - start
 
-    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, Failure *f) noexcept nogil:
+    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
+                     Failure *f) noexcept nogil:
         """The record's KV now covers ``tokens`` tokens: release, per windowed group, the blocks
         that left its window or chunk, except those before a checkpoint (the record keeps them
         for the cache). Only whole-block cuts count, so the last window of the record's full
-        blocks stays whole for ``finish``."""
+        blocks stays whole for ``finish``. With ``tables`` (a decode step's, group g's at
+        ``tables[g - 1]``), entry ``row + p`` of each released block ``p`` becomes ``self.pad``,
+        so the engine's rows never name a block that went back to its pool."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
         cdef int32_t *col
@@ -368,6 +389,8 @@ cdef class KVGroups:
                 self._ids[count] = col[p]
                 count += 1
                 col[p] = -1
+                if tables != NULL:
+                    tables[g - 1][row + p] = self.pad
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
 
@@ -714,7 +737,7 @@ cdef class KVGroups:
             before = rec.num_tokens
             records.append_locked(handle, data, n, &f)
             if f.code == OK:
-                self.release(rec, before, &f)
+                self.release(rec, before, NULL, 0, &f)
         records.lock.leave(released)
         return records.raise_failure(&f, "append", tokens)
 

@@ -153,6 +153,8 @@ cdef class KVCacheCore:
             self._lock.leave(released)
             if self._null_block != 0:
                 raise InvariantViolation(f"a fresh pool handed out block {self._null_block} first, not block 0")
+            if self._grouped:
+                self._groups.pad = self._null_block  # block 0 of every group's pool as well
         if events or demote:
             self.set_events(events, demote)
 
@@ -727,6 +729,7 @@ cdef class KVCacheCore:
             budget_tokens, "budget_tokens", 0, self._max_tokens_per_seq
         )
         cdef int64_t seq_id, handle
+        cdef _Sequence seq
         cdef SlotGuard guard = slots._acquire()
         try:
             handle = self._records.open_record(0, -1, budget, &seq_id)
@@ -734,7 +737,9 @@ cdef class KVCacheCore:
             guard._let_go()
             raise
         guard._record_owner(handle)
-        return new_sequence(self._records, self, handle, seq_id, guard, addrs_by_slot, budget, drop_queue)
+        seq = new_sequence(self._records, self, handle, seq_id, guard, addrs_by_slot, budget, drop_queue)
+        seq._grouped = self._grouped
+        return seq
 
     def release(self, seq, bint cache, on_adapter=None):
         """What a model's ``free_sequence`` (``cache=False``) or ``finish_sequence`` does: the SSM
@@ -1203,7 +1208,10 @@ cdef class KVCacheCore:
             if self._records.reserve(rec, rec.num_blocks + max(need, <Py_ssize_t>0), rec.num_tokens + added):
                 f.code = E_NO_MEMORY
                 return num_refused
-            if self._grouped and self._groups.release(rec, rec.num_tokens, f):
+            if self._grouped and self._groups.release(
+                rec, rec.num_tokens, group_tabs,
+                <Py_ssize_t>(row_of[i] if row_of != NULL else i) * ncols if group_tabs != NULL else 0, f
+            ):
                 return num_refused
             if need > 0:
                 if self._grouped and self._groups.grow(self._trie, rec, rec.num_blocks + need, f):

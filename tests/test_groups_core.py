@@ -7,6 +7,7 @@ every ``retention_interval`` tokens keep the window before them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -455,3 +456,48 @@ def test_a_short_run_with_sink_blocks_stays_cached_whole() -> None:
     assert [row["num_cached"] for row in core.group_stats()] == [2, 2]
     b = core.admit(list(range(12)), 3)
     assert core.cached_tokens(b) == 8
+
+
+# --- decode tables and refusals -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("null_block", [False, True])
+def test_step_writes_the_pad_where_the_window_released_a_block(null_block: bool) -> None:
+    core, _, _ = make(retention=0, null_block=null_block)
+    pad = 0 if null_block else -1
+    h = core.admit(list(range(16)), 5)
+    table = np.zeros((1, 8), dtype=np.int32)
+    window = np.zeros((1, 8), dtype=np.int32)
+    window[0, :5] = core.block_table(h, 1)
+    core.step([h], [1], table=table, group_tables=[window])
+    # The query at token 16 reads blocks 2..4: blocks 0 and 1 went back to the pool, and the row says so.
+    assert window[0, :2].tolist() == [pad, pad]
+    assert window[0, 2:5].tolist() == core.block_table(h, 1)[2:5].tolist()
+    core.check_invariants()
+
+
+def test_a_window_group_short_of_blocks_names_what_pinned_prefixes_hold() -> None:
+    pool, other = BlockPool(100), BlockPool(11)
+    core = KVCacheCore(pool, 16, groups=[("sliding_window", 128, 0, other)], retention_interval=0)
+    tokens = list(range(640))
+    h = core.admit(tokens[:16], 1)
+    for block in range(1, 20):
+        core.grow(h, block + 1)
+        core.append(h, tokens[block * 16 : block * 16 + 16])
+    core.finish(h)
+    assert core.group_stats()[1]["num_cached"] == 8
+    # A longer request pins the 320 cached tokens; once the window moved on, only the cache
+    # holds their window blocks, and the pin keeps them from eviction.
+    h = core.admit(tokens[:336], 21)
+    assert core.cached_tokens(h) == 320
+    core.append(h, [])
+    with pytest.raises(OutOfBlocks, match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached "
+                       r"prefixes that live sequences pin") as refused:
+        for block in range(21, 40):
+            core.grow(h, block + 1)
+            core.append(h, tokens[block * 16 : block * 16 + 16])
+    mine = set(core.block_table(h, 1).tolist())
+    cache_only = [b for b, refs in enumerate(other.refcounts().tolist()) if refs == 1 and b not in mine]
+    named = re.search(r"; (\d+) of its blocks", str(refused.value))
+    assert named is not None and int(named.group(1)) == len(cache_only) > 0
+    core.check_invariants()
