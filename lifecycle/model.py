@@ -402,7 +402,8 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
             self._parts.lora.bind(seq, handle, adapter_slot)
 
     def block_table(self, seq: SequenceState, group: int = 0) -> npt.NDArray[np.int32]:
-        """The sequence's block ids in KV cache group ``group`` (int32, a copy); -1 where a windowed group holds none."""
+        """The sequence's block ids in KV cache group ``group`` (int32, a copy); -1 where a
+        windowed group holds none."""
         return self._core.block_table(self._core.handle_of(seq), group)
 
     def wait_stream(self, stream: object) -> None:

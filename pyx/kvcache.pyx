@@ -1125,7 +1125,8 @@ cdef class KVCacheCore:
         With KV cache groups every group grows at once (a request short in any group is refused),
         ``group_tables`` (one table per group past 0, shaped as ``table``) get each group's new
         ids, and each windowed group first releases the blocks that left the request's window or
-        chunk (its KV covers the tokens it had before this step), a refused request's too."""
+        chunk (its KV covers the tokens it had before this step), a refused request's too, writing
+        the null block (-1 without one) into those entries of its table."""
         cdef const int32_t *tok = NULL
         cdef Py_ssize_t n, num_tok = 0, ncols = -1, nrows = 0
         cdef const int64_t *hs

@@ -492,7 +492,7 @@ def test_a_window_group_short_of_blocks_names_what_pinned_prefixes_hold() -> Non
     assert core.cached_tokens(h) == 320
     core.append(h, [])
     with pytest.raises(OutOfBlocks, match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached "
-                       r"prefixes that live sequences pin") as refused:
+                       r"prefixes under a pin \(a live sequence's prefix") as refused:
         for block in range(21, 40):
             core.grow(h, block + 1)
             core.append(h, tokens[block * 16 : block * 16 + 16])
