@@ -29,7 +29,7 @@ cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._args cimport ssize_arg as _as_count
@@ -313,6 +313,8 @@ cdef class KVGroups:
             free_now = self.num_free(g)
             if free_now < need:
                 self.evict(t, g, need - free_now, &freed0, &trimmed, f)
+                if f.code == OK and self.num_free(g) < need and self._rules[g].kind != KIND_FULL:
+                    self._drop_pinned(t, g, need - self.num_free(g), f)
                 if f.code != OK:
                     self.ungrow(rec, rec.num_blocks, num_blocks, g)
                     return -1
@@ -326,6 +328,71 @@ cdef class KVGroups:
                 return -1
             self._counts[g].allocated += need
         return 0
+
+    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil:
+        """Free up to ``n`` blocks of windowed group ``g`` that only the cache holds on runs live
+        sequences pin, none on a run a retention pin protects (it keeps its runs whole). A pinning
+        sequence holds its own reference on every block it still reads, so none loses a block; a
+        later hit on such a run is cut to where the group still serves it, and once its last pin
+        goes the run is trimmed to such a cut (``settle_leaf``). Returns how many it freed."""
+        cdef Py_ssize_t i, p, count = 0, nodes = t._high_water
+        cdef int32_t v
+        cdef int32_t *own
+        cdef char *protected
+        cdef RNode *node
+        cdef SeqRec *rec
+        cdef int32_t *col
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef bint logging = self._evlog is not None and not self.quiet
+        if n <= 0 or self._reserve(n):
+            return 0
+        own = <int32_t *>calloc(nodes + 1, sizeof(int32_t))  # per node: live sequences' pins ending there
+        protected = <char *>calloc(nodes + 1, sizeof(char))  # per node: on the path of another pin
+        if own == NULL or protected == NULL:
+            free(own)
+            free(protected)
+            return 0
+        for i in range(self._records.high_water()):
+            rec = self._records.slot(i)
+            if rec.status != FREE and rec.pin_node >= 0:
+                own[rec.pin_node] += 1
+        for i in range(nodes):
+            if t._nodes[i].parent >= 0 and t._nodes[i].pin_count > own[i]:
+                v = <int32_t>i
+                while v >= 0 and t._nodes[v].parent >= 0 and not protected[v]:
+                    protected[v] = 1
+                    v = t._nodes[v].parent
+        for i in range(nodes):
+            node = &t._nodes[i]
+            if count == n:
+                break
+            if node.parent < 0 or node.lock_count == 0 or protected[i]:
+                continue
+            col = chunk_column(node.chunk, g) + node.start
+            for p in range(node.length):
+                if count == n:
+                    break
+                if col[p] >= 0 and refs[col[p]] == 1:
+                    self._ids[count] = col[p]
+                    if logging:
+                        self._hashes[count] = node.chunk.hashes[node.start + p] if node.chunk.hashes != NULL else 0
+                    count += 1
+                    col[p] = -1
+        free(own)
+        free(protected)
+        if logging and count:
+            self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
+        self._counts[g].evicted += count
+        self._unref(g, count, f)
+        return count
+
+    cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil:
+        """``settle_leaf`` on every leaf (after pins went that the core does not track one by one)."""
+        cdef Py_ssize_t i, freed0 = 0, trimmed = 0
+        for i in range(t._high_water):
+            if t._nodes[i].parent >= 0 and t._nodes[i].num_children == 0 and t._nodes[i].lock_count == 0:
+                if self.settle_leaf(t, <int32_t>i, &freed0, &trimmed, f):
+                    return
 
     cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil:
         """Blocks of group ``g`` that only the cache holds, on runs a pin protects from eviction
@@ -685,8 +752,8 @@ cdef class KVGroups:
                     )
         for i in range(t._high_water):
             node = &t._nodes[i]
-            if node.parent < 0 or node.num_children != 0:
-                continue
+            if node.parent < 0 or node.num_children != 0 or node.lock_count != 0:
+                continue  # a pinned leaf may have lent its window blocks to a live sequence (_drop_pinned)
             end = node.depth + node.length
             if self.best_cut(t, <int32_t>i, end, end - 1) != end:
                 return f"leaf node {i} ends at block {end}, a prefix not every KV cache group can serve"

@@ -130,6 +130,8 @@ cdef class KVCacheCore:
         self._records = new_records(
             self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
         )
+        if self._grouped:
+            self._groups._records = self._records
         self._snaps = new_snapshot_ids(num, self._trie)
         self._retention = new_retention(self._trie, self._records, self._lock, self._block_size)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
@@ -701,8 +703,9 @@ cdef class KVCacheCore:
             f.code = E_INVARIANT
         self._counters.blocks_freed += freed
         self._records.close(rec)
-        if self._grouped and cached and f.code == OK:
-            # The run left must end where every group can serve it.
+        if self._grouped and f.code == OK and (cached or v >= 0):
+            # The run left must end where every group can serve it (a pinned run may have given
+            # up window blocks for a live sequence: KVGroups._drop_pinned).
             self._groups.settle_leaf(self._trie, leaf if leaf >= 0 else v, &freed0, &trimmed, f)
         return freed + freed0
 
@@ -788,14 +791,19 @@ cdef class KVCacheCore:
         cdef Failure f
         cdef PyThreadState *released
         cdef SeqRec *rec
+        cdef int32_t pin = -1
+        cdef Py_ssize_t freed0 = 0, trimmed = 0
         ok(&f)
         released = self._lock.enter(LONG_CALL)
         if self._grouped:
             rec = self._records.get(h, &f)
             if rec != NULL:
+                pin = rec.pin_node
                 self._groups.release_all(rec, &f)
             ok(&f)  # clear_locked says what was wrong
         self._counters.blocks_freed += self._records.clear_locked(h, &f)
+        if self._grouped and pin >= 0 and f.code == OK:
+            self._groups.settle_leaf(self._trie, pin, &freed0, &trimmed, &f)  # see _finish_locked
         self._lock.leave(released)
         self._records.raise_failure(&f, "clear")
 
@@ -1437,7 +1445,16 @@ cdef class KVCacheCore:
 
     def unpin_prefix(self, tokens, adapter=0):
         """Undo ``pin_prefix`` of the same prefix; returns its blocks (``Retention.unpin``)."""
-        return self._retention.unpin(tokens, _adapter_key(adapter))
+        cdef Failure f
+        cdef PyThreadState *released
+        blocks = self._retention.unpin(tokens, _adapter_key(adapter))
+        if self._grouped:
+            ok(&f)
+            released = self._lock.enter(LONG_CALL)
+            self._groups.settle_all(self._trie, &f)  # its runs may end where a window group lent blocks
+            self._lock.leave(released)
+            self._records.raise_failure(&f, "unpin_prefix")
+        return blocks
 
     def time_ns(self):
         """Nanoseconds spent in the core's calls so far (under its lock)."""

@@ -476,28 +476,77 @@ def test_step_writes_the_pad_where_the_window_released_a_block(null_block: bool)
     core.check_invariants()
 
 
-def test_a_window_group_short_of_blocks_names_what_pinned_prefixes_hold() -> None:
+TOKENS = list(range(640))
+
+
+def long_window_core() -> tuple[KVCacheCore, BlockPool, BlockPool]:
+    """Blocks of 16 tokens, a window of 8 blocks in an 11-block pool, the first 320 tokens of
+    ``TOKENS`` cached (decoded a block at a time, so its last window is cached alone)."""
     pool, other = BlockPool(100), BlockPool(11)
     core = KVCacheCore(pool, 16, groups=[("sliding_window", 128, 0, other)], retention_interval=0)
-    tokens = list(range(640))
-    h = core.admit(tokens[:16], 1)
+    h = core.admit(TOKENS[:16], 1)
     for block in range(1, 20):
         core.grow(h, block + 1)
-        core.append(h, tokens[block * 16 : block * 16 + 16])
+        core.append(h, TOKENS[block * 16 : block * 16 + 16])
     core.finish(h)
     assert core.group_stats()[1]["num_cached"] == 8
-    # A longer request pins the 320 cached tokens; once the window moved on, only the cache
-    # holds their window blocks, and the pin keeps them from eviction.
-    h = core.admit(tokens[:336], 21)
+    return core, pool, other
+
+
+def decode_blocks(core: KVCacheCore, h: int, start: int, stop: int) -> None:
+    """Grow and append a block at a time, from block ``start`` to ``stop``."""
+    for block in range(start, stop):
+        core.grow(h, block + 1)
+        core.append(h, TOKENS[block * 16 : block * 16 + 16])
+
+
+def test_a_live_sequence_takes_window_blocks_its_pinned_prefix_no_longer_reads() -> None:
+    core, _, other = long_window_core()
+    # A longer request pins the 320 cached tokens; once its window moved past them, only the
+    # cache holds their window blocks, and the pool has room for nothing else.
+    h = core.admit(TOKENS[:336], 21)
     assert core.cached_tokens(h) == 320
     core.append(h, [])
-    with pytest.raises(OutOfBlocks, match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached "
-                       r"prefixes under a pin \(a live sequence's prefix") as refused:
-        for block in range(21, 40):
-            core.grow(h, block + 1)
-            core.append(h, tokens[block * 16 : block * 16 + 16])
+    decode_blocks(core, h, 21, 40)
+    assert core.num_blocks(h) == 40
+    stats = core.group_stats()[1]
+    assert stats["num_cached"] < 8 and stats["blocks_evicted"] == 8 - stats["num_cached"]
+    core.check_invariants()
+    # The pinned run no longer holds its last window: the same prompt again reuses nothing of it.
+    probe = core.admit(TOKENS[:336], 0)
+    assert core.cached_tokens(probe) == 0
+    core.finish(probe, False)
+    core.finish(h)
+    core.check_invariants()
+
+
+def test_a_pinned_run_that_gave_up_its_window_goes_when_its_last_pin_goes() -> None:
+    core, pool, other = long_window_core()
+    h = core.admit(TOKENS[:336], 21)
+    core.append(h, [])
+    decode_blocks(core, h, 21, 40)
+    core.finish(h, False)
+    # No cut of the 320-token run is servable any more: its full-group blocks went with it.
+    assert (core.num_cached_blocks, pool.num_free, other.num_free) == (0, 100, 11)
+    core.check_invariants()
+
+
+def test_a_window_group_short_of_blocks_names_what_a_retention_pin_holds() -> None:
+    core, _, other = long_window_core()
+    core.retention.set_pin_budget(20)
+    assert core.pin_prefix(TOKENS[:320]) > 0
+    h = core.admit(TOKENS[:336], 21)
+    core.append(h, [])
+    with pytest.raises(
+        OutOfBlocks, match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached prefixes under a pin"
+    ) as refused:
+        decode_blocks(core, h, 21, 40)
     mine = set(core.block_table(h, 1).tolist())
     cache_only = [b for b, refs in enumerate(other.refcounts().tolist()) if refs == 1 and b not in mine]
     named = re.search(r"; (\d+) of its blocks", str(refused.value))
     assert named is not None and int(named.group(1)) == len(cache_only) > 0
+    core.check_invariants()
+    # Once the pin goes, the run's window blocks are evictable again.
+    core.unpin_prefix(TOKENS[:320])
+    decode_blocks(core, h, core.num_blocks(h), 40)
     core.check_invariants()
