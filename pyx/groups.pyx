@@ -329,29 +329,18 @@ cdef class KVGroups:
             self._counts[g].allocated += need
         return 0
 
-    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil:
-        """Free up to ``n`` blocks of windowed group ``g`` that only the cache holds on runs live
-        sequences pin, none on a run a retention pin protects (it keeps its runs whole). A pinning
-        sequence holds its own reference on every block it still reads, so none loses a block; a
-        later hit on such a run is cut to where the group still serves it, and once its last pin
-        goes the run is trimmed to such a cut (``settle_leaf``). Returns how many it freed."""
-        cdef Py_ssize_t i, p, count = 0, nodes = t._high_water
+    cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil:
+        """Per node (malloc'd, the caller frees it; NULL: out of memory): whether it lies on the
+        path of a pin that is not a live sequence's (a retention pin, ``pin_prefix``)."""
+        cdef Py_ssize_t i, nodes = t._high_water
         cdef int32_t v
-        cdef int32_t *own
-        cdef char *protected
-        cdef RNode *node
         cdef SeqRec *rec
-        cdef int32_t *col
-        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
-        cdef bint logging = self._evlog is not None and not self.quiet
-        if n <= 0 or self._reserve(n):
-            return 0
-        own = <int32_t *>calloc(nodes + 1, sizeof(int32_t))  # per node: live sequences' pins ending there
-        protected = <char *>calloc(nodes + 1, sizeof(char))  # per node: on the path of another pin
+        cdef int32_t *own = <int32_t *>calloc(nodes + 1, sizeof(int32_t))  # live sequences' pins ending there
+        cdef char *protected = <char *>calloc(nodes + 1, sizeof(char))
         if own == NULL or protected == NULL:
             free(own)
             free(protected)
-            return 0
+            return NULL
         for i in range(self._records.high_water()):
             rec = self._records.slot(i)
             if rec.status != FREE and rec.pin_node >= 0:
@@ -362,7 +351,27 @@ cdef class KVGroups:
                 while v >= 0 and t._nodes[v].parent >= 0 and not protected[v]:
                     protected[v] = 1
                     v = t._nodes[v].parent
-        for i in range(nodes):
+        free(own)
+        return protected
+
+    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil:
+        """Free up to ``n`` blocks of windowed group ``g`` that only the cache holds on runs live
+        sequences pin, none on a run a retention pin protects (it keeps its runs whole). A pinning
+        sequence holds its own reference on every block it still reads, so none loses a block; a
+        later hit on such a run is cut to where the group still serves it, and once its last pin
+        goes the run is trimmed to such a cut (``settle_leaf``). Returns how many it freed."""
+        cdef Py_ssize_t i, p, count = 0
+        cdef RNode *node
+        cdef int32_t *col
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef char *protected
+        if n <= 0 or self._reserve(n):
+            return 0
+        protected = self._retention_pinned(t)
+        if protected == NULL:
+            return 0
+        for i in range(t._high_water):
             node = &t._nodes[i]
             if count == n:
                 break
@@ -378,7 +387,6 @@ cdef class KVGroups:
                         self._hashes[count] = node.chunk.hashes[node.start + p] if node.chunk.hashes != NULL else 0
                     count += 1
                     col[p] = -1
-        free(own)
         free(protected)
         if logging and count:
             self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
@@ -395,19 +403,23 @@ cdef class KVGroups:
                     return
 
     cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil:
-        """Blocks of group ``g`` that only the cache holds, on runs a pin protects from eviction
-        (what a refusal for want of them names)."""
+        """Blocks of group ``g`` that only the cache holds, on runs a retention pin protects from
+        eviction (what a refusal for want of them names; -1: out of memory to count them)."""
         cdef Py_ssize_t i, p, count = 0
         cdef RNode *node
         cdef int32_t *col
         cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef char *protected = self._retention_pinned(t)
+        if protected == NULL:
+            return -1
         for i in range(t._high_water):
             node = &t._nodes[i]
-            if node.parent < 0 or node.lock_count == 0:
+            if node.parent < 0 or not protected[i]:
                 continue
             col = chunk_column(node.chunk, g) + node.start
             for p in range(node.length):
                 count += col[p] >= 0 and refs[col[p]] == 1
+        free(protected)
         return count
 
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil:

@@ -394,8 +394,8 @@ cdef class Records:
                 f"{call}: need {f.value} blocks of KV cache group {f.group}, {f.limit} free in that group's pool "
                 "after evicting every evictable cached block"
                 + (
-                    f"; {f.pinned} of its blocks are held only by cached prefixes under a pin (a live "
-                    "sequence's prefix or a retention pin), which eviction skips until the pin goes"
+                    f"; {f.pinned} of its blocks are held only by cached prefixes a retention pin protects "
+                    "(pin_prefix; unpin_prefix lets them go)"
                     if f.pinned > 0 else ""
                 )
             )

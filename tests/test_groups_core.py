@@ -538,7 +538,8 @@ def test_a_window_group_short_of_blocks_names_what_a_retention_pin_holds() -> No
     h = core.admit(TOKENS[:336], 21)
     core.append(h, [])
     with pytest.raises(
-        OutOfBlocks, match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached prefixes under a pin"
+        OutOfBlocks,
+        match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached prefixes a retention pin protects",
     ) as refused:
         decode_blocks(core, h, 21, 40)
     mine = set(core.block_table(h, 1).tolist())

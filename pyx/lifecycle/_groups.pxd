@@ -108,6 +108,7 @@ cdef class KVGroups:
     cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
                      Failure *f) noexcept nogil
     cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil
+    cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil
     cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil
     cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil
