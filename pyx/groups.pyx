@@ -341,8 +341,8 @@ cdef class KVGroups:
             free(own)
             free(protected)
             return NULL
-        for i in range(self._records.high_water()):
-            rec = self._records.slot(i)
+        for i in range(self.records.high_water()):
+            rec = self.records.slot(i)
             if rec.status != FREE and rec.pin_node >= 0:
                 own[rec.pin_node] += 1
         for i in range(nodes):

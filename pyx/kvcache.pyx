@@ -131,7 +131,7 @@ cdef class KVCacheCore:
             self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
         )
         if self._grouped:
-            self._groups._records = self._records
+            self._groups.records = self._records
         self._snaps = new_snapshot_ids(num, self._trie)
         self._retention = new_retention(self._trie, self._records, self._lock, self._block_size)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())

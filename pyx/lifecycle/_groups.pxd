@@ -51,7 +51,7 @@ cdef class KVGroups:
     cdef uint64_t *_hashes          # scratch: content hashes of removed blocks
     cdef Py_ssize_t _hashes_capacity
     cdef EventLog _evlog            # the core's, once its events are on (None: off)
-    cdef Records _records           # the core's (whose pins are live sequences')
+    cdef Records records            # the core's (whose pins are live sequences')
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
     cdef int32_t pad                # what a decode step writes where a window released a block (the null block, or -1)
