@@ -29,7 +29,7 @@ cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from lifecycle._args cimport ssize_arg as _as_count
@@ -89,6 +89,7 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     self.n = n
     self._block_size = block_size
     self._retention = retention
+    self.pad = -1
     self._specs = tuple((s[0], s[1], s[2]) for s in specs)
     return self
 
@@ -312,6 +313,8 @@ cdef class KVGroups:
             free_now = self.num_free(g)
             if free_now < need:
                 self.evict(t, g, need - free_now, &freed0, &trimmed, f)
+                if f.code == OK and self.num_free(g) < need and self._rules[g].kind != KIND_FULL:
+                    self._drop_pinned(t, g, need - self.num_free(g), f)
                 if f.code != OK:
                     self.ungrow(rec, rec.num_blocks, num_blocks, g)
                     return -1
@@ -321,9 +324,103 @@ cdef class KVGroups:
                 f.value = need
                 f.limit = self.num_free(g)
                 f.group = <int32_t>g
+                f.pinned = self._pinned_only(t, g)
                 return -1
             self._counts[g].allocated += need
         return 0
+
+    cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil:
+        """Per node (malloc'd, the caller frees it; NULL: out of memory): whether it lies on the
+        path of a pin that is not a live sequence's (a retention pin, ``pin_prefix``)."""
+        cdef Py_ssize_t i, nodes = t._high_water
+        cdef int32_t v
+        cdef SeqRec *rec
+        cdef int32_t *own = <int32_t *>calloc(nodes + 1, sizeof(int32_t))  # live sequences' pins ending there
+        cdef char *protected = <char *>calloc(nodes + 1, sizeof(char))
+        if own == NULL or protected == NULL:
+            free(own)
+            free(protected)
+            return NULL
+        for i in range(self.records.high_water()):
+            rec = self.records.slot(i)
+            if rec.status != FREE and rec.pin_node >= 0:
+                own[rec.pin_node] += 1
+        for i in range(nodes):
+            if t._nodes[i].parent >= 0 and t._nodes[i].pin_count > own[i]:
+                v = <int32_t>i
+                while v >= 0 and t._nodes[v].parent >= 0 and not protected[v]:
+                    protected[v] = 1
+                    v = t._nodes[v].parent
+        free(own)
+        return protected
+
+    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil:
+        """Free up to ``n`` blocks of windowed group ``g`` that only the cache holds on runs live
+        sequences pin, none on a run a retention pin protects (it keeps its runs whole). A pinning
+        sequence holds its own reference on every block it still reads, so none loses a block; a
+        later hit on such a run is cut to where the group still serves it, and once its last pin
+        goes the run is trimmed to such a cut (``settle_leaf``). Returns how many it freed."""
+        cdef Py_ssize_t i, p, count = 0
+        cdef RNode *node
+        cdef int32_t *col
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef char *protected
+        if n <= 0 or self._reserve(n):
+            return 0
+        protected = self._retention_pinned(t)
+        if protected == NULL:
+            return 0
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if count == n:
+                break
+            if node.parent < 0 or node.lock_count == 0 or protected[i]:
+                continue
+            col = chunk_column(node.chunk, g) + node.start
+            for p in range(node.length):
+                if count == n:
+                    break
+                if col[p] >= 0 and refs[col[p]] == 1:
+                    self._ids[count] = col[p]
+                    if logging:
+                        self._hashes[count] = node.chunk.hashes[node.start + p] if node.chunk.hashes != NULL else 0
+                    count += 1
+                    col[p] = -1
+        free(protected)
+        if logging and count:
+            self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
+        self._counts[g].evicted += count
+        self._unref(g, count, f)
+        return count
+
+    cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil:
+        """``settle_leaf`` on every leaf (after pins went that the core does not track one by one)."""
+        cdef Py_ssize_t i, freed0 = 0, trimmed = 0
+        for i in range(t._high_water):
+            if t._nodes[i].parent >= 0 and t._nodes[i].num_children == 0 and t._nodes[i].lock_count == 0:
+                if self.settle_leaf(t, <int32_t>i, &freed0, &trimmed, f):
+                    return
+
+    cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil:
+        """Blocks of group ``g`` that only the cache holds, on runs a retention pin protects from
+        eviction (what a refusal for want of them names; -1: out of memory to count them)."""
+        cdef Py_ssize_t i, p, count = 0
+        cdef RNode *node
+        cdef int32_t *col
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef char *protected = self._retention_pinned(t)
+        if protected == NULL:
+            return -1
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if node.parent < 0 or not protected[i]:
+                continue
+            col = chunk_column(node.chunk, g) + node.start
+            for p in range(node.length):
+                count += col[p] >= 0 and refs[col[p]] == 1
+        free(protected)
+        return count
 
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil:
         """Give back the blocks ``grow`` just took at ``[start, stop)`` in groups 1 .. groups - 1."""
@@ -333,11 +430,14 @@ cdef class KVGroups:
             (<BlockPool>self._pools[g])._dec_ref_locked(chunk_column(rec.chunk, g) + start, stop - start, &ignored)
             self._counts[g].allocated -= stop - start
 
-    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, Failure *f) noexcept nogil:
+    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
+                     Failure *f) noexcept nogil:
         """The record's KV now covers ``tokens`` tokens: release, per windowed group, the blocks
         that left its window or chunk, except those before a checkpoint (the record keeps them
         for the cache). Only whole-block cuts count, so the last window of the record's full
-        blocks stays whole for ``finish``."""
+        blocks stays whole for ``finish``. With ``tables`` (a decode step's, group g's at
+        ``tables[g - 1]``), entry ``row + p`` of each released block ``p`` becomes ``self.pad``,
+        so the engine's rows never name a block that went back to its pool."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
         cdef int32_t *col
@@ -368,6 +468,8 @@ cdef class KVGroups:
                 self._ids[count] = col[p]
                 count += 1
                 col[p] = -1
+                if tables != NULL:
+                    tables[g - 1][row + p] = self.pad
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
 
@@ -663,8 +765,8 @@ cdef class KVGroups:
                     )
         for i in range(t._high_water):
             node = &t._nodes[i]
-            if node.parent < 0 or node.num_children != 0:
-                continue
+            if node.parent < 0 or node.num_children != 0 or node.lock_count != 0:
+                continue  # a pinned leaf may have lent its window blocks to a live sequence (_drop_pinned)
             end = node.depth + node.length
             if self.best_cut(t, <int32_t>i, end, end - 1) != end:
                 return f"leaf node {i} ends at block {end}, a prefix not every KV cache group can serve"
@@ -715,7 +817,7 @@ cdef class KVGroups:
             before = rec.num_tokens
             records.append_locked(handle, data, n, &f)
             if f.code == OK:
-                self.release(rec, before, &f)
+                self.release(rec, before, NULL, 0, &f)
         records.lock.leave(released)
         return records.raise_failure(&f, "append", tokens)
 

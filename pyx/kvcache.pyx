@@ -130,6 +130,8 @@ cdef class KVCacheCore:
         self._records = new_records(
             self._trie, pool, self._lock, self._block_size, self._max_blocks_per_seq, self._max_tokens_per_seq
         )
+        if self._grouped:
+            self._groups.records = self._records
         self._snaps = new_snapshot_ids(num, self._trie)
         self._retention = new_retention(self._trie, self._records, self._lock, self._block_size, self._grouped)
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
@@ -153,6 +155,8 @@ cdef class KVCacheCore:
             self._lock.leave(released)
             if self._null_block != 0:
                 raise InvariantViolation(f"a fresh pool handed out block {self._null_block} first, not block 0")
+            if self._grouped:
+                self._groups.pad = self._null_block  # block 0 of every group's pool as well
         if events or demote:
             self.set_events(events, demote)
 
@@ -699,8 +703,9 @@ cdef class KVCacheCore:
             f.code = E_INVARIANT
         self._counters.blocks_freed += freed
         self._records.close(rec)
-        if self._grouped and cached and f.code == OK:
-            # The run left must end where every group can serve it.
+        if self._grouped and f.code == OK and (cached or v >= 0):
+            # The run left must end where every group can serve it (a pinned run may have given
+            # up window blocks for a live sequence: KVGroups._drop_pinned).
             self._groups.settle_leaf(self._trie, leaf if leaf >= 0 else v, &freed0, &trimmed, f)
         return freed + freed0
 
@@ -727,6 +732,7 @@ cdef class KVCacheCore:
             budget_tokens, "budget_tokens", 0, self._max_tokens_per_seq
         )
         cdef int64_t seq_id, handle
+        cdef _Sequence seq
         cdef SlotGuard guard = slots._acquire()
         try:
             handle = self._records.open_record(0, -1, budget, &seq_id)
@@ -734,7 +740,9 @@ cdef class KVCacheCore:
             guard._let_go()
             raise
         guard._record_owner(handle)
-        return new_sequence(self._records, self, handle, seq_id, guard, addrs_by_slot, budget, drop_queue)
+        seq = new_sequence(self._records, self, handle, seq_id, guard, addrs_by_slot, budget, drop_queue)
+        seq._grouped = self._grouped
+        return seq
 
     def release(self, seq, bint cache, on_adapter=None):
         """What a model's ``free_sequence`` (``cache=False``) or ``finish_sequence`` does: the SSM
@@ -783,14 +791,19 @@ cdef class KVCacheCore:
         cdef Failure f
         cdef PyThreadState *released
         cdef SeqRec *rec
+        cdef int32_t pin = -1
+        cdef Py_ssize_t freed0 = 0, trimmed = 0
         ok(&f)
         released = self._lock.enter(LONG_CALL)
         if self._grouped:
             rec = self._records.get(h, &f)
             if rec != NULL:
+                pin = rec.pin_node
                 self._groups.release_all(rec, &f)
             ok(&f)  # clear_locked says what was wrong
         self._counters.blocks_freed += self._records.clear_locked(h, &f)
+        if self._grouped and pin >= 0 and f.code == OK:
+            self._groups.settle_leaf(self._trie, pin, &freed0, &trimmed, &f)  # see _finish_locked
         self._lock.leave(released)
         self._records.raise_failure(&f, "clear")
 
@@ -1120,7 +1133,8 @@ cdef class KVCacheCore:
         With KV cache groups every group grows at once (a request short in any group is refused),
         ``group_tables`` (one table per group past 0, shaped as ``table``) get each group's new
         ids, and each windowed group first releases the blocks that left the request's window or
-        chunk (its KV covers the tokens it had before this step), a refused request's too."""
+        chunk (its KV covers the tokens it had before this step), a refused request's too, writing
+        the null block (-1 without one) into those entries of its table."""
         cdef const int32_t *tok = NULL
         cdef Py_ssize_t n, num_tok = 0, ncols = -1, nrows = 0
         cdef const int64_t *hs
@@ -1203,7 +1217,10 @@ cdef class KVCacheCore:
             if self._records.reserve(rec, rec.num_blocks + max(need, <Py_ssize_t>0), rec.num_tokens + added):
                 f.code = E_NO_MEMORY
                 return num_refused
-            if self._grouped and self._groups.release(rec, rec.num_tokens, f):
+            if self._grouped and self._groups.release(
+                rec, rec.num_tokens, group_tabs,
+                <Py_ssize_t>(row_of[i] if row_of != NULL else i) * ncols if group_tabs != NULL else 0, f
+            ):
                 return num_refused
             if need > 0:
                 if self._grouped and self._groups.grow(self._trie, rec, rec.num_blocks + need, f):
@@ -1430,7 +1447,16 @@ cdef class KVCacheCore:
 
     def unpin_prefix(self, tokens, adapter=0):
         """Undo ``pin_prefix`` of the same prefix; returns its blocks (``Retention.unpin``)."""
-        return self._retention.unpin(tokens, _adapter_key(adapter))
+        cdef Failure f
+        cdef PyThreadState *released
+        blocks = self._retention.unpin(tokens, _adapter_key(adapter))
+        if self._grouped:
+            ok(&f)
+            released = self._lock.enter(LONG_CALL)
+            self._groups.settle_all(self._trie, &f)  # its runs may end where a window group lent blocks
+            self._lock.leave(released)
+            self._records.raise_failure(&f, "unpin_prefix")
+        return blocks
 
     def time_ns(self):
         """Nanoseconds spent in the core's calls so far (under its lock)."""

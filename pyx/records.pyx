@@ -393,6 +393,11 @@ cdef class Records:
             raise OutOfBlocks(
                 f"{call}: need {f.value} blocks of KV cache group {f.group}, {f.limit} free in that group's pool "
                 "after evicting every evictable cached block"
+                + (
+                    f"; {f.pinned} of its blocks are held only by cached prefixes a retention pin protects "
+                    "(pin_prefix; unpin_prefix lets them go)"
+                    if f.pinned > 0 else ""
+                )
             )
         if code == E_GROUPS:
             raise Unsupported(f"{call}: not offered by a KV cache core with several KV cache groups")
@@ -1006,4 +1011,7 @@ cdef class SequenceState:
         Token ids are integers in [0, 2**31); anything else is refused with nothing recorded."""
         if not isinstance(tokens, (cnp.ndarray, list, tuple)):
             tokens = list(tokens)
-        self._records.append(self._handle, tokens)
+        if self._grouped:
+            self._core.append(self._handle, tokens)  # the windowed groups release what left the window
+        else:
+            self._records.append(self._handle, tokens)

@@ -38,7 +38,7 @@ TTL_PRIORITY = DEFAULT_PRIORITY + 1
 
 cdef Retention new_retention(RadixTrie trie, Records records, CoreLock lock, Py_ssize_t block_size, bint grouped):
     """The retention state of one core (no hints, no pins, a pin budget of 0 blocks); ``grouped``: the
-    core has several KV cache groups, whose finish and eviction rules hints and pins do not follow yet."""
+    core has several KV cache groups, whose finish and eviction rules hints do not follow yet."""
     cdef Retention r = Retention.__new__(Retention)
     r._trie = trie
     r._records = records
@@ -289,8 +289,8 @@ cdef class Retention:
 
     cdef int _refuse_grouped(self, str call) except -1:
         if self._grouped:
-            raise Unsupported(f"{call}: retention hints and pins are not offered by a KV cache core with several "
-                              "KV cache groups")
+            raise Unsupported(f"{call}: retention hints are not offered by a KV cache core with several KV cache "
+                              "groups (their finish and eviction rules do not follow them yet)")
         return 0
 
     def prioritize(self, tokens, int64_t key, priority, duration_s=None):
@@ -339,7 +339,6 @@ cdef class Retention:
         cdef WalkEnd walk
         cdef int32_t root, v = -1
         cdef RadixTrie t = self._trie
-        self._refuse_grouped("pin_prefix")
         tokens = _token_vector(tokens, &data, &n)
         blocks = n // self._block_size
         self._lock.enter_gil()

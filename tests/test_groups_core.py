@@ -7,6 +7,7 @@ every ``retention_interval`` tokens keep the window before them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -457,6 +458,100 @@ def test_a_short_run_with_sink_blocks_stays_cached_whole() -> None:
     assert core.cached_tokens(b) == 8
 
 
+# --- decode tables and refusals -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("null_block", [False, True])
+def test_step_writes_the_pad_where_the_window_released_a_block(null_block: bool) -> None:
+    core, _, _ = make(retention=0, null_block=null_block)
+    pad = 0 if null_block else -1
+    h = core.admit(list(range(16)), 5)
+    table = np.zeros((1, 8), dtype=np.int32)
+    window = np.zeros((1, 8), dtype=np.int32)
+    window[0, :5] = core.block_table(h, 1)
+    core.step([h], [1], table=table, group_tables=[window])
+    # The query at token 16 reads blocks 2..4: blocks 0 and 1 went back to the pool, and the row says so.
+    assert window[0, :2].tolist() == [pad, pad]
+    assert window[0, 2:5].tolist() == core.block_table(h, 1)[2:5].tolist()
+    core.check_invariants()
+
+
+TOKENS = list(range(640))
+
+
+def long_window_core() -> tuple[KVCacheCore, BlockPool, BlockPool]:
+    """Blocks of 16 tokens, a window of 8 blocks in an 11-block pool, the first 320 tokens of
+    ``TOKENS`` cached (decoded a block at a time, so its last window is cached alone)."""
+    pool, other = BlockPool(100), BlockPool(11)
+    core = KVCacheCore(pool, 16, groups=[("sliding_window", 128, 0, other)], retention_interval=0)
+    h = core.admit(TOKENS[:16], 1)
+    for block in range(1, 20):
+        core.grow(h, block + 1)
+        core.append(h, TOKENS[block * 16 : block * 16 + 16])
+    core.finish(h)
+    assert core.group_stats()[1]["num_cached"] == 8
+    return core, pool, other
+
+
+def decode_blocks(core: KVCacheCore, h: int, start: int, stop: int) -> None:
+    """Grow and append a block at a time, from block ``start`` to ``stop``."""
+    for block in range(start, stop):
+        core.grow(h, block + 1)
+        core.append(h, TOKENS[block * 16 : block * 16 + 16])
+
+
+def test_a_live_sequence_takes_window_blocks_its_pinned_prefix_no_longer_reads() -> None:
+    core, _, other = long_window_core()
+    # A longer request pins the 320 cached tokens; once its window moved past them, only the
+    # cache holds their window blocks, and the pool has room for nothing else.
+    h = core.admit(TOKENS[:336], 21)
+    assert core.cached_tokens(h) == 320
+    core.append(h, [])
+    decode_blocks(core, h, 21, 40)
+    assert core.num_blocks(h) == 40
+    stats = core.group_stats()[1]
+    assert stats["num_cached"] < 8 and stats["blocks_evicted"] == 8 - stats["num_cached"]
+    core.check_invariants()
+    # The pinned run no longer holds its last window: the same prompt again reuses nothing of it.
+    probe = core.admit(TOKENS[:336], 0)
+    assert core.cached_tokens(probe) == 0
+    core.finish(probe, False)
+    core.finish(h)
+    core.check_invariants()
+
+
+def test_a_pinned_run_that_gave_up_its_window_goes_when_its_last_pin_goes() -> None:
+    core, pool, other = long_window_core()
+    h = core.admit(TOKENS[:336], 21)
+    core.append(h, [])
+    decode_blocks(core, h, 21, 40)
+    core.finish(h, False)
+    # No cut of the 320-token run is servable any more: its full-group blocks went with it.
+    assert (core.num_cached_blocks, pool.num_free, other.num_free) == (0, 100, 11)
+    core.check_invariants()
+
+
+def test_a_window_group_short_of_blocks_names_what_a_retention_pin_holds() -> None:
+    core, _, other = long_window_core()
+    core.retention.set_pin_budget(20)
+    assert core.pin_prefix(TOKENS[:320]) > 0
+    h = core.admit(TOKENS[:336], 21)
+    core.append(h, [])
+    with pytest.raises(
+        OutOfBlocks,
+        match=r"group 1, 0 free .*; \d+ of its blocks are held only by cached prefixes a retention pin protects",
+    ) as refused:
+        decode_blocks(core, h, 21, 40)
+    mine = set(core.block_table(h, 1).tolist())
+    cache_only = [b for b, refs in enumerate(other.refcounts().tolist()) if refs == 1 and b not in mine]
+    named = re.search(r"; (\d+) of its blocks", str(refused.value))
+    assert named is not None and int(named.group(1)) == len(cache_only) > 0
+    core.check_invariants()
+    # Once the pin goes, the run's window blocks are evictable again.
+    core.unpin_prefix(TOKENS[:320])
+    decode_blocks(core, h, core.num_blocks(h), 40)
+
+
 # -- what a grouped core refuses or does differently (found in review) --------------------------------
 
 
@@ -471,18 +566,14 @@ def _grouped_after_a_finish() -> tuple[KVCacheCore, list[int]]:
     return core, prompt
 
 
-def test_retention_hints_and_pins_are_refused_with_several_groups() -> None:
+def test_retention_hints_are_refused_with_several_groups() -> None:
     core, prompt = _grouped_after_a_finish()
     handle = core.admit(prompt, 11)
     cached = core.group_stats()
     with pytest.raises(Unsupported, match="set_retention"):
         core.set_retention(handle, [(12, 20, 90)])
-    core.retention.set_pin_budget(100)
-    with pytest.raises(Unsupported, match="pin_prefix"):
-        core.pin_prefix(prompt[:20])
     with pytest.raises(Unsupported, match="prioritize"):
         core.retention.prioritize(prompt[:20], 0, 90)
-    assert core.retention.pinned_blocks == 0
     assert core.group_stats() == cached
     core.finish(handle)
     core.check_invariants()
@@ -494,3 +585,12 @@ def test_reclaim_for_on_a_grouped_core_counts_no_reuse_and_leaves_only_servable_
     assert target == 64  # no cached prefix is counted: its end need not be a cut every group serves
     assert free == core.pool.num_free
     core.check_invariants()
+
+
+def test_a_prefix_pinned_past_a_servable_cut_is_trimmed_to_one_when_unpinned() -> None:
+    core, prompt = _grouped_after_a_finish()
+    core.retention.set_pin_budget(100)
+    assert core.pin_prefix(prompt[:20]) == 5
+    core.evict(64)
+    core.unpin_prefix(prompt[:20])
+    core.check_invariants()  # every leaf ends where every group can serve it again

@@ -185,3 +185,22 @@ def test_a_pool_of_a_group_that_does_not_exist_is_refused() -> None:
 def test_a_host_tier_for_several_groups_is_refused_naming_them() -> None:
     with pytest.raises(Unsupported, match="host_tier_blocks=8.*sliding_window 16"):
         HybridModel(config(), "host", host_tier_blocks=8)
+
+
+def test_appending_tokens_to_a_sequence_releases_what_left_the_window() -> None:
+    m = HybridModel(config(layers=(SWA, FULL), max_seqs=2), "host")
+    try:
+        seq = m.alloc_sequence_for(64)
+        m.attach_prefix(seq, np.arange(8, dtype=np.int32), grow_to=8)
+        for token in range(40):
+            m.grow(seq, seq.num_tokens + 1)
+            seq.append_tokens([token])
+        m.grow(seq, 49)
+        seq.append_tokens([0])
+        # The KV covers 48 tokens: a query at token 48 reads tokens 33.. (blocks 8 on) of the window group.
+        assert m.block_table(seq, 1)[:8].tolist() == [-1] * 8
+        released = m.group_stats()[1]["blocks_released"]
+        assert released == 8
+        m.check_invariants()
+    finally:
+        m.teardown()

@@ -360,9 +360,9 @@ class _Simulation:
         while end < total:
             stop = min(total, end + step)
             model.grow(seq, stop)
-            core.append(seq.handle, prompt[end:stop])
+            seq.append_tokens(prompt[end:stop])
             end = stop
-        core.append(seq.handle, prompt[:0])
+        seq.append_tokens(prompt[:0])
         return reused
 
     def _prefill_snapshots(self, seq: SequenceState, reused: int, prompt_len: int) -> None:
@@ -419,10 +419,7 @@ class _Simulation:
                 break  # it preempted itself: it was the last one
             seq = live.seq
             token = live.request.response[live.generated : live.generated + 1]
-            if self.grouped:
-                self.model.core.append(seq.handle, token)
-            else:
-                seq.append_tokens(token)
+            seq.append_tokens(token)
             live.generated += 1
             self.generated_tokens += 1
             if self.hybrid:

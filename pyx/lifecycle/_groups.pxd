@@ -51,8 +51,10 @@ cdef class KVGroups:
     cdef uint64_t *_hashes          # scratch: content hashes of removed blocks
     cdef Py_ssize_t _hashes_capacity
     cdef EventLog _evlog            # the core's, once its events are on (None: off)
+    cdef Records records            # the core's (whose pins are live sequences')
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
+    cdef int32_t pad                # what a decode step writes where a window released a block (the null block, or -1)
 
     cdef inline BlockPool pool_of(self, Py_ssize_t g):
         return <BlockPool>self._pools[g]
@@ -103,7 +105,12 @@ cdef class KVGroups:
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil
-    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, Failure *f) noexcept nogil
+    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
+                     Failure *f) noexcept nogil
+    cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil
+    cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil
+    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil
+    cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil
     cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
                     Failure *f) noexcept nogil

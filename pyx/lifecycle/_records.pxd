@@ -70,6 +70,7 @@ cdef struct Failure:
     int64_t value
     int64_t limit
     int32_t group              # the KV cache group (E_OUT_OF_BLOCKS, E_REFUSED)
+    int64_t pinned             # (E_OUT_OF_BLOCKS of a group) its cached blocks only pinned prefixes hold
     BatchResult batch
 
 
@@ -229,6 +230,7 @@ cdef class SequenceState:
     cdef readonly int64_t seq_id
     cdef object _guard                 # the guard of its SSM slot (None once detached)
     cdef bint _open                    # the model has not released it yet
+    cdef bint _grouped                 # its core has KV cache groups: appends go through the core
     cdef public Py_ssize_t budget_tokens
     cdef object _addrs_by_slot
     cdef object _draft_tokens

@@ -35,7 +35,7 @@ cdef class Retention:
     cdef Hint *_hints               # one per hinted live request, in no order
     cdef Py_ssize_t _num_hints      # read by the core's finish: 0 means nothing to look up
     cdef Py_ssize_t _hints_capacity
-    cdef bint _grouped              # the core has several KV cache groups: hints and pins refused
+    cdef bint _grouped              # the core has several KV cache groups: hints refused
     cdef list _pins                 # (adapter key, token bytes, node, blocks) per pinned prefix
     cdef readonly Py_ssize_t pin_budget
     cdef readonly Py_ssize_t pinned_blocks
