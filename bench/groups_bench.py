@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from replay import PrefixTrace  # noqa: E402
+from replay import PrefixTrace, replay_core  # noqa: E402
 from w2 import no_gc  # noqa: E402
 
 WINDOW = 128
@@ -44,21 +43,8 @@ def replay(trace: PrefixTrace, *, groups: bool, retention: int | None = None) ->
         [("sliding_window", WINDOW, 0, BlockPool(trace.num_blocks))] if groups else None
     )
     core = KVCacheCore(pool, trace.block_size, groups=extra, retention_interval=retention)
-    requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
-    live: deque[int] = deque()
-    max_live = trace.max_live
-    admit, finish = core.admit, core.finish
-    with no_gc():
-        start = time.perf_counter()
-        for tokens, needed, reusable in requests:
-            if len(live) == max_live:
-                finish(live.popleft())
-            live.append(admit(tokens, needed, reusable))
-        while live:
-            finish(live.popleft())
-        seconds = time.perf_counter() - start
-    core.check_invariants()
-    return seconds, core.counters()["prefix_hit_tokens"], core.group_stats()[-1]
+    seconds, hits, _ = replay_core(trace, core=core)
+    return seconds, hits, core.group_stats()[-1]
 
 
 def decode(*, groups: bool, batch: int = 64, prompt: int = 2048, steps: int = 512,

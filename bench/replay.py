@@ -51,15 +51,16 @@ class PrefixTrace(Protocol):
     def reusable_blocks(self, i: int) -> int: ...
 
 
-def replay_core(trace: PrefixTrace, *, events: bool = False) -> tuple[float, int, int]:
-    """One timed replay through ``KVCacheCore.admit`` / ``finish`` on a fresh pool; returns
-    (seconds, hit tokens, blocks evicted). ``events``: the core logs KV events and the replay
-    drains them after every request, as an engine publishing them each step would."""
+def replay_core(trace: PrefixTrace, *, events: bool = False, core: Any = None) -> tuple[float, int, int]:
+    """One timed replay through ``KVCacheCore.admit`` / ``finish`` on a fresh pool (or on ``core``,
+    a fresh core the caller built, e.g. with KV cache groups); returns (seconds, hit tokens, blocks
+    evicted). ``events``: the core logs KV events and the replay drains them after every request,
+    as an engine publishing them each step would."""
     from lifecycle._blockpool import BlockPool
     from lifecycle._kvcache import KVCacheCore
 
-    pool = BlockPool(trace.num_blocks)
-    core = KVCacheCore(pool, trace.block_size, events=events)
+    if core is None:
+        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, events=events)
     requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
     live: deque[int] = deque()
     max_live = trace.max_live
