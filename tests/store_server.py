@@ -213,3 +213,18 @@ def _cluster_ok(server: StoreServer, nodes: int) -> bool:
         info = client.execute_command("CLUSTER", "INFO")
     text = info.decode() if isinstance(info, bytes) else str(info)
     return "cluster_state:ok" in text and f"cluster_known_nodes:{nodes}" in text
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
+    """One store server for a test module."""
+    with running_server(tmp_path_factory.mktemp("valkey")) as server:
+        yield server
+
+
+@pytest.fixture
+def store(shared: StoreServer) -> StoreServer:
+    """The module's store server, emptied for the test."""
+    with shared.client() as client:
+        client.flushall()
+    return shared

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from model_fixtures import models  # noqa: F401
 from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
 from lifecycle.lora import adapter_key
 from lifecycle.cache_keys import IDENTITY_TOKEN_BASE, identity_tokens, salted_key
@@ -41,19 +42,6 @@ CONFIG = ModelConfig(
 def prompt(*rows: int, last: int = 7) -> list[int]:
     """Whole blocks (block ``r`` holds ``r*10 ...``) and one more token."""
     return [row * 10 + i for row in rows for i in range(BS)] + [last]
-
-
-@pytest.fixture
-def models() -> Iterator[list[HybridModel]]:
-    """Models a test builds; each is checked and torn down after it, and must not have leaked."""
-    built: list[HybridModel] = []
-    yield built
-    for model in built:
-        if model.teardown_report is None:
-            model.check_invariants()
-            model.teardown()
-        report = model.teardown_report
-        assert report is not None and report.leaked == 0, report
 
 
 #: Stores written behind every block entering the host tier (not only reused ones).

@@ -3,12 +3,12 @@ as an option, keys that expire, and prefetch ahead of admission."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from store_server import StoreServer, running_server
+from store_server import StoreServer, running_server, shared, store  # noqa: F401
 
+from model_fixtures import models  # noqa: F401
 from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
 from lifecycle.errors import ConfigError, InvalidId
 from lifecycle.tiers.store import DEFAULT_TTL_S
@@ -20,30 +20,6 @@ CONFIG = ModelConfig(
 )
 SECRET = b"the admission tests' secret"
 PROMPT = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33, 34, 7]  # three whole blocks and a token
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
-    with running_server(tmp_path_factory.mktemp("valkey")) as server:
-        yield server
-
-
-@pytest.fixture
-def store(shared: StoreServer) -> StoreServer:
-    with shared.client() as client:
-        client.flushall()
-    return shared
-
-
-@pytest.fixture
-def models() -> Iterator[list[HybridModel]]:
-    built: list[HybridModel] = []
-    yield built
-    for model in built:
-        model.check_invariants()
-        model.teardown()
-        report = model.teardown_report
-        assert report is not None and report.leaked == 0, report
 
 
 def build(models: list[HybridModel], url: str, **store_options: Any) -> HybridModel:

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from devices import device, live_allocations, read_device, write_device  # noqa: F401
 
 from event_index import EventIndex
+from model_fixtures import models  # noqa: F401
 from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
 from lifecycle.device.allocations import CopyArray
 from lifecycle.device.base import Copy, Device
@@ -473,16 +474,6 @@ MODEL = ModelConfig(
     layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=BLOCK_SIZE, num_blocks=12, max_seqs=4,
     max_blocks_per_seq=12, name="host-tier-events",
 )
-
-
-@pytest.fixture
-def models() -> Iterator[list[HybridModel]]:
-    built: list[HybridModel] = []
-    yield built
-    for model in built:
-        model.check_invariants()
-        model.teardown()
-        assert model.teardown_report is not None and model.teardown_report.leaked == 0
 
 
 def tiered(models: list[HybridModel], host_blocks: int, events: bool = True) -> HybridModel:

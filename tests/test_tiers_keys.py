@@ -4,14 +4,14 @@ is a miss in the host tier and in the store, with nothing leaked."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from kvcache_support import colliding_blocks
-from store_server import StoreServer, running_server
+from store_server import StoreServer, running_server, shared, store  # noqa: F401
 
+from model_fixtures import models  # noqa: F401
 from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
 from lifecycle._tierkey import chain_keys, siphash128
 from lifecycle.errors import ConfigError, InvalidId
@@ -127,17 +127,6 @@ def test_the_namespace_names_model_weights_and_byte_format() -> None:
 # -- models ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def models() -> Iterator[list[HybridModel]]:
-    built: list[HybridModel] = []
-    yield built
-    for model in built:
-        model.check_invariants()
-        model.teardown()
-        report = model.teardown_report
-        assert report is not None and report.leaked == 0, report
-
-
 def build(models: list[HybridModel], config: ModelConfig = CONFIG, **options: Any) -> HybridModel:
     model = HybridModel(config, "host", host_tier_blocks=16, tier_secret=SECRET, **options)
     models.append(model)
@@ -193,19 +182,6 @@ def test_the_same_prefix_is_a_host_tier_hit(models: list[HybridModel]) -> None:
 
 
 # -- the store ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
-    with running_server(tmp_path_factory.mktemp("valkey")) as server:
-        yield server
-
-
-@pytest.fixture
-def store(shared: StoreServer) -> StoreServer:
-    with shared.client() as client:
-        client.flushall()
-    return shared
 
 
 def test_a_crafted_collision_of_the_chained_hash_is_a_store_miss(models: list[HybridModel], store: StoreServer) -> None:
