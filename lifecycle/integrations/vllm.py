@@ -760,7 +760,9 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
     _full: tuple[bool, ...]
 
     def _new_core(self, block_size: int, rules: Sequence[tuple[str, int]]) -> KVCacheCore:
-        first = next(i for i, (kind, _) in enumerate(rules) if kind == "full")
+        first = next((i for i, (kind, _) in enumerate(rules) if kind == "full"), -1)
+        if first < 0:
+            raise Unsupported(f"LifecycleKVCacheManager: KV cache groups {list(rules)}; a full-attention group is needed")
         rest = [i for i in range(len(rules)) if i != first]
         self._vllm_group = (first, *rest)  # by core group
         self._order = tuple(self._vllm_group.index(i) for i in range(len(rules)))  # by vLLM group
