@@ -50,7 +50,7 @@ def make(num_blocks: int = 11, **options: Any) -> LifecycleKVCacheManager:
     return LifecycleKVCacheManager.from_blocks(num_blocks, BS, 1024, **options)
 
 
-def ids(blocks: KVCacheBlocks | None) -> list[int] | None:
+def ids(blocks: Any) -> list[int] | None:
     return None if blocks is None else blocks.get_block_ids()[0]
 
 

@@ -14,10 +14,17 @@ saves vLLM's per-block sha256); a multimodal request or one given by embeddings 
 only the blocks before its first placeholder (tokens do not name an image); the returned blocks
 are :class:`Block` objects with a ``block_id`` (reference counts and hashes stay in the core);
 eviction order is the core's (least recently used leaves first, once no block is free), so which
-block id a request gets after an eviction may differ from vLLM's. One KV cache group of full
-attention only: sliding-window, Mamba and encoder-decoder groups, EAGLE and the other lookahead
-rules of speculative decoding, KV connectors, KV cache residency metrics and context parallelism
-are refused with ``Unsupported``.
+block id a request gets after an eviction may differ from vLLM's.
+
+Several KV cache groups (vLLM's hybrid allocator: full attention or MLA with sliding-window and
+chunked local groups, one block size) get :class:`LifecycleHybridKVCacheManager`, which the
+constructor returns for such a config: one core of KV cache groups whose every group takes its ids
+from one pool, as vLLM's groups share one ``BlockPool`` (an id names a page in every group's
+tensors). A hit is the longest prefix every group serves; a group's table names the null block
+where its window released a block; a request's blocks are cached when it is freed. Mamba,
+encoder-decoder and cross-attention groups, groups of different block sizes, a group layout with no
+full-attention group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV
+cache residency metrics and context parallelism are refused with ``Unsupported``.
 
 To run vLLM's own scheduler over it, name :func:`scheduler_class`'s classes to vLLM:
 ``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (vLLM's default
@@ -34,7 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Final, final, overload
+from typing import Any, Final, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -53,6 +60,8 @@ __all__ = [
 _EXTRA: Final = "vllm"
 _EMPTY: Final = np.zeros(0, dtype=np.int32)
 _WAITING_STATES: Final = frozenset({"WAITING", "PREEMPTED"})
+#: What a manager's lookups and allocations return: one group's blocks, or several groups'.
+AnyBlocks: TypeAlias = "KVCacheBlocks | KVCacheGroupBlocks"
 
 
 @final
@@ -253,7 +262,9 @@ class LifecycleKVCacheManager:
                 f"LifecycleKVCacheManager: KV cache groups of {names}; a full-attention (or MLA) group is needed"
             )
         if len(groups) > 1 and not isinstance(self, LifecycleHybridKVCacheManager):
-            raise Unsupported(f"LifecycleKVCacheManager: {len(groups)} KV cache groups; build it through its constructor")
+            raise Unsupported(
+                f"LifecycleKVCacheManager: {len(groups)} KV cache groups; build it through its constructor"
+            )
         spec = groups[0].kv_cache_spec
         if use_eagle or num_hash_lookahead_tokens or num_prefill_lookahead:
             raise Unsupported(
@@ -275,7 +286,9 @@ class LifecycleKVCacheManager:
         block_size = int(spec.block_size)
         sizes = sorted({int(group.kv_cache_spec.block_size) for group in groups})
         if len(sizes) > 1:
-            raise Unsupported(f"LifecycleKVCacheManager: KV cache groups of block sizes {sizes}; one block size is needed")
+            raise Unsupported(
+                f"LifecycleKVCacheManager: KV cache groups of block sizes {sizes}; one block size is needed"
+            )
         for name, value in (("scheduler_block_size", scheduler_block_size), ("hash_block_size", hash_block_size)):
             if value is not None and value != block_size:
                 raise Unsupported(f"LifecycleKVCacheManager: {name}={value} differs from the block size {block_size}")
@@ -348,7 +361,7 @@ class LifecycleKVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self._pool = BlockPool(num_blocks)
         self.core = self._new_core(block_size, rules)
-        self.empty_kv_cache_blocks = KVCacheBlocks()
+        self.empty_kv_cache_blocks: AnyBlocks = KVCacheBlocks()
         self.prefix_cache_stats = self._new_stats() if self.log_stats else None
         self._namespaces: CacheNamespaces[tuple[tuple[int, str] | None, str | None]] = CacheNamespaces()
         self._live: dict[str, _Live] = {}
@@ -402,7 +415,7 @@ class LifecycleKVCacheManager:
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int]:
+    ) -> tuple[AnyBlocks, int, int]:
         """The request's longest cached prefix in whole blocks (at most ``max_cache_hit_length``
         tokens, by default all but the last token): its blocks, its token count, and 0 (no
         sparse-retention junction). Takes no block until ``allocate_slots``."""
@@ -429,7 +442,7 @@ class LifecycleKVCacheManager:
         request: Any,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
+        new_computed_blocks: AnyBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
@@ -438,7 +451,7 @@ class LifecycleKVCacheManager:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> KVCacheBlocks | None:
+    ) -> AnyBlocks | None:
         """Blocks for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` speculative
         ones) after the request's computed tokens and the ``num_new_computed_tokens`` of its
         cached prefix: the new blocks, or None, changing nothing, when they cannot be had (after
@@ -566,7 +579,7 @@ class LifecycleKVCacheManager:
         self._settle()
         self.core.evict_blocks(ids)  # checks every id first: a float, str or None is refused, not truncated
 
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+    def get_blocks(self, request_id: str) -> AnyBlocks:
         live = self._live.get(request_id)
         if live is None:
             return self.empty_kv_cache_blocks
@@ -605,7 +618,7 @@ class LifecycleKVCacheManager:
                               num_prompt_tokens: int | None = None) -> None:
         """Nothing to skip with full attention."""
 
-    def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
+    def create_kv_cache_blocks(self, blocks: Any) -> AnyBlocks:
         ids = np.fromiter((block.block_id for block in itertools.chain.from_iterable(blocks)), dtype=np.int32)
         return KVCacheBlocks(ids) if len(ids) else self.empty_kv_cache_blocks
 
@@ -762,13 +775,14 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
     def _new_core(self, block_size: int, rules: Sequence[tuple[str, int]]) -> KVCacheCore:
         first = next((i for i, (kind, _) in enumerate(rules) if kind == "full"), -1)
         if first < 0:
-            raise Unsupported(f"LifecycleKVCacheManager: KV cache groups {list(rules)}; a full-attention group is needed")
+            raise Unsupported(
+                f"LifecycleKVCacheManager: KV cache groups {list(rules)}; a full-attention group is needed"
+            )
         rest = [i for i in range(len(rules)) if i != first]
         self._vllm_group = (first, *rest)  # by core group
         self._order = tuple(self._vllm_group.index(i) for i in range(len(rules)))  # by vLLM group
         self._full = tuple(kind == "full" for kind, _ in rules)
         self.num_kv_cache_groups = len(rules)
-        self.empty_kv_cache_blocks = KVCacheGroupBlocks(tuple(_EMPTY for _ in rules))
         return KVCacheCore(
             self._pool, block_size, enable_prefix_cache=self.enable_caching, null_block=True,
             events=self.enable_kv_cache_events, groups=[(*rules[i], 0, self._pool) for i in rest],
@@ -801,7 +815,8 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
 
     @staticmethod
     def _committed(request: Any) -> int:
-        return max(0, request.num_computed_tokens - (getattr(request, "num_in_flight_tokens", 0) or 0))
+        committed: int = request.num_computed_tokens - (getattr(request, "num_in_flight_tokens", 0) or 0)
+        return max(0, committed)
 
     def _held(self, *handles: int) -> int:
         """Distinct ids live requests (and ``handles``) hold, the null block aside."""
@@ -811,11 +826,12 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         if not tables:
             return 0
         ids = np.concatenate(tables)
-        return int(np.unique(ids[ids > 0]).size)
+        held: int = np.unique(ids[ids > 0]).size
+        return held
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheGroupBlocks, int, int]:
+    ) -> tuple[AnyBlocks, int, int]:
         """The longest cached prefix every group serves (see the base class), per group."""
         self._settle()
         if not self.prefix_cache_lookup_enabled(request):
@@ -849,7 +865,7 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> KVCacheGroupBlocks | None:
+    ) -> AnyBlocks | None:
         """As the base class, in every group at once: the committed tokens are recorded first (what
         left a window goes back to the pool), then every group gets blocks for the new positions."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
@@ -860,7 +876,8 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         core = self.core
         request_id = request.request_id
         live = self._hybrid.get(request_id)
-        opened = -1
+        handle: int
+        opened: int = -1
         if live is None:
             expected = num_new_computed_tokens // bs
             if num_new_computed_tokens % bs or (expected and not self.enable_caching):
@@ -946,7 +963,7 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         self._settle()
         return self._held() / (self._pool.num_total - 1)
 
-    def get_blocks(self, request_id: str) -> KVCacheGroupBlocks:  # type: ignore[override]
+    def get_blocks(self, request_id: str) -> AnyBlocks:
         live = self._hybrid.get(request_id)
         if live is None:
             return self.empty_kv_cache_blocks
@@ -958,7 +975,7 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         shared = self.core.num_common_prefix_blocks(handles) if handles else 0
         return [shared if full else 0 for full in self._full]
 
-    def create_kv_cache_blocks(self, blocks: Any) -> KVCacheGroupBlocks:  # type: ignore[override]
+    def create_kv_cache_blocks(self, blocks: Any) -> AnyBlocks:
         return KVCacheGroupBlocks(tuple(
             np.fromiter((block.block_id for block in group), dtype=np.int32) for group in blocks
         ))
