@@ -60,6 +60,12 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     specs = [("full", 0, 0, pool)]
     for i, entry in enumerate(groups, start=1):
         specs.append(_checked_spec(i, entry, block_size, max_tokens, [s[3] for s in specs]))
+    shared = [s[3] is pool for s in specs[1:]]
+    if any(shared) and not all(shared):
+        raise ConfigError(
+            f"group {shared.index(not shared[0]) + 1}: every group takes group 0's BlockPool (one id space) or every "
+            "group has a pool of its own"
+        )
     if retention_interval is None:
         retention = max(DEFAULT_RETENTION_TOKENS // block_size, 1)
     else:
@@ -87,6 +93,7 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
         if self._rules[i].kind != KIND_FULL:
             self.windowed = True
     self.n = n
+    self.shared = all(shared)
     self._block_size = block_size
     self._retention = retention
     self.pad = -1
@@ -152,8 +159,8 @@ def _checked_spec(Py_ssize_t index, object entry, Py_ssize_t block_size, Py_ssiz
         raise ConfigError(f"group {index}: kind {kind!r} is not one of {', '.join(KINDS)}")
     if not isinstance(group_pool, BlockPool):
         raise ConfigError(f"group {index}: a BlockPool of its own is needed, got {type(group_pool).__name__}")
-    if any(group_pool is p for p in pools):
-        raise ConfigError(f"group {index}: its BlockPool is another group's; every group needs a pool of its own")
+    if group_pool is not pools[0] and any(group_pool is p for p in pools[1:]):
+        raise ConfigError(f"group {index}: its BlockPool is another group's; only group 0's pool may be shared")
     if kind == "full":
         window = _spec_count(window, f"group {index}: window (0 for full attention)", 0, 0)
         sink = _spec_count(sink, f"group {index}: sink_tokens (0 for full attention)", 0, 0)
@@ -721,13 +728,13 @@ cdef class KVGroups:
         """The first inconsistency of groups 1 .. n - 1 (refcounts against the records' columns
         and the cached runs', each pool's own tables) or of the rule that every leaf ends at a
         cut every group can serve; None when there is none."""
-        cdef Py_ssize_t g, i, p, nb, end
-        cdef SeqRec *rec
+        cdef Py_ssize_t g, i, nb, end
         cdef RNode *node
-        cdef int32_t *col
         cdef BlockPool pool
         cdef int64_t[::1] expected
         for g in range(1, self.n):
+            if self.shared:
+                break  # the core recounts the one pool, every group's references added (count_refs)
             pool = self.pool_of(g)
             problem = pool._problem()
             if problem is not None:
@@ -737,26 +744,9 @@ cdef class KVGroups:
             expected = counted
             if null_block >= 0:
                 expected[null_block] += 1
-            for i in range(records.high_water()):
-                rec = records.slot(i)
-                if rec.status == FREE:
-                    continue
-                col = chunk_column(rec.chunk, g)
-                for p in range(rec.num_blocks):
-                    if col[p] >= nb or col[p] < -1:
-                        return f"group {g}: sequence {rec.seq_id} holds block id {col[p]} out of range [0, {nb})"
-                    if col[p] >= 0:
-                        expected[col[p]] += 1
-            for i in range(t._high_water):
-                node = &t._nodes[i]
-                if node.parent < 0:
-                    continue
-                col = chunk_column(node.chunk, g) + node.start
-                for p in range(node.length):
-                    if col[p] >= nb or col[p] < -1:
-                        return f"group {g}: node {i} holds block id {col[p]} out of range [0, {nb})"
-                    if col[p] >= 0:
-                        expected[col[p]] += 1
+            problem = self.count_refs(t, records, g, expected, nb)
+            if problem is not None:
+                return problem
             for i in range(nb):
                 if expected[i] != pool._refcounts[i]:
                     return (
@@ -770,6 +760,35 @@ cdef class KVGroups:
             end = node.depth + node.length
             if self.best_cut(t, <int32_t>i, end, end - 1) != end:
                 return f"leaf node {i} ends at block {end}, a prefix not every KV cache group can serve"
+        return None
+
+    cdef str count_refs(self, RadixTrie t, Records records, Py_ssize_t g, int64_t[::1] expected, Py_ssize_t nb):
+        """Add to ``expected`` the references group ``g``'s columns hold (records' and cached
+        runs'); a message naming an id outside ``[0, nb)``, else None."""
+        cdef Py_ssize_t i, p
+        cdef SeqRec *rec
+        cdef RNode *node
+        cdef int32_t *col
+        for i in range(records.high_water()):
+            rec = records.slot(i)
+            if rec.status == FREE:
+                continue
+            col = chunk_column(rec.chunk, g)
+            for p in range(rec.num_blocks):
+                if col[p] >= nb or col[p] < -1:
+                    return f"group {g}: sequence {rec.seq_id} holds block id {col[p]} out of range [0, {nb})"
+                if col[p] >= 0:
+                    expected[col[p]] += 1
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if node.parent < 0:
+                continue
+            col = chunk_column(node.chunk, g) + node.start
+            for p in range(node.length):
+                if col[p] >= nb or col[p] < -1:
+                    return f"group {g}: node {i} holds block id {col[p]} out of range [0, {nb})"
+                if col[p] >= 0:
+                    expected[col[p]] += 1
         return None
 
     cdef list stats(self, RadixTrie t):

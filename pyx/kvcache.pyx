@@ -149,7 +149,7 @@ cdef class KVCacheCore:
                     )
             released = self._lock.enter(LONG_CALL)
             self._pool._allocate_locked(&self._null_block, 1)
-            if self._grouped:
+            if self._grouped and not self._groups.shared:
                 for i in range(1, self._groups.n):
                     self._groups.pool_of(i)._allocate_locked(&null_id, 1)  # block 0 of a fresh pool
             self._lock.leave(released)
@@ -1753,6 +1753,11 @@ cdef class KVCacheCore:
         for address, count in chunk_refs.items():
             if (<Chunk *><size_t>address).refs != count:
                 return f"a chunk has {(<Chunk *><size_t>address).refs} references but {count} holders"
+        if self._grouped and self._groups.shared:
+            for i in range(1, self._groups.n):  # every group's ids are this pool's
+                problem = self._groups.count_refs(trie, self._records, i, refs, nb)
+                if problem is not None:
+                    return problem
         for i in range(nb):
             if refs[i] != self._pool._refcounts[i]:
                 return f"block {i}: refcount {self._pool._refcounts[i]} but sequences and cache hold {refs[i]}"

@@ -309,7 +309,7 @@ def test_a_null_block_is_held_in_every_groups_pool() -> None:
         ([("local", 8, 0, None)], r"kind 'local'"),
         ([("chunked_local", 8, 4, None)], r"sink_tokens"),
         ([("full", 8, 0, None)], r"window \(0 for full attention\)"),
-        ([("sliding_window", 8, 0, "main")], r"another group's"),
+        ([("sliding_window", 8, 0, "main"), ("full", 0, 0, None)], r"group 2: every group takes group 0's"),
         ([("full", 0, 0, None), ("full", 0, 0, "first")], r"group 2: its BlockPool is another group's"),
         ([("sliding_window", 8, 0, 3)], r"BlockPool of its own"),
         (["sliding_window"], r"groups\[0\] must be"),

@@ -50,7 +50,7 @@ def make(num_blocks: int = 11, **options: Any) -> LifecycleKVCacheManager:
     return LifecycleKVCacheManager.from_blocks(num_blocks, BS, 1024, **options)
 
 
-def ids(blocks: KVCacheBlocks | None) -> list[int] | None:
+def ids(blocks: Any) -> list[int] | None:
     return None if blocks is None else blocks.get_block_ids()[0]
 
 
@@ -65,7 +65,8 @@ def settled(manager: LifecycleKVCacheManager) -> None:
     manager.check_invariants()  # which also drops the last lookup's probe
     core = manager.core
     if core.live_totals() == (0, 0):  # every block is free, cached, or the null block
-        assert core.pool.num_free + core.num_cached_blocks + 1 == core.pool.num_total
+        cached = sum(row["num_cached"] for row in core.group_stats())  # every group's, all from the one pool
+        assert core.pool.num_free + cached + 1 == core.pool.num_total
 
 
 def test_a_prompt_hits_the_whole_blocks_of_a_cached_prefix_but_never_its_last_token() -> None:
@@ -300,11 +301,167 @@ def test_bad_sizes_are_refused_by_name(options: dict[str, Any]) -> None:
                                             **arguments)
 
 
-def test_a_config_with_more_than_one_group_is_refused() -> None:
+def test_a_group_of_an_unknown_spec_is_refused_by_name() -> None:
     spec = SimpleNamespace(block_size=16)
     config = SimpleNamespace(num_blocks=8, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)] * 2)
-    with pytest.raises(Unsupported, match="2 KV cache groups"):
+    with pytest.raises(Unsupported, match="a SimpleNamespace group"):
         LifecycleKVCacheManager(config, max_model_len=64)
+
+
+# -- several KV cache groups over one id space ----------------------------------------------------------
+
+
+WINDOW = 8  # tokens: a query reads the last two blocks
+
+
+def hybrid(num_blocks: int = 40, rules: Any = (("sliding_window", WINDOW), ("full", 0)),
+           **options: Any) -> LifecycleKVCacheManager:
+    return LifecycleKVCacheManager.from_groups(list(rules), num_blocks, BS, 1024, **options)
+
+
+def group_ids(blocks: Any) -> tuple[list[int], ...]:
+    ids: tuple[list[int], ...] = blocks.get_block_ids()
+    return ids
+
+
+def hybrid_prefill(manager: LifecycleKVCacheManager, request: FakeRequest) -> tuple[tuple[list[int], ...], int, Any]:
+    computed, num_computed, _ = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - num_computed, num_computed, computed)
+    request.num_computed_tokens = request.num_tokens if new is not None else 0
+    return group_ids(computed), num_computed, None if new is None else group_ids(new)
+
+
+def test_every_group_gets_its_own_ids_from_the_one_pool() -> None:
+    manager = hybrid()
+    _, _, new = hybrid_prefill(manager, FakeRequest("a", list(range(20))))
+    window, full = new
+    assert len(window) == len(full) == 5 and not set(window) & set(full) and 0 not in window + full
+    assert manager.usage == 10 / 39
+    settled(manager)
+
+
+def test_a_window_gives_back_its_blocks_as_the_request_decodes_and_the_table_names_the_null_block() -> None:
+    manager = hybrid()
+    request = FakeRequest("a", list(range(20)))
+    hybrid_prefill(manager, request)
+    request.output_token_ids.append(7)
+    assert manager.allocate_slots(request, 1) is not None  # 20 tokens computed: blocks 0-2 left the window
+    window, full = manager.get_block_ids("a")
+    assert window[:3] == [0, 0, 0] and 0 not in window[3:] and 0 not in full
+    assert manager.usage == (6 + 3) / 39
+    settled(manager)
+
+
+def test_a_hit_is_the_longest_prefix_every_group_serves() -> None:
+    manager = hybrid()
+    first = FakeRequest("a", list(range(20)))
+    hybrid_prefill(manager, first)
+    manager.free(first)
+    (window, full), num_computed, _ = hybrid_prefill(manager, FakeRequest("b", [*range(20), 7, 8]))
+    assert num_computed == 20 and window[:3] == [0, 0, 0] and 0 not in window[3:] and len(full) == 5
+    settled(manager)
+
+
+def test_a_prefix_whose_window_was_not_kept_is_not_a_hit_past_the_last_one_kept() -> None:
+    manager = hybrid()
+    first = FakeRequest("a", list(range(40)))
+    hybrid_prefill(manager, first)
+    manager.free(first)  # the run's last window is kept; blocks 0-7 of the window group go
+    assert manager.get_computed_blocks(FakeRequest("b", [*range(20), 99, 98]))[1] == 0
+    assert manager.get_computed_blocks(FakeRequest("c", [*range(40), 5]))[1] == 40
+    settled(manager)
+
+
+def test_chunked_local_groups_need_no_block_before_the_current_chunk() -> None:
+    manager = hybrid(rules=[("full", 0), ("chunked_local", 8)])
+    first = FakeRequest("a", list(range(24)))
+    hybrid_prefill(manager, first)
+    manager.free(first)
+    (full, chunk), num_computed, _ = hybrid_prefill(manager, FakeRequest("b", [*range(24), 1]))
+    assert num_computed == 24 and chunk == [0] * 6 and len(full) == 6
+    settled(manager)
+
+
+def test_a_hybrid_allocation_that_does_not_fit_returns_none_and_takes_nothing() -> None:
+    manager = hybrid(11)
+    held = FakeRequest("a", list(range(16)))
+    hybrid_prefill(manager, held)  # 8 of the 10 blocks
+    before = manager.usage
+    assert hybrid_prefill(manager, FakeRequest("b", list(range(100, 108))))[2] is None
+    assert manager.usage == before
+    settled(manager)
+
+
+def test_hybrid_eviction_frees_the_blocks_of_every_group() -> None:
+    manager = hybrid(13)
+    for stem in range(3):
+        request = FakeRequest(str(stem), [stem * 100 + t for t in range(16)])
+        assert hybrid_prefill(manager, request)[2] is not None
+        manager.free(request)
+        settled(manager)
+    assert manager.usage == 0.0
+
+
+def test_hybrid_events_name_each_groups_index() -> None:
+    manager = hybrid(enable_kv_cache_events=True)
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM's event types need vLLM")
+    request = FakeRequest("a", list(range(20)))
+    hybrid_prefill(manager, request)
+    manager.free(request)
+    stored = {event.group_idx for event in manager.take_events() if type(event).__name__ == "BlockStored"}
+    assert stored == {0, 1}
+
+
+def test_hybrid_reset_and_common_prefix_blocks() -> None:
+    manager = hybrid()
+    first = FakeRequest("a", [*range(8), 90, 90])
+    hybrid_prefill(manager, first)
+    manager.free(first)
+    for name, tail in (("b", 91), ("c", 92)):
+        hybrid_prefill(manager, FakeRequest(name, [*range(8), tail, tail]))
+    assert manager.get_num_common_prefix_blocks() == [0, 2]  # (the window group: none, as vLLM's)
+    assert not manager.reset_prefix_cache()
+    manager.free(FakeRequest("b", []))
+    manager.free(FakeRequest("c", []))
+    assert manager.reset_prefix_cache() and manager.core.pool.num_free == 39
+    settled(manager)
+
+
+@pytest.mark.parametrize("rules", [[("sliding_window", 8), ("sliding_window", 8)], [("mamba", 0), ("full", 0)]],
+                         ids=["no full group", "unknown kind"])
+def test_group_layouts_the_core_cannot_serve_are_refused(rules: list[tuple[str, int]]) -> None:
+    with pytest.raises((Unsupported, ConfigError)):
+        hybrid(rules=rules)
+
+
+def test_random_hybrid_traffic_leaks_nothing() -> None:
+    rng = np.random.default_rng(5)
+    manager = hybrid(30)
+    live: dict[str, FakeRequest] = {}
+    prefixes = [rng.integers(0, 20, 12).tolist() for _ in range(3)]
+    for number in range(300):
+        if live and (len(live) > 3 or rng.random() < 0.3):
+            manager.free(live.pop(rng.choice(sorted(live))))
+        elif live and rng.random() < 0.4:
+            request = live[rng.choice(sorted(live))]
+            request.output_token_ids.append(int(rng.integers(0, 20)))
+            if manager.allocate_slots(request, 1) is None:
+                manager.free(live.pop(request.request_id))
+            else:
+                request.num_computed_tokens = request.num_tokens - 1
+        else:
+            tokens = prefixes[int(rng.integers(3))] + rng.integers(0, 20, int(rng.integers(1, 12))).tolist()
+            request = FakeRequest(str(number), tokens)
+            if hybrid_prefill(manager, request)[2] is not None:
+                live[request.request_id] = request
+            else:
+                manager.free(request)
+        settled(manager)
+    for request in live.values():
+        manager.free(request)
+    settled(manager)
+    assert manager.usage == 0.0
 
 
 def test_kv_cache_blocks_read_like_vllms() -> None:

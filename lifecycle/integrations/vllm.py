@@ -14,10 +14,17 @@ saves vLLM's per-block sha256); a multimodal request or one given by embeddings 
 only the blocks before its first placeholder (tokens do not name an image); the returned blocks
 are :class:`Block` objects with a ``block_id`` (reference counts and hashes stay in the core);
 eviction order is the core's (least recently used leaves first, once no block is free), so which
-block id a request gets after an eviction may differ from vLLM's. One KV cache group of full
-attention only: sliding-window, Mamba and encoder-decoder groups, EAGLE and the other lookahead
-rules of speculative decoding, KV connectors, KV cache residency metrics and context parallelism
-are refused with ``Unsupported``.
+block id a request gets after an eviction may differ from vLLM's.
+
+Several KV cache groups (vLLM's hybrid allocator: full attention or MLA with sliding-window and
+chunked local groups, one block size) get :class:`LifecycleHybridKVCacheManager`, which the
+constructor returns for such a config: one core of KV cache groups whose every group takes its ids
+from one pool, as vLLM's groups share one ``BlockPool`` (an id names a page in every group's
+tensors). A hit is the longest prefix every group serves; a group's table names the null block
+where its window released a block; a request's blocks are cached when it is freed. Mamba,
+encoder-decoder and cross-attention groups, groups of different block sizes, a group layout with no
+full-attention group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV
+cache residency metrics and context parallelism are refused with ``Unsupported``.
 
 To run vLLM's own scheduler over it, name :func:`scheduler_class`'s classes to vLLM:
 ``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (vLLM's default
@@ -34,7 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Final, final, overload
+from typing import Any, Final, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -42,16 +49,19 @@ import numpy.typing as npt
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
 from lifecycle._retention import DEFAULT_RETENTION
-from lifecycle.errors import ConfigError, InvalidId, SequenceStateError, Unsupported
+from lifecycle.errors import ConfigError, InvalidId, OutOfBlocks, SequenceStateError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
 __all__ = [
-    "Block", "BlockList", "Coordinator", "GroupManager", "KVCacheBlocks", "LifecycleKVCacheManager", "scheduler_class",
+    "Block", "BlockList", "Coordinator", "GroupManager", "KVCacheBlocks", "KVCacheGroupBlocks",
+    "LifecycleHybridKVCacheManager", "LifecycleKVCacheManager", "group_rule", "scheduler_class",
 ]
 
 _EXTRA: Final = "vllm"
 _EMPTY: Final = np.zeros(0, dtype=np.int32)
 _WAITING_STATES: Final = frozenset({"WAITING", "PREEMPTED"})
+#: What a manager's lookups and allocations return: one group's blocks, or several groups'.
+AnyBlocks: TypeAlias = "KVCacheBlocks | KVCacheGroupBlocks"
 
 
 @final
@@ -187,14 +197,31 @@ class GroupManager:
 @final
 class Coordinator:
     """What vLLM's engine core and scheduler read of ``KVCacheManager.coordinator`` at start-up
-    for one full-attention group (the effective attention block size, the groups' metadata);
-    the calls a KV connector makes on it are not here, as connectors are refused."""
+    (the effective attention block size, the groups' metadata), one manager per group; the calls a
+    KV connector makes on it are not here, as connectors are refused."""
 
     __slots__ = ("single_type_managers",)
     enable_partial_hash_hits: Final = False  # (a Mamba rule; read only for Mamba groups)
 
-    def __init__(self, block_size: int, kv_cache_spec: Any) -> None:
-        self.single_type_managers = (GroupManager(block_size, kv_cache_spec),)
+    def __init__(self, block_size: int, *kv_cache_specs: Any) -> None:
+        self.single_type_managers = tuple(GroupManager(block_size, spec) for spec in kv_cache_specs)
+
+
+def group_rule(spec: Any) -> tuple[str, int]:
+    """A vLLM group's KV cache spec as the core's ``(kind, window)``: full attention (and MLA)
+    ``("full", 0)``, a sliding window ``("sliding_window", window)``, chunked local attention
+    ``("chunked_local", chunk)``; any other spec is refused with ``Unsupported`` naming it."""
+    kind = type(spec).__name__
+    if kind in ("FullAttentionSpec", "MLAAttentionSpec") and not getattr(spec, "sliding_window", None):
+        return ("full", 0)
+    if kind == "SlidingWindowSpec" and not getattr(spec, "extra_retained_tokens", 0):
+        return ("sliding_window", int(spec.sliding_window))
+    if kind == "ChunkedLocalAttentionSpec":
+        return ("chunked_local", int(spec.attention_chunk_size))
+    raise Unsupported(
+        f"LifecycleKVCacheManager: a {kind} group; full attention, MLA, sliding-window and chunked local groups "
+        "are supported"
+    )
 
 
 def retention_priority(priority: int) -> int:
@@ -228,12 +255,17 @@ class LifecycleKVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
-        if len(groups) != 1:
-            raise Unsupported(f"LifecycleKVCacheManager: {len(groups)} KV cache groups; only one is supported")
+        rules = [group_rule(group.kv_cache_spec) for group in groups]
+        if all(kind != "full" for kind, _ in rules):
+            names = ", ".join(type(group.kv_cache_spec).__name__ for group in groups) or "none"
+            raise Unsupported(
+                f"LifecycleKVCacheManager: KV cache groups of {names}; a full-attention (or MLA) group is needed"
+            )
+        if len(groups) > 1 and not isinstance(self, LifecycleHybridKVCacheManager):
+            raise Unsupported(
+                f"LifecycleKVCacheManager: {len(groups)} KV cache groups; build it through its constructor"
+            )
         spec = groups[0].kv_cache_spec
-        kind = type(spec).__name__
-        if kind not in ("FullAttentionSpec", "MLAAttentionSpec") or getattr(spec, "sliding_window", None):
-            raise Unsupported(f"LifecycleKVCacheManager: a {kind} group; only full attention is supported")
         if use_eagle or num_hash_lookahead_tokens or num_prefill_lookahead:
             raise Unsupported(
                 f"LifecycleKVCacheManager: use_eagle={use_eagle}, "
@@ -252,14 +284,30 @@ class LifecycleKVCacheManager:
                 "context parallelism is not supported"
             )
         block_size = int(spec.block_size)
+        sizes = sorted({int(group.kv_cache_spec.block_size) for group in groups})
+        if len(sizes) > 1:
+            raise Unsupported(
+                f"LifecycleKVCacheManager: KV cache groups of block sizes {sizes}; one block size is needed"
+            )
         for name, value in (("scheduler_block_size", scheduler_block_size), ("hash_block_size", hash_block_size)):
             if value is not None and value != block_size:
                 raise Unsupported(f"LifecycleKVCacheManager: {name}={value} differs from the block size {block_size}")
+        if len(groups) > 1 and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+            raise Unsupported(
+                "LifecycleKVCacheManager: the KV cache config needs new blocks zeroed (mixed-precision groups)"
+            )
         self._setup(int(kv_cache_config.num_blocks), block_size, max_model_len, enable_caching=enable_caching,
-                    log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events, watermark=watermark)
+                    log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events, watermark=watermark,
+                    rules=rules)
         self.kv_cache_config = kv_cache_config
         self.metrics_collector = None
-        self.coordinator = Coordinator(block_size, spec)
+        self.coordinator = Coordinator(block_size, *(group.kv_cache_spec for group in groups))
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LifecycleKVCacheManager:
+        config = kwargs.get("kv_cache_config", args[0] if args else None)
+        if cls is LifecycleKVCacheManager and len(getattr(config, "kv_cache_groups", ())) > 1:
+            return super().__new__(LifecycleHybridKVCacheManager)
+        return super().__new__(cls)
 
     @classmethod
     def from_blocks(
@@ -276,8 +324,26 @@ class LifecycleKVCacheManager:
         manager.coordinator = Coordinator(block_size, None)
         return manager
 
+    @classmethod
+    def from_groups(
+        cls, rules: Sequence[tuple[str, int]], num_blocks: int, block_size: int, max_model_len: int, *,
+        enable_caching: bool = True, log_stats: bool = False, enable_kv_cache_events: bool = False,
+        watermark: float = 0.0,
+    ) -> LifecycleKVCacheManager:
+        """A manager of several KV cache groups without a vLLM ``KVCacheConfig``: ``rules`` gives
+        each group's ``(kind, window)`` in vLLM's group order (``"full"`` with window 0,
+        ``"sliding_window"`` or ``"chunked_local"``), all over one pool of ``num_blocks`` ids."""
+        manager = super().__new__(LifecycleHybridKVCacheManager if len(rules) > 1 else cls)
+        manager._setup(num_blocks, block_size, max_model_len, enable_caching=enable_caching, log_stats=log_stats,
+                       enable_kv_cache_events=enable_kv_cache_events, watermark=watermark,
+                       rules=[(str(kind), int(window)) for kind, window in rules])
+        manager.kv_cache_config = None
+        manager.metrics_collector = None
+        manager.coordinator = Coordinator(block_size, *([None] * len(rules)))
+        return manager
+
     def _setup(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool, log_stats: bool,
-               enable_kv_cache_events: bool, watermark: float) -> None:
+               enable_kv_cache_events: bool, watermark: float, rules: Sequence[tuple[str, int]] = ()) -> None:
         if type(max_model_len) is not int or max_model_len < 1:
             raise ConfigError(f"LifecycleKVCacheManager: max_model_len={max_model_len!r} must be an int >= 1")
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
@@ -294,16 +360,19 @@ class LifecycleKVCacheManager:
         self.num_kv_cache_groups = 1
         self.watermark_blocks = int(watermark * num_blocks)
         self._pool = BlockPool(num_blocks)
-        self.core = KVCacheCore(
-            self._pool, block_size, enable_prefix_cache=self.enable_caching, null_block=True,
-            events=self.enable_kv_cache_events,
-        )
-        self.empty_kv_cache_blocks = KVCacheBlocks()
+        self.core = self._new_core(block_size, rules)
+        self.empty_kv_cache_blocks: AnyBlocks = KVCacheBlocks()
         self.prefix_cache_stats = self._new_stats() if self.log_stats else None
         self._namespaces: CacheNamespaces[tuple[tuple[int, str] | None, str | None]] = CacheNamespaces()
         self._live: dict[str, _Live] = {}
         self._probe = -1  # the record of the last lookup, until allocate_slots takes it over
         self._probe_request: str | None = None
+
+    def _new_core(self, block_size: int, rules: Sequence[tuple[str, int]]) -> KVCacheCore:
+        if len(rules) > 1 or (rules and rules[0][0] != "full"):
+            raise Unsupported(f"LifecycleKVCacheManager: KV cache groups {list(rules)}; one full-attention group here")
+        return KVCacheCore(self._pool, block_size, enable_prefix_cache=self.enable_caching, null_block=True,
+                           events=self.enable_kv_cache_events)
 
     # -- lookups and allocation -------------------------------------------------------------------
 
@@ -346,7 +415,7 @@ class LifecycleKVCacheManager:
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int]:
+    ) -> tuple[AnyBlocks, int, int]:
         """The request's longest cached prefix in whole blocks (at most ``max_cache_hit_length``
         tokens, by default all but the last token): its blocks, its token count, and 0 (no
         sparse-retention junction). Takes no block until ``allocate_slots``."""
@@ -373,7 +442,7 @@ class LifecycleKVCacheManager:
         request: Any,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
+        new_computed_blocks: AnyBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
@@ -382,7 +451,7 @@ class LifecycleKVCacheManager:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> KVCacheBlocks | None:
+    ) -> AnyBlocks | None:
         """Blocks for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` speculative
         ones) after the request's computed tokens and the ``num_new_computed_tokens`` of its
         cached prefix: the new blocks, or None, changing nothing, when they cannot be had (after
@@ -510,7 +579,7 @@ class LifecycleKVCacheManager:
         self._settle()
         self.core.evict_blocks(ids)  # checks every id first: a float, str or None is refused, not truncated
 
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+    def get_blocks(self, request_id: str) -> AnyBlocks:
         live = self._live.get(request_id)
         if live is None:
             return self.empty_kv_cache_blocks
@@ -549,7 +618,7 @@ class LifecycleKVCacheManager:
                               num_prompt_tokens: int | None = None) -> None:
         """Nothing to skip with full attention."""
 
-    def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
+    def create_kv_cache_blocks(self, blocks: Any) -> AnyBlocks:
         ids = np.fromiter((block.block_id for block in itertools.chain.from_iterable(blocks)), dtype=np.int32)
         return KVCacheBlocks(ids) if len(ids) else self.empty_kv_cache_blocks
 
@@ -589,7 +658,8 @@ class LifecycleKVCacheManager:
         from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
         events: list[Any] = []
-        for entry in raw_event_log(raw):
+        groups = self._event_groups(raw)
+        for entry, group in zip(raw_event_log(raw), groups):
             if entry[0] == "stored":
                 _, hashes, parent, tokens, namespace = entry
                 lora, salt = self._namespaces.namespace(int(namespace)) or (None, None)
@@ -600,13 +670,17 @@ class LifecycleKVCacheManager:
                     token_ids=tokens.tolist(), block_size=self.block_size,
                     lora_id=None if lora is None else lora[0], medium=MEDIUM_GPU,
                     lora_name=None if lora is None else lora[1],
-                    extra_keys=[(salt,), *[None] * (len(hashes) - 1)] if first else None, group_idx=0,
+                    extra_keys=[(salt,), *[None] * (len(hashes) - 1)] if first else None, group_idx=group,
                 ))
             elif entry[0] == "removed":
-                events.append(BlockRemoved(block_hashes=entry[1].tolist(), medium=MEDIUM_GPU, group_idx=0))
+                events.append(BlockRemoved(block_hashes=entry[1].tolist(), medium=MEDIUM_GPU, group_idx=group))
             else:
                 events.append(AllBlocksCleared())
         return events
+
+    def _event_groups(self, raw: Any) -> Iterable[int]:
+        """vLLM's group index of each entry of a drained core log."""
+        return itertools.repeat(0)
 
     def check_invariants(self) -> None:
         """The core's recount, and one live core record per request holding blocks."""
@@ -616,6 +690,299 @@ class LifecycleKVCacheManager:
             raise SequenceStateError(
                 f"{self.core.num_live_sequences} core records are live for {len(self._live)} requests"
             )
+
+
+@final
+class KVCacheGroupBlocks:
+    """``KVCacheBlocks`` of a manager of several KV cache groups: ``blocks[i]`` is vLLM group
+    ``i``'s blocks (the null block, id 0, where a window needs none), over one int32 array of ids
+    per group."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: tuple[npt.NDArray[np.int32], ...]) -> None:
+        self.ids = ids
+
+    @property
+    def blocks(self) -> tuple[BlockList, ...]:
+        return tuple(BlockList(ids) for ids in self.ids)
+
+    def __add__(self, other: KVCacheGroupBlocks) -> KVCacheGroupBlocks:
+        return KVCacheGroupBlocks(tuple(np.concatenate(pair) for pair in zip(self.ids, other.ids)))
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None) -> Any:
+        """One list of ids per group (``group_ids``: those groups); None for no blocks when ``allow_none``."""
+        if group_ids is None:
+            chosen = self.ids
+        else:
+            if any(not 0 <= g < len(self.ids) for g in group_ids):
+                raise InvalidId(f"get_block_ids: group_ids={list(group_ids)}; this manager has {len(self.ids)} groups")
+            chosen = tuple(self.ids[g] for g in group_ids)
+        if allow_none and all(len(ids) == 0 for ids in chosen):
+            return None
+        return tuple(ids.tolist() for ids in chosen)
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Every group's ids but the null block (whether a block is cached stays in the core)."""
+        return [ids[ids != 0].tolist() for ids in self.ids]
+
+    def new_empty(self) -> KVCacheGroupBlocks:
+        return KVCacheGroupBlocks(tuple(_EMPTY for _ in self.ids))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheGroupBlocks) and len(self.ids) == len(other.ids) and all(
+            np.array_equal(a, b) for a, b in zip(self.ids, other.ids)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"KVCacheGroupBlocks({[ids.tolist() for ids in self.ids]})"
+
+
+@final
+class _HybridLive:
+    """``_Live`` of a manager of several groups, with the request (its windows move as its
+    computed tokens are recorded, also from ``remove_skipped_blocks``, which names only its id)."""
+
+    __slots__ = ("handle", "recorded", "cached", "cacheable", "request")
+
+    def __init__(self, handle: int, recorded: int, cached: int, cacheable: int, request: Any) -> None:
+        self.handle = handle
+        self.recorded = recorded
+        self.cached = cached
+        self.cacheable = cacheable
+        self.request = request
+
+
+class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
+    """:class:`LifecycleKVCacheManager` of a ``KVCacheConfig`` with several KV cache groups (what
+    its constructor returns for one): full attention (and MLA) with sliding-window and chunked
+    local groups, over one core of KV cache groups whose every group takes its ids from one
+    ``BlockPool`` of ``num_blocks`` (vLLM's layout: an id names a page in every group's tensors,
+    so it serves one group at a time). vLLM's first full-attention group is the core's group 0.
+
+    A request's core record holds the tokens whose KV is computed (committed: less
+    ``num_in_flight_tokens``); recording them moves its windows, which gives back the blocks that
+    left them (the null block in vLLM's tables from then on). A request's blocks are cached when
+    it is freed (each group by its rule, the windows the core keeps); a hit is the longest prefix
+    every group serves."""
+
+    _order: tuple[int, ...]
+    _vllm_group: tuple[int, ...]
+    _full: tuple[bool, ...]
+
+    def _new_core(self, block_size: int, rules: Sequence[tuple[str, int]]) -> KVCacheCore:
+        first = next((i for i, (kind, _) in enumerate(rules) if kind == "full"), -1)
+        if first < 0:
+            raise Unsupported(
+                f"LifecycleKVCacheManager: KV cache groups {list(rules)}; a full-attention group is needed"
+            )
+        rest = [i for i in range(len(rules)) if i != first]
+        self._vllm_group = (first, *rest)  # by core group
+        self._order = tuple(self._vllm_group.index(i) for i in range(len(rules)))  # by vLLM group
+        self._full = tuple(kind == "full" for kind, _ in rules)
+        self.num_kv_cache_groups = len(rules)
+        return KVCacheCore(
+            self._pool, block_size, enable_prefix_cache=self.enable_caching, null_block=True,
+            events=self.enable_kv_cache_events, groups=[(*rules[i], 0, self._pool) for i in rest],
+        )
+
+    def _setup(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool, log_stats: bool,
+               enable_kv_cache_events: bool, watermark: float, rules: Sequence[tuple[str, int]] = ()) -> None:
+        super()._setup(num_blocks, block_size, max_model_len, enable_caching=enable_caching, log_stats=log_stats,
+                       enable_kv_cache_events=enable_kv_cache_events, watermark=watermark, rules=rules)
+        self.empty_kv_cache_blocks = KVCacheGroupBlocks(tuple(_EMPTY for _ in rules))
+        self._hybrid: dict[str, _HybridLive] = {}
+        self._live = self._hybrid  # type: ignore[assignment]
+
+    def _blocks(self, handle: int, start: int, stop: int | None = None) -> KVCacheGroupBlocks:
+        """The record's ids at ``[start, stop)`` of every vLLM group, the null block where a window needs none."""
+        core = self.core
+        return KVCacheGroupBlocks(tuple(
+            np.maximum(core.block_table(handle, g)[start:stop], 0) for g in self._order
+        ))
+
+    def _record(self, live: _HybridLive, num_tokens: int) -> None:
+        """Record the request's tokens up to ``num_tokens`` (its committed ones): the record's KV
+        covers them, and each window gives back what left it."""
+        request = live.request
+        num_tokens = min(num_tokens, request.num_tokens)
+        if num_tokens > live.recorded:
+            self.core.append(live.handle, request.all_token_ids[live.recorded : num_tokens])
+            self.core.append(live.handle, _EMPTY)  # the KV covers what the last call recorded
+            live.recorded = num_tokens
+
+    @staticmethod
+    def _committed(request: Any) -> int:
+        committed: int = request.num_computed_tokens - (getattr(request, "num_in_flight_tokens", 0) or 0)
+        return max(0, committed)
+
+    def _held(self, *handles: int) -> int:
+        """Distinct ids live requests (and ``handles``) hold, the null block aside."""
+        core = self.core
+        tables = [core.block_table(live.handle, g) for live in self._hybrid.values() for g in range(len(self._order))]
+        tables += [core.block_table(h, g) for h in handles for g in range(len(self._order))]
+        if not tables:
+            return 0
+        ids = np.concatenate(tables)
+        held: int = np.unique(ids[ids > 0]).size
+        return held
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[AnyBlocks, int, int]:
+        """The longest cached prefix every group serves (see the base class), per group."""
+        self._settle()
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        num_tokens = request.num_tokens
+        limit = num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, num_tokens - 1)
+        limit = min(limit, self._cacheable_tokens(request))
+        bs = self.block_size
+        if limit < bs:
+            return self.empty_kv_cache_blocks, 0, 0
+        core = self.core
+        handle = core.admit(self._tokens(request), 0, limit // bs, self._namespace(request))
+        hit = core.num_blocks(handle)
+        if not hit:
+            core.finish(handle, False)
+            return self.empty_kv_cache_blocks, 0, 0
+        self._probe, self._probe_request = handle, request.request_id
+        return self._blocks(handle, 0), hit * bs, 0
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> AnyBlocks | None:
+        """As the base class, in every group at once: the committed tokens are recorded first (what
+        left a window goes back to the pool), then every group gets blocks for the new positions."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidId("allocate_slots: num_new_tokens must be greater than 0 when there are no computed tokens")
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise Unsupported("allocate_slots: KV connectors and encoder tokens are not supported")
+        bs = self.block_size
+        core = self.core
+        request_id = request.request_id
+        live = self._hybrid.get(request_id)
+        handle: int
+        opened: int = -1
+        if live is None:
+            expected = num_new_computed_tokens // bs
+            if num_new_computed_tokens % bs or (expected and not self.enable_caching):
+                raise InvalidId(f"allocate_slots: {num_new_computed_tokens} computed tokens are not a cached prefix")
+            # The record holds the hit's tokens and the one after (a lookup never hits a record's last
+            # token); the rest are recorded as their KV is computed.
+            recorded = min(expected * bs + 1, request.num_tokens)
+            opened = core.admit(self._tokens(request)[:recorded], 0, expected, self._namespace(request))
+            self._settle()  # the lookup's probe, now that the new record holds the hit
+            if core.num_blocks(opened) != expected:
+                held = core.num_blocks(opened)
+                core.finish(opened, False)
+                raise SequenceStateError(
+                    f"allocate_slots: request {request_id!r} was told of {expected} cached blocks, "
+                    f"but {held} are cached now"
+                )
+            handle, have = opened, expected
+        else:
+            self._settle()
+            handle = live.handle
+            self._record(live, self._committed(request))
+            have = core.num_blocks(handle)
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        needed = -(-min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len) // bs)
+        wanted = needed
+        if full_sequence_must_fit:
+            wanted = max(wanted, -(-min(request.num_tokens, self.max_model_len) // bs))
+        required = max(wanted - have, 0) * len(self._order)
+        if self.watermark_blocks and has_scheduled_reqs and getattr(request.status, "name", None) in _WAITING_STATES:
+            required += self.watermark_blocks
+        pool = self._pool
+        if required + reserved_blocks > pool.num_free:
+            extra = (opened,) if opened >= 0 else ()
+            if required > pool.num_total - 1 - self._held(*extra) - reserved_blocks:
+                if opened >= 0:
+                    core.finish(opened, False)
+                return None
+        if needed > have:
+            try:
+                core.grow(handle, needed)
+            except OutOfBlocks:
+                if opened >= 0:
+                    core.finish(opened, False)
+                return None
+        if live is None:
+            live = _HybridLive(handle, recorded, expected, self._cacheable_tokens(request) // bs, request)
+            self._hybrid[request_id] = live
+        if needed <= have:
+            return self.empty_kv_cache_blocks
+        return self._blocks(handle, have, needed)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Record the request's tokens up to ``num_computed_tokens`` (its blocks are cached when it is freed)."""
+        live = self._hybrid.get(request.request_id)
+        if live is not None:
+            self._settle()
+            self._record(live, num_computed_tokens)
+
+    def free(self, request: Any) -> None:
+        """Release the request's blocks, caching each group's by its rule (nothing past a
+        multimodal placeholder: then nothing). Unknown requests are ignored, as vLLM does."""
+        if self._probe_request == request.request_id:
+            self._settle()
+        live = self._hybrid.pop(request.request_id, None)
+        if live is not None:
+            self._settle()
+            self._record(live, self._committed(request))
+            cache = self.enable_caching and live.cacheable * self.block_size >= live.recorded
+            self.core.finish(live.handle, cache)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Record the request's tokens up to ``processed_computed_tokens``: what left a window goes back."""
+        live = self._hybrid.get(request_id)
+        if live is not None:
+            self._settle()
+            self._record(live, processed_computed_tokens)
+
+    @property
+    def usage(self) -> float:
+        """The share of blocks in use by requests, every group's (cached blocks no request holds
+        count as free, as in vLLM)."""
+        self._settle()
+        return self._held() / (self._pool.num_total - 1)
+
+    def get_blocks(self, request_id: str) -> AnyBlocks:
+        live = self._hybrid.get(request_id)
+        if live is None:
+            return self.empty_kv_cache_blocks
+        return self._blocks(live.handle, 0)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str | None = None) -> list[int]:
+        """Per group: the leading blocks every live request shares in a full-attention group; 0 in a windowed one."""
+        handles = [live.handle for live in self._hybrid.values()]
+        shared = self.core.num_common_prefix_blocks(handles) if handles else 0
+        return [shared if full else 0 for full in self._full]
+
+    def create_kv_cache_blocks(self, blocks: Any) -> AnyBlocks:
+        return KVCacheGroupBlocks(tuple(
+            np.fromiter((block.block_id for block in group), dtype=np.int32) for group in blocks
+        ))
+
+    def _event_groups(self, raw: Any) -> Iterable[int]:
+        groups: list[int] = raw.entries["group"].tolist()
+        return [self._vllm_group[g] for g in groups]
 
 
 def scheduler_class(async_scheduling: bool = True) -> type[Any]:

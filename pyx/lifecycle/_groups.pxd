@@ -53,6 +53,7 @@ cdef class KVGroups:
     cdef EventLog _evlog            # the core's, once its events are on (None: off)
     cdef Records records            # the core's (whose pins are live sequences')
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
+    cdef readonly bint shared       # every group takes its ids from group 0's pool (one id space, vLLM's)
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
     cdef int32_t pad                # what a decode step writes where a window released a block (the null block, or -1)
 
@@ -127,6 +128,7 @@ cdef class KVGroups:
                          Py_ssize_t stop) noexcept nogil
     # (GIL held, lock held)
     cdef str problem(self, RadixTrie t, Records records, int32_t null_block)
+    cdef str count_refs(self, RadixTrie t, Records records, Py_ssize_t g, int64_t[::1] expected, Py_ssize_t nb)
     cdef list stats(self, RadixTrie t)
     cdef object column(self, SeqRec *rec, Py_ssize_t g)
     # (GIL held, lock released: each takes it)

@@ -38,3 +38,6 @@ class KVGroups:
     @property
     def windowed(self) -> bool:
         """Whether some group releases blocks (sliding window or chunked local)."""
+    @property
+    def shared(self) -> bool:
+        """Whether every group takes its ids from group 0's pool (one id space)."""

@@ -32,7 +32,14 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import Request
 
 IMPLEMENTATIONS = {"vllm": KVCacheManager, "lifecycle": LifecycleKVCacheManager}
@@ -446,11 +453,17 @@ def test_a_multimodal_request_reuses_and_caches_only_the_blocks_before_its_first
     manager.check_invariants()
 
 
-def test_hybrid_and_sliding_window_groups_are_refused_by_name() -> None:
+def test_a_sliding_window_group_alone_and_a_mamba_group_are_refused_by_name() -> None:
     spec = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=32)
     window = KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
     with pytest.raises(NotImplementedError, match="SlidingWindowSpec"):
         LifecycleKVCacheManager(window, max_model_len=8192, hash_block_size=16)
+    mamba = MambaSpec(block_size=16, shapes=((1, 1),), dtypes=(torch.float32,))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["m"], mamba)]
+    with pytest.raises(NotImplementedError, match="MambaSpec"):
+        LifecycleKVCacheManager(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups),
+                                max_model_len=8192, hash_block_size=16)
     with pytest.raises(NotImplementedError, match="EAGLE"):
         LifecycleKVCacheManager(config(16, 10), max_model_len=8192, use_eagle=True)
 
@@ -666,3 +679,106 @@ def test_vllm_resolves_the_scheduler_classes_by_name() -> None:
         resolved = config_.get_scheduler_cls()
         assert resolved is getattr(facade, name) and resolved.__name__ == name
         assert issubclass(resolved, base) and resolved is not base
+
+
+# -- several KV cache groups (vLLM's hybrid allocator) ---------------------------------------------------
+
+
+def hybrid_config(block_size: int, num_blocks: int, *others: Any) -> KVCacheConfig:
+    """``make_kv_cache_config_hybrid_model`` of vLLM's tests: a full-attention group and ``others``
+    (by default two sliding-window groups of 2 blocks), every group's ids from one pool."""
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    if not others:
+        window = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                   sliding_window=2 * block_size)
+        others = (window, window)
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate((full, *others))]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def hybrid(make: Managers, config: KVCacheConfig, **kwargs: Any) -> Any:
+    block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
+    manager = IMPLEMENTATIONS[make.impl](config, max_model_len=8192, scheduler_block_size=block_size,
+                                         hash_block_size=block_size, enable_caching=True, **kwargs)
+    make.made.append(manager)
+    return manager
+
+
+def test_prefill_hybrid_model(make: Managers) -> None:
+    """vLLM's ``test_prefill_hybrid_model``: three groups, each request's blocks distinct across
+    groups; after the first request is freed its prefix is a hit in every group, the sliding-window
+    groups reading only the last window (null blocks before it)."""
+    manager = hybrid(make, hybrid_config(16, 21))
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16)
+    computed, num_computed, _ = manager.get_computed_blocks(req0)
+    assert num_computed == 0
+    blocks = manager.allocate_slots(req0, 55, 0, computed)
+    assert blocks is not None
+    full, window_a, window_b = blocks.get_block_ids()
+    assert len(full) == len(window_a) == len(window_b) == 4
+    assert len(set(full) | set(window_a) | set(window_b)) == 12 and 0 not in full + window_a + window_b
+    req0.num_computed_tokens = 55
+    manager.free(req0)
+    req1 = make.request("1", common + [4] * 5, 16)
+    computed, num_computed, _ = manager.get_computed_blocks(req1)
+    assert num_computed == 48
+    hit_full, hit_a, hit_b = computed.get_block_ids()
+    assert hit_full == full[:3]
+    for hit, window in ((hit_a, window_a), (hit_b, window_b)):  # a window of 32 tokens reads 2 blocks
+        assert hit[0] == 0 and hit[1:] == window[1:3]
+    blocks = manager.allocate_slots(req1, 5, num_computed, computed)
+    assert blocks is not None and [len(group) for group in blocks.get_block_ids()] == [1, 1, 1]
+    manager.free(req1)
+    assert manager.usage == 0.0
+
+
+def test_prefill_hybrid_model_with_chunked_local_attention(make: Managers) -> None:
+    """As vLLM's ``test_prefill_hybrid_model_combinations`` for full + chunked local attention: a
+    hit needs no block before the current chunk."""
+    chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                        attention_chunk_size=32)
+    manager = hybrid(make, hybrid_config(16, 21, chunked))
+    tokens = [i for i in range(4) for _ in range(16)]
+    req0 = make.request("0", tokens + [9] * 3, 16)
+    assert prefill_groups(manager, req0)[1] == 0
+    req0.num_computed_tokens = req0.num_tokens
+    manager.free(req0)
+    req1 = make.request("1", tokens + [8] * 3, 16)
+    (full, chunk), num_computed, new = prefill_groups(manager, req1)
+    assert num_computed == 64 and len(full) == 4 and chunk == [0, 0, 0, 0]
+    assert new is not None and [len(group) for group in new] == [1, 1]
+    manager.free(req1)
+
+
+def prefill_groups(manager: Any, request: Request) -> tuple[tuple[list[int], ...], int, Any]:
+    computed, num_computed, _ = manager.get_computed_blocks(request)
+    blocks = manager.allocate_slots(request, request.num_tokens - num_computed, num_computed, computed)
+    return computed.get_block_ids(), num_computed, None if blocks is None else blocks.get_block_ids()
+
+
+def test_hybrid_decode_replaces_what_left_the_window_with_the_null_block(make: Managers) -> None:
+    """vLLM's ``remove_skipped_blocks`` rule: once the computed tokens pass a block by the window,
+    the group's table names the null block there and the block is free again."""
+    manager = hybrid(make, hybrid_config(16, 40))
+    req = make.request("0", list(range(64)), 16)
+    prefill_groups(manager, req)
+    usage = manager.usage
+    req.num_computed_tokens = 64
+    req.append_output_token_ids(7)
+    assert manager.allocate_slots(req, 1) is not None
+    full, window_a, window_b = manager.get_block_ids("0")
+    assert 0 not in full and window_a[:2] == window_b[:2] == [0, 0] and 0 not in window_a[2:]
+    assert manager.usage < usage
+    manager.free(req)
+
+
+def test_block_stored_event_group_idx_multiple_groups(make: Managers) -> None:
+    """vLLM's test of the same name: each group's stored blocks name its group index."""
+    manager = hybrid(make, hybrid_config(16, 40), enable_kv_cache_events=True)
+    req = make.request("0", list(range(64)), 16)
+    prefill_groups(manager, req)
+    req.num_computed_tokens = 64
+    manager.free(req)
+    stored = {event.group_idx for event in manager.take_events() if isinstance(event, BlockStored)}
+    assert stored == {0, 1, 2}
