@@ -31,7 +31,7 @@ def state(core: KVCacheCore, *handles: int) -> tuple[Any, ...]:
     """Everything a refusal must leave as it was: each pool's free blocks, the cache, and each
     live record's tokens and every group's table."""
     records = tuple(
-        (core.tokens(h).tolist(), core.block_table(h, 0).tolist(), core.block_table(h, 1).tolist())
+        (core.tokens(h).tolist(), *(core.block_table(h, g).tolist() for g in range(core.num_groups)))
         if core.is_live(h) else None
         for h in handles
     )
@@ -131,17 +131,25 @@ def test_an_append_refused_while_releasing_the_window_records_no_token() -> None
 
 @pytest.mark.parametrize("failing", [1, 2], ids=["first-growth", "second-growth"])
 def test_a_chunk_growth_refused_part_way_keeps_every_groups_column(failing: int) -> None:
-    core = make(blocks=128, group_blocks=128)
+    # Three columns: doubling moves group 1's column over where group 2's was.
+    core = KVCacheCore(
+        BlockPool(64), BS, retention_interval=0,
+        groups=[("sliding_window", 8, 0, BlockPool(64)), ("chunked_local", 8, 0, BlockPool(64))],
+    )
+    other = core.admit(list(range(100, 112)), 3)
+    core.append(other, [112])               # its window releases 1 block in group 1, 2 in group 2
     h = core.admit(list(range(8)), 2)
+    assert core.block_table(h, 1).tolist() != core.block_table(h, 2).tolist()  # columns told apart
     assert core.block_hashes(h).size == 2   # the chunk keeps hashes: they grow with its block ids
     before = state(core, h)
     core._fail_growth(chunks=failing)
     with pytest.raises(MemoryError, match="grow: out of host memory"):
-        core.grow(h, 100)
+        core.grow(h, 36)                    # twice the room a new record's chunk has
     assert state(core, h) == before
     core.check_invariants()
-    assert core.grow(h, 100) == 98
-    table = core.block_table(h, 1)
-    assert table.size == 100 and np.unique(table).size == 100 and (table >= 0).all()
+    assert core.grow(h, 36) == 34
+    for g in (1, 2):
+        table = core.block_table(h, g)
+        assert table.size == 36 and np.unique(table).size == 36 and (table >= 0).all()
     assert core.block_hashes(h).size == 2
     core.check_invariants()
