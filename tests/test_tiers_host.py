@@ -198,7 +198,8 @@ def test_a_pool_whose_blocks_are_not_packed_is_refused_naming_the_layer(pool: KV
             return (strides[0] * 2, *strides[1:]) if layer == 1 else strides
 
     nbytes = pool.layer_block_bytes(1)
-    with pytest.raises(Unsupported, match=rf"layer 1 of the KV pool \(shaped .*\) steps {2 * nbytes} bytes .* holds {nbytes}"):
+    expected = rf"layer 1 of the KV pool \(shaped .*\) steps {2 * nbytes} bytes .* holds {nbytes}"
+    with pytest.raises(Unsupported, match=expected):
         HostTier(pool.device, Strided(), 8, BLOCK_SIZE)  # type: ignore[arg-type]
 
 
