@@ -75,7 +75,9 @@ class ModelParts:
         self.lora = AdapterBindings(self.adapters, core)
         self.swap = SwapContext(config, device, memory.kv, memory.ssm, staging=memory.staging, adapters=self.adapters)
         self.events = (
-            KVEventLog(config.block_size, adapter_of=self.lora.adapter_of, salt_of=core.salts.salt_of)
+            KVEventLog(
+                config.block_size, adapter_of=self.lora.adapter_of, salt_of=core.salts.salt_of, groups=core.groups
+            )
             if events else None
         )
         self.tiers: ModelTiers | None = None

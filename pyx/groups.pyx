@@ -212,6 +212,13 @@ cdef class KVGroups:
         self._evlog = log
 
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil:
+        """Scratch for ``blocks`` ids (and hashes, and trimmed ids); 1 when out of memory. A call
+        reserves, before its first change, what every step after it needs, so only that first
+        reserve can fail."""
+        if self.fail_in > 0 and blocks + 1 > self._ids_capacity:
+            self.fail_in -= 1
+            if self.fail_in == 0:
+                return 1  # the growth a test asked to fail (fail_growth)
         if grow_array(<void **>&self._ids, &self._ids_capacity, blocks + 1, sizeof(int32_t)):
             return 1
         if self._evlog is not None and grow_array(
@@ -219,6 +226,17 @@ cdef class KVGroups:
         ):
             return 1
         return grow_array(<void **>&self._trimmed, &self._trimmed_capacity, blocks + 1, sizeof(int32_t))
+
+    cdef void fail_growth(self, Py_ssize_t n) noexcept:
+        """(Tests) drop the scratch, so that the next calls grow it again, and make the ``n``-th of
+        those growths fail as if out of memory (0: none)."""
+        free(self._ids)
+        free(self._trimmed)
+        free(self._hashes)
+        self._ids = self._trimmed = NULL
+        self._hashes = NULL
+        self._ids_capacity = self._trimmed_capacity = self._hashes_capacity = 0
+        self.fail_in = n
 
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
@@ -450,6 +468,9 @@ cdef class KVGroups:
         cdef int32_t *col
         if tokens <= rec.kv_tokens:
             return 0
+        if now > done and self.windowed and self._reserve(rec.num_blocks):
+            f.code = E_NO_MEMORY  # before anything moved: kv_tokens too
+            return -1
         rec.kv_tokens = <int32_t>tokens
         if now <= done or not self.windowed:
             return 0
@@ -460,9 +481,6 @@ cdef class KVGroups:
             high = min(self.first_needed(g, now), <Py_ssize_t>rec.num_blocks)
             if high <= low:
                 continue
-            if self._reserve(high - low):
-                f.code = E_NO_MEMORY
-                return -1
             col = chunk_column(rec.chunk, g)
             count = 0
             for p in range(low, high):
@@ -495,13 +513,11 @@ cdef class KVGroups:
 
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                                  Failure *f) noexcept nogil:
-        """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after)."""
+        """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after);
+        the caller reserved the scratch for ``stop - start`` ids."""
         cdef Py_ssize_t p, count = 0
         cdef int32_t *col = chunk_column(rec.chunk, g)
         if stop <= start:
-            return 0
-        if self._reserve(stop - start):
-            f.code = E_NO_MEMORY
             return 0
         for p in range(start, stop):
             if col[p] >= 0:
@@ -511,8 +527,12 @@ cdef class KVGroups:
         return self._unref(g, count, f)
 
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil:
-        """Drop every reference the record holds in groups 1 .. n - 1 (group 0's: the caller)."""
+        """Drop every reference the record holds in groups 1 .. n - 1 (group 0's: the caller);
+        refused before any goes when out of memory."""
         cdef Py_ssize_t g
+        if self._reserve(rec.num_blocks):
+            f.code = E_NO_MEMORY
+            return -1
         for g in range(1, self.n):
             self._drop_column(rec, g, 0, rec.num_blocks, f)
         return 0 if f.code == OK else -1
@@ -523,15 +543,13 @@ cdef class KVGroups:
         the path ending at node ``v`` held ``[0, pos)``, the new ``leaf`` (-1: none) holds
         ``[pos, full)``. Per group the cache keeps what ``kept`` says (the leaf's other entries
         become -1; holes of the path it extends are filled from the record's blocks) and the
-        record's other references go."""
+        record's other references go. The caller reserved the scratch for ``rec.num_blocks`` ids
+        before it changed anything (group 0's part cannot be undone)."""
         cdef Py_ssize_t g, p, count
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
         cdef RNode *node
-        if self._reserve(rec.num_blocks):
-            f.code = E_NO_MEMORY
-            return -1
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
             count = 0
@@ -832,7 +850,9 @@ cdef class KVGroups:
         ok(&f)
         cdef PyThreadState *released = records.lock.enter(n)
         rec = records.get(handle, &f)
-        if rec != NULL:
+        if rec != NULL and self._reserve(rec.num_blocks):
+            f.code = E_NO_MEMORY  # before the tokens are recorded: release cannot fail after them
+        elif rec != NULL:
             before = rec.num_tokens
             records.append_locked(handle, data, n, &f)
             if f.code == OK:

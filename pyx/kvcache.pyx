@@ -650,6 +650,9 @@ cdef class KVCacheCore:
         cdef Chunk *chunk = rec.chunk
         cdef Chunk *copy
         cdef bint cached = cache and self._enabled and not rec.failed
+        if self._grouped and self._groups._reserve(rec.num_blocks):
+            f.code = E_NO_MEMORY  # the groups' part below must not fail once group 0's is done
+            return -1
         tip = rec.pin_node if self._enabled and not rec.failed else -1  # the request's cached path
         if cached:
             full = min(<Py_ssize_t>rec.num_tokens // bs, <Py_ssize_t>rec.num_blocks)
@@ -793,15 +796,19 @@ cdef class KVCacheCore:
         cdef SeqRec *rec
         cdef int32_t pin = -1
         cdef Py_ssize_t freed0 = 0, trimmed = 0
+        cdef Chunk *fresh
         ok(&f)
         released = self._lock.enter(LONG_CALL)
-        if self._grouped:
-            rec = self._records.get(h, &f)
-            if rec != NULL:
-                pin = rec.pin_node
-                self._groups.release_all(rec, &f)
-            ok(&f)  # clear_locked says what was wrong
-        self._counters.blocks_freed += self._records.clear_locked(h, &f)
+        rec = self._records.get(h, &f)
+        if rec != NULL:
+            pin = rec.pin_node
+            # What can be refused is asked for before any reference goes.
+            fresh = self._records.unshared(rec, &f)
+            if f.code == OK and self._grouped and self._groups.release_all(rec, &f):
+                if fresh != NULL:
+                    chunk_decref(self._trie._chunk_cache(), fresh)
+            elif f.code == OK:
+                self._counters.blocks_freed += self._records.clear_record(rec, fresh, &f)
         if self._grouped and pin >= 0 and f.code == OK:
             self._groups.settle_leaf(self._trie, pin, &freed0, &trimmed, &f)  # see _finish_locked
         self._lock.leave(released)
@@ -1234,6 +1241,8 @@ cdef class KVCacheCore:
                 if self._pool._num_free < need:
                     self.evict_locked(need - self._pool._num_free, f)
                     if f.code != OK:
+                        if self._grouped:
+                            self._groups.ungrow(rec, rec.num_blocks, rec.num_blocks + need, self._groups.n)
                         return num_refused
                 if not self._pool._allocate_locked(rec.chunk.blocks + rec.num_blocks, need):
                     if self._grouped:
@@ -1679,6 +1688,14 @@ cdef class KVCacheCore:
             raise InvariantViolation(problem)
 
     # -- KV cache groups ------------------------------------------------------------------------------
+
+    def _fail_growth(self, groups=0, chunks=0):
+        """(Tests only) make the ``groups``-th growth of the groups' scratch from now fail (their
+        scratch dropped first, so the next calls grow it again) and the ``chunks``-th growth of a
+        record's chunk, as if the host were out of memory; 0: none."""
+        if self._grouped:
+            self._groups.fail_growth(_as_count(groups, "groups", 0, INT32_MAX))
+        self._trie._chunk_cache().fail_in = _as_count(chunks, "chunks", 0, INT32_MAX)
 
     cdef Py_ssize_t _ngroups(self) noexcept:
         return self._groups.n if self._grouped else 1

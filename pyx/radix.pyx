@@ -151,13 +151,22 @@ cdef void _chunk_cache_clear(ChunkCache *cache) noexcept nogil:
     cache.bytes = 0
 
 
+cdef inline bint _growth_fails(ChunkCache *cache) noexcept nogil:
+    """(Tests) whether this growth is the one ``KVCacheCore._fail_growth`` asked to fail."""
+    if cache.fail_in <= 0:
+        return False
+    cache.fail_in -= 1
+    return cache.fail_in == 0
+
+
 cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
     """Room for ``blocks`` block ids and ``tokens`` token ids, growing geometrically (to a size
-    class where one fits); 1 when out of memory. Only for a chunk nobody but its record holds
-    (refs == 1): its arrays may move."""
+    class where one fits); 1 when out of memory, the chunk then still whole (an array that grew
+    keeps its room). Only for a chunk nobody but its record holds (refs == 1): its arrays may move."""
     cdef Py_ssize_t capacity, size_class
     cdef int32_t *grown
     cdef uint64_t *hashes
+    cdef int failed = 0
     if tokens > chunk.token_capacity:
         capacity = max(tokens, 2 * <Py_ssize_t>chunk.token_capacity)
         size_class = _class_of(capacity)
@@ -165,7 +174,7 @@ cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ss
             capacity = _class_tokens(size_class)
         if capacity > INT32_MAX:
             return 1
-        grown = <int32_t *>realloc(chunk.tokens, capacity * sizeof(int32_t))
+        grown = NULL if _growth_fails(cache) else <int32_t *>realloc(chunk.tokens, capacity * sizeof(int32_t))
         if grown == NULL:
             return 1
         chunk.tokens = grown
@@ -174,20 +183,28 @@ cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ss
     elif blocks > chunk.block_capacity:
         blocks = max(blocks, 2 * <Py_ssize_t>chunk.block_capacity)
     if blocks > chunk.block_capacity:
+        # The hashes first: the block columns move within their array once it grew, so nothing
+        # may fail after that.
         if blocks > INT32_MAX:
-            return 1
-        grown = <int32_t *>realloc(chunk.blocks, blocks * cache.num_groups * sizeof(int32_t))
-        if grown == NULL:
-            return 1
-        chunk.blocks = grown
-        if cache.num_groups > 1:
-            _spread_columns(grown, chunk.block_capacity, blocks, cache.num_groups)
-        if chunk.hashes != NULL:
-            hashes = <uint64_t *>realloc(chunk.hashes, blocks * sizeof(uint64_t))
+            failed = 1
+        elif chunk.hashes != NULL:
+            hashes = NULL if _growth_fails(cache) else <uint64_t *>realloc(chunk.hashes, blocks * sizeof(uint64_t))
             if hashes == NULL:
-                return 1
-            chunk.hashes = hashes
-        chunk.block_capacity = <int32_t>blocks
+                failed = 1
+            else:
+                chunk.hashes = hashes
+        if not failed:
+            grown = (
+                NULL if _growth_fails(cache)
+                else <int32_t *>realloc(chunk.blocks, blocks * cache.num_groups * sizeof(int32_t))
+            )
+            if grown == NULL:
+                failed = 1
+            else:
+                chunk.blocks = grown
+                if cache.num_groups > 1:
+                    _spread_columns(grown, chunk.block_capacity, blocks, cache.num_groups)
+                chunk.block_capacity = <int32_t>blocks
     size_class = _class_of(chunk.token_capacity)
     if (
         size_class < CHUNK_CLASSES
@@ -197,7 +214,7 @@ cdef int chunk_reserve(ChunkCache *cache, Chunk *chunk, Py_ssize_t blocks, Py_ss
         chunk.size_class = <int32_t>size_class
     else:
         chunk.size_class = -1
-    return 0
+    return failed
 
 
 cdef inline void _spread_columns(int32_t *blocks, Py_ssize_t old, Py_ssize_t new, Py_ssize_t groups) noexcept nogil:

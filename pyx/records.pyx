@@ -21,7 +21,7 @@ from libc.string cimport memcpy
 
 from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash
 from lifecycle._int32 cimport empty_int32 as _empty_int32, first_negative as _first_negative, token_vector
-from lifecycle._radix cimport RNode, chunk_decref, chunk_new, chunk_reserve
+from lifecycle._radix cimport RNode, chunk_column, chunk_decref, chunk_new, chunk_reserve
 from lifecycle._sync cimport NOGIL_MIN_WORK, PyThreadState
 
 import enum
@@ -186,39 +186,41 @@ cdef class Records:
         self.closed = True
         return blocks
 
-    cdef Py_ssize_t clear_locked(self, int64_t handle, Failure *f) noexcept nogil:
-        """Take a record back to how ``open`` left it (keeping its adapter): its pin, block
-        references and tokens go; how many blocks became free."""
-        cdef SeqRec *rec = self.get(handle, f)
+    cdef Chunk *unshared(self, SeqRec *rec, Failure *f) noexcept nogil:
+        """The fresh chunk ``clear_record`` moves the record to when trie nodes hold runs of its
+        chunk (its next tokens and blocks must not be written over them), else NULL; with
+        ``f`` set when out of memory."""
         cdef Chunk *fresh = NULL
-        cdef Py_ssize_t freed = 0
-        if rec != NULL and rec.chunk.refs > 1:
-            # Trie nodes hold runs of this chunk: the record's next tokens and blocks must not
-            # be written over them.
+        if rec.chunk.refs > 1:
             fresh = chunk_new(self.trie._chunk_cache(), rec.chunk.block_capacity, rec.chunk.token_capacity)
             if fresh == NULL:
                 f.code = E_NO_MEMORY
-                rec = NULL
-        if rec != NULL:
-            if rec.pin_node >= 0:
-                self.trie._unpin(rec.pin_node)
-            freed = self.pool._dec_ref_locked(rec.chunk.blocks, rec.num_blocks, &f.batch)
-            if f.batch.failed_at >= 0:
-                f.code = E_INVARIANT
-            rec.pin_node = -1
-            rec.pin_blocks = 0
-            rec.num_blocks = 0
-            rec.num_tokens = 0
-            rec.prompt_len = 0
-            rec.cached_tokens = 0
-            rec.lazy_tokens = 0
-            rec.ssm_tokens = -1
-            rec.kv_tokens = 0
-            if fresh != NULL:
-                chunk_decref(self.trie._chunk_cache(), rec.chunk)
-                rec.chunk = fresh
-            else:
-                rec.chunk.num_hashed = 0  # the hashes were those of the old tokens
+        return fresh
+
+    cdef Py_ssize_t clear_record(self, SeqRec *rec, Chunk *fresh, Failure *f) noexcept nogil:
+        """Take a record back to how ``open`` left it (keeping its adapter): its pin, group 0's
+        block references and tokens go, its chunk becomes ``fresh`` (``unshared``) unless NULL;
+        how many blocks became free."""
+        cdef Py_ssize_t freed
+        if rec.pin_node >= 0:
+            self.trie._unpin(rec.pin_node)
+        freed = self.pool._dec_ref_locked(rec.chunk.blocks, rec.num_blocks, &f.batch)
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
+        rec.pin_node = -1
+        rec.pin_blocks = 0
+        rec.num_blocks = 0
+        rec.num_tokens = 0
+        rec.prompt_len = 0
+        rec.cached_tokens = 0
+        rec.lazy_tokens = 0
+        rec.ssm_tokens = -1
+        rec.kv_tokens = 0
+        if fresh != NULL:
+            chunk_decref(self.trie._chunk_cache(), rec.chunk)
+            rec.chunk = fresh
+        else:
+            rec.chunk.num_hashed = 0  # the hashes were those of the old tokens
         return freed
 
     cdef int reserve(self, SeqRec *rec, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil:
@@ -227,6 +229,7 @@ cdef class Records:
         cdef Chunk *old = rec.chunk
         cdef Chunk *chunk
         cdef ChunkCache *chunks = self.trie._chunk_cache()
+        cdef Py_ssize_t g
         if blocks <= old.block_capacity and tokens <= old.token_capacity:
             return 0
         if old.refs == 1:
@@ -242,7 +245,8 @@ cdef class Records:
             chunk.tokens + rec.lazy_tokens, old.tokens + rec.lazy_tokens,
             (rec.num_tokens - rec.lazy_tokens) * sizeof(int32_t),
         )
-        memcpy(chunk.blocks, old.blocks, rec.num_blocks * sizeof(int32_t))
+        for g in range(chunks.num_groups):
+            memcpy(chunk_column(chunk, g), chunk_column(old, g), rec.num_blocks * sizeof(int32_t))
         if old.num_hashed:
             chunk.hashes = <uint64_t *>malloc(chunk.block_capacity * sizeof(uint64_t))
             if chunk.hashes == NULL:

@@ -258,10 +258,9 @@ def test_a_batch_without_a_rank_still_sends_three_elements() -> None:
     assert raw == [2.0, [], None]
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="the vLLM peer environment (bench/.venv-peers/vllm) is absent")
-def test_vllm_own_classes_decode_our_bytes_and_reencode_them_identically(tmp_path: Path) -> None:
-    log = [stored_entry([TOP_HASH, 8], parent=6, adapter_key=1), ("removed", [TOP_HASH, 3]), ("cleared",)]
-    payload = encode_batch(translator(adapter_of=lambda key: (41, "chat")).batch(log, data_parallel_rank=0))
+def vllm_decoded(tmp_path: Path, payload: bytes) -> dict[str, Any]:
+    """``payload`` decoded by vLLM's own ``KVEventBatch`` in the peers' vLLM environment: whether it
+    re-encodes to the same bytes, its stamp, rank and events (name, fields)."""
     (tmp_path / "batch.msgpack").write_bytes(payload)
     script = (
         "import json, sys, msgspec\n"
@@ -275,13 +274,106 @@ def test_vllm_own_classes_decode_our_bytes_and_reencode_them_identically(tmp_pat
     result = subprocess.run([str(VLLM_PYTHON), "-c", script, str(tmp_path / "batch.msgpack")], capture_output=True,
                             text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    decoded: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return decoded
+
+
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason="the vLLM peer environment (bench/.venv-peers/vllm) is absent"
+)
+
+
+@needs_vllm
+def test_vllm_own_classes_decode_our_bytes_and_reencode_them_identically(tmp_path: Path) -> None:
+    log = [stored_entry([TOP_HASH, 8], parent=6, adapter_key=1), ("removed", [TOP_HASH, 3]), ("cleared",)]
+    payload = encode_batch(translator(adapter_of=lambda key: (41, "chat")).batch(log, data_parallel_rank=0))
+    seen = vllm_decoded(tmp_path, payload)
     assert seen["same_bytes"] and (seen["ts"], seen["rank"]) == (123.25, 0)
     assert [name for name, _ in seen["events"]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     stored, removed = seen["events"][0][1], seen["events"][1][1]
     assert stored["block_hashes"] == [TOP_HASH, 8] and stored["parent_block_hash"] == 6
     assert (stored["lora_id"], stored["lora_name"], stored["medium"]) == (41, "chat", "GPU")
     assert removed["block_hashes"] == [TOP_HASH, 3]
+
+
+def grouped_core_batch(kind: str, window: int) -> tuple[KVEventBatch, tuple[Any, ...]]:
+    """The events of a core of a full group and one ``kind`` group of ``window`` tokens that cached
+    one request of 4 blocks and evicted it, translated with the core's groups; and its groups."""
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._kvcache import KVCacheCore
+
+    core = KVCacheCore(BlockPool(16), BLOCK_SIZE, groups=[(kind, window, 0, BlockPool(16))], retention_interval=0,
+                       events=True)
+    core.finish(core.admit(list(range(4 * BLOCK_SIZE)), 4))
+    core.evict(4)
+    events = translator(groups=core.groups).events(core.take_events())
+    return KVEventBatch(ts=123.25, events=tuple(events)), core.groups
+
+
+@pytest.mark.parametrize(("kind", "window", "spec"), [
+    ("sliding_window", 8, ("sliding_window", 8)), ("chunked_local", 12, ("chunked_local_attention", None)),
+])
+def test_a_groups_stored_events_name_its_spec_as_vllm_does(kind: str, window: int, spec: tuple[Any, ...]) -> None:
+    batch, _ = grouped_core_batch(kind, window)
+    stored = [e for e in batch.events if isinstance(e, BlockStored)]
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored] == [
+        (None, None, None), (1, *spec),
+    ]
+    removed = [e for e in batch.events if isinstance(e, BlockRemoved)]
+    assert {e.group_idx for e in removed} == {None, 1}
+
+
+def test_without_the_cores_groups_a_groups_events_carry_the_index_alone() -> None:
+    entry = (*stored_entry([5]), 1)
+    (event,) = translator().events([entry])
+    assert isinstance(event, BlockStored)
+    assert (event.group_idx, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (1, None, None)
+
+
+def test_an_entry_of_a_group_the_core_does_not_have_is_malformed() -> None:
+    groups = (("full", 0, 0), ("sliding_window", 8, 0))
+    with pytest.raises(MalformedEvent, match="KV cache group 2 does not exist; the core has 2"):
+        translator(groups=groups).events([(*stored_entry([5]), 2)])
+    with pytest.raises(MalformedEvent, match="KV cache group 3 does not exist"):
+        translator(groups=groups).events([("removed", np.array([5], dtype=np.uint64), 3)])
+
+
+def test_a_group_of_an_unknown_kind_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"groups\[1\] has kind 'ring'"):
+        KVEventTranslator(BLOCK_SIZE, groups=(("full", 0, 0), ("ring", 8, 0)))
+
+
+def test_a_models_events_name_each_groups_spec() -> None:
+    from lifecycle.config import AttentionLayer, ModelConfig, SlidingWindowLayer
+    from lifecycle.model import HybridModel
+
+    config = ModelConfig(
+        layers=(AttentionLayer(num_kv_heads=1, head_dim=4), SlidingWindowLayer(num_kv_heads=1, head_dim=4, window=8)),
+        block_size=BLOCK_SIZE, num_blocks=(16, 16), max_model_len=64,
+    )
+    model = HybridModel(config, "host", events=True)
+    try:
+        seq = model.alloc_sequence_for(4 * BLOCK_SIZE + 1)
+        model.attach_prefix(seq, list(range(4 * BLOCK_SIZE)), grow_to=4 * BLOCK_SIZE)
+        model.finish_sequence(seq)
+        stored = [e for e in model.take_events().events if isinstance(e, BlockStored)]
+        assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored} == {
+            (None, None, None), (1, "sliding_window", 8),
+        }
+    finally:
+        model.teardown()
+
+
+@needs_vllm
+def test_vllm_own_classes_read_a_groups_spec_kind(tmp_path: Path) -> None:
+    batch, _ = grouped_core_batch("sliding_window", 8)
+    seen = vllm_decoded(tmp_path, encode_batch(batch))
+    assert seen["same_bytes"]
+    stored = [fields for name, fields in seen["events"] if name == "BlockStored"]
+    assert [(e.get("group_idx"), e.get("kv_cache_spec_kind"), e.get("kv_cache_spec_sliding_window"))
+            for e in stored] == [(None, None, None), (1, "sliding_window", 8)]
+    removed = [fields for name, fields in seen["events"] if name == "BlockRemoved"]
+    assert sorted(e.get("group_idx") or 0 for e in removed) == [0, 1]
 
 
 # === the ZeroMQ publisher ================================================================================

@@ -78,6 +78,35 @@ def test_past_its_capacity_the_oldest_entry_goes() -> None:
     assert salts.salt_of(102) == "s2" and salts.salt_of(103) == "s3"
 
 
+def test_past_its_capacity_a_salt_read_since_outlives_a_stale_one() -> None:
+    salts = SaltMap(2)
+    salts.add(101, 1, "s1")
+    salts.add(102, 2, "s2")
+    assert salts.salt_of(101) == "s1"       # an event names 101's salt: in use
+    salts.add(103, 3, "s3")
+    assert salts.salt_of(102) is None
+    assert salts.salt_of(101) == "s1" and salts.base_of(103) == 3
+
+
+def test_past_its_capacity_a_salt_handed_out_again_outlives_a_stale_one() -> None:
+    salts = SaltMap(2)
+    salts.add(101, 1, "s1")
+    salts.add(102, 2, "s2")
+    salts.add(101, 1, "s1")                 # a new request under the same salt
+    salts.add(103, 3, "s3")
+    assert salts.base_of(102) == 102 and salts.salt_of(102) is None
+    assert salts.base_of(101) == 1 and len(salts) == 2
+
+
+def test_a_salt_in_use_survives_a_stream_of_one_off_salts_past_the_capacity() -> None:
+    salts = SaltMap(64)
+    salts.add(1, 0, "tenant")
+    for key in range(2, 2 + 10 * 64):
+        salts.add(key, 0, f"once-{key}")
+        assert salts.salt_of(1) == "tenant"
+    assert len(salts) == 64 and salts.salt_of(2) is None
+
+
 def test_a_capacity_below_one_is_refused() -> None:
     with pytest.raises(ConfigError, match="capacity=0"):
         SaltMap(0)

@@ -16,11 +16,11 @@ from devices import device, live_allocations, read_device, write_device  # noqa:
 
 from event_index import EventIndex
 from model_fixtures import models  # noqa: F401
-from lifecycle.config import AttentionLayer, ModelConfig, SSMLayer
+from lifecycle.config import AttentionLayer, IndexerLayer, MLALayer, ModelConfig, SSMLayer
 from lifecycle.device.allocations import CopyArray
 from lifecycle.device.base import Copy, Device
 from lifecycle.device.host import HostDevice, physical_memory_bytes
-from lifecycle.errors import BlockIdOutOfRange, ConfigError, DeviceError, InvalidId, TornDown
+from lifecycle.errors import BlockIdOutOfRange, ConfigError, DeviceError, InvalidId, TornDown, Unsupported
 from lifecycle.events import AllBlocksCleared, BlockStored, KVEvent
 from lifecycle.model import HybridModel
 from lifecycle.pools import KVPool
@@ -133,6 +133,74 @@ def test_promote_copies_every_layer_of_the_demoted_blocks(tier: HostTier, pool: 
     tier.demote([11, 12], [0, 5], tokens_of(0, 5))
     tier.promote([11, 12], [9, 3], tokens_of(0, 5))
     assert [block_bytes(dev, pool, block) for block in (9, 3)] == expected
+
+
+# DeepSeek-V3.2's one full group: MLA latent rows and indexer pages, each of its own bytes per block.
+MLA_CONFIG = ModelConfig(
+    layers=(
+        MLALayer(kv_lora_rank=16, qk_rope_head_dim=4), IndexerLayer(head_dim=8),
+        MLALayer(kv_lora_rank=8, qk_rope_head_dim=4, dtype="float32"),
+    ),
+    block_size=BLOCK_SIZE,
+    num_blocks=NUM_BLOCKS,
+)
+
+
+def test_an_mla_and_indexer_pools_blocks_round_trip_through_the_tier(device: Device) -> None:  # noqa: F811
+    pool = KVPool(device, MLA_CONFIG)
+    try:
+        assert len({pool.layer_block_bytes(layer) for layer in range(pool.num_layers)}) == 3
+        fill_pool(device, pool, seed=3)
+        tier = make_tier(pool)
+        try:
+            sent = [block_bytes(device, pool, block) for block in (2, 5)]
+            tier.demote([21, 22], [2, 5], tokens_of(2, 5))
+            fill_pool(device, pool, seed=4)  # other bytes everywhere: only the promote can bring them back
+            tier.promote([21, 22], [9, 0], tokens_of(2, 5))
+            assert [block_bytes(device, pool, block) for block in (9, 0)] == sent
+            tier.check_invariants()
+        finally:
+            tier.close()
+    finally:
+        pool.release()
+
+
+def test_an_mla_models_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(
+    models: list[HybridModel],  # noqa: F811
+) -> None:
+    model = HybridModel(MLA_CONFIG, "host", host_tier_blocks=8)
+    models.append(model)
+    pool, dev = model.kv_pool, model.device
+    assert pool is not None
+    prompt = list(range(3 * BLOCK_SIZE + 1))
+    seq = model.alloc_sequence_for(len(prompt) + 1)
+    model.attach_prefix(seq, prompt, grow_to=len(prompt))
+    fill_pool(dev, pool, seed=5)
+    sent = [block_bytes(dev, pool, int(block)) for block in seq.block_table[:3]]
+    model.finish_sequence(seq)
+    model.reclaim_prefix_blocks(NUM_BLOCKS)  # the cached blocks go to the host tier
+    assert model.core.num_cached_blocks == 0
+    fill_pool(dev, pool, seed=6)
+    again = model.alloc_sequence_for(len(prompt) + 1)
+    assert model.attach_prefix(again, prompt, grow_to=len(prompt)) == 3 * BLOCK_SIZE
+    assert [block_bytes(dev, pool, int(block)) for block in again.block_table[:3]] == sent
+    model.free_sequence(again)
+    model.check_invariants()
+
+
+def test_a_pool_whose_blocks_are_not_packed_is_refused_naming_the_layer(pool: KVPool) -> None:
+    class Strided:  # a KV pool's face with room between blocks
+        def __getattr__(self, name: str) -> object:
+            return getattr(pool, name)
+
+        def layer_strides(self, layer: int) -> tuple[int, ...]:
+            strides = pool.layer_strides(layer)
+            return (strides[0] * 2, *strides[1:]) if layer == 1 else strides
+
+    nbytes = pool.layer_block_bytes(1)
+    expected = rf"layer 1 of the KV pool \(shaped .*\) steps {2 * nbytes} bytes .* holds {nbytes}"
+    with pytest.raises(Unsupported, match=expected):
+        HostTier(pool.device, Strided(), 8, BLOCK_SIZE)  # type: ignore[arg-type]
 
 
 def test_demote_has_copied_before_it_returns(tier: HostTier, pool: KVPool) -> None:

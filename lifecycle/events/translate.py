@@ -30,6 +30,24 @@ __all__ = ["KVEventLog", "KVEventTranslator", "raw_entries"]
 _UINT64_LIMIT = 1 << 64
 
 
+#: vLLM's ``KVCacheSpecKind`` value of each kind of KV cache group (``KVCacheCore.groups``).
+SPEC_KINDS = {"full": "full_attention", "sliding_window": "sliding_window", "chunked_local": "chunked_local_attention"}
+
+
+def _group_specs(groups: Sequence[tuple[str, int, int]] | None) -> tuple[tuple[str, int | None], ...]:
+    """Per group, vLLM's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` (a sliding
+    window's tokens, else None) of ``KVCacheCore.groups``-shaped rules."""
+    specs = []
+    for index, group in enumerate(groups or ()):
+        kind, window = group[0], group[1]
+        if kind not in SPEC_KINDS:
+            raise ConfigError(
+                f"KVEventTranslator: groups[{index}] has kind {kind!r}, not one of {', '.join(SPEC_KINDS)}"
+            )
+        specs.append((SPEC_KINDS[kind], window if kind == "sliding_window" else None))
+    return tuple(specs)
+
+
 def _no_adapter(adapter_key: int) -> tuple[int, str] | None:
     return None
 
@@ -103,9 +121,13 @@ class KVEventTranslator:
     it was salted with (vLLM puts a request's ``cache_salt`` in the ``extra_keys`` of its first
     block, and so does this translator, for a store that starts a sequence); ``medium`` is the tier
     the core's blocks live in (:data:`MEDIUM_GPU`: the KV pool); ``clock`` stamps each batch.
+    ``groups``: the core's KV cache groups (``KVCacheCore.groups``): a ``BlockStored`` of a group
+    past 0 then names the group's spec as vLLM does (``kv_cache_spec_kind``, and
+    ``kv_cache_spec_sliding_window`` for a sliding window), and an entry of a group the core does
+    not have is malformed.
     """
 
-    __slots__ = ("_adapter_of", "_block_size", "_clock", "_medium", "_salt_of")
+    __slots__ = ("_adapter_of", "_block_size", "_clock", "_groups", "_medium", "_salt_of")
 
     def __init__(
         self,
@@ -115,9 +137,11 @@ class KVEventTranslator:
         salt_of: SaltLookup | None = None,
         medium: str | None = MEDIUM_GPU,
         clock: Callable[[], float] = time.time,
+        groups: Sequence[tuple[str, int, int]] | None = None,
     ) -> None:
         if type(block_size) is not int or block_size < 1:
             raise ConfigError(f"KVEventTranslator: block_size={block_size!r} must be an int >= 1")
+        self._groups = _group_specs(groups)
         self._block_size = block_size
         self._adapter_of = adapter_of or _no_adapter
         self._salt_of = salt_of or _no_salt
@@ -190,16 +214,31 @@ class KVEventTranslator:
         what = f"raw event {index} ({kind!r})"
         if kind == "stored" and len(entry) in (5, 6):
             stored = self._stored(what, entry[1], entry[2], entry[3], entry[4])
-            return stored if len(entry) == 5 else dataclasses.replace(stored, group_idx=_group(what, entry[5]))
+            if len(entry) == 5:
+                return stored
+            group = self._group(what, entry[5])
+            if not self._groups:
+                return dataclasses.replace(stored, group_idx=group)
+            spec_kind, window = self._groups[group]
+            return dataclasses.replace(
+                stored, group_idx=group, kv_cache_spec_kind=spec_kind, kv_cache_spec_sliding_window=window
+            )
         if kind == "removed" and len(entry) in (2, 3):
-            group = _group(what, entry[2]) if len(entry) == 3 else None
-            return BlockRemoved(block_hashes=_hashes(what, entry[1]), medium=self._medium, group_idx=group)
+            removed_group = self._group(what, entry[2]) if len(entry) == 3 else None
+            return BlockRemoved(block_hashes=_hashes(what, entry[1]), medium=self._medium, group_idx=removed_group)
         if kind == "cleared" and len(entry) == 1:
             return AllBlocksCleared()
         raise MalformedEvent(
             f"raw event {index} is {entry!r}; expected ('stored', hashes, parent_hash, tokens, adapter_key[, group]), "
             "('removed', hashes[, group]) or ('cleared',)"
         )
+
+    def _group(self, what: str, group: object) -> int:
+        """A raw entry's group index: an int >= 0, and one of the core's groups when they are known."""
+        index = _group(what, group)
+        if self._groups and index >= len(self._groups):
+            raise MalformedEvent(f"{what}: KV cache group {index} does not exist; the core has {len(self._groups)}")
+        return index
 
     def __repr__(self) -> str:
         return f"KVEventTranslator(block_size={self._block_size}, medium={self._medium!r})"
@@ -210,15 +249,20 @@ class KVEventLog:
     (the KV pool's, :data:`MEDIUM_GPU`) read straight from its log, and a tier's (:data:`MEDIUM_CPU`)
     as the tier reports them. It remembers the cache key of each block published under a key other
     than 0 (an adapter's or a salt's), per tier: what a demoted block's store event names, and what
-    a retired adapter generation's removals are recognised by."""
+    a retired adapter generation's removals are recognised by. ``groups``: the core's KV cache
+    groups, as :class:`KVEventTranslator` takes them for the pool's events."""
 
     __slots__ = ("_events", "_keys", "_retired", "_translators")
 
     def __init__(
-        self, block_size: int, *, adapter_of: AdapterLookup | None = None, salt_of: SaltLookup | None = None
+        self, block_size: int, *, adapter_of: AdapterLookup | None = None, salt_of: SaltLookup | None = None,
+        groups: Sequence[tuple[str, int, int]] | None = None,
     ) -> None:
         self._translators = {
-            medium: KVEventTranslator(block_size, adapter_of=adapter_of, salt_of=salt_of, medium=medium)
+            medium: KVEventTranslator(
+                block_size, adapter_of=adapter_of, salt_of=salt_of, medium=medium,
+                groups=groups if medium == MEDIUM_GPU else None,  # the tiers hold group 0's blocks only
+            )
             for medium in (MEDIUM_GPU, MEDIUM_CPU)
         }
         self._events: list[KVEvent] = []

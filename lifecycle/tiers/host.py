@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from lifecycle.device.base import Device
 from lifecycle.device.host import physical_memory_bytes
-from lifecycle.errors import BlockIdOutOfRange, ConfigError, InvalidId, InvariantViolation, TornDown
+from lifecycle.errors import BlockIdOutOfRange, ConfigError, InvalidId, InvariantViolation, TornDown, Unsupported
 from lifecycle.pools import KVPool
 from lifecycle.tiers._args import (
     HashesLike, KeyLike, KeysLike, chained_parents, content_hashes, tier_key, tier_keys, token_blocks,
@@ -109,6 +109,14 @@ class HostTier:
         if kv_pool.num_layers == 0 or kv_pool.num_blocks == 0:
             raise ConfigError("HostTier: the KV pool has no attention layer or no block: nothing to keep")
         layer_bytes = [kv_pool.layer_block_bytes(layer) for layer in range(kv_pool.num_layers)]
+        for layer, nbytes in enumerate(layer_bytes):
+            # A slot holds each layer's block as the bytes from its address on: blocks packed.
+            stride = kv_pool.layer_strides(layer)[0]
+            if stride != nbytes:
+                raise Unsupported(
+                    f"HostTier: layer {layer} of the KV pool (shaped {kv_pool.layer_shape(layer)}) steps "
+                    f"{stride} bytes from block to block, a block holds {nbytes}: the tier copies packed blocks"
+                )
         slot_bytes = sum(layer_bytes)
         total = capacity_blocks * slot_bytes
         memory = physical_memory_bytes()

@@ -55,6 +55,7 @@ cdef class KVGroups:
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
     cdef readonly bint shared       # every group takes its ids from group 0's pool (one id space, vLLM's)
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
+    cdef Py_ssize_t fail_in         # (tests) the fail_in-th growth of the scratch from now fails (0: none)
     cdef int32_t pad                # what a decode step writes where a window released a block (the null block, or -1)
 
     cdef inline BlockPool pool_of(self, Py_ssize_t g):
@@ -96,6 +97,7 @@ cdef class KVGroups:
     # (lock held)
     cdef void log_to(self, EventLog log) noexcept
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil
+    cdef void fail_growth(self, Py_ssize_t n) noexcept
     cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                         Py_ssize_t end) noexcept nogil

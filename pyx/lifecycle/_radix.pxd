@@ -35,6 +35,7 @@ cdef struct ChunkCache:
     Py_ssize_t bytes
     Py_ssize_t block_size
     Py_ssize_t num_groups      # block id columns per chunk (KV cache groups), 1 without groups
+    Py_ssize_t fail_in         # (tests) the fail_in-th growth of a chunk from now fails (0: none)
 
 
 # One node: a run of ``length`` whole blocks starting at block ``start`` of its chunk. A root

@@ -184,7 +184,8 @@ cdef class Records:
     cdef void withdraw(self) noexcept nogil
     cdef Py_ssize_t close_all(self) noexcept nogil
     cdef int reserve(self, SeqRec *rec, Py_ssize_t blocks, Py_ssize_t tokens) noexcept nogil
-    cdef Py_ssize_t clear_locked(self, int64_t handle, Failure *f) noexcept nogil
+    cdef Chunk *unshared(self, SeqRec *rec, Failure *f) noexcept nogil
+    cdef Py_ssize_t clear_record(self, SeqRec *rec, Chunk *fresh, Failure *f) noexcept nogil
     cdef void append_locked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Failure *f) noexcept nogil
     cdef Py_ssize_t check_step(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, Py_ssize_t num_tok, const int32_t *cnt,

@@ -213,6 +213,7 @@ class KVCacheCore:
     @property
     def retention_interval(self) -> int:
         """Tokens between checkpoints (0: none, or one group)."""
+    def _fail_growth(self, groups: int = 0, chunks: int = 0) -> None: ...
     def group_stats(self) -> list[dict[str, Any]]:
         """Per group, group 0 first: ``group``, ``kind``, ``window``, ``sink_tokens``, ``num_blocks``,
         ``num_free``, ``num_cached``, ``blocks_allocated``, ``blocks_freed``, ``blocks_released``,
