@@ -317,10 +317,21 @@ def test_a_groups_stored_events_name_its_spec_as_vllm_does(kind: str, window: in
     batch, _ = grouped_core_batch(kind, window)
     stored = [e for e in batch.events if isinstance(e, BlockStored)]
     assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored] == [
-        (None, None, None), (1, *spec),
+        (0, "full_attention", None), (1, *spec),
     ]
     removed = [e for e in batch.events if isinstance(e, BlockRemoved)]
-    assert {e.group_idx for e in removed} == {None, 1}
+    assert {e.group_idx for e in removed} == {0, 1}
+
+
+def test_a_one_group_cores_events_carry_no_group() -> None:
+    from lifecycle._blockpool import BlockPool
+    from lifecycle._kvcache import KVCacheCore
+
+    core = KVCacheCore(BlockPool(16), BLOCK_SIZE, events=True)
+    core.finish(core.admit(list(range(4 * BLOCK_SIZE)), 4))
+    core.evict(4)
+    events = translator(groups=core.groups).events(core.take_events())
+    assert {(type(e).__name__, e.group_idx) for e in events} == {("BlockStored", None), ("BlockRemoved", None)}
 
 
 def test_without_the_cores_groups_a_groups_events_carry_the_index_alone() -> None:
@@ -358,7 +369,7 @@ def test_a_models_events_name_each_groups_spec() -> None:
         model.finish_sequence(seq)
         stored = [e for e in model.take_events().events if isinstance(e, BlockStored)]
         assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored} == {
-            (None, None, None), (1, "sliding_window", 8),
+            (0, "full_attention", None), (1, "sliding_window", 8),
         }
     finally:
         model.teardown()
@@ -371,9 +382,9 @@ def test_vllm_own_classes_read_a_groups_spec_kind(tmp_path: Path) -> None:
     assert seen["same_bytes"]
     stored = [fields for name, fields in seen["events"] if name == "BlockStored"]
     assert [(e.get("group_idx"), e.get("kv_cache_spec_kind"), e.get("kv_cache_spec_sliding_window"))
-            for e in stored] == [(None, None, None), (1, "sliding_window", 8)]
+            for e in stored] == [(0, "full_attention", None), (1, "sliding_window", 8)]
     removed = [fields for name, fields in seen["events"] if name == "BlockRemoved"]
-    assert sorted(e.get("group_idx") or 0 for e in removed) == [0, 1]
+    assert sorted(e.get("group_idx") for e in removed) == [0, 1]
 
 
 # === the ZeroMQ publisher ================================================================================

@@ -121,10 +121,11 @@ class KVEventTranslator:
     it was salted with (vLLM puts a request's ``cache_salt`` in the ``extra_keys`` of its first
     block, and so does this translator, for a store that starts a sequence); ``medium`` is the tier
     the core's blocks live in (:data:`MEDIUM_GPU`: the KV pool); ``clock`` stamps each batch.
-    ``groups``: the core's KV cache groups (``KVCacheCore.groups``): a ``BlockStored`` of a group
-    past 0 then names the group's spec as vLLM does (``kv_cache_spec_kind``, and
-    ``kv_cache_spec_sliding_window`` for a sliding window), and an entry of a group the core does
-    not have is malformed.
+    ``groups``: the core's KV cache groups (``KVCacheCore.groups``): on a core of several groups
+    every event names its group (``group_idx``, group 0 included) and a ``BlockStored`` its
+    group's spec as vLLM does (``kv_cache_spec_kind``, and ``kv_cache_spec_sliding_window`` for a
+    sliding window); a one-group core's events carry no group, as before; an entry of a group the
+    core does not have is malformed.
     """
 
     __slots__ = ("_adapter_of", "_block_size", "_clock", "_groups", "_medium", "_salt_of")
@@ -173,7 +174,17 @@ class KVEventTranslator:
         block's parent is the one before it, the first's ``parent_block_hash``, None at the start
         of a sequence), computed under cache key ``adapter_key``, in this translator's tier. A
         malformed argument raises :class:`~lifecycle.errors.MalformedEvent`."""
-        return self._stored("stored", block_hashes, parent_block_hash, token_ids, adapter_key)
+        stored = self._stored("stored", block_hashes, parent_block_hash, token_ids, adapter_key)
+        return self._named(stored, 0) if len(self._groups) > 1 else stored
+
+    def _named(self, stored: BlockStored, group: int) -> BlockStored:
+        """``stored`` as group ``group``'s, naming the group's spec where the groups are known."""
+        if not self._groups:
+            return dataclasses.replace(stored, group_idx=group)
+        spec_kind, window = self._groups[group]
+        return dataclasses.replace(
+            stored, group_idx=group, kv_cache_spec_kind=spec_kind, kv_cache_spec_sliding_window=window
+        )
 
     def _stored(
         self, what: str, raw_hashes: object, parent: object, raw_tokens: object, adapter_key: object
@@ -214,17 +225,11 @@ class KVEventTranslator:
         what = f"raw event {index} ({kind!r})"
         if kind == "stored" and len(entry) in (5, 6):
             stored = self._stored(what, entry[1], entry[2], entry[3], entry[4])
-            if len(entry) == 5:
+            if len(entry) == 5 and len(self._groups) < 2:
                 return stored
-            group = self._group(what, entry[5])
-            if not self._groups:
-                return dataclasses.replace(stored, group_idx=group)
-            spec_kind, window = self._groups[group]
-            return dataclasses.replace(
-                stored, group_idx=group, kv_cache_spec_kind=spec_kind, kv_cache_spec_sliding_window=window
-            )
+            return self._named(stored, self._group(what, entry[5]) if len(entry) == 6 else 0)
         if kind == "removed" and len(entry) in (2, 3):
-            removed_group = self._group(what, entry[2]) if len(entry) == 3 else None
+            removed_group = self._group(what, entry[2]) if len(entry) == 3 else (0 if len(self._groups) > 1 else None)
             return BlockRemoved(block_hashes=_hashes(what, entry[1]), medium=self._medium, group_idx=removed_group)
         if kind == "cleared" and len(entry) == 1:
             return AllBlocksCleared()
@@ -252,7 +257,7 @@ class KVEventLog:
     a retired adapter generation's removals are recognised by. ``groups``: the core's KV cache
     groups, as :class:`KVEventTranslator` takes them for the pool's events."""
 
-    __slots__ = ("_events", "_keys", "_retired", "_translators")
+    __slots__ = ("_events", "_group0", "_keys", "_retired", "_translators")
 
     def __init__(
         self, block_size: int, *, adapter_of: AdapterLookup | None = None, salt_of: SaltLookup | None = None,
@@ -266,6 +271,10 @@ class KVEventLog:
             for medium in (MEDIUM_GPU, MEDIUM_CPU)
         }
         self._events: list[KVEvent] = []
+        # The group index a removal of group 0's blocks carries: 0 on a core of several groups.
+        self._group0: dict[str, int | None] = {
+            MEDIUM_GPU: 0 if groups is not None and len(groups) > 1 else None, MEDIUM_CPU: None,
+        }
         self._keys: dict[str, dict[int, int]] = {MEDIUM_GPU: {}, MEDIUM_CPU: {}}
         self._retired: set[int] = set()  # cache keys of adapter generations that were reloaded
 
@@ -316,7 +325,9 @@ class KVEventLog:
                     shown.append(content_hash)
             hashes = shown
         if hashes:
-            self._events.append(BlockRemoved(block_hashes=tuple(hashes), medium=medium))
+            self._events.append(
+                BlockRemoved(block_hashes=tuple(hashes), medium=medium, group_idx=self._group0[medium])
+            )
 
     def retire(self, keys: set[int]) -> None:
         """Cache keys ``keys`` can no longer be matched (an adapter was reloaded as a new
@@ -328,7 +339,9 @@ class KVEventLog:
         for medium, known in self._keys.items():
             gone = [content_hash for content_hash, key in known.items() if key in keys]
             if gone:
-                self._events.append(BlockRemoved(block_hashes=tuple(gone), medium=medium))
+                self._events.append(
+                    BlockRemoved(block_hashes=tuple(gone), medium=medium, group_idx=self._group0[medium])
+                )
 
     def take(self, data_parallel_rank: int | None = None) -> KVEventBatch:
         """Every event since the last call, every tier's, in the order they happened."""
