@@ -9,6 +9,9 @@ is its argument checks and that call; on any other model it goes to the model's 
 call's rules, refusals and messages are the model's (:mod:`lifecycle.model`).
 """
 
+from lifecycle._kvcache cimport KVCacheCore
+from lifecycle._slots cimport SlotPool
+
 from lifecycle.block_tables import raise_if_wrong_type
 from lifecycle.errors import InvalidId
 
@@ -17,8 +20,9 @@ cdef class ModelCalls:
     """The per-request calls of a model (a base of ``HybridModel``, which binds them once it has
     built its parts: :meth:`_bind_calls`)."""
 
-    cdef object _parts, _slots, _addrs_by_slot, _drop_queue, _on_release, _budget_limit
-    cdef object _alloc, _attach_seq, _release  # the core's calls, bound once
+    cdef KVCacheCore _core
+    cdef SlotPool _slots
+    cdef object _parts, _addrs_by_slot, _drop_queue, _on_release, _budget_limit
     cdef bint _plain_alloc, _plain_attach, _plain_finish
     cdef public bint _torn_down
 
@@ -27,10 +31,9 @@ cdef class ModelCalls:
         """What the calls read: the model's ``parts`` (core, slots, SSM addresses, drop queue), the
         adapter release ``on_release``, the per-sequence token limit, and which calls are one core
         call on this model (the others take the model's composed path)."""
-        core = parts.core
         self._parts, self._on_release, self._budget_limit = parts, on_release, budget_limit
-        self._slots, self._addrs_by_slot, self._drop_queue = parts.slots, parts.memory.addrs_by_slot, parts.drop_queue
-        self._alloc, self._attach_seq, self._release = core.alloc, core.attach_seq, core.release
+        self._core, self._slots, self._drop_queue = parts.core, parts.slots, parts.drop_queue
+        self._addrs_by_slot = parts.memory.addrs_by_slot
         self._plain_alloc, self._plain_attach, self._plain_finish = plain_alloc, plain_attach, plain_finish
 
     def alloc_sequence_for(self, budget_tokens):
@@ -45,7 +48,7 @@ cdef class ModelCalls:
             )
         if self._torn_down or self._drop_queue:
             self._enter()
-        seq = self._alloc(self._slots, budget_tokens, self._addrs_by_slot, self._drop_queue)
+        seq = self._core.alloc(self._slots, budget_tokens, self._addrs_by_slot, self._drop_queue)
         if self._plain_alloc:
             return seq
         return self._zero_slot(seq)
@@ -59,7 +62,7 @@ cdef class ModelCalls:
             if self._drop_queue:
                 self._parts.reap(self._on_release)
             try:
-                return self._attach_seq(seq, prompt, grow_to)
+                return self._core.attach_seq(seq, prompt, grow_to)
             except InvalidId as error:
                 raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
                 raise
@@ -73,4 +76,4 @@ cdef class ModelCalls:
             return
         if self._torn_down or self._drop_queue:
             self._enter()
-        self._release(seq, True, self._on_release)  # the slot, then the record: one C call
+        self._core.release(seq, True, self._on_release)  # the slot, then the record: one C call
