@@ -61,7 +61,7 @@ def replay_core(trace: PrefixTrace, *, events: bool = False, core: Any = None) -
 
     if core is None:
         core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, events=events)
-    requests = [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
+    requests = core_requests(trace)
     live: deque[int] = deque()
     max_live = trace.max_live
     admit, finish, take = core.admit, core.finish, core.take_events
@@ -78,12 +78,7 @@ def replay_core(trace: PrefixTrace, *, events: bool = False, core: Any = None) -
                 finish(live.popleft())
             stored += len(take().hashes)
         else:
-            for tokens, needed, reusable in requests:
-                if len(live) == max_live:
-                    finish(live.popleft())
-                live.append(admit(tokens, needed, reusable))
-            while live:
-                finish(live.popleft())
+            drive_core(core, requests, max_live)
         seconds = time.perf_counter() - start
     if events and stored != core.counters()["blocks_cached"] + core.counters()["blocks_evicted"]:
         raise AssertionError(f"{stored} hashes in the events, but the core cached and evicted a different count")
@@ -108,34 +103,11 @@ def replay_model(trace: PrefixTrace, *, host_tier_blocks: int = 0) -> tuple[floa
     (one small layer: the replay measures bookkeeping, not bandwidth); returns (seconds, hit
     tokens, blocks evicted). With ``host_tier_blocks``, evicted blocks go to a host tier of that
     many blocks and come back at admission: hit tokens count the device's and the tier's."""
-    from lifecycle import AttentionLayer, HybridModel, ModelConfig, SequenceState
-
-    config = ModelConfig(
-        layers=(AttentionLayer(num_kv_heads=1, head_dim=8),),
-        block_size=trace.block_size,
-        num_blocks=trace.num_blocks,
-        max_seqs=trace.max_live,
-        name="replay",
-    )
-    model = HybridModel(config, "host", host_tier_blocks=host_tier_blocks)
-    requests = []
-    for i in range(trace.num_requests):
-        tokens, prompt_len = trace.tokens[i], trace.prompt_lens[i]
-        requests.append((tokens[:prompt_len], tokens[prompt_len:], len(tokens)))
-    live: deque[SequenceState] = deque()
-    max_live = trace.max_live
-    alloc, attach, finish = model.alloc_sequence_for, model.attach_prefix, model.finish_sequence
+    model = new_model(trace, host_tier_blocks)
+    requests = model_requests(trace)
     with no_gc():
         start = time.perf_counter()
-        for prompt, generated, total in requests:
-            if len(live) == max_live:
-                finish(live.popleft())
-            seq = alloc(total)
-            attach(seq, prompt, grow_to=total)
-            seq.append_tokens(generated)
-            live.append(seq)
-        while live:
-            finish(live.popleft())
+        drive_model(model, requests, trace.max_live)
         seconds = time.perf_counter() - start
     model.check_invariants()
     stats = model.stats()
@@ -144,6 +116,61 @@ def replay_model(trace: PrefixTrace, *, host_tier_blocks: int = 0) -> tuple[floa
     if report is None or report.leaked:
         raise AssertionError(f"the model replay leaked: {report}")
     return seconds, stats.prefix_hit_tokens + stats.blocks_promoted * trace.block_size, stats.blocks_evicted
+
+
+def core_requests(trace: PrefixTrace) -> list[tuple[NDArray[np.int32], int, int]]:
+    """The arguments of each request's ``admit``: its tokens, blocks held, most blocks reused."""
+    return [(trace.tokens[i], trace.blocks_needed(i), trace.reusable_blocks(i)) for i in range(trace.num_requests)]
+
+
+def drive_core(core: Any, requests: list[tuple[NDArray[np.int32], int, int]], max_live: int) -> None:
+    """The core-level replay loop (untimed here: ``replay_core`` and bench/callgrind.py time or count it)."""
+    live: deque[int] = deque()
+    admit, finish = core.admit, core.finish
+    for tokens, needed, reusable in requests:
+        if len(live) == max_live:
+            finish(live.popleft())
+        live.append(admit(tokens, needed, reusable))
+    while live:
+        finish(live.popleft())
+
+
+def new_model(trace: PrefixTrace, host_tier_blocks: int = 0) -> Any:
+    """The pure-attention model a model replay runs on (one small layer, on the host device)."""
+    from lifecycle import AttentionLayer, HybridModel, ModelConfig
+
+    config = ModelConfig(
+        layers=(AttentionLayer(num_kv_heads=1, head_dim=8),),
+        block_size=trace.block_size,
+        num_blocks=trace.num_blocks,
+        max_seqs=trace.max_live,
+        name="replay",
+    )
+    return HybridModel(config, "host", host_tier_blocks=host_tier_blocks)
+
+
+def model_requests(trace: PrefixTrace) -> list[tuple[NDArray[np.int32], NDArray[np.int32], int]]:
+    """Per request: its prompt, its generated tokens and their total count."""
+    requests = []
+    for i in range(trace.num_requests):
+        tokens, prompt_len = trace.tokens[i], trace.prompt_lens[i]
+        requests.append((tokens[:prompt_len], tokens[prompt_len:], len(tokens)))
+    return requests
+
+
+def drive_model(model: Any, requests: list[tuple[NDArray[np.int32], NDArray[np.int32], int]], max_live: int) -> None:
+    """The model replay loop: the public calls a scheduler makes per request."""
+    live: deque[Any] = deque()
+    alloc, attach, finish = model.alloc_sequence_for, model.attach_prefix, model.finish_sequence
+    for prompt, generated, total in requests:
+        if len(live) == max_live:
+            finish(live.popleft())
+        seq = alloc(total)
+        attach(seq, prompt, grow_to=total)
+        seq.append_tokens(generated)
+        live.append(seq)
+    while live:
+        finish(live.popleft())
 
 
 def record(workload: str, library: str, runs: list[tuple[float, int, int]], trace: PrefixTrace) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._modelcalls import ModelCalls
 from lifecycle.block_tables import host_table, raise_if_wrong_type, write_block_tables
 from lifecycle.cache_keys import MMKey
 from lifecycle.compaction import SlotMoves
@@ -42,7 +43,7 @@ _Ints = Sequence[int] | npt.NDArray[np.integer]
 _AnyInts = _Ints | Any  # also a CPU tensor or anything with the buffer protocol
 
 
-class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
+class HybridModel(ModelCalls, ModelViews, RetentionCalls, LifecycleDefaults):
     """The memory lifecycle of one hybrid (attention + SSM) model, or a pure-attention or pure-SSM one.
     ``device``: a :class:`~lifecycle.device.Device` or a kind for :func:`~lifecycle.device.open_device`
     (a device opened here is closed by ``teardown``). ``events``: log KV events (``take_events``).
@@ -54,11 +55,10 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
     key blocks under besides the configuration (:mod:`lifecycle.tiers.keys`); ``store_options``: the
     store's keywords (:class:`~lifecycle.tiers.store.StoreTier`: ``admit``, ``ttl_s``, ...)."""
 
-    __slots__ = (  # attributes as slots: the hot paths read several per call
-        "_adapters", "_addrs_by_slot", "_attach", "_block_size", "_budget_limit", "_cache_by_default", "_clock",
-        "_config", "_core", "_counters", "_demoting", "_device", "_drop_queue", "_entered", "_innerq_hook", "_lock",
-        "_memory", "_moves", "_on_release", "_one_call_attach", "_parts", "_pool", "_slots", "_snapshots", "_ssm",
-        "_stepper", "_tiers", "_torn_down", "teardown_report",
+    __slots__ = (  # attributes as slots: the hot paths read several per call (ModelCalls: the per-request ones)
+        "_adapters", "_addrs_by_slot", "_attach", "_block_size", "_cache_by_default", "_clock", "_config", "_core",
+        "_counters", "_demoting", "_device", "_drop_queue", "_entered", "_innerq_hook", "_lock", "_memory", "_moves",
+        "_on_release", "_parts", "_pool", "_slots", "_snapshots", "_ssm", "_stepper", "_tiers", "teardown_report",
     )
 
     def __init__(
@@ -93,10 +93,12 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         self._drop_queue = parts.drop_queue
         self._innerq_hook: Callable[[], None] | None = None
         per_seq = config.max_blocks_per_seq_resolved * config.block_size
-        self._budget_limit = sys.maxsize if parts.memory.kv is None else per_seq
         self._demoting = self._tiers is not None and self._tiers.host is not None
-        self._one_call_attach = self._ssm is None and not self._demoting  # an attach is one core call
         self._on_release = self._release_adapter  # bound once: the core calls it back as it releases a record
+        # which per-request calls are one core call on this model (the rest take the composed paths below)
+        self._bind_calls(parts, self._on_release, sys.maxsize if parts.memory.kv is None else per_seq,
+                         self._ssm is None, self._ssm is None and not self._demoting,
+                         self._snapshots is None and not self._demoting)
         # what a step caches (a core of several KV cache groups caches a sequence at its finish)
         self._cache_by_default = self._ssm is None and config.enable_prefix_cache and self._core.num_groups == 1
 
@@ -128,27 +130,16 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         """A new sequence owning a zeroed SSM slot. Raises ``OutOfSlots`` when none is free."""
         return self.alloc_sequence_for(0)
 
-    def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
-        """``alloc_sequence`` for a request that reaches at most ``budget_tokens`` tokens: its
-        proposer (draft) state and token buffer are sized to that budget."""
-        if type(budget_tokens) is not int or budget_tokens < 0:
-            if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
-                raise InvalidId(f"budget_tokens={budget_tokens!r} must be an int >= 0")
-        if budget_tokens > self._budget_limit:
-            raise InvalidId(
-                f"budget_tokens={budget_tokens} exceeds the per-sequence limit of {self._budget_limit} tokens"
-            )
-        if self._torn_down or self._drop_queue:
-            self._enter()
-        seq = self._core.alloc(self._slots, budget_tokens, self._addrs_by_slot, self._drop_queue)
-        if self._ssm is not None:
-            try:
-                with self._entered, self._clock:
-                    self._ssm.zero_slot(seq.slot_idx)
-                    self._device.synchronize()  # the engine's kernels may run on another stream
-            except BaseException:
-                self._core.release(seq, False)
-                raise
+    def _zero_slot(self, seq: SequenceState) -> SequenceState:
+        """(``alloc_sequence_for`` with SSM layers) the new sequence's slot zeroed, or it is released."""
+        assert self._ssm is not None
+        try:
+            with self._entered, self._clock:
+                self._ssm.zero_slot(seq.slot_idx)
+                self._device.synchronize()  # the engine's kernels may run on another stream
+        except BaseException:
+            self._core.release(seq, False)
+            raise
         return seq
 
     def cache_sequence(self, seq: SequenceState) -> None:
@@ -161,9 +152,8 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
                     self._parts.tier_record(seq.handle, seq)
                 cache_sequence(self._core, self._snapshots, seq, self._block_size)
 
-    def finish_sequence(self, seq: SequenceState) -> None:
-        """``cache_sequence`` then ``free_sequence`` in one core call (a request's end). A second call is
-        a no-op while the model lives; after ``teardown``, ``TornDown`` (as for every call but it)."""
+    def _finish_composed(self, seq: SequenceState) -> None:
+        """``finish_sequence`` with SSM snapshots or a host tier."""
         if self._snapshots is not None:
             self._core.handle_of(seq)
             with self._entered, self._clock:
@@ -295,22 +285,11 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         """Mark a finished sequence retired: it no longer grows, and may be compacted over (detaching it)."""
         self._core.retire(self._core.handle_of(seq))
 
-    def attach_prefix(
-        self, seq: SequenceState, prompt: _Ints, *, grow_to: int | None = None,
-        cache_salt: bytes | str | int | None = None, mm_keys: Sequence[MMKey] | None = None,
+    def _attach_composed(
+        self, seq: SequenceState, prompt: _Ints, grow_to: int | None, cache_salt: bytes | str | int | None,
+        mm_keys: Sequence[MMKey] | None,
     ) -> int:
-        """Record ``prompt`` as the sequence's tokens and pin its longest cached prefix under the
-        sequence's adapter at the head of its table; returns the tokens reused (the rules, ``grow_to``,
-        ``cache_salt`` and ``mm_keys``: :mod:`lifecycle.attach`). A retried call takes no second set of
-        references."""
-        if self._one_call_attach and cache_salt is None and not mm_keys:
-            if self._drop_queue:
-                self._parts.reap(self._on_release)
-            try:
-                return self._core.attach_seq(seq, prompt, grow_to)
-            except InvalidId as error:
-                raise_if_wrong_type(error, "attach_prefix", {"prompt": prompt})
-                raise
+        """``attach_prefix`` past one core call: keyed (salt, multimodal keys), with tiers, or hybrid."""
         if cache_salt is not None or mm_keys:
             return self._attach.keyed_attach(self.attach_prefix, seq, prompt, grow_to, cache_salt, mm_keys)
         if self._ssm is None:

@@ -726,7 +726,7 @@ cdef class KVCacheCore:
             &seq_id,
         )
 
-    def alloc(self, SlotPool slots not None, budget_tokens, addrs_by_slot, drop_queue):
+    cpdef alloc(self, SlotPool slots, budget_tokens, addrs_by_slot, drop_queue):
         """A new request: a slot from ``slots`` (its guard records the request as the slot's
         owner), a record with room for ``budget_tokens`` tokens, and their Python face, which reads
         its SSM addresses from ``addrs_by_slot`` and puts its handle on ``drop_queue`` if it is
@@ -736,7 +736,10 @@ cdef class KVCacheCore:
         )
         cdef int64_t seq_id, handle
         cdef _Sequence seq
-        cdef SlotGuard guard = slots._acquire()
+        cdef SlotGuard guard
+        if slots is None:
+            raise TypeError("alloc: slots must be a SlotPool, got None")
+        guard = slots._acquire()
         try:
             handle = self._records.open_record(0, -1, budget, &seq_id)
         except BaseException:
@@ -747,7 +750,7 @@ cdef class KVCacheCore:
         seq._grouped = self._grouped
         return seq
 
-    def release(self, seq, bint cache, on_adapter=None):
+    cpdef release(self, seq, bint cache, on_adapter=None):
         """What a model's ``free_sequence`` (``cache=False``) or ``finish_sequence`` does: the SSM
         slot first (unless detached), then the record (``finish``), then ``on_adapter(slot)`` for
         the adapter slot the request held, if any, whatever failed before. A second call does
@@ -773,14 +776,14 @@ cdef class KVCacheCore:
         this core."""
         return self._records.face(seq)._handle
 
-    def attach_seq(self, seq, prompt, grow_to=None):
+    cpdef attach_seq(self, seq, prompt, grow_to=None):
         """``attach`` for a ``SequenceState`` (a model's ``attach_prefix``): ``grow_to`` counts
         tokens (None: no growth). Returns the reused token count."""
         cdef int64_t h = self._records.open_handle(seq, "attach_prefix")
         cdef Py_ssize_t wanted = -1
         if grow_to is not None:
             wanted = self._records.blocks_for_tokens(h, grow_to, "attach_prefix")
-        return self.attach(h, prompt, wanted) * self._block_size
+        return self._attach_call(h, prompt, wanted, -1) * self._block_size
 
     def grow_seq(self, seq, num_tokens):
         """``grow`` for a ``SequenceState``, to cover ``num_tokens`` tokens; the blocks added."""
@@ -828,12 +831,14 @@ cdef class KVCacheCore:
         references. When the growth cannot be met, ``OutOfBlocks`` is raised with the prefix
         attached (as ``attach`` then ``grow`` would end). Bad tokens change nothing.
         """
+        cdef int64_t h = _handle_arg(handle, "attach")
+        cdef Py_ssize_t wanted = _as_count(grow_to, "grow_to", -1, self._max_blocks_per_seq)
+        return self._attach_call(h, tokens, wanted, _as_count(max_prefix, "max_prefix", -1, INT32_MAX))
+
+    cdef Py_ssize_t _attach_call(self, int64_t h, tokens, Py_ssize_t wanted, Py_ssize_t prefix) except? -1:
+        """``attach`` with its counts checked (``attach_seq`` calls it with its own)."""
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0, reuse
-        cdef int64_t h = _handle_arg(handle, "attach")
-        cdef Py_ssize_t limit = self._max_blocks_per_seq
-        cdef Py_ssize_t wanted = _as_count(grow_to, "grow_to", -1, limit)
-        cdef Py_ssize_t prefix = _as_count(max_prefix, "max_prefix", -1, INT32_MAX)
         cdef Failure f
         tokens = _token_vector(tokens, &data, &n)
         if n > self._max_tokens_per_seq:

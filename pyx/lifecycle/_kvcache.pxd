@@ -15,6 +15,7 @@ from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
 from lifecycle._retention cimport Retention
 from lifecycle._saltmap cimport SaltMap
+from lifecycle._slots cimport SlotPool
 from lifecycle._snapids cimport SnapshotIds
 from lifecycle._sync cimport CoreLock
 
@@ -85,7 +86,10 @@ cdef class KVCacheCore:
     cdef Py_ssize_t evict_locked(self, Py_ssize_t n, Failure *f) noexcept nogil
     cdef Py_ssize_t reclaim_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t needed,
                                    Failure *f) noexcept nogil
-    # (GIL held, lock released)
+    # (GIL held, lock released) the calls a model makes per request, callable from C (lifecycle._modelcalls)
+    cpdef alloc(self, SlotPool slots, budget_tokens, addrs_by_slot, drop_queue)
+    cpdef attach_seq(self, seq, prompt, grow_to=*)
+    cpdef release(self, seq, bint cache, on_adapter=*)
     cdef int raise_failure(self, Failure *f, str call, object tokens=*) except -1
     cdef int32_t finish_record(self, int64_t handle, bint cache) except? -2
 
@@ -103,6 +107,7 @@ cdef class KVCacheCore:
     cdef int32_t _cache_locked(self, SeqRec *rec, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
     cdef int32_t _node_at(self, SeqRec *rec, Py_ssize_t blocks, Failure *f) noexcept nogil
     cdef Py_ssize_t _finish_locked(self, SeqRec *rec, bint cache, Failure *f) noexcept nogil
+    cdef Py_ssize_t _attach_call(self, int64_t h, object tokens, Py_ssize_t wanted, Py_ssize_t prefix) except? -1
     cdef Py_ssize_t _attach_checked(self, int64_t handle, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
                                     Py_ssize_t wanted, Failure *f) noexcept nogil
     cdef Py_ssize_t _grow_checked(self, int64_t handle, Py_ssize_t wanted, Failure *f) noexcept nogil

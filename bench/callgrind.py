@@ -1,0 +1,113 @@
+"""Instructions per W2 / W3 request by callgrind, at the core and through ``HybridModel``.
+
+    python bench/callgrind.py                 # W2 and W3, core and model
+    python bench/callgrind.py --workloads w2  # W2 alone
+
+Each figure is one run of this script under ``valgrind --tool=callgrind`` that builds the trace's
+requests and the core (or model), then replays them (``bench/replay.py``'s loops) inside the one C
+function callgrind collects in; the count over the request count is the replay's cost per request
+(imports, preparation and teardown count nothing, so the figure is steady to a few instructions).
+Valgrind runs the real interpreter (``sys.executable``, not a pyenv shim) with the cyclic GC off, as
+the timed replays run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+
+def child(workload: str, library: str) -> None:
+    """The measured process: prepare, replay, exit at once."""
+    from replay import PrefixTrace, core_requests, drive_core, drive_model, model_requests, new_model
+
+    trace: PrefixTrace
+    if workload == "w2":
+        from traces import TRACES
+        from w2 import load_w2
+
+        trace = load_w2(TRACES)
+    else:
+        from w3 import load_w3
+
+        trace = load_w3()
+    gc.collect()
+    gc.disable()
+    if library == "core":
+        from lifecycle._blockpool import BlockPool
+        from lifecycle._kvcache import KVCacheCore
+
+        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size)
+        requests = core_requests(trace)
+        counted(lambda: drive_core(core, requests, trace.max_live))
+    else:
+        model = new_model(trace)
+        model_reqs = model_requests(trace)
+        counted(lambda: drive_model(model, model_reqs, trace.max_live))
+    print(trace.num_requests, flush=True)
+    os._exit(0)
+
+
+def counted(call: Callable[[], None]) -> None:
+    """Run ``call`` inside ``math.fsum``, the one C function callgrind collects in (nothing else
+    this process runs calls it), so that imports and preparation count nothing."""
+
+    def once() -> Iterator[float]:
+        call()
+        yield 0.0
+
+    math.fsum(once())
+
+
+def instructions(workload: str, library: str) -> tuple[int, int]:
+    """Instructions callgrind counted for one run of :func:`child`, and the trace's request count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        command = [
+            "valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=math_fsum",
+            f"--callgrind-out-file={out}", sys.executable, __file__,
+            "--child", workload, library,
+        ]
+        env = dict(os.environ, PYTHONPATH=str(HERE.parent), PYTHONHASHSEED="0")
+        result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        match = re.search(r"Collected : (\d+)", result.stderr)
+        if match is None:
+            raise RuntimeError(f"no instruction count in callgrind's output:\n{result.stderr[-2000:]}")
+        return int(match.group(1)), int(result.stdout.split()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="w2,w3")
+    parser.add_argument("--libraries", default="core,model")
+    parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "LIBRARY"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1])
+        return
+    for workload in args.workloads.split(","):
+        per: dict[str, float] = {}
+        for library in args.libraries.split(","):
+            total, requests = instructions(workload, library)
+            per[library] = total / requests
+            print(f"{workload} {library}: {per[library]:,.0f} instructions per request", flush=True)
+        if "core" in per and "model" in per:
+            print(f"{workload} model/core: {per['model'] / per['core']:.3f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
