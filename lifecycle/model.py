@@ -97,8 +97,8 @@ class HybridModel(ModelViews, RetentionCalls, LifecycleDefaults):
         self._demoting = self._tiers is not None and self._tiers.host is not None
         self._one_call_attach = self._ssm is None and not self._demoting  # an attach is one core call
         self._on_release = self._release_adapter  # bound once: the core calls it back as it releases a record
-        # what a step caches (a core of several KV cache groups caches a sequence at its finish)
-        self._cache_by_default = self._ssm is None and config.enable_prefix_cache and self._core.num_groups == 1
+        # what a step caches by default
+        self._cache_by_default = self._ssm is None and config.enable_prefix_cache
 
     def _enter(self) -> None:
         """Start of a call (under the lock): refuse after teardown, reap dropped sequences."""

@@ -21,7 +21,7 @@ from libc.string cimport memcpy
 
 from lifecycle._hash cimport lc_content_hashes, lc_copy_tokens_checked, lc_root_hash
 from lifecycle._int32 cimport empty_int32 as _empty_int32, first_negative as _first_negative, token_vector
-from lifecycle._radix cimport RNode, chunk_decref, chunk_new, chunk_reserve
+from lifecycle._radix cimport RNode, chunk_column, chunk_decref, chunk_new, chunk_reserve
 from lifecycle._sync cimport NOGIL_MIN_WORK, PyThreadState
 
 import enum
@@ -227,6 +227,7 @@ cdef class Records:
         cdef Chunk *old = rec.chunk
         cdef Chunk *chunk
         cdef ChunkCache *chunks = self.trie._chunk_cache()
+        cdef Py_ssize_t g
         if blocks <= old.block_capacity and tokens <= old.token_capacity:
             return 0
         if old.refs == 1:
@@ -242,7 +243,8 @@ cdef class Records:
             chunk.tokens + rec.lazy_tokens, old.tokens + rec.lazy_tokens,
             (rec.num_tokens - rec.lazy_tokens) * sizeof(int32_t),
         )
-        memcpy(chunk.blocks, old.blocks, rec.num_blocks * sizeof(int32_t))
+        for g in range(chunks.num_groups):  # every KV cache group's column
+            memcpy(chunk_column(chunk, g), chunk_column(old, g), rec.num_blocks * sizeof(int32_t))
         if old.num_hashed:
             chunk.hashes = <uint64_t *>malloc(chunk.block_capacity * sizeof(uint64_t))
             if chunk.hashes == NULL:

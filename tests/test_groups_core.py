@@ -236,7 +236,8 @@ def test_eviction_trims_a_run_back_to_a_cut_every_group_serves() -> None:
 def test_a_window_groups_shortage_evicts_cached_runs() -> None:
     core, _, other = make(group_blocks=6, retention=0)
     core.finish(run(core, list(range(16)), 4, []))
-    assert other.num_free == 4
+    # The finished run leaves all its window blocks to the cache, evictable.
+    assert (other.num_free, core.group_stats()[1]["num_cache_only"]) == (2, 4)
     b = core.admit([50 + i for i in range(20)], 6)
     assert core.num_blocks(b) == 6
     assert core.num_cached_blocks == 0
@@ -343,10 +344,6 @@ def test_snapshot_cut_is_refused_with_groups() -> None:
 def test_calls_a_grouped_core_does_not_offer_are_refused_by_name() -> None:
     core, _, _ = make()
     h = core.admit(list(range(8)), 2)
-    with pytest.raises(Unsupported, match="cache_sequence"):
-        core.cache(h, 1)
-    with pytest.raises(Unsupported, match="step"):
-        core.step([h], [1], cache=True)
     with pytest.raises(Unsupported, match="attach"):
         core.attach(h, list(range(8)))
     core.check_invariants()
@@ -430,7 +427,9 @@ def test_events_name_the_group_of_the_blocks_each_group_stores_and_removes() -> 
     from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
 
     core, _, _ = make(retention=0, events=True)
-    core.finish(run(core, list(range(16)), 4, []))
+    h = run(core, list(range(16)), 4, [])
+    core.append(h, [])  # the prompt's KV is computed: blocks 0 and 1 left the window, uncached
+    core.finish(h)
     core.evict(4)
     events = KVEventTranslator(BS).events(core.take_events())
     stored = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
@@ -488,6 +487,7 @@ def long_window_core() -> tuple[KVCacheCore, BlockPool, BlockPool]:
     for block in range(1, 20):
         core.grow(h, block + 1)
         core.append(h, TOKENS[block * 16 : block * 16 + 16])
+    core.append(h, [])
     core.finish(h)
     assert core.group_stats()[1]["num_cached"] == 8
     return core, pool, other

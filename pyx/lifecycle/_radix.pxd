@@ -125,6 +125,7 @@ cdef class RadixTrie:
     cdef lc_mutex_t _own_lock       # used when no owner gave one
     cdef object _lock_owner         # what holds ``_lock``, kept alive
     cdef ChunkCache _chunks
+    cdef int32_t **_owners          # (KV cache groups) per group, by block id, the node holding it (NULL: untracked)
 
     cdef void _share_lock(self, object owner, lc_mutex_t *lock) noexcept
 
