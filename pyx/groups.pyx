@@ -342,6 +342,7 @@ cdef class KVGroups:
             if self._cache[g].where != NULL:
                 for p in range(count):
                     self._unlink(&self._cache[g], self._ids[p])  # a sequence reads it: not evictable
+                    self._cache[g].kept[self._ids[p]] = 1  # a window that served a hit goes last
         return 0
 
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
@@ -704,9 +705,8 @@ cdef class KVGroups:
         the path ending at node ``v`` held ``[0, pos)``, the new ``leaf`` (-1: none) holds
         ``[pos, full)``. Per group the leaf takes every block the record has there and the
         holes of the path it extends are filled from the record's blocks (the record's
-        references become the cache's); the record's other references go. Blocks in the run's
-        last window join the kept list once only the cache holds them."""
-        cdef Py_ssize_t g, p, count, moved, released, last
+        references become the cache's); the record's other references go."""
+        cdef Py_ssize_t g, p, count, moved, released
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
@@ -719,7 +719,6 @@ cdef class KVGroups:
             col = chunk_column(rec.chunk, g)
             c = &self._cache[g]
             released = self.released_to(g, rec)
-            last = self.first_needed(g, full * self._block_size)
             count = 0
             moved = 0  # the references that became the cache's (in the second scratch)
             if leaf >= 0:
@@ -731,7 +730,6 @@ cdef class KVGroups:
                     if leaf_col[p] >= 0:
                         self._track(g, leaf_col + p, p, leaf)
                         if c.where != NULL:
-                            c.kept[leaf_col[p]] |= p >= last
                             self._trimmed[moved] = leaf_col[p]
                             moved += 1
                 if self._evlog is not None:
@@ -749,14 +747,11 @@ cdef class KVGroups:
                     node_col[p] = col[p]  # the record's reference becomes the cache's
                     self._track(g, node_col + p, p, <int32_t>(node - t._nodes))
                     if c.where != NULL:
-                        c.kept[col[p]] |= p >= last
                         self._trimmed[moved] = col[p]
                         moved += 1
                     if self._evlog is not None:
                         self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
                 else:
-                    if c.where != NULL and node_col[p] == col[p]:
-                        c.kept[col[p]] |= p >= last
                     self._ids[count] = col[p]
                     count += 1
                 p -= 1

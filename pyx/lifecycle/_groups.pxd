@@ -38,8 +38,8 @@ cdef struct GroupCounts:
 
 # A windowed group's cached blocks, by block id: where the trie holds each, and the blocks only
 # the cache holds (cache-only: evictable one by one) on two LRU lists by when they became so:
-# ordinary ones, then the kept ones (sink blocks, the windows before checkpoints and at a finished
-# run's end), which go last.
+# ordinary ones, then the kept ones (sink blocks, the windows before checkpoints, windows that
+# served a hit), which go last.
 cdef struct GroupCache:
     int32_t **where            # the trie entry holding the block (NULL: not cached)
     int32_t *owner             # the node of that entry (RadixTrie._split keeps it: _owners)
