@@ -10,18 +10,29 @@ own, with the core's block size, so a trie position means the same tokens in eve
 The trie stays one trie over tokens. Each chunk (record or cached run) holds one column of block
 ids per group (``chunk_column``); -1 marks a block a windowed group released or never needed.
 Ownership per group is as for group 0: a record holds one reference on every id of its own
-columns, a cached run one on every id of its range.
+columns past its cached path, a cached run one on every id of its range. On its cached path a
+record's column may be the trie's own entries (a chunk shared with the run it cached mid-life),
+so there it holds only what its window still reads (``holds``): the entries it released stay as
+the cache's.
 
 The rules the core runs here, in its own calls and under its lock:
 
 - a cut (a number of blocks admission reuses) is valid when every group has the blocks a query at
   the cut reads (``best_cut``);
-- a record releases a windowed block once its tokens left the window or chunk, keeping it when it
-  lies in the window before a checkpoint (every ``retention_interval`` tokens) for the cache;
-- a finishing record leaves in the cache, per group, its sink blocks, its last window and the
-  windows before its checkpoints (``kept``), filling holes of the path it extends;
-- every leaf of the trie ends at a valid cut: eviction trims a leaf down to one, in every group
-  at once, so no group is left holding blocks of a prefix another group cannot serve.
+- caching a live record (``cache``) inserts its computed blocks in every group's column;
+- a record releases a windowed block once its tokens left the window or chunk: one on its cached
+  path becomes a cache-only block, evictable; one off it is freed, unless it lies in the window
+  before a checkpoint (every ``retention_interval`` tokens), which the record keeps for its finish;
+- a finishing record leaves in the cache every block it has past its cached path, filling holes
+  of the path it extends;
+- a windowed group's cache-only blocks (``GroupCache``) are taken one by one when it is short,
+  least recently left to the cache first, sink blocks, checkpoint windows and windows that served
+  a hit last, never one a live sequence reads or a retention pin protects (``punch``);
+- every unpinned leaf's own run holds the blocks a query at its end reads in every group: a leaf
+  whose last window lost a block is trimmed to a valid cut in every group at once (a pinned one
+  once its last pin goes); a hole an ancestor's run got can leave a short leaf's end unservable,
+  and admission cuts such a hit back (``best_cut``) until eviction trims the leaf. Group 0's
+  eviction trims a leaf to a valid cut in every group at once.
 """
 
 cimport cython
@@ -906,7 +917,7 @@ cdef class KVGroups:
         """The first inconsistency of groups 1 .. n - 1 (refcounts against the records' columns
         and the cached runs', each pool's own tables) or of the rule that every leaf ends at a
         cut every group can serve; None when there is none."""
-        cdef Py_ssize_t g, i, p, nb, end, released
+        cdef Py_ssize_t g, i, p, nb, end, released, last
         cdef SeqRec *rec
         cdef RNode *node
         cdef int32_t *col
@@ -962,8 +973,9 @@ cdef class KVGroups:
                 if self._rules[g].kind == KIND_FULL:
                     continue
                 col = chunk_column(node.chunk, g) + node.start - node.depth
+                last = self.first_needed(g, end * self._block_size)
                 for p in range(node.depth, end):
-                    if col[p] < 0 and (p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size)):
+                    if col[p] < 0 and (p < self._rules[g].sink_blocks or p >= last):
                         return (
                             f"leaf node {i} ends at block {end}, but its own run lacks block {p} of group {g}, "
                             "which a query at its end reads"
@@ -999,7 +1011,8 @@ cdef class KVGroups:
                 continue
             tracked += 1
             if (refs[b] == 1) != (c.listed[b] != 0):
-                return f"group {g}: cached block {b} has refcount {refs[b]} but is {'' if c.listed[b] else 'not '}listed"
+                state = "listed" if c.listed[b] else "not listed"
+                return f"group {g}: cached block {b} has refcount {refs[b]} but is {state}"
             if c.listed[b] and c.listed[b] != 1 + c.kept[b]:
                 return f"group {g}: cached block {b} is on list {c.listed[b] - 1}, its kind says {c.kept[b]}"
         if tracked != entries:

@@ -88,9 +88,11 @@ cdef class KVCacheCore:
     ``"chunked_local"`` (``window``: its window or chunk in tokens) and a ``BlockPool`` of its own
     (the core's alone: it works on it under its own lock), with this block size. Admission reuses
     the longest prefix every group can serve; a windowed group's table holds -1 where it needs no
-    block (before its window, or released since); the decode step releases what left a window,
-    keeping the windows before checkpoints every ``retention_interval`` tokens (default 4096, a
-    multiple of the block size; 0: none) for later hits. See ``lifecycle._groups``.
+    block (before its window, or released since); ``cache`` and ``step(cache=True)`` cache every
+    group's computed blocks; the decode step releases what left a window (a cached block stays
+    cached, evictable by its group; an uncached one is freed unless it lies in the window before a
+    checkpoint every ``retention_interval`` tokens, default 4096, a multiple of the block size;
+    0: none). See ``lifecycle._groups``.
     """
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
