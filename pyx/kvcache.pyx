@@ -134,7 +134,7 @@ cdef class KVCacheCore:
         )
         if self._grouped:
             self._groups.records = self._records
-            self._trie._owners = self._groups._owners  # its splits keep the groups' block owners
+            self._trie._set_owners(self._groups._owners)  # its splits keep the groups' block owners
         self._snaps = new_snapshot_ids(num, self._trie)
         self._retention = new_retention(self._trie, self._records, self._lock, self._block_size, self._grouped)
         if self._grouped:

@@ -145,6 +145,10 @@ cdef class RadixTrie:
         """Chunks made from now on hold ``n`` block id columns (KV cache groups; before any is made)."""
         self._chunks.num_groups = n
 
+    cdef inline void _set_owners(self, int32_t **owners) noexcept nogil:
+        """Per group, the node holding each block (NULL: untracked), kept through splits (KV cache groups)."""
+        self._owners = owners
+
     cdef inline ChunkCache *_chunk_cache(self) noexcept nogil:
         """The chunks' free lists, shared with the owner's records (whose chunks nodes take over)."""
         return &self._chunks
