@@ -20,9 +20,10 @@ request admitted with all its blocks (``replay.replay_core``'s one ``admit``) wo
 block of its prompt in those pools too. So each request is admitted as an engine with chunked
 prefill runs it: a lookup (``admit`` with no growth, then ``finish`` without caching, as the vLLM
 facade's ``get_computed_blocks`` does) gives the cut every group serves; ``open`` + ``attach`` of
-the prompt up to the cut and one chunk; then, chunk by chunk, ``grow`` and ``append`` (which
-releases the blocks that left a window), and an empty ``append`` once the last chunk is computed;
-``finish`` at the end caches each group by its rule.
+the prompt up to the cut and one chunk; then, chunk by chunk, ``cache`` of the full blocks computed
+so far (as vLLM caches every full block once computed), ``grow`` and ``append`` (which releases
+the blocks that left a window: cached ones stay in the cache, evictable), and an empty ``append``
+once the last chunk is computed; ``finish`` at the end caches the rest.
 Prefill chunks are :data:`PREFILL_CHUNK` tokens (a multiple of the block size).
 
 Replays of the two setups are interleaved so that a noisy machine's drift hits both.
@@ -81,11 +82,14 @@ def admit_chunked(core: Any, tokens: Any, reusable: int, grow_tokens: int) -> tu
     end = min(total, cut * bs + PREFILL_CHUNK)
     handle = core.open()
     reused = core.attach(handle, tokens[:end], -(-end // bs), cut)
+    cache = core.cache
+    cache(handle, end // bs)
     while end < total:
         stop = min(total, end + PREFILL_CHUNK)
         core.grow(handle, -(-stop // bs))
         core.append(handle, tokens[end:stop])
         end = stop
+        cache(handle, end // bs)
     core.append(handle, _NOTHING)  # the prompt's KV is computed: the windows release what they left
     if grow_tokens > total:
         core.grow(handle, -(-grow_tokens // bs))

@@ -99,8 +99,8 @@ class HybridModel(ModelCalls, ModelViews, RetentionCalls, LifecycleDefaults):
         self._bind_calls(parts, self._on_release, sys.maxsize if parts.memory.kv is None else per_seq,
                          self._ssm is None, self._ssm is None and not self._demoting,
                          self._snapshots is None and not self._demoting)
-        # what a step caches (a core of several KV cache groups caches a sequence at its finish)
-        self._cache_by_default = self._ssm is None and config.enable_prefix_cache and self._core.num_groups == 1
+        # what a step caches by default
+        self._cache_by_default = self._ssm is None and config.enable_prefix_cache
 
     def _enter(self) -> None:
         """Start of a call (under the lock): refuse after teardown, reap dropped sequences."""

@@ -10,25 +10,36 @@ own, with the core's block size, so a trie position means the same tokens in eve
 The trie stays one trie over tokens. Each chunk (record or cached run) holds one column of block
 ids per group (``chunk_column``); -1 marks a block a windowed group released or never needed.
 Ownership per group is as for group 0: a record holds one reference on every id of its own
-columns, a cached run one on every id of its range.
+columns past its cached path, a cached run one on every id of its range. On its cached path a
+record's column may be the trie's own entries (a chunk shared with the run it cached mid-life),
+so there it holds only what its window still reads (``holds``): the entries it released stay as
+the cache's.
 
 The rules the core runs here, in its own calls and under its lock:
 
 - a cut (a number of blocks admission reuses) is valid when every group has the blocks a query at
   the cut reads (``best_cut``);
-- a record releases a windowed block once its tokens left the window or chunk, keeping it when it
-  lies in the window before a checkpoint (every ``retention_interval`` tokens) for the cache;
-- a finishing record leaves in the cache, per group, its sink blocks, its last window and the
-  windows before its checkpoints (``kept``), filling holes of the path it extends;
-- every leaf of the trie ends at a valid cut: eviction trims a leaf down to one, in every group
-  at once, so no group is left holding blocks of a prefix another group cannot serve.
+- caching a live record (``cache``) inserts its computed blocks in every group's column;
+- a record releases a windowed block once its tokens left the window or chunk: one on its cached
+  path becomes a cache-only block, evictable; one off it is freed, unless it lies in the window
+  before a checkpoint (every ``retention_interval`` tokens), which the record keeps for its finish;
+- a finishing record leaves in the cache every block it has past its cached path, filling holes
+  of the path it extends;
+- a windowed group's cache-only blocks (``GroupCache``) are taken one by one when it is short,
+  least recently left to the cache first, sink blocks, checkpoint windows and windows that served
+  a hit last, never one a live sequence reads or a retention pin protects (``punch``);
+- every unpinned leaf's own run holds the blocks a query at its end reads in every group: a leaf
+  whose last window lost a block is trimmed to a valid cut in every group at once (a pinned one
+  once its last pin goes); a hole an ancestor's run got can leave a short leaf's end unservable,
+  and admission cuts such a hit back (``best_cut``) until eviction trims the leaf. Group 0's
+  eviction trims a leaf to a valid cut in every group at once.
 """
 
 cimport cython
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t
+from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
@@ -83,6 +94,11 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     if self._rules == NULL or self._pools == NULL or self._counts == NULL:
         raise MemoryError("KVCacheCore: out of host memory for its KV cache groups")
     memset(self._counts, 0, n * sizeof(GroupCounts))
+    self.n = n
+    self._cache = <GroupCache *>calloc(n, sizeof(GroupCache))
+    self._owners = <int32_t **>calloc(n, sizeof(int32_t *))
+    if self._cache == NULL or self._owners == NULL:
+        raise MemoryError("KVCacheCore: out of host memory for its KV cache groups")
     self._keep = tuple(s[3] for s in specs)
     for i in range(n):
         kind, window, sink, _ = specs[i]
@@ -92,6 +108,8 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
         self._pools[i] = <PyObject *>self._keep[i]
         if self._rules[i].kind != KIND_FULL:
             self.windowed = True
+            _new_cache(&self._cache[i], (<BlockPool>self._pools[i])._num_blocks)
+            self._owners[i] = self._cache[i].owner
     self.n = n
     self.shared = all(shared)
     self._block_size = block_size
@@ -99,6 +117,30 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     self.pad = -1
     self._specs = tuple((s[0], s[1], s[2]) for s in specs)
     return self
+
+
+cdef int _new_cache(GroupCache *c, Py_ssize_t nb) except -1:
+    """The empty tracking of a windowed group of ``nb`` blocks."""
+    cdef Py_ssize_t size = max(nb, <Py_ssize_t>1)
+    c.where = <int32_t **>calloc(size, sizeof(int32_t *))
+    c.owner = <int32_t *>calloc(size, sizeof(int32_t))
+    c.prev = <int32_t *>calloc(size, sizeof(int32_t))
+    c.next = <int32_t *>calloc(size, sizeof(int32_t))
+    c.listed = <uint8_t *>calloc(size, sizeof(uint8_t))
+    c.kept = <uint8_t *>calloc(size, sizeof(uint8_t))
+    c.head[0] = c.head[1] = c.tail[0] = c.tail[1] = -1
+    if c.where == NULL or c.owner == NULL or c.prev == NULL or c.next == NULL or c.listed == NULL or c.kept == NULL:
+        raise MemoryError("KVCacheCore: out of host memory for its KV cache groups")
+    return 0
+
+
+cdef void _free_cache(GroupCache *c) noexcept:
+    free(c.where)
+    free(c.owner)
+    free(c.prev)
+    free(c.next)
+    free(c.listed)
+    free(c.kept)
 
 
 cdef Py_ssize_t group_index(object group, Py_ssize_t n, str call) except -1:
@@ -117,6 +159,7 @@ cdef list one_group_stats(BlockPool pool, RadixTrie t):
     return [{
         "group": 0, "kind": "full", "window": 0, "sink_tokens": 0, "num_blocks": pool._num_blocks,
         "num_free": pool._num_free, "num_cached": t._num_blocks, "blocks_released": 0, "blocks_kept_at_checkpoints": 0,
+        "blocks_released_to_cache": 0, "num_cache_only": 0,
     }]
 
 
@@ -183,6 +226,12 @@ cdef class KVGroups:
         raise TypeError("KVGroups are made by KVCacheCore(groups=...)")
 
     def __dealloc__(self):
+        cdef Py_ssize_t g
+        if self._cache != NULL:
+            for g in range(self.n):
+                _free_cache(&self._cache[g])
+        free(self._cache)
+        free(self._owners)
         free(self._rules)
         free(self._pools)
         free(self._counts)
@@ -326,6 +375,10 @@ cdef class KVGroups:
                 for h in range(1, g):
                     self._drop_column(rec, h, 0, cut, &ignored)
                 return -1
+            if self._cache[g].where != NULL:
+                for p in range(count):
+                    self._unlink(&self._cache[g], self._ids[p])  # a sequence reads it: not evictable
+                    self._cache[g].kept[self._ids[p]] = 1  # a window that served a hit goes last
         return 0
 
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
@@ -337,9 +390,10 @@ cdef class KVGroups:
         for g in range(1, self.n):
             free_now = self.num_free(g)
             if free_now < need:
-                self.evict(t, g, need - free_now, &freed0, &trimmed, f)
-                if f.code == OK and self.num_free(g) < need and self._rules[g].kind != KIND_FULL:
-                    self._drop_pinned(t, g, need - self.num_free(g), f)
+                if self._rules[g].kind == KIND_FULL:
+                    self.evict(t, g, need - free_now, &freed0, &trimmed, f)
+                else:
+                    self.punch(t, g, need - free_now, &freed0, &trimmed, f)
                 if f.code != OK:
                     self.ungrow(rec, rec.num_blocks, num_blocks, g)
                     return -1
@@ -379,45 +433,57 @@ cdef class KVGroups:
         free(own)
         return protected
 
-    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil:
-        """Free up to ``n`` blocks of windowed group ``g`` that only the cache holds on runs live
-        sequences pin, none on a run a retention pin protects (it keeps its runs whole). A pinning
-        sequence holds its own reference on every block it still reads, so none loses a block; a
-        later hit on such a run is cut to where the group still serves it, and once its last pin
-        goes the run is trimmed to such a cut (``settle_leaf``). Returns how many it freed."""
-        cdef Py_ssize_t i, p, count = 0
+    cdef Py_ssize_t punch(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                          Failure *f) noexcept nogil:
+        """Free up to ``n`` blocks of windowed group ``g`` from the cache: its cache-only blocks,
+        least recently left to the cache first, ordinary ones before kept ones, none on a run a
+        retention pin protects (it keeps its runs whole). Each leaves a hole (-1) in its run; a
+        leaf whose last window lost a block is trimmed to a cut every group serves
+        (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
+        reference on every block it reads, so none loses one. Returns how many it freed."""
+        cdef GroupCache *c = &self._cache[g]
+        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end
+        cdef int32_t b, u
+        cdef int32_t *entry
         cdef RNode *node
-        cdef int32_t *col
-        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef uint64_t hashed
+        cdef char *protected = NULL
         cdef bint logging = self._evlog is not None and not self.quiet
-        cdef char *protected
-        if n <= 0 or self._reserve(n):
+        if c.where == NULL or n <= 0 or self._reserve(1):
             return 0
-        protected = self._retention_pinned(t)
-        if protected == NULL:
-            return 0
-        for i in range(t._high_water):
-            node = &t._nodes[i]
-            if count == n:
-                break
-            if node.parent < 0 or node.lock_count == 0 or protected[i]:
-                continue
-            col = chunk_column(node.chunk, g) + node.start
-            for p in range(node.length):
-                if count == n:
-                    break
-                if col[p] >= 0 and refs[col[p]] == 1:
-                    self._ids[count] = col[p]
-                    if logging:
-                        self._hashes[count] = node.chunk.hashes[node.start + p] if node.chunk.hashes != NULL else 0
-                    count += 1
-                    col[p] = -1
+        if self.retention is not None and self.retention.pinned_blocks > 0:
+            protected = self._retention_pinned(t)
+            if protected == NULL:
+                f.code = E_NO_MEMORY
+                return 0
+        for q in range(2):
+            b = c.head[q]
+            while b >= 0 and self.num_free(g) - before < n and f.code == OK:
+                u = c.owner[b]
+                if protected != NULL and protected[u]:
+                    b = c.next[b]
+                    continue
+                node = &t._nodes[u]
+                entry = c.where[b]
+                idx = entry - chunk_column(node.chunk, g)
+                p = node.depth + idx - node.start
+                entry[0] = -1
+                self._untrack(g, b)
+                if logging:
+                    hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
+                    self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
+                self._ids[0] = b
+                self._counts[g].evicted += 1
+                self._unref(g, 1, f)
+                end = node.depth + node.length
+                if (
+                    node.num_children == 0 and node.lock_count == 0
+                    and (p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size))
+                ):
+                    self.settle_leaf(t, u, freed0, trimmed, f)
+                b = c.head[q]
         free(protected)
-        if logging and count:
-            self._evlog.removed(self._ids, NULL, self._hashes, count, <int>g)
-        self._counts[g].evicted += count
-        self._unref(g, count, f)
-        return count
+        return self.num_free(g) - before
 
     cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil:
         """``settle_leaf`` on every leaf (after pins went that the core does not track one by one)."""
@@ -455,6 +521,58 @@ cdef class KVGroups:
             (<BlockPool>self._pools[g])._dec_ref_locked(chunk_column(rec.chunk, g) + start, stop - start, &ignored)
             self._counts[g].allocated -= stop - start
 
+    cdef void _track(self, Py_ssize_t g, int32_t *entry, Py_ssize_t p, int32_t node) noexcept nogil:
+        """The trie's entry ``entry`` (block ``p`` of its path, in ``node``) holds its block in group ``g``."""
+        cdef GroupCache *c = &self._cache[g]
+        cdef int32_t b = entry[0]
+        if c.where == NULL:
+            return
+        c.where[b] = entry
+        c.owner[b] = node
+        c.kept[b] = p < self._rules[g].sink_blocks or self.at_checkpoint(g, p)
+
+    cdef void _untrack(self, Py_ssize_t g, int32_t b) noexcept nogil:
+        """Block ``b`` of group ``g`` leaves the trie (its entry is dropped by the caller)."""
+        cdef GroupCache *c = &self._cache[g]
+        if c.where == NULL:
+            return
+        self._unlink(c, b)
+        c.where[b] = NULL
+
+    cdef void _offer(self, Py_ssize_t g, int32_t b) noexcept nogil:
+        """After a reference on block ``b`` of group ``g`` went: if only the cache holds it now,
+        it joins the most recently used end of its list."""
+        cdef GroupCache *c = &self._cache[g]
+        cdef Py_ssize_t q
+        if c.where == NULL or c.where[b] == NULL or (<BlockPool>self._pools[g])._refcounts[b] != 1:
+            return
+        self._unlink(c, b)
+        q = 1 if c.kept[b] else 0
+        c.prev[b] = c.tail[q]
+        c.next[b] = -1
+        if c.tail[q] >= 0:
+            c.next[c.tail[q]] = b
+        else:
+            c.head[q] = b
+        c.tail[q] = b
+        c.listed[b] = <uint8_t>(q + 1)
+        c.count[q] += 1
+
+    cdef void _unlink(self, GroupCache *c, int32_t b) noexcept nogil:
+        cdef Py_ssize_t q = c.listed[b] - 1
+        if q < 0:
+            return
+        if c.prev[b] >= 0:
+            c.next[c.prev[b]] = c.next[b]
+        else:
+            c.head[q] = c.next[b]
+        if c.next[b] >= 0:
+            c.prev[c.next[b]] = c.prev[b]
+        else:
+            c.tail[q] = c.prev[b]
+        c.listed[b] = 0
+        c.count[q] -= 1
+
     cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
                      Failure *f) noexcept nogil:
         """The record's KV now covers ``tokens`` tokens: release, per windowed group, the blocks
@@ -466,6 +584,7 @@ cdef class KVGroups:
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
         cdef int32_t *col
+        cdef int32_t b
         if tokens <= rec.kv_tokens:
             return 0
         if now > done and self.windowed and self._reserve(rec.num_blocks):
@@ -484,15 +603,20 @@ cdef class KVGroups:
             col = chunk_column(rec.chunk, g)
             count = 0
             for p in range(low, high):
-                if col[p] < 0:
+                b = col[p]
+                if b < 0:
                     continue
                 self._counts[g].released += 1
-                if self.at_checkpoint(g, p):
+                if p < rec.pin_blocks:
+                    # On its cached path: the entry stays (it may be the trie's), the block the cache's.
+                    self._counts[g].to_cache += self._cache[g].where != NULL and self._cache[g].where[b] != NULL
+                elif self.at_checkpoint(g, p):
                     self._counts[g].kept += 1
                     continue
-                self._ids[count] = col[p]
+                else:
+                    col[p] = -1
+                self._ids[count] = b
                 count += 1
-                col[p] = -1
                 if tables != NULL:
                     tables[g - 1][row + p] = self.pad
             self._unref(g, count, f)
@@ -503,27 +627,32 @@ cdef class KVGroups:
         cdef Py_ssize_t freed
         if count <= 0:
             return 0
+        cdef Py_ssize_t i
         freed = (<BlockPool>self._pools[g])._dec_ref_locked(self._ids, count, &f.batch)
         if f.batch.failed_at >= 0:
             f.code = E_INVARIANT
             f.value = self._ids[f.batch.failed_at]  # the id whose reference was not there
             f.group = <int32_t>g
         self._counts[g].freed += freed
+        if self._cache[g].where != NULL and freed < count:
+            for i in range(count):
+                self._offer(g, self._ids[i])
         return freed
 
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                                  Failure *f) noexcept nogil:
         """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after);
         the caller reserved the scratch for ``stop - start`` ids."""
-        cdef Py_ssize_t p, count = 0
+        cdef Py_ssize_t p, count = 0, released = self.released_to(g, rec)
         cdef int32_t *col = chunk_column(rec.chunk, g)
         if stop <= start:
             return 0
         for p in range(start, stop):
-            if col[p] >= 0:
+            if col[p] >= 0 and self.holds(rec, g, p, released):
                 self._ids[count] = col[p]
                 count += 1
-                col[p] = -1
+                if p >= rec.pin_blocks:
+                    col[p] = -1  # its own entry (on its cached path the entry may be the trie's)
         return self._unref(g, count, f)
 
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil:
@@ -537,41 +666,126 @@ cdef class KVGroups:
             self._drop_column(rec, g, 0, rec.num_blocks, f)
         return 0 if f.code == OK else -1
 
+    cdef int cache(self, RadixTrie t, SeqRec *rec, Py_ssize_t d, int32_t v, Py_ssize_t pos, Py_ssize_t full,
+                   int32_t leaf, Failure *f) noexcept nogil:
+        """A live record's blocks ``[d, full)`` were just cached in group 0 (its cached path held
+        ``[0, d)``): the path ending at node ``v`` holds ``[d, pos)`` (other runs'), node ``leaf``
+        (-1: none) holds ``[pos, full)`` in the record's own chunk. Per group: the leaf's entries
+        are the record's, the cache taking a reference on each the record's window still reads
+        and the record's own on each it released (kept at a checkpoint); holes of the path are
+        filled from the record's blocks likewise; released blocks the path already has go. The
+        scratch was reserved for ``full - d`` blocks by the caller."""
+        cdef Py_ssize_t g, p, released, count, taken
+        cdef int32_t *col
+        cdef int32_t *node_col
+        cdef int32_t b
+        cdef RNode *node
+        cdef bint tracked
+        for g in range(1, self.n):
+            col = chunk_column(rec.chunk, g)
+            released = self.released_to(g, rec)
+            tracked = self._cache[g].where != NULL
+            count = 0  # references the record gives up (scratch)
+            taken = 0  # references the cache takes (second scratch)
+            for p in range(pos, full):
+                b = col[p]
+                if b < 0:
+                    continue
+                self._track(g, col + p, p, leaf)
+                if p < self._rules[g].sink_blocks or p >= released:
+                    self._trimmed[taken] = b
+                    taken += 1
+                elif tracked:
+                    self._offer(g, b)  # the record's reference became the cache's
+            if leaf >= 0 and self._evlog is not None:
+                self._log_kept(t, leaf, g, pos, full, full)
+            node = &t._nodes[v]
+            for p in range(pos - 1, d - 1, -1):
+                b = col[p]
+                if b < 0:
+                    continue
+                while p < node.depth:
+                    node = &t._nodes[node.parent]
+                node_col = chunk_column(node.chunk, g) + node.start - node.depth
+                if p < self._rules[g].sink_blocks or p >= released:
+                    if node_col[p] < 0:
+                        node_col[p] = b
+                        self._track(g, node_col + p, p, <int32_t>(node - t._nodes))
+                        self._trimmed[taken] = b
+                        taken += 1
+                        if self._evlog is not None:
+                            self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
+                    continue  # the record keeps its own block while its window reads it
+                col[p] = -1  # released, off its cached path so far: its own entry
+                if node_col[p] < 0:
+                    node_col[p] = b  # the record's reference becomes the cache's
+                    self._track(g, node_col + p, p, <int32_t>(node - t._nodes))
+                    if tracked:
+                        self._offer(g, b)
+                    if self._evlog is not None:
+                        self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
+                else:
+                    self._ids[count] = b
+                    count += 1
+            if taken:
+                (<BlockPool>self._pools[g])._inc_ref_locked(self._trimmed, taken, &f.batch)
+                if f.batch.failed_at >= 0:
+                    f.code = E_INVARIANT
+                    f.value = self._trimmed[f.batch.failed_at]
+                    f.group = <int32_t>g
+                    return -1
+            self._unref(g, count, f)
+        return 0 if f.code == OK else -1
+
     cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
                     Failure *f) noexcept nogil:
         """A finishing record's groups 1 .. n - 1, once group 0 cached its first ``full`` blocks:
         the path ending at node ``v`` held ``[0, pos)``, the new ``leaf`` (-1: none) holds
-        ``[pos, full)``. Per group the cache keeps what ``kept`` says (the leaf's other entries
-        become -1; holes of the path it extends are filled from the record's blocks) and the
-        record's other references go. The caller reserved the scratch for ``rec.num_blocks`` ids
-        before it changed anything (group 0's part cannot be undone)."""
-        cdef Py_ssize_t g, p, count
+        ``[pos, full)``. Per group the leaf takes every block the record has there and the
+        holes of the path it extends are filled from the record's blocks (the record's
+        references become the cache's); the record's other references go. The caller reserved
+        the scratch for ``rec.num_blocks`` ids before it changed anything (group 0's part cannot
+        be undone)."""
+        cdef Py_ssize_t g, p, count, moved, released
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
         cdef RNode *node
+        cdef GroupCache *c
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
+            c = &self._cache[g]
+            released = self.released_to(g, rec)
             count = 0
+            moved = 0  # the references that became the cache's (in the second scratch)
             if leaf >= 0:
                 node = &t._nodes[leaf]
-                leaf_col = chunk_column(node.chunk, g) + node.start
+                leaf_col = chunk_column(node.chunk, g) + node.start - pos
                 if node.chunk != rec.chunk:
-                    memcpy(leaf_col, col + pos, (full - pos) * sizeof(int32_t))
-                count = self._drop_unkept(g, leaf_col - pos, pos, full)
+                    memcpy(leaf_col + pos, col + pos, (full - pos) * sizeof(int32_t))
+                for p in range(pos, full):
+                    if leaf_col[p] >= 0:
+                        self._track(g, leaf_col + p, p, leaf)
+                        if c.where != NULL:
+                            self._trimmed[moved] = leaf_col[p]
+                            moved += 1
                 if self._evlog is not None:
                     self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v] if v >= 0 else NULL
             p = pos - 1
             while node != NULL and p >= 0:
-                if col[p] < 0:
+                if col[p] < 0 or not self.holds(rec, g, p, released):
                     p -= 1
                     continue
                 while p < node.depth:
                     node = &t._nodes[node.parent]
-                node_col = chunk_column(node.chunk, g) + node.start
-                if node_col[p - node.depth] < 0 and self.kept(g, p, full):
-                    node_col[p - node.depth] = col[p]  # the record's reference becomes the cache's
+                node_col = chunk_column(node.chunk, g) + node.start - node.depth
+                if node_col[p] < 0:
+                    node_col[p] = col[p]  # the record's reference becomes the cache's
+                    self._track(g, node_col + p, p, <int32_t>(node - t._nodes))
+                    if c.where != NULL:
+                        self._trimmed[moved] = col[p]
+                        moved += 1
                     if self._evlog is not None:
                         self._log_kept(t, <int32_t>(node - t._nodes), g, p, p + 1, node.depth + node.length)
                 else:
@@ -583,27 +797,9 @@ cdef class KVGroups:
                     self._ids[count] = col[p]
                     count += 1
             self._unref(g, count, f)
+            for p in range(moved):
+                self._offer(g, self._trimmed[p])
         return 0 if f.code == OK else -1
-
-    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil:
-        """Move the ids at ``[start, end)`` of ``col`` that a run ending at block ``end`` does not
-        keep (``kept``) to the scratch, -1 in their place; how many. By checkpoint segments: in
-        each, the blocks before the checkpoint's window go."""
-        cdef Py_ssize_t p = max(start, <Py_ssize_t>self._rules[g].sink_blocks), q, stop, keep_from, count = 0
-        cdef Py_ssize_t last = min(self.first_needed(g, end * self._block_size), end), c
-        if self._rules[g].kind == KIND_FULL:
-            return 0
-        while p < last:
-            c = (p // self._retention + 1) * self._retention if self._retention > 0 else last
-            stop = min(c, last)
-            keep_from = self.first_needed(g, c * self._block_size) if c <= end and self._retention > 0 else stop
-            for q in range(p, min(keep_from, stop)):
-                if col[q] >= 0:
-                    self._ids[count] = col[q]
-                    count += 1
-                    col[q] = -1
-            p = stop
-        return count
 
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                         Py_ssize_t end) noexcept nogil:
@@ -652,6 +848,7 @@ cdef class KVGroups:
             count = 0
             for p in range(take):
                 if col[p] >= 0:
+                    self._untrack(g, col[p])
                     self._ids[count] = col[p]
                     if logging:
                         self._hashes[count] = (
@@ -746,44 +943,106 @@ cdef class KVGroups:
         """The first inconsistency of groups 1 .. n - 1 (refcounts against the records' columns
         and the cached runs', each pool's own tables) or of the rule that every leaf ends at a
         cut every group can serve; None when there is none."""
-        cdef Py_ssize_t g, i, nb, end
+        cdef Py_ssize_t g, i, p, nb, end, released, last
+        cdef SeqRec *rec
         cdef RNode *node
         cdef BlockPool pool
         cdef int64_t[::1] expected
         for g in range(1, self.n):
-            if self.shared:
-                break  # the core recounts the one pool, every group's references added (count_refs)
-            pool = self.pool_of(g)
-            problem = pool._problem()
-            if problem is not None:
-                return f"BlockPool of group {g}: {problem}"
-            nb = pool._num_blocks
-            counted = np.zeros(nb + 1, dtype=np.int64)
-            expected = counted
-            if null_block >= 0:
-                expected[null_block] += 1
-            problem = self.count_refs(t, records, g, expected, nb)
-            if problem is not None:
-                return problem
-            for i in range(nb):
-                if expected[i] != pool._refcounts[i]:
-                    return (
-                        f"group {g}: block {i}: refcount {pool._refcounts[i]} but sequences and cache hold "
-                        f"{expected[i]}"
-                    )
+            if not self.shared:  # (shared: the core recounts the one pool, every group's references added)
+                pool = self.pool_of(g)
+                problem = pool._problem()
+                if problem is not None:
+                    return f"BlockPool of group {g}: {problem}"
+                nb = pool._num_blocks
+                counted = np.zeros(nb + 1, dtype=np.int64)
+                expected = counted
+                if null_block >= 0:
+                    expected[null_block] += 1
+                problem = self.count_refs(t, records, g, expected, nb)
+                if problem is not None:
+                    return problem
+                for i in range(nb):
+                    if expected[i] != pool._refcounts[i]:
+                        return (
+                            f"group {g}: block {i}: refcount {pool._refcounts[i]} but sequences and cache hold "
+                            f"{expected[i]}"
+                        )
+            if self._cache[g].where != NULL:
+                problem = self._cache_problem(t, g)
+                if problem is not None:
+                    return problem
         for i in range(t._high_water):
             node = &t._nodes[i]
             if node.parent < 0 or node.num_children != 0 or node.lock_count != 0:
-                continue  # a pinned leaf may have lent its window blocks to a live sequence (_drop_pinned)
+                continue  # a pinned run may have lost blocks to eviction: it is trimmed once unpinned
             end = node.depth + node.length
-            if self.best_cut(t, <int32_t>i, end, end - 1) != end:
-                return f"leaf node {i} ends at block {end}, a prefix not every KV cache group can serve"
+            for g in range(1, self.n):
+                if self._rules[g].kind == KIND_FULL:
+                    continue
+                col = chunk_column(node.chunk, g) + node.start - node.depth
+                last = self.first_needed(g, end * self._block_size)
+                for p in range(node.depth, end):
+                    if col[p] < 0 and (p < self._rules[g].sink_blocks or p >= last):
+                        return (
+                            f"leaf node {i} ends at block {end}, but its own run lacks block {p} of group {g}, "
+                            "which a query at its end reads"
+                        )
+        return None
+
+    cdef str _cache_problem(self, RadixTrie t, Py_ssize_t g):
+        """The first inconsistency of windowed group ``g``'s cached blocks: every block an entry
+        of the trie holds is tracked at that entry and node, and no other; the lists hold
+        exactly the blocks only the cache holds, each on the list its kind says, linked both ways."""
+        cdef GroupCache *c = &self._cache[g]
+        cdef Py_ssize_t i, p, q, nb = self.pool_of(g)._num_blocks, entries = 0, tracked = 0, steps
+        cdef int32_t b, prev
+        cdef int32_t *col
+        cdef RNode *node
+        cdef int32_t *refs = self.pool_of(g)._refcounts
+        for i in range(t._high_water):
+            node = &t._nodes[i]
+            if node.parent < 0:
+                continue
+            col = chunk_column(node.chunk, g) + node.start
+            for p in range(node.length):
+                b = col[p]
+                if b < 0:
+                    continue
+                entries += 1
+                if c.where[b] != col + p or c.owner[b] != i:
+                    return f"group {g}: cached block {b} (node {i}) is not tracked at its entry"
+        for b in range(nb):
+            if c.where[b] == NULL:
+                if c.listed[b]:
+                    return f"group {g}: block {b} is on an eviction list but not cached"
+                continue
+            tracked += 1
+            if (refs[b] == 1) != (c.listed[b] != 0):
+                state = "listed" if c.listed[b] else "not listed"
+                return f"group {g}: cached block {b} has refcount {refs[b]} but is {state}"
+            if c.listed[b] and c.listed[b] != 1 + c.kept[b]:
+                return f"group {g}: cached block {b} is on list {c.listed[b] - 1}, its kind says {c.kept[b]}"
+        if tracked != entries:
+            return f"group {g}: {tracked} blocks are tracked as cached, the trie's entries hold {entries}"
+        for q in range(2):
+            b = c.head[q]
+            prev = -1
+            steps = 0
+            while b >= 0:
+                if steps > nb or c.listed[b] != q + 1 or c.prev[b] != prev:
+                    return f"group {g}: eviction list {q} is broken at block {b}"
+                prev = b
+                b = c.next[b]
+                steps += 1
+            if prev != c.tail[q] or steps != c.count[q]:
+                return f"group {g}: eviction list {q} holds {steps} blocks, its count says {c.count[q]}"
         return None
 
     cdef str count_refs(self, RadixTrie t, Records records, Py_ssize_t g, int64_t[::1] expected, Py_ssize_t nb):
         """Add to ``expected`` the references group ``g``'s columns hold (records' and cached
         runs'); a message naming an id outside ``[0, nb)``, else None."""
-        cdef Py_ssize_t i, p
+        cdef Py_ssize_t i, p, released
         cdef SeqRec *rec
         cdef RNode *node
         cdef int32_t *col
@@ -792,10 +1051,11 @@ cdef class KVGroups:
             if rec.status == FREE:
                 continue
             col = chunk_column(rec.chunk, g)
+            released = self.released_to(g, rec)
             for p in range(rec.num_blocks):
                 if col[p] >= nb or col[p] < -1:
                     return f"group {g}: sequence {rec.seq_id} holds block id {col[p]} out of range [0, {nb})"
-                if col[p] >= 0:
+                if col[p] >= 0 and self.holds(rec, g, p, released):
                     expected[col[p]] += 1
         for i in range(t._high_water):
             node = &t._nodes[i]
@@ -835,6 +1095,8 @@ cdef class KVGroups:
                 "num_blocks": pool._num_blocks, "num_free": pool._num_free, "num_cached": cached,
                 "blocks_allocated": self._counts[g].allocated, "blocks_freed": self._counts[g].freed,
                 "blocks_released": self._counts[g].released, "blocks_kept_at_checkpoints": self._counts[g].kept,
+                "blocks_released_to_cache": self._counts[g].to_cache,
+                "num_cache_only": self._cache[g].count[0] + self._cache[g].count[1],
                 "blocks_evicted": self._counts[g].evicted,
             })
         return out
@@ -887,6 +1149,10 @@ cdef class KVGroups:
     cdef object column(self, SeqRec *rec, Py_ssize_t g):
         """A copy of the record's block ids in group ``g`` (-1: released or never needed)."""
         cdef cnp.ndarray out = np.empty(rec.num_blocks, dtype=np.int32)
+        cdef int32_t *ids = <int32_t *>cnp.PyArray_DATA(out)
+        cdef Py_ssize_t p, released = self.released_to(g, rec)
         if rec.num_blocks:
-            memcpy(cnp.PyArray_DATA(out), chunk_column(rec.chunk, g), rec.num_blocks * sizeof(int32_t))
+            memcpy(ids, chunk_column(rec.chunk, g), rec.num_blocks * sizeof(int32_t))
+        for p in range(self._rules[g].sink_blocks, min(released, <Py_ssize_t>rec.pin_blocks)):
+            ids[p] = -1  # released on its cached path: the entry is the cache's
         return out

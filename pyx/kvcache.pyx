@@ -88,9 +88,11 @@ cdef class KVCacheCore:
     ``"chunked_local"`` (``window``: its window or chunk in tokens) and a ``BlockPool`` of its own
     (the core's alone: it works on it under its own lock), with this block size. Admission reuses
     the longest prefix every group can serve; a windowed group's table holds -1 where it needs no
-    block (before its window, or released since); the decode step releases what left a window,
-    keeping the windows before checkpoints every ``retention_interval`` tokens (default 4096, a
-    multiple of the block size; 0: none) for later hits. See ``lifecycle._groups``.
+    block (before its window, or released since); ``cache`` and ``step(cache=True)`` cache every
+    group's computed blocks; the decode step releases what left a window (a cached block stays
+    cached, evictable by its group; an uncached one is freed unless it lies in the window before a
+    checkpoint every ``retention_interval`` tokens, default 4096, a multiple of the block size;
+    0: none). See ``lifecycle._groups``.
     """
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
@@ -132,8 +134,11 @@ cdef class KVCacheCore:
         )
         if self._grouped:
             self._groups.records = self._records
+            self._trie._set_owners(self._groups._owners)  # its splits keep the groups' block owners
         self._snaps = new_snapshot_ids(num, self._trie)
         self._retention = new_retention(self._trie, self._records, self._lock, self._block_size, self._grouped)
+        if self._grouped:
+            self._groups.retention = self._retention
         self._evlog = new_event_log(self._block_size, pool, pool.mutex())
         self.salts = SaltMap()
         self._pool = pool
@@ -576,7 +581,7 @@ cdef class KVCacheCore:
         taken[0] = 0
         if full <= d:
             return rec.pin_node if full == d else self._node_at(rec, full, f)
-        if self._trie._reserve(3):
+        if self._trie._reserve(3) or (self._grouped and self._groups._reserve(full - d)):
             f.code = E_NO_MEMORY
             return -1
         start = rec.pin_node if rec.pin_node >= 0 else self._trie._root(rec.adapter)
@@ -594,6 +599,8 @@ cdef class KVCacheCore:
             self._trie._extend(start, <int32_t>(full - d))
             if self._track:
                 self._log_stored(start, full - d)
+            if self._grouped and self._groups.cache(self._trie, rec, d, start, d, full, start, f):
+                return -1
             taken[0] = full - d
             self._counters.blocks_cached += full - d
             rec.pin_blocks = <int32_t>full
@@ -614,6 +621,8 @@ cdef class KVCacheCore:
         else:
             end = v
             self._trie._touch(v)
+        if self._grouped and self._groups.cache(self._trie, rec, d, v, pos, full, end if pos < full else -1, f):
+            return -1
         self._trie._pin(end)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
@@ -933,8 +942,6 @@ cdef class KVCacheCore:
         cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 0, self._max_blocks_per_seq)
         cdef Py_ssize_t taken = 0
         cdef Failure f
-        if self._grouped:
-            self._refuse_grouped("cache_sequence")
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         self._cache_checked(h, full, &taken, &f)
@@ -952,8 +959,6 @@ cdef class KVCacheCore:
         cdef Py_ssize_t taken = 0
         cdef SeqRec *rec
         cdef Failure f
-        if self._grouped:
-            self._refuse_grouped("mark_computed")
         ok(&f)
         cdef PyThreadState *released = self._lock.enter(LONG_CALL)
         rec = self._records.active(h, &f)
@@ -1179,12 +1184,9 @@ cdef class KVCacheCore:
                 raise InvalidId(f"step: a table of {nrows} rows for {n} requests (give rows)")
         elif rows is not None:
             raise InvalidId("step: rows were given without a table to write them in")
-        if self._grouped and (cache or group_tables is not None):
-            if cache:
-                self._refuse_grouped("step(cache=True)")
-            if group_tables is not None:
-                group_tables = tuple(group_tables)  # held while the step writes them
-                group_tabs = _group_tables(group_tables, self._groups.n - 1, table)
+        if self._grouped and group_tables is not None:
+            group_tables = tuple(group_tables)  # held while the step writes them
+            group_tabs = _group_tables(group_tables, self._groups.n - 1, table)
         elif group_tables is not None:
             raise InvalidId("step: group_tables were given to a core with one KV cache group")
         refused = _empty_int32(n)

@@ -519,6 +519,23 @@ cdef inline void _remove_leaf(RadixTrie t, int32_t v) noexcept nogil:
         t._num_roots -= 1
 
 
+cdef void _own_head(RadixTrie t, int32_t h) noexcept nogil:
+    """A split's head ``h`` took over the first blocks of its tail: it now owns their entries in
+    the groups whose blocks are tracked by node (``_owners``)."""
+    cdef Py_ssize_t g, q
+    cdef RNode *head = &t._nodes[h]
+    cdef int32_t *col
+    cdef int32_t *owner
+    for g in range(1, t._chunks.num_groups):
+        owner = t._owners[g]
+        if owner == NULL:
+            continue
+        col = head.chunk.blocks + g * head.chunk.block_capacity + head.start
+        for q in range(head.length):
+            if col[q] >= 0:
+                owner[col[q]] = h
+
+
 cdef inline uint64_t *_chunk_hashes(Chunk *chunk) noexcept nogil:
     """The chunk's content-hash array (one slot per block position), made on first use; NULL when
     out of memory."""
@@ -769,6 +786,8 @@ cdef class RadixTrie:
         head.priority = tail.priority
         head.expiry = INFINITY
         _set_expiry(self, h, tail.expiry)
+        if self._owners != NULL:
+            _own_head(self, h)
         _chain_unlink(self, v)
         tail.start += blocks
         tail.length -= blocks

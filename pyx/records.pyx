@@ -245,7 +245,7 @@ cdef class Records:
             chunk.tokens + rec.lazy_tokens, old.tokens + rec.lazy_tokens,
             (rec.num_tokens - rec.lazy_tokens) * sizeof(int32_t),
         )
-        for g in range(chunks.num_groups):
+        for g in range(chunks.num_groups):  # every KV cache group's column
             memcpy(chunk_column(chunk, g), chunk_column(old, g), rec.num_blocks * sizeof(int32_t))
         if old.num_hashed:
             chunk.hashes = <uint64_t *>malloc(chunk.block_capacity * sizeof(uint64_t))

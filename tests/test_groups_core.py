@@ -236,7 +236,8 @@ def test_eviction_trims_a_run_back_to_a_cut_every_group_serves() -> None:
 def test_a_window_groups_shortage_evicts_cached_runs() -> None:
     core, _, other = make(group_blocks=6, retention=0)
     core.finish(run(core, list(range(16)), 4, []))
-    assert other.num_free == 4
+    # The finished run leaves all its window blocks to the cache, evictable.
+    assert (other.num_free, core.group_stats()[1]["num_cache_only"]) == (2, 4)
     b = core.admit([50 + i for i in range(20)], 6)
     assert core.num_blocks(b) == 6
     assert core.num_cached_blocks == 0
@@ -343,12 +344,119 @@ def test_snapshot_cut_is_refused_with_groups() -> None:
 def test_calls_a_grouped_core_does_not_offer_are_refused_by_name() -> None:
     core, _, _ = make()
     h = core.admit(list(range(8)), 2)
-    with pytest.raises(Unsupported, match="cache_sequence"):
-        core.cache(h, 1)
-    with pytest.raises(Unsupported, match="step"):
-        core.step([h], [1], cache=True)
     with pytest.raises(Unsupported, match="attach"):
         core.attach(h, list(range(8)))
+    core.check_invariants()
+
+
+# --- caching mid-life: blocks enter the cache as they are computed -------------------------------------
+
+
+def test_a_live_sequences_cached_blocks_are_a_hit_in_every_group() -> None:
+    core, _, _ = make(retention=0)
+    h = core.admit(PROMPT, 11)
+    assert core.cache(h, 10) == 10
+    core.append(h, [])  # the prompt's KV is computed: blocks 0..7 left the window, still cached
+    stats = core.group_stats()[1]
+    assert (stats["num_cached"], stats["num_cache_only"], stats["blocks_released_to_cache"]) == (10, 8, 8)
+    assert core.block_table(h, 1)[:8].tolist() == [-1] * 8  # the sequence no longer holds them
+    # A query at token 24 reads blocks 4 and 5 of the window group: the cache has them.
+    probe = core.admit(PROMPT[:24] + [9] * 8, 8)
+    assert core.cached_tokens(probe) == 24
+    core.check_invariants()
+
+
+def test_step_with_cache_caches_each_block_as_it_fills() -> None:
+    core, _, _ = make(retention=0)
+    h = core.admit(list(range(16)), 5)
+    for token in range(5):
+        assert core.step([h], [token], cache=True).size == 0
+    # Blocks 0 and 1 left the window before they were cached (the first step); block 2 after.
+    assert [row["num_cached"] for row in core.group_stats()] == [5, 3]
+    assert core.group_stats()[1]["num_cache_only"] == 1
+    probe = core.admit(list(range(16)) + [0, 1, 2, 3, 7], 6)
+    assert core.cached_tokens(probe) == 20
+    core.check_invariants()
+
+
+def test_mark_computed_caches_the_blocks_in_every_group() -> None:
+    core, _, _ = make(retention=0)
+    h = core.admit(PROMPT, 10)
+    assert core.mark_computed(h, 9) == 9
+    assert core.cached_tokens(h) == 36
+    assert [row["num_cached"] for row in core.group_stats()] == [9, 9]
+    core.check_invariants()
+
+
+def test_a_finished_sequence_cached_mid_life_hands_its_blocks_to_the_cache() -> None:
+    core, pool, other = make(retention=0)
+    h = core.admit(PROMPT, 11)
+    core.cache(h, 10)
+    core.append(h, [])
+    core.finish(h)
+    stats = core.group_stats()
+    assert [row["num_cached"] for row in stats] == [10, 10]
+    assert stats[1]["num_cache_only"] == 10
+    assert (pool.num_free, other.num_free) == (54, 54)
+    core.check_invariants()
+
+
+# --- a windowed group short of blocks evicts its own cache-only blocks ----------------------------------
+
+
+def released_run(retention: int, group_blocks: int) -> tuple[KVCacheCore, BlockPool, Any, int]:
+    """A live sequence of ``PROMPT`` cached mid-life whose window moved past blocks 0..7 (left to
+    the cache in that order); the core, the window group's pool, those blocks' ids and the handle."""
+    core, _, other = make(retention=retention, group_blocks=group_blocks)
+    h = core.admit(PROMPT, 11)
+    core.cache(h, 10)
+    ids = core.block_table(h, 1)[:8]
+    core.append(h, [])
+    return core, other, ids, h
+
+
+def test_a_window_group_short_of_blocks_evicts_the_least_recently_released_block_first() -> None:
+    core, other, ids, h = released_run(retention=0, group_blocks=12)
+    assert other.num_free == 1
+    table = core.block_table(h, 1).tolist()
+    b = core.admit(list(range(100, 108)), 2)
+    # One block was free; the other is the first the window left, taken from the cache.
+    assert int(ids[0]) in core.block_table(b, 1).tolist()
+    assert core.group_stats()[1]["num_cache_only"] == 7
+    assert (other.refcounts()[ids[1:]] == 1).all()
+    assert core.block_table(h, 1).tolist() == table  # a live sequence loses no block it reads
+    core.check_invariants()
+
+
+def test_checkpoint_windows_are_evicted_after_the_other_cached_blocks() -> None:
+    # Checkpoints every 16 tokens: the windows before them are blocks 2, 3 and 6, 7.
+    core, other, ids, _ = released_run(retention=16, group_blocks=12)
+    b = core.admit(list(range(100, 116)), 5)
+    taken = set(core.block_table(b, 1).tolist())
+    assert taken >= {int(i) for i in ids[[0, 1, 4, 5]]}
+    assert not taken & {int(i) for i in ids[[2, 3, 6, 7]]}
+    assert core.group_stats()[1]["num_cache_only"] == 4
+    core.check_invariants()
+
+
+def test_a_hole_in_a_leafs_last_window_trims_it_to_a_cut_every_group_serves() -> None:
+    core, pool, other = make(retention=0, group_blocks=6)
+    h = core.admit(list(range(16)), 4)
+    core.append(h, [])
+    core.finish(h)
+    assert (core.num_cached_blocks, other.num_free) == (4, 4)
+    # Taking one window block of the run leaves no cut of it servable: the run goes in every group.
+    core.admit(list(range(100, 120)), 5)
+    assert (core.num_cached_blocks, pool.num_free, other.num_free) == (0, 64 - 5, 1)
+    core.check_invariants()
+
+
+def test_a_window_group_that_cannot_grow_names_it_and_the_sequence_keeps_its_blocks() -> None:
+    core, other, _, h = released_run(retention=0, group_blocks=12)
+    table = core.block_table(h, 1).tolist()
+    with pytest.raises(OutOfBlocks, match="group 1"):
+        core.grow(h, 21)  # 10 more blocks: 1 is free, 8 are cache-only
+    assert core.block_table(h, 1).tolist() == table and core.num_blocks(h) == 11
     core.check_invariants()
 
 
@@ -361,6 +469,8 @@ OPS = st.lists(
         st.tuples(st.just("step"), st.integers(0, 7), st.integers(1, 6)),
         st.tuples(st.just("finish"), st.integers(0, 7), st.booleans()),
         st.tuples(st.just("evict"), st.integers(1, 12), st.just(0)),
+        st.tuples(st.just("cache"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("cached_step"), st.integers(0, 7), st.integers(1, 6)),
     ),
     min_size=1,
     max_size=40,
@@ -378,8 +488,9 @@ OPS = st.lists(
 def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
     ops: list[tuple[str, Any, Any]], kind: str, retention: int, sink: int, events: bool
 ) -> None:
-    """After every call: every group's refcounts balance against the records and the cache, and
-    every leaf of the trie ends at a cut every group can serve (``check_invariants``); a refused
+    """After every call (mid-life caching and window releases included): every group's refcounts
+    balance against the records and the cache, its cached blocks are tracked and its cache-only ones
+    listed, and every unpinned leaf's own run holds the window its end reads (``check_invariants``); a refused
     admission leaves every pool as it was. With events, each group's stored blocks less its
     removed ones are the blocks it has cached."""
     from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
@@ -408,7 +519,20 @@ def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
             core.finish(live.pop(int(a) % len(live)), cache=bool(b))
         elif op == "evict":
             core.evict(int(a))
+        elif op == "cache" and live:
+            h = live[int(a) % len(live)]
+            if b:
+                core.append(h, [])  # its KV is computed: the window releases what it left
+            core.cache(h, min(core.num_tokens(h) // BS, core.num_blocks(h)))
+        elif op == "cached_step" and live:
+            h = live[int(a) % len(live)]
+            for token in range(int(b)):
+                if core.step([h], [token + 30], cache=True).size:
+                    break
         core.check_invariants()
+        for group_pool in (pool, other):
+            refs = group_pool.refcounts()
+            assert group_pool.num_free == int((refs == 0).sum())  # every block free or held, none lost
     for h in live:
         core.finish(h)
     core.check_invariants()
@@ -430,7 +554,9 @@ def test_events_name_the_group_of_the_blocks_each_group_stores_and_removes() -> 
     from lifecycle.events import BlockRemoved, BlockStored, KVEventTranslator
 
     core, _, _ = make(retention=0, events=True)
-    core.finish(run(core, list(range(16)), 4, []))
+    h = run(core, list(range(16)), 4, [])
+    core.append(h, [])  # the prompt's KV is computed: blocks 0 and 1 left the window, uncached
+    core.finish(h)
     core.evict(4)
     events = KVEventTranslator(BS).events(core.take_events())
     stored = [(e.group_idx, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
@@ -488,6 +614,7 @@ def long_window_core() -> tuple[KVCacheCore, BlockPool, BlockPool]:
     for block in range(1, 20):
         core.grow(h, block + 1)
         core.append(h, TOKENS[block * 16 : block * 16 + 16])
+    core.append(h, [])
     core.finish(h)
     assert core.group_stats()[1]["num_cached"] == 8
     return core, pool, other

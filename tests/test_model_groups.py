@@ -204,3 +204,15 @@ def test_appending_tokens_to_a_sequence_releases_what_left_the_window() -> None:
         m.check_invariants()
     finally:
         m.teardown()
+
+
+def test_a_grouped_models_step_caches_the_blocks_that_filled(model: HybridModel) -> None:
+    seq = prefilled(model, 40)  # blocks 0..5 left the window before any was cached
+    model.step([seq], np.array([7], dtype=np.int32))
+    assert [group["num_cached"] for group in model.group_stats()] == [10, 4]
+    # A second sequence of the same prefix reuses it while the first still runs.
+    other = model.alloc_sequence_for(48)
+    prompt = np.concatenate([np.arange(40), [7, 1, 2, 3]]).astype(np.int32)
+    assert model.attach_prefix(other, prompt) == 40
+    model.cache_sequence(other)
+    model.check_invariants()

@@ -5,12 +5,13 @@
 
 cimport cython
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 from lifecycle._blockpool cimport BatchResult, BlockPool
 from lifecycle._evlog cimport EventLog
 from lifecycle._radix cimport RadixTrie
 from lifecycle._records cimport Failure, Records, SeqRec
+from lifecycle._retention cimport Retention
 
 
 cdef enum:
@@ -31,7 +32,24 @@ cdef struct GroupCounts:
     int64_t freed
     int64_t released           # blocks that left a window or chunk (freed or kept at a checkpoint)
     int64_t kept               # of those, kept by their record for a checkpoint
+    int64_t to_cache           # of those, left to the cache (on the record's cached path): evictable now
     int64_t evicted
+
+
+# A windowed group's cached blocks, by block id: where the trie holds each, and the blocks only
+# the cache holds (cache-only: evictable one by one) on two LRU lists by when they became so:
+# ordinary ones, then the kept ones (sink blocks, the windows before checkpoints, windows that
+# served a hit), which go last.
+cdef struct GroupCache:
+    int32_t **where            # the trie entry holding the block (NULL: not cached)
+    int32_t *owner             # the node of that entry (RadixTrie._split keeps it: _owners)
+    int32_t *prev
+    int32_t *next
+    uint8_t *listed            # 0: on no list, 1: the ordinary list, 2: the kept list
+    uint8_t *kept              # which list it joins once cache-only
+    int32_t head[2]
+    int32_t tail[2]
+    Py_ssize_t count[2]
 
 
 @cython.final
@@ -57,6 +75,9 @@ cdef class KVGroups:
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
     cdef Py_ssize_t fail_in         # (tests) the fail_in-th growth of the scratch from now fails (0: none)
     cdef int32_t pad                # what a decode step writes where a window released a block (the null block, or -1)
+    cdef GroupCache *_cache         # per group (windowed ones track their cached blocks; others: where NULL)
+    cdef int32_t **_owners          # per group, its GroupCache.owner (NULL: untracked), for the trie's splits
+    cdef Retention retention        # the core's (whose pins keep their runs whole)
 
     cdef inline BlockPool pool_of(self, Py_ssize_t g):
         return <BlockPool>self._pools[g]
@@ -83,22 +104,31 @@ cdef class KVGroups:
         c = (p // self._retention + 1) * self._retention
         return self.first_needed(g, c * self._block_size) <= p
 
-    cdef inline bint kept(self, Py_ssize_t g, Py_ssize_t p, Py_ssize_t end) noexcept nogil:
-        """Whether a cached run ending at block ``end`` keeps block ``p`` in group ``g``: its
-        sink blocks, its last window, the windows before its checkpoints."""
-        cdef Py_ssize_t c
-        if p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size):
-            return True
-        if self._retention <= 0:
-            return False
-        c = (p // self._retention + 1) * self._retention
-        return c <= end and self.first_needed(g, c * self._block_size) <= p
+    cdef inline Py_ssize_t released_to(self, Py_ssize_t g, SeqRec *rec) noexcept nogil:
+        """Blocks below this one (past the sink blocks) left the record's window or chunk in group ``g``."""
+        if self._rules[g].kind == KIND_FULL:
+            return 0
+        return self.first_needed(g, (rec.kv_tokens // self._block_size) * self._block_size)
+
+    cdef inline bint holds(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t p, Py_ssize_t released) noexcept nogil:
+        """Whether the record holds a reference on its entry ``p`` of group ``g`` (when it is >= 0;
+        ``released``: ``released_to``). Past its cached path an entry is its own; on the path it
+        may be the trie's too (a chunk the record shares with its cached run), and the record
+        holds only what its window still reads: the entries it released stay as the cache's."""
+        return p >= rec.pin_blocks or p < self._rules[g].sink_blocks or p >= released
 
     # (lock held)
     cdef void log_to(self, EventLog log) noexcept
     cdef int _reserve(self, Py_ssize_t blocks) noexcept nogil
     cdef void fail_growth(self, Py_ssize_t n) noexcept
-    cdef Py_ssize_t _drop_unkept(self, Py_ssize_t g, int32_t *col, Py_ssize_t start, Py_ssize_t end) noexcept nogil
+    cdef void _track(self, Py_ssize_t g, int32_t *entry, Py_ssize_t p, int32_t node) noexcept nogil
+    cdef void _untrack(self, Py_ssize_t g, int32_t b) noexcept nogil
+    cdef void _offer(self, Py_ssize_t g, int32_t b) noexcept nogil
+    cdef void _unlink(self, GroupCache *c, int32_t b) noexcept nogil
+    cdef Py_ssize_t punch(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
+                          Failure *f) noexcept nogil
+    cdef int cache(self, RadixTrie t, SeqRec *rec, Py_ssize_t d, int32_t v, Py_ssize_t pos, Py_ssize_t full,
+                   int32_t leaf, Failure *f) noexcept nogil
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                         Py_ssize_t end) noexcept nogil
     cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil
@@ -112,7 +142,6 @@ cdef class KVGroups:
                      Failure *f) noexcept nogil
     cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil
     cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil
-    cdef Py_ssize_t _drop_pinned(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Failure *f) noexcept nogil
     cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil
     cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
@@ -131,6 +160,7 @@ cdef class KVGroups:
     # (GIL held, lock held)
     cdef str problem(self, RadixTrie t, Records records, int32_t null_block)
     cdef str count_refs(self, RadixTrie t, Records records, Py_ssize_t g, int64_t[::1] expected, Py_ssize_t nb)
+    cdef str _cache_problem(self, RadixTrie t, Py_ssize_t g)
     cdef list stats(self, RadixTrie t)
     cdef object column(self, SeqRec *rec, Py_ssize_t g)
     # (GIL held, lock released: each takes it)

@@ -126,6 +126,7 @@ cdef class RadixTrie:
     cdef lc_mutex_t _own_lock       # used when no owner gave one
     cdef object _lock_owner         # what holds ``_lock``, kept alive
     cdef ChunkCache _chunks
+    cdef int32_t **_owners          # (KV cache groups) per group, by block id, the node holding it (NULL: untracked)
 
     cdef void _share_lock(self, object owner, lc_mutex_t *lock) noexcept
 
@@ -144,6 +145,10 @@ cdef class RadixTrie:
     cdef inline void _set_groups(self, Py_ssize_t n) noexcept nogil:
         """Chunks made from now on hold ``n`` block id columns (KV cache groups; before any is made)."""
         self._chunks.num_groups = n
+
+    cdef inline void _set_owners(self, int32_t **owners) noexcept nogil:
+        """Per group, the node holding each block (NULL: untracked), kept through splits (KV cache groups)."""
+        self._owners = owners
 
     cdef inline ChunkCache *_chunk_cache(self) noexcept nogil:
         """The chunks' free lists, shared with the owner's records (whose chunks nodes take over)."""

@@ -44,13 +44,17 @@ class KVCacheCore:
     ``"chunked_local"`` (chunks of ``window`` tokens). Admission (``admit``/``attach``) reuses, in
     one locked call, the longest cut every group can serve (a windowed group: the blocks a query at
     the cut reads) and gives each group its blocks there; a windowed group's table holds -1 where
-    it needs no block (before its window; released since). The decode step, ``append`` and
-    ``finish`` release what left a window, keeping the windows before checkpoints every
-    ``retention_interval`` tokens (default 4096, a multiple of ``block_size``; 0: none) and the
-    last window of a finished run for later hits. Eviction trims a run in every group at once, to a
-    cut every group serves. A call short of blocks in any group raises ``OutOfBlocks`` naming the
-    group, nothing changed. With several groups ``cache``, ``mark_computed``, ``snapshot_point``,
-    ``step(cache=True)``, ``allocate``, ``evict_blocks``, ``set_events`` (on) and a second
+    it needs no block (before its window; released since). ``cache``, ``mark_computed`` and
+    ``step(cache=True)`` insert a live record's computed blocks in every group's column. The decode
+    step, ``append`` and ``finish`` release what left a window: a block on the record's cached path
+    stays in the cache, evictable; one off it is freed, except the windows before checkpoints every
+    ``retention_interval`` tokens (default 4096, a multiple of ``block_size``; 0: none), which the
+    record keeps for its finish. A windowed group short of blocks takes its own cache-only blocks,
+    least recently left to the cache first (sink blocks, checkpoint windows and windows that served
+    a hit last), and trims a run whose last window lost one to a cut every group serves; group 0's
+    eviction trims a run in every group at once, to such a cut. A call short of blocks in any group
+    raises ``OutOfBlocks`` naming the group (only evictions changed). With several groups
+    ``snapshot_point``, ``allocate``, ``evict_blocks``, ``set_events(demote=True)`` and a second
     ``attach`` of a record raise ``Unsupported``, and ``snapshot_cut`` is refused.
     """
 
@@ -217,4 +221,6 @@ class KVCacheCore:
     def group_stats(self) -> list[dict[str, Any]]:
         """Per group, group 0 first: ``group``, ``kind``, ``window``, ``sink_tokens``, ``num_blocks``,
         ``num_free``, ``num_cached``, ``blocks_allocated``, ``blocks_freed``, ``blocks_released``,
-        ``blocks_kept_at_checkpoints``, ``blocks_evicted``."""
+        ``blocks_kept_at_checkpoints``, ``blocks_released_to_cache`` (released blocks left to the
+        cache, evictable), ``num_cache_only`` (a windowed group's blocks only the cache holds),
+        ``blocks_evicted``."""
