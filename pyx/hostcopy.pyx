@@ -14,7 +14,7 @@ cimport numpy as cnp
 
 import numpy as np
 from libc.stdint cimport int64_t, uintptr_t
-from libc.stdlib cimport free, malloc, qsort
+from libc.stdlib cimport free, malloc
 from libc.string cimport memmove
 
 from lifecycle._args cimport ssize_fits
@@ -257,10 +257,39 @@ cdef struct _Span:
     bint is_dst
 
 
-cdef int _by_start(const void *a, const void *b) noexcept nogil:
-    cdef int64_t x = (<const _Span *>a).start
-    cdef int64_t y = (<const _Span *>b).start
-    return -1 if x < y else (1 if x > y else 0)
+cdef _Span *_sort_by_start(_Span *spans, _Span *scratch, Py_ssize_t count) noexcept nogil:
+    """``spans`` in start order (a bottom-up merge sort, its comparisons inlined: libc's qsort
+    calls out per comparison and costs several times more); returns the buffer holding them."""
+    cdef Py_ssize_t width = 1, low, middle, high, i, j, k
+    cdef _Span *swap
+    while width < count:
+        low = 0
+        while low < count:
+            middle = min(low + width, count)
+            high = min(low + 2 * width, count)
+            i, j, k = low, middle, low
+            while i < middle and j < high:
+                if spans[j].start < spans[i].start:
+                    scratch[k] = spans[j]
+                    j += 1
+                else:
+                    scratch[k] = spans[i]
+                    i += 1
+                k += 1
+            while i < middle:
+                scratch[k] = spans[i]
+                i += 1
+                k += 1
+            while j < high:
+                scratch[k] = spans[j]
+                j += 1
+                k += 1
+            low += 2 * width
+        swap = spans
+        spans = scratch
+        scratch = swap
+        width *= 2
+    return spans
 
 
 # Below this many rows the pairwise test is cheaper than sorting.
@@ -282,6 +311,7 @@ def first_overlap(const int64_t[:, ::1] rows):
     cdef Py_ssize_t hit_i = -1, hit_j = -1, any_row = -1, dst_row = -1
     cdef int64_t any_end = 0, dst_end = 0
     cdef _Span *spans
+    cdef _Span *sorted_spans
     if rows.shape[1] != 3:
         raise ValueError(f"rows must have 3 columns, not {rows.shape[1]}")
     with nogil:
@@ -300,7 +330,7 @@ def first_overlap(const int64_t[:, ::1] rows):
                 if hit_i >= 0:
                     break
         else:
-            spans = <_Span *>malloc(2 * n * sizeof(_Span))
+            spans = <_Span *>malloc(4 * n * sizeof(_Span))  # the spans, then the sort's scratch
             if spans == NULL:
                 with gil:
                     raise MemoryError()
@@ -310,19 +340,19 @@ def first_overlap(const int64_t[:, ::1] rows):
                 spans[count] = _Span(rows[i, 0], rows[i, 0] + rows[i, 2], i, True)
                 spans[count + 1] = _Span(rows[i, 1], rows[i, 1] + rows[i, 2], i, False)
                 count += 2
-            qsort(spans, count, sizeof(_Span), _by_start)
+            sorted_spans = _sort_by_start(spans, spans + 2 * n, count)
             # In start order, a range conflicts with an earlier one iff it starts before the
             # furthest end seen so far: of any range for a destination, of destinations for a source.
             for k in range(count):
-                if spans[k].is_dst and any_row >= 0 and spans[k].start < any_end:
-                    hit_i, hit_j = spans[k].row, any_row
+                if sorted_spans[k].is_dst and any_row >= 0 and sorted_spans[k].start < any_end:
+                    hit_i, hit_j = sorted_spans[k].row, any_row
                     break
-                if not spans[k].is_dst and dst_row >= 0 and spans[k].start < dst_end:
-                    hit_i, hit_j = dst_row, spans[k].row
+                if not sorted_spans[k].is_dst and dst_row >= 0 and sorted_spans[k].start < dst_end:
+                    hit_i, hit_j = dst_row, sorted_spans[k].row
                     break
-                if any_row < 0 or spans[k].end > any_end:
-                    any_end, any_row = spans[k].end, spans[k].row
-                if spans[k].is_dst and (dst_row < 0 or spans[k].end > dst_end):
-                    dst_end, dst_row = spans[k].end, spans[k].row
+                if any_row < 0 or sorted_spans[k].end > any_end:
+                    any_end, any_row = sorted_spans[k].end, sorted_spans[k].row
+                if sorted_spans[k].is_dst and (dst_row < 0 or sorted_spans[k].end > dst_end):
+                    dst_end, dst_row = sorted_spans[k].end, sorted_spans[k].row
             free(spans)
     return hit_i, hit_j

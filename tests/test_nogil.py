@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PYX = ROOT / "pyx"
 
 #: (module, class or None, function): the free list's batch allocation and release, the trie's
-#: walk and the changes along it, the slot pool's claims and releases behind the slot guards.
+#: walk and the changes along it, the slot pool's claims and releases behind the slot guards, the host
+#: tier index's batch loops.
 HOT_LOOPS: list[tuple[str, str | None, str]] = [
     ("blockpool", "BlockPool", "_allocate_locked"),
     ("blockpool", "BlockPool", "_inc_ref_locked"),
@@ -43,6 +44,14 @@ HOT_LOOPS: list[tuple[str, str | None, str]] = [
     ("slots", "SlotPool", "_release"),
     ("slots", "SlotPool", "_detach"),
     ("slots", "SlotPool", "_state_of"),
+    ("hosttier", "HostIndex", "_demote"),
+    ("hosttier", "HostIndex", "_held_run"),
+    ("hosttier", "HostIndex", "_verified_run"),
+    ("hosttier", "HostIndex", "_rows"),
+    ("hosttier", "HostIndex", "_load"),
+    ("hosttier", "HostIndex", "_find"),
+    ("hosttier", "HostIndex", "_table_remove"),
+    ("hosttier", "HostIndex", "_first_repeated_id"),
 ]
 
 _IDS = [f"{module}.{cls + '.' if cls else ''}{name}" for module, cls, name in HOT_LOOPS]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from lifecycle.config import DType
 
 _ALIGN = 256
+_PAGE = 4096
 _memmove = ctypes.memmove
 _memset = ctypes.memset
 
@@ -178,6 +179,8 @@ class HostDevice(CheckedDevice):
                     f"({self._capacity - used} of capacity {self._capacity} bytes free)"
                 )
         ptr, buf = self._new_buffer(call, nbytes)
+        if table is self._pinned:
+            buf[::_PAGE] = 0  # resident from the start, as page-locked memory is: no fault on a copy
         self._buffers[ptr] = buf
         table.add(ptr, nbytes)
         return ptr

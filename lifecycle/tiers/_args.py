@@ -64,16 +64,22 @@ KeyLike = int | tuple[int, int]
 def tier_keys(call: str, keys: KeysLike, name: str = "keys") -> tuple[list[int], npt.NDArray[np.uint64]]:
     """``keys`` as the list of their high words (what the tiers index by) and a ``(n, 2)`` uint64
     array; InvalidId unless each word is in [0, 2**64)."""
+    rows = tier_key_rows(call, keys, name)
+    high: list[int] = rows[:, 0].tolist()
+    return high, rows
+
+
+def tier_key_rows(call: str, keys: KeysLike, name: str = "keys") -> npt.NDArray[np.uint64]:
+    """``keys`` as a C-contiguous ``(n, 2)`` uint64 array of (high, low) rows; InvalidId unless
+    each word is in [0, 2**64)."""
     if isinstance(keys, np.ndarray) and keys.ndim == 2:
         if keys.shape[1] != 2 or keys.dtype != np.uint64:
             raise InvalidId(f"{call}: {name} must be (n, 2) uint64 rows, got shape {keys.shape} of {keys.dtype}")
-        rows = np.ascontiguousarray(keys)
-        high: list[int] = rows[:, 0].tolist()
-        return high, rows
+        return np.ascontiguousarray(keys)
     high = content_hashes(call, keys)
     rows = np.zeros((len(high), 2), dtype=np.uint64)
     rows[:, 0] = high
-    return high, rows
+    return rows
 
 
 def tier_key(call: str, key: KeyLike) -> tuple[int, int]:

@@ -55,7 +55,9 @@ import numpy.typing as npt
 
 from lifecycle.config import ModelConfig
 from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, TornDown
-from lifecycle.tiers._args import HashesLike, KeyLike, KeysLike, chained_parents, content_hashes, tier_key, tier_keys
+from lifecycle.tiers._args import (
+    HashesLike, KeyLike, KeysLike, chained_parents, content_hashes, tier_key, tier_key_rows,
+)
 from lifecycle.tiers._args import token_blocks
 from lifecycle.tiers.records import VERSION, BlockRecord, RecordCorrupt, RecordForeign, RecordLayout
 
@@ -390,7 +392,7 @@ class StoreTier:
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int32] | None]:
         if self._closed:
             raise TornDown(f"StoreTier.{call}: the tier is closed")
-        _, rows = tier_keys(f"StoreTier.{call}", keys)
+        rows = tier_key_rows(f"StoreTier.{call}", keys)
         parents = chained_parents(rows, tier_key(f"StoreTier.{call}", parent))
         block_size = self._layout.block_size
         wanted = None if tokens is None else token_blocks(f"StoreTier.{call}", tokens, len(rows), block_size)
