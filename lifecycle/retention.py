@@ -64,6 +64,13 @@ class RetentionCalls:
         with self._entered:
             return int(self._core.retention.unpin(tokens, self._parts.lora.root_of(adapter_slot)))
 
+    def set_tier_min_priority(self, priority: int) -> None:
+        """Demote to the host tier only evicted blocks of retention priority ``priority`` or more
+        (TensorRT-LLM's minimum priority for offload): a lower block leaves the device for good.
+        0, the default: every evicted block goes down. Refused (``RetentionError``) outside 0-100."""
+        with self._entered:
+            self._core.set_demote_min_priority(priority)
+
     def set_pin_budget(self, num_blocks: int) -> None:
         """At most ``num_blocks`` blocks in pinned prefixes (0 until set)."""
         with self._entered:

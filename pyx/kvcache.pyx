@@ -42,7 +42,7 @@ from lifecycle._int32 cimport (
     grow_array, int32_buffer, int32_column, int64_vector, shrink as _shrink, token_vector as _token_vector,
     writeable_int32,
 )
-from lifecycle._radix cimport Chunk, RNode, WalkEnd, chunk_decref, chunk_new
+from lifecycle._radix cimport MAX_PRIORITY, Chunk, RNode, WalkEnd, chunk_decref, chunk_new
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
@@ -60,7 +60,7 @@ import numpy as np
 # The event log's and the records' names that callers import from this module.
 from lifecycle._evlog import CLEARED, EVENT_DTYPE, REMOVED, STORED, RawEvents  # no-cython-lint
 from lifecycle._records import SeqStatus, SequenceState  # no-cython-lint
-from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, TornDown, Unsupported
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, RetentionError, TornDown, Unsupported
 
 cnp.import_array()
 
@@ -287,7 +287,7 @@ cdef class KVCacheCore:
         returns how many became free. A block a request still holds loses the cache's reference
         but frees nothing, so the next round trims more."""
         cdef Py_ssize_t freed = 0, want, count
-        cdef bint keep_tokens, logging
+        cdef bint keep_tokens, logging, below = False
         if self._grouped:
             count = 0
             self._groups.evict(self._trie, 0, n, &freed, &count, f)  # counted in the groups' counters
@@ -303,7 +303,8 @@ cdef class KVCacheCore:
                 break
             count = self._trie._trim(
                 want, self._scratch, self._token_scratch if keep_tokens else NULL,
-                self._hash_scratch if logging else NULL,
+                self._hash_scratch if logging else NULL, self._evlog.demote_min,
+                &below if keep_tokens and self._evlog.demote_min > 0 else NULL,
             )
             if count < 0:
                 f.code = E_INVARIANT
@@ -311,8 +312,9 @@ cdef class KVCacheCore:
                 break
             self._counters.blocks_evicted += count
             if logging and count > 0:
-                self._evlog.removed(
-                    self._scratch, self._token_scratch if keep_tokens else NULL, self._hash_scratch, count
+                self._evlog.removed(  # blocks below the demotion minimum go as plain removals
+                    self._scratch, self._token_scratch if keep_tokens and not below else NULL, self._hash_scratch,
+                    count,
                 )
             freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
             if f.batch.failed_at >= 0:
@@ -1564,6 +1566,21 @@ cdef class KVCacheCore:
                 self._groups.log_to(self._evlog if events else None)
         finally:
             self._lock.leave(NULL)
+
+    def set_demote_min_priority(self, priority):
+        """With demotion on, only evicted blocks of retention priority ``priority`` or more are
+        logged with their ids and tokens for a tier below (TensorRT-LLM's minimum priority for
+        offload); lower ones are logged as plain removals and dropped. 0, the default: every one."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+            raise RetentionError(f"demote_min_priority must be an int in [0, {MAX_PRIORITY}], got {priority!r}")
+        self._lock.enter_gil()
+        self._evlog.set_demote_min(<int32_t>priority)
+        self._lock.leave(NULL)
+
+    @property
+    def demote_min_priority(self):
+        """The retention priority below which evicted blocks are not demoted (0: none)."""
+        return self._evlog.demote_min
 
     @property
     def events_on(self):

@@ -944,14 +944,17 @@ cdef class RadixTrie:
                 memcpy(dest + node.depth * bs, _run_tokens(self, node), (end - node.depth) * bs * sizeof(int32_t))
             node = &self._nodes[node.parent]
 
-    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest) noexcept nogil:
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest,
+                          int32_t split_below=0, bint *below=NULL) noexcept nogil:
         """Drop up to ``n`` blocks, least recently used first, from the tails of leaf runs; write
         their ids to ``dest`` (and, unless NULL, their tokens to ``token_dest`` and the content
         hashes their chunk keeps to ``hash_dest``, 0 where it keeps none) and return how many (-1:
         the LRU head was not a leaf, an invariant broke). Tags at trimmed ends go to the evicted
-        tags."""
+        tags. With ``below``: the blocks dropped are all below priority ``split_below`` or all at
+        or above it (the call stops where the next victim's side differs), ``below[0]`` says which."""
         cdef Py_ssize_t count = 0, take
         cdef int32_t v, q
+        cdef bint low
         cdef RNode *node
         if self._heap_size and self._heap[0].at <= self._now():
             self._decay(self._now())
@@ -968,6 +971,12 @@ cdef class RadixTrie:
                     return -1
                 self._set_priority(v, q, INFINITY)
                 continue
+            if below != NULL:
+                low = node.priority < split_below
+                if count == 0:
+                    below[0] = low
+                elif low != below[0]:
+                    break
             take = min(<Py_ssize_t>node.length, n - count)
             self._trim_leaf(v, take, dest + count, token_dest, hash_dest, count)
             count += take

@@ -373,3 +373,24 @@ def test_random_hinted_traffic_keeps_every_invariant() -> None:
         core.check_invariants()
         assert core.pool.num_free + core.num_cached_blocks == core.pool.num_total
     assert core.retention.num_hinted == 0
+
+
+def test_evicted_blocks_below_the_demotion_minimum_are_logged_without_their_ids() -> None:
+    core = make_core(48, BS)
+    core.set_events(False, demote=True)
+    core.set_demote_min_priority(35)
+    _serve(core, _tokens(0, 3), [(0, 3 * BS, 10)])   # below: dropped for good
+    _serve(core, _tokens(5000, 2))                    # the default, 35: demoted
+    core.evict(48)
+    raw = core.take_events()
+    removed = raw.entries[raw.entries["kind"] == 2]
+    assert sorted(zip(removed["has_ids"].tolist(), removed["count"].tolist())) == [(False, 3), (True, 2)]
+    assert len(raw.ids) == 2
+    core.check_invariants()
+
+
+def test_a_bad_demotion_minimum_is_refused_naming_it() -> None:
+    core = make_core(8, BS)
+    with pytest.raises(RetentionError, match=r"demote_min_priority must be an int in \[0, 100\], got 101"):
+        core.set_demote_min_priority(101)
+    assert core.demote_min_priority == 0

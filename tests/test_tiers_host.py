@@ -20,7 +20,9 @@ from lifecycle.config import AttentionLayer, IndexerLayer, MLALayer, ModelConfig
 from lifecycle.device.allocations import CopyArray
 from lifecycle.device.base import Copy, Device
 from lifecycle.device.host import HostDevice, physical_memory_bytes
-from lifecycle.errors import BlockIdOutOfRange, ConfigError, DeviceError, InvalidId, TornDown, Unsupported
+from lifecycle.errors import (
+    BlockIdOutOfRange, ConfigError, DeviceError, InvalidId, RetentionError, TornDown, Unsupported,
+)
 from lifecycle.events import AllBlocksCleared, BlockStored, KVEvent
 from lifecycle.model import HybridModel
 from lifecycle.pools import KVPool
@@ -834,3 +836,43 @@ def test_simulate_runs_the_small_hybrid_preset_with_a_host_tier(capsys: pytest.C
     summary = json.loads(capsys.readouterr().out)
     assert summary["leaked"] == 0 and summary["pools"]["host_tier_blocks"] > 0
     assert summary["host_hit_tokens"] > 0
+
+
+# -- retention's minimum priority for demotion ---------------------------------------------------------
+
+
+def cache_prompt_at(model: HybridModel, priority: int, *blocks: int) -> list[int]:
+    """``cache_prompt`` with the whole prompt kept at retention ``priority``."""
+    tokens = [*tokens_of(*blocks).ravel().tolist(), 7]
+    seq = model.alloc_sequence_for(len(tokens))
+    model.attach_prefix(seq, tokens, grow_to=len(tokens))
+    model.set_retention(seq, [(0, len(tokens) - 1, priority)])
+    hashes: list[int] = seq.block_hashes().tolist()
+    model.finish_sequence(seq)
+    return hashes
+
+
+@pytest.mark.parametrize(("minimum", "low_kept"), [(0, True), (50, False)])
+def test_only_blocks_at_the_tier_min_priority_or_above_go_down(
+    models: list[HybridModel], minimum: int, low_kept: bool
+) -> None:
+    model = tiered(models, host_blocks=8)
+    model.set_tier_min_priority(minimum)
+    low = cache_prompt_at(model, 20, 1, 2)
+    high = cache_prompt_at(model, 80, 3, 4)
+    demote_everything(model)
+    tiers = model.tiers
+    assert tiers is not None and model.core.num_cached_blocks == 0
+    assert set(high) <= tiers.held_hashes()
+    assert (set(low) <= tiers.held_hashes()) is low_kept and (set(low) & tiers.held_hashes() == set()) is not low_kept
+    assert model.host_tier is not None and model.host_tier.num_blocks == len(high) + (len(low) if low_kept else 0)
+    replayed(model, EventIndex(BLOCK_SIZE))  # the events tell the same: a dropped block left every tier
+
+
+@pytest.mark.parametrize("bad", [-1, 101, True, 2.5, None])
+def test_a_bad_tier_min_priority_is_refused_and_the_old_one_stands(models: list[HybridModel], bad: object) -> None:
+    model = tiered(models, host_blocks=8, events=False)
+    model.set_tier_min_priority(40)
+    with pytest.raises(RetentionError, match=rf"demote_min_priority must be an int in \[0, 100\], got {bad!r}"):
+        model.set_tier_min_priority(bad)  # type: ignore[arg-type]
+    assert model.core.demote_min_priority == 40

@@ -46,6 +46,10 @@ cdef class EventLog:
     cdef readonly bint events       # log stored / removed / cleared entries
     cdef readonly bint demote       # removed entries also carry block ids and tokens
     cdef readonly Py_ssize_t max_pending_tokens
+    cdef readonly int32_t demote_min  # evicted blocks below this retention priority are not demoted
+
+    cdef inline void set_demote_min(self, int32_t priority) noexcept nogil:
+        self.demote_min = priority
 
     cdef inline Py_ssize_t pending(self) noexcept nogil:
         return self._log.num_entries

@@ -174,7 +174,8 @@ cdef class RadixTrie:
     cdef void _decay(self, double now) noexcept nogil
     cdef Py_ssize_t _path_blocks(self, int32_t v, int32_t *dest) noexcept nogil
     cdef void _path_tokens(self, int32_t v, int32_t *dest, Py_ssize_t blocks) noexcept nogil
-    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest) noexcept nogil
+    cdef Py_ssize_t _trim(self, Py_ssize_t n, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest,
+                          int32_t split_below=*, bint *below=*) noexcept nogil
     cdef void _trim_leaf(self, int32_t v, Py_ssize_t take, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest,
                          Py_ssize_t at) noexcept nogil
     cdef Py_ssize_t _drop_subtree(
