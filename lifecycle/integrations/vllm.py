@@ -823,12 +823,13 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         live.committed = max(committed, live.committed)
 
     def _cache(self, request: Any, live: _Live | _HybridLive, num_tokens: int) -> None:
-        """Record the request's tokens up to ``num_tokens`` (its KV covering its committed ones)
-        and cache their full blocks in every group, as vLLM caches each group's as it fills."""
+        """Record the request's tokens up to ``num_tokens`` and cache their full blocks in every
+        group, as vLLM caches each group's as it fills. The windows stay where they are: vLLM
+        moves them at ``allocate_slots`` and ``remove_skipped_blocks`` only."""
         if not self.enable_caching:
             return
         hybrid = self._hybrid[request.request_id]
-        self._record(hybrid, self._committed(request), num_tokens)
+        self._record(hybrid, hybrid.committed, num_tokens)
         self._cache_full(hybrid, min(num_tokens, hybrid.recorded))
 
     @staticmethod
