@@ -21,7 +21,8 @@ chunked local groups, one block size) get :class:`LifecycleHybridKVCacheManager`
 constructor returns for such a config: one core of KV cache groups whose every group takes its ids
 from one pool, as vLLM's groups share one ``BlockPool`` (an id names a page in every group's
 tensors). A hit is the longest prefix every group serves; a group's table names the null block
-where its window released a block; a request's blocks are cached when it is freed. Mamba,
+where its window released a block; every group's full blocks are cached as vLLM caches them
+(at ``allocate_slots`` and ``cache_blocks``), so a request hits another one still running. Mamba,
 encoder-decoder and cross-attention groups, groups of different block sizes, a group layout with no
 full-attention group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV
 cache residency metrics and context parallelism are refused with ``Unsupported``.
@@ -769,9 +770,12 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
 
     A request's core record holds the tokens whose KV is computed (committed: less
     ``num_in_flight_tokens``); recording them moves its windows, which gives back the blocks that
-    left them (the null block in vLLM's tables from then on). A request's blocks are cached when
-    it is freed (each group by its rule, the windows the core keeps); a hit is the longest prefix
-    every group serves."""
+    left them (the null block in vLLM's tables from then on): at ``allocate_slots`` and
+    ``remove_skipped_blocks``, as vLLM moves its windows. The record also holds the known tokens
+    scheduled past them, so every group's full blocks are cached as vLLM caches them (at
+    ``allocate_slots``, unless ``delay_cache_blocks``, and ``cache_blocks``); a block that then
+    leaves a window stays cached, evictable, and ``free`` caches nothing more. A hit is the
+    longest prefix every group serves."""
 
     _order: tuple[int, ...]
     _vllm_group: tuple[int, ...]

@@ -782,7 +782,7 @@ def test_prefill_hybrid_model(make: Managers) -> None:
     assert computed.get_block_ids() == (full[:3], [0, *window_a[1:3]], [0, *window_b[1:3]])
     blocks = manager.allocate_slots(req1, 53 - 48, num_computed, computed)
     assert blocks is not None and [len(group) for group in blocks.get_block_ids()] == [1, 1, 1]
-    new = sum(blocks.get_block_ids(), [])
+    new: list[int] = sum(blocks.get_block_ids(), [])
     assert len(set(new)) == 3 and not set(new) & set(full + window_a + window_b)
     manager.free(req0)
     manager.free(req1)
