@@ -47,7 +47,7 @@ from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._int32 cimport grow_array, token_vector, writeable_int32
 from lifecycle._sync cimport PyThreadState
 from lifecycle._radix cimport RNode, chunk_column
-from lifecycle._records cimport E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
+from lifecycle._records cimport E_INVALID_ARG, E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
 import numpy as np
 
@@ -1100,9 +1100,9 @@ cdef class KVGroups:
             })
         return out
 
-    cdef int append(self, Records records, int64_t handle, object tokens) except -1:
+    cdef int append(self, Records records, int64_t handle, object tokens, Py_ssize_t kv_tokens=-1) except -1:
         """``KVCacheCore.append``: the tokens recorded, then what left a window released (the
-        record's KV covers the tokens it had before)."""
+        record's KV covers the tokens it had before, or ``kv_tokens`` of them when that is not -1)."""
         cdef const int32_t *data = NULL
         cdef Py_ssize_t n = 0, before
         cdef SeqRec *rec
@@ -1111,14 +1111,20 @@ cdef class KVGroups:
         ok(&f)
         cdef PyThreadState *released = records.lock.enter(n)
         rec = records.get(handle, &f)
-        if rec != NULL and self._reserve(rec.num_blocks):
+        if rec != NULL and kv_tokens > rec.num_tokens + n:
+            f.code = E_INVALID_ARG
+            f.value = kv_tokens
+            f.limit = rec.num_tokens + n
+        elif rec != NULL and self._reserve(rec.num_blocks):
             f.code = E_NO_MEMORY  # before the tokens are recorded: release cannot fail after them
         elif rec != NULL:
             before = rec.num_tokens
             records.append_locked(handle, data, n, &f)
             if f.code == OK:
-                self.release(rec, before, NULL, 0, &f)
+                self.release(rec, before if kv_tokens < 0 else kv_tokens, NULL, 0, &f)
         records.lock.leave(released)
+        if f.code == E_INVALID_ARG:
+            raise InvalidId(f"append: kv_tokens={f.value} is over the {f.limit} tokens the sequence would hold")
         return records.raise_failure(&f, "append", tokens)
 
     cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call):

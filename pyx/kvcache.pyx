@@ -892,12 +892,15 @@ cdef class KVCacheCore:
             self._records.raise_failure(&f, "admit", tokens)
         return handle
 
-    def append(self, handle, tokens):
+    def append(self, handle, tokens, kv_tokens=None):
         """Record tokens whose KV the engine computed (prompt first, then generated ones). With
-        KV cache groups, the record's KV then covers the tokens it had before: each windowed
-        group releases what left the window."""
+        KV cache groups, the record's KV then covers the tokens it had before (or its first
+        ``kv_tokens``, at most the tokens it then holds: the rest are in flight and stay in every
+        window; a count at or below the last releases nothing): each windowed group releases
+        what left the window."""
+        cdef Py_ssize_t kv = -1 if kv_tokens is None else _as_count(kv_tokens, "append: kv_tokens", 0, INT32_MAX)
         if self._grouped:
-            self._groups.append(self._records, _handle_arg(handle, "append"), tokens)
+            self._groups.append(self._records, _handle_arg(handle, "append"), tokens, kv)
         else:
             self._records.append(_handle_arg(handle, "append"), tokens)
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
-from lifecycle.errors import ConfigError, InvariantViolation, OutOfBlocks
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, OutOfBlocks
 
 BS = 4
 
@@ -136,3 +136,28 @@ def test_random_lives_over_one_pool_keep_every_reference_counted(ops: list[tuple
     core.check_invariants()
     core.reset()
     assert pool.num_free == 30
+
+
+def test_append_with_kv_tokens_keeps_the_tokens_in_flight_in_the_window() -> None:
+    core, pool = shared()
+    h = core.admit(list(range(20)), 6)
+    core.append(h, [100, 101, 102, 103], kv_tokens=0)  # recorded, none computed yet
+    assert -1 not in core.block_table(h, 1).tolist()
+    core.append(h, [], kv_tokens=20)  # 20 computed: blocks 0-2 left the window of 8
+    assert core.block_table(h, 1).tolist()[:3] == [-1, -1, -1]
+    assert pool.num_free == 40 - 12 + 3
+    core.append(h, [], kv_tokens=8)  # a count below the last releases nothing
+    assert pool.num_free == 40 - 12 + 3
+    core.finish(h, False)
+    core.check_invariants()
+    assert pool.num_free == 40
+
+
+def test_append_with_kv_tokens_past_the_record_is_refused_and_changes_nothing() -> None:
+    core, pool = shared()
+    h = core.admit(list(range(20)), 6)
+    with pytest.raises(InvalidId, match="kv_tokens=25 is over the 24 tokens"):
+        core.append(h, [1, 2, 3, 4], kv_tokens=25)
+    assert core.num_tokens(h) == 20 and -1 not in core.block_table(h, 1).tolist()
+    core.finish(h, False)
+    core.check_invariants()

@@ -362,13 +362,39 @@ def test_a_hit_is_the_longest_prefix_every_group_serves() -> None:
     settled(manager)
 
 
-def test_a_prefix_whose_window_was_not_kept_is_not_a_hit_past_the_last_one_kept() -> None:
+def test_a_second_request_hits_a_first_one_still_running() -> None:
+    manager = hybrid()
+    first = FakeRequest("a", list(range(20)))
+    _, _, (first_window, first_full) = hybrid_prefill(manager, first)
+    (window, full), num_computed, _ = hybrid_prefill(manager, FakeRequest("b", [*range(20), 7, 8]))
+    assert num_computed == 20 and full == first_full and window == [0, 0, 0, *first_window[3:]]
+    settled(manager)
+
+
+def test_window_blocks_cached_as_they_filled_stay_cached_when_they_leave_the_window() -> None:
     manager = hybrid()
     first = FakeRequest("a", list(range(40)))
     hybrid_prefill(manager, first)
-    manager.free(first)  # the run's last window is kept; blocks 0-7 of the window group go
-    assert manager.get_computed_blocks(FakeRequest("b", [*range(20), 99, 98]))[1] == 0
+    manager.free(first)  # every block of both groups was cached at allocate_slots
+    window = manager.core.group_stats()[1]
+    assert window["num_cached"] == window["num_cache_only"] == 10
+    assert manager.usage == 0.0  # cached blocks no request holds count as free, as in vLLM
+    assert manager.get_computed_blocks(FakeRequest("b", [*range(20), 99, 98]))[1] == 20
     assert manager.get_computed_blocks(FakeRequest("c", [*range(40), 5]))[1] == 40
+    settled(manager)
+
+
+def test_in_flight_tokens_stay_in_the_window_until_they_are_committed() -> None:
+    manager = hybrid()
+    request = FakeRequest("a", list(range(24)))
+    hybrid_prefill(manager, request)
+    request.num_in_flight_tokens = 24  # type: ignore[attr-defined]  # (async scheduling: not computed yet)
+    assert manager.allocate_slots(request, 4) is not None
+    assert 0 not in manager.get_block_ids("a")[0]  # the window still reads every block
+    request.num_in_flight_tokens = 4  # type: ignore[attr-defined]
+    request.num_computed_tokens = 28
+    assert manager.allocate_slots(request, 4) is not None  # 24 committed: blocks 0-3 left the window
+    assert manager.get_block_ids("a")[0][:4] == [0, 0, 0, 0]
     settled(manager)
 
 

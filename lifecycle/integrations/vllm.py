@@ -21,7 +21,8 @@ chunked local groups, one block size) get :class:`LifecycleHybridKVCacheManager`
 constructor returns for such a config: one core of KV cache groups whose every group takes its ids
 from one pool, as vLLM's groups share one ``BlockPool`` (an id names a page in every group's
 tensors). A hit is the longest prefix every group serves; a group's table names the null block
-where its window released a block; a request's blocks are cached when it is freed. Mamba,
+where its window released a block; every group's full blocks are cached as vLLM caches them
+(at ``allocate_slots`` and ``cache_blocks``), so a request hits another one still running. Mamba,
 encoder-decoder and cross-attention groups, groups of different block sizes, a group layout with no
 full-attention group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV
 cache residency metrics and context parallelism are refused with ``Unsupported``.
@@ -522,15 +523,18 @@ class LifecycleKVCacheManager:
         """Record the request's tokens up to ``num_tokens`` and cache their full blocks."""
         if not self.enable_caching:
             return
-        core = self.core
         if num_tokens > live.recorded:
-            core.append(live.handle, request.all_token_ids[live.recorded : num_tokens])
+            self.core.append(live.handle, request.all_token_ids[live.recorded : num_tokens])
             live.recorded = num_tokens
+        self._cache_full(live, num_tokens)
+
+    def _cache_full(self, live: _Live | _HybridLive, num_tokens: int) -> None:
+        """Cache the full blocks of the record's first ``num_tokens`` tokens (recorded already)."""
         full = min(num_tokens // self.block_size, live.cacheable)
         if full > live.cached:
-            full = min(full, core.num_blocks(live.handle))
+            full = min(full, self.core.num_blocks(live.handle))
         if full > live.cached:
-            core.cache(live.handle, full)
+            self.core.cache(live.handle, full)
             live.cached = full
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -743,16 +747,18 @@ class KVCacheGroupBlocks:
 @final
 class _HybridLive:
     """``_Live`` of a manager of several groups, with the request (its windows move as its
-    computed tokens are recorded, also from ``remove_skipped_blocks``, which names only its id)."""
+    committed tokens are told to the core, also from ``remove_skipped_blocks``, which names only
+    its id) and how many tokens its KV covers in the core's record (``committed``)."""
 
-    __slots__ = ("handle", "recorded", "cached", "cacheable", "request")
+    __slots__ = ("handle", "recorded", "cached", "cacheable", "request", "committed")
 
-    def __init__(self, handle: int, recorded: int, cached: int, cacheable: int, request: Any) -> None:
+    def __init__(self, handle: int, recorded: int, cached: int, cacheable: int, request: Any, committed: int) -> None:
         self.handle = handle
         self.recorded = recorded
         self.cached = cached
         self.cacheable = cacheable
         self.request = request
+        self.committed = committed
 
 
 class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
@@ -764,9 +770,12 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
 
     A request's core record holds the tokens whose KV is computed (committed: less
     ``num_in_flight_tokens``); recording them moves its windows, which gives back the blocks that
-    left them (the null block in vLLM's tables from then on). A request's blocks are cached when
-    it is freed (each group by its rule, the windows the core keeps); a hit is the longest prefix
-    every group serves."""
+    left them (the null block in vLLM's tables from then on): at ``allocate_slots`` and
+    ``remove_skipped_blocks``, as vLLM moves its windows. The record also holds the known tokens
+    scheduled past them, so every group's full blocks are cached as vLLM caches them (at
+    ``allocate_slots``, unless ``delay_cache_blocks``, and ``cache_blocks``); a block that then
+    leaves a window stays cached, evictable, and ``free`` caches nothing more. A hit is the
+    longest prefix every group serves."""
 
     _order: tuple[int, ...]
     _vllm_group: tuple[int, ...]
@@ -803,15 +812,29 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
             np.maximum(core.block_table(handle, g)[start:stop], 0) for g in self._order
         ))
 
-    def _record(self, live: _HybridLive, num_tokens: int) -> None:
-        """Record the request's tokens up to ``num_tokens`` (its committed ones): the record's KV
-        covers them, and each window gives back what left it."""
+    def _record(self, live: _HybridLive, committed: int, num_tokens: int = 0) -> None:
+        """Record the request's tokens up to ``num_tokens`` (at most those it has; the blocks to
+        cache hold them) and tell the core its KV covers the first ``committed`` (the rest are in
+        flight, still in every window): each window gives back what left it."""
         request = live.request
-        num_tokens = min(num_tokens, request.num_tokens)
-        if num_tokens > live.recorded:
-            self.core.append(live.handle, request.all_token_ids[live.recorded : num_tokens])
-            self.core.append(live.handle, _EMPTY)  # the KV covers what the last call recorded
-            live.recorded = num_tokens
+        num_tokens = min(max(num_tokens, committed), request.num_tokens)
+        committed = min(committed, max(num_tokens, live.recorded))
+        if num_tokens <= live.recorded and committed <= live.committed:
+            return
+        tokens = request.all_token_ids[live.recorded : num_tokens] if num_tokens > live.recorded else _EMPTY
+        self.core.append(live.handle, tokens, max(committed, live.committed))
+        live.recorded = max(live.recorded, num_tokens)
+        live.committed = max(committed, live.committed)
+
+    def _cache(self, request: Any, live: _Live | _HybridLive, num_tokens: int) -> None:
+        """Record the request's tokens up to ``num_tokens`` and cache their full blocks in every
+        group, as vLLM caches each group's as it fills. The windows stay where they are: vLLM
+        moves them at ``allocate_slots`` and ``remove_skipped_blocks`` only."""
+        if not self.enable_caching:
+            return
+        hybrid = self._hybrid[request.request_id]
+        self._record(hybrid, hybrid.committed, num_tokens)
+        self._cache_full(hybrid, min(num_tokens, hybrid.recorded))
 
     @staticmethod
     def _committed(request: Any) -> int:
@@ -898,7 +921,7 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         else:
             self._settle()
             handle = live.handle
-            self._record(live, self._committed(request))
+            self._record(live, self._committed(request))  # before allocating: what left a window is free
             have = core.num_blocks(handle)
         computed = request.num_computed_tokens + num_new_computed_tokens
         needed = -(-min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len) // bs)
@@ -923,34 +946,19 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
                     core.finish(opened, False)
                 return None
         if live is None:
-            live = _HybridLive(handle, recorded, expected, self._cacheable_tokens(request) // bs, request)
+            cacheable = self._cacheable_tokens(request) // bs
+            live = _HybridLive(handle, recorded, expected, cacheable, request, expected * bs)
             self._hybrid[request_id] = live
+        if not delay_cache_blocks:
+            self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))
         if needed <= have:
             return self.empty_kv_cache_blocks
         return self._blocks(handle, have, needed)
 
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        """Record the request's tokens up to ``num_computed_tokens`` (its blocks are cached when it is freed)."""
-        live = self._hybrid.get(request.request_id)
-        if live is not None:
-            self._settle()
-            self._record(live, num_computed_tokens)
-
-    def free(self, request: Any) -> None:
-        """Release the request's blocks, caching each group's by its rule (nothing past a
-        multimodal placeholder: then nothing). Unknown requests are ignored, as vLLM does."""
-        if self._probe_request == request.request_id:
-            self._settle()
-        live = self._hybrid.pop(request.request_id, None)
-        if live is not None:
-            self._settle()
-            self._record(live, self._committed(request))
-            cache = self.enable_caching and live.cacheable * self.block_size >= live.recorded
-            self.core.finish(live.handle, cache)
-
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        """Record the request's tokens up to ``processed_computed_tokens``: what left a window goes back."""
+        """The request's KV covers ``processed_computed_tokens``: what left a window goes back
+        (to the cache where it was cached, else to the pool)."""
         live = self._hybrid.get(request_id)
         if live is not None:
             self._settle()

@@ -164,7 +164,7 @@ cdef class KVGroups:
     cdef list stats(self, RadixTrie t)
     cdef object column(self, SeqRec *rec, Py_ssize_t g)
     # (GIL held, lock released: each takes it)
-    cdef int append(self, Records records, int64_t handle, object tokens) except -1
+    cdef int append(self, Records records, int64_t handle, object tokens, Py_ssize_t kv_tokens=*) except -1
     cdef object table(self, Records records, int64_t handle, Py_ssize_t g, str call)
     cdef Py_ssize_t write_table(self, Records records, int64_t handle, int32_t[::1] dest, object pad,
                                 Py_ssize_t g) except -1

@@ -510,8 +510,9 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, async_scheduling: bool,
-              caching: bool = True) -> Any:
-    """A vLLM scheduler of ``num_blocks`` blocks of 16, 8 sequences and 256 tokens a step."""
+              caching: bool = True, kv_cache_config: KVCacheConfig | None = None) -> Any:
+    """A vLLM scheduler of ``num_blocks`` blocks of 16 (one full-attention group, or the groups of
+    ``kv_cache_config``), 8 sequences and 256 tokens a step."""
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -521,7 +522,8 @@ def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, asyn
     cache_config.num_gpu_blocks = num_blocks
     vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
                              device_config=DeviceConfig("cpu"))
-    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=config(16, num_blocks), log_stats=True,
+    kv_cache_config = config(16, num_blocks) if kv_cache_config is None else kv_cache_config
+    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=16)
 
 
@@ -622,6 +624,61 @@ def test_vllms_scheduler_decides_alike_over_the_facade(model_config: Any, async_
         assert manager.core.num_cached_blocks == 0
 
 
+def without_usage(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [entry[:1] + entry[2:] if entry[0] == "stats" else entry for entry in log]
+
+
+def usages(log: list[tuple[Any, ...]]) -> list[float]:
+    return [entry[1] for entry in log if entry[0] == "stats"]
+
+
+@pytest.mark.parametrize("abort_every", [0, 5], ids=["", "aborts"])
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("num_blocks", [40, 80, 400])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_vllms_scheduler_over_a_hybrid_config(model_config: Any, async_scheduling: bool, num_blocks: int,
+                                              caching: bool, abort_every: int) -> None:
+    """The scheduler comparison on a full + sliding-window (32 tokens) config, vLLM's hybrid
+    manager against the facade's. With room to spare (400 blocks: nothing evicted or preempted)
+    every step's decisions and prefix-cache statistics are the same, and the facade's usage is
+    vLLM's or above by at most one block a running request (the core releases a window's block
+    when the committed tokens pass a whole block, vLLM at each token). With 40 or 80 blocks that
+    extra block and the eviction order (vLLM's one free queue against the core's per-group
+    rules) change preemptions and hits, so the schedules part: then both finish the same
+    requests, and the facade leaks nothing."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from lifecycle.integrations.vllm import LifecycleHybridKVCacheManager, scheduler_class
+
+    def groups() -> KVCacheConfig:
+        specs = [KVCacheGroupSpec(["full"], spec_of("full")), KVCacheGroupSpec(["window"], spec_of("sliding_window"))]
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
+
+    own_class = AsyncScheduler if async_scheduling else Scheduler
+    depth = 2 if async_scheduling else 1
+    for seed in (1, 2):
+        theirs = drive(scheduler(own_class, model_config, num_blocks, async_scheduling, caching, groups()), seed,
+                       depth, abort_every)
+        lifecycle = scheduler(scheduler_class(async_scheduling), model_config, num_blocks, async_scheduling, caching,
+                              groups())
+        manager = lifecycle.kv_cache_manager
+        assert isinstance(manager, LifecycleHybridKVCacheManager)
+        ours = drive(lifecycle, seed, depth, abort_every)
+        finished = [sorted(r for entry in log if entry[0] == "finished" for r in entry[1]) for log in (theirs, ours)]
+        if num_blocks == 400:
+            assert without_usage(ours) == without_usage(theirs)
+            for own, vllm in zip(usages(ours), usages(theirs)):
+                assert 0 <= own - vllm <= 8 / (num_blocks - 1) + 1e-9
+        elif not abort_every:  # (aborts pick the lowest-numbered request then: another, once schedules part)
+            assert finished[0] == finished[1] and len(finished[1]) == 24
+        hits = sum(n for entry in ours if entry[0] == "scheduled" for _, n in entry[2])
+        assert (hits > 0) == caching
+        manager.check_invariants()
+        assert manager.usage == 0.0 and manager.core.num_live_sequences == 0
+        assert lifecycle.reset_prefix_cache() and manager.core.num_cached_blocks == 0
+
+
 def test_vllms_engine_core_reads_the_facades_groups_at_start_up(model_config: Any) -> None:
     """EngineCore's start-up reads of ``kv_cache_manager.coordinator`` (the effective attention
     block size; the groups' metadata for KV event consumers) answer as over vLLM's manager."""
@@ -706,8 +763,9 @@ def hybrid(make: Managers, config: KVCacheConfig, **kwargs: Any) -> Any:
 
 def test_prefill_hybrid_model(make: Managers) -> None:
     """vLLM's ``test_prefill_hybrid_model``: three groups, each request's blocks distinct across
-    groups; after the first request is freed its prefix is a hit in every group, the sliding-window
-    groups reading only the last window (null blocks before it)."""
+    groups; while the first request still runs its prefix is a hit in every group (its blocks
+    were cached as they were allocated), the sliding-window groups reading only the last window
+    (null blocks before it)."""
     manager = hybrid(make, hybrid_config(16, 21))
     common = [i for i in range(3) for _ in range(16)]
     req0 = make.request("0", common + [3] * 7, 16)
@@ -718,37 +776,76 @@ def test_prefill_hybrid_model(make: Managers) -> None:
     full, window_a, window_b = blocks.get_block_ids()
     assert len(full) == len(window_a) == len(window_b) == 4
     assert len(set(full) | set(window_a) | set(window_b)) == 12 and 0 not in full + window_a + window_b
-    req0.num_computed_tokens = 55
-    manager.free(req0)
-    req1 = make.request("1", common + [4] * 5, 16)
+    req1 = make.request("1", common + [3] * 5, 16)
     computed, num_computed, _ = manager.get_computed_blocks(req1)
     assert num_computed == 48
-    hit_full, hit_a, hit_b = computed.get_block_ids()
-    assert hit_full == full[:3]
-    for hit, window in ((hit_a, window_a), (hit_b, window_b)):  # a window of 32 tokens reads 2 blocks
-        assert hit[0] == 0 and hit[1:] == window[1:3]
-    blocks = manager.allocate_slots(req1, 5, num_computed, computed)
+    assert computed.get_block_ids() == (full[:3], [0, *window_a[1:3]], [0, *window_b[1:3]])
+    blocks = manager.allocate_slots(req1, 53 - 48, num_computed, computed)
     assert blocks is not None and [len(group) for group in blocks.get_block_ids()] == [1, 1, 1]
+    new: list[int] = sum(blocks.get_block_ids(), [])
+    assert len(set(new)) == 3 and not set(new) & set(full + window_a + window_b)
+    manager.free(req0)
+    manager.free(req1)
+    assert manager.usage == 0.0
+
+
+def spec_of(kind: str, block_size: int = 16) -> Any:
+    """The group specs of vLLM's ``_make_hybrid_kv_cache_config``, and a chunked local one."""
+    shape = {"block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    if kind == "full":
+        return FullAttentionSpec(**shape)
+    if kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=2 * block_size)
+    return SlidingWindowSpec(**shape, sliding_window=(4 if kind == "sliding_window_large" else 2) * block_size)
+
+
+# vLLM's _HYBRID_MODEL_TEST_CASES that the facade serves (a full group and sliding-window groups),
+# and full + chunked local; the Mamba cases and the ones without a full group are refused.
+COMBINATIONS = [
+    pytest.param(["full", "sliding_window"], id="2g-full+sw"),
+    pytest.param(["full", "sliding_window", "sliding_window"], id="3g-full+2sw"),
+    pytest.param(["full", "sliding_window", "sliding_window_large"], id="3g-full+sw+sw_large"),
+    pytest.param(["full", "full", "sliding_window"], id="3g-2full+sw"),
+    pytest.param(["full", "sliding_window", "full", "sliding_window_large"], id="4g-interleaved-full+sw+sw_large"),
+    pytest.param(["full", "chunked_local"], id="2g-full+chunked"),
+]
+
+
+@pytest.mark.parametrize("kinds", COMBINATIONS)
+def test_prefill_hybrid_model_combinations(make: Managers, kinds: list[str]) -> None:
+    """vLLM's ``test_prefill_hybrid_model_combinations``: a second request hits the first one's
+    common prefix in every group while the first still runs, and gets blocks in every group."""
+    full, *others = (spec_of(kind) for kind in kinds)
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate((full, *others))]
+    manager = hybrid(make, KVCacheConfig(num_blocks=10 * len(kinds), kv_cache_tensors=[], kv_cache_groups=groups))
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16)
+    assert prefill_groups(manager, req0)[1] == 0
+    manager.new_step_starts()
+    req1 = make.request("1", common + [4] * 5, 16)
+    computed, num_computed, new = prefill_groups(manager, req1)
+    assert num_computed == 48 and len(computed) == len(kinds)
+    assert new is not None and len(new) == len(kinds)
+    manager.free(req0)
     manager.free(req1)
     assert manager.usage == 0.0
 
 
 def test_prefill_hybrid_model_with_chunked_local_attention(make: Managers) -> None:
-    """As vLLM's ``test_prefill_hybrid_model_combinations`` for full + chunked local attention: a
-    hit needs no block before the current chunk."""
-    chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                                        attention_chunk_size=32)
+    """Full + chunked local attention: a hit, on a request still running, needs no block before
+    the current chunk."""
+    chunked = spec_of("chunked_local")
     manager = hybrid(make, hybrid_config(16, 21, chunked))
     tokens = [i for i in range(4) for _ in range(16)]
     req0 = make.request("0", tokens + [9] * 3, 16)
     assert prefill_groups(manager, req0)[1] == 0
-    req0.num_computed_tokens = req0.num_tokens
-    manager.free(req0)
     req1 = make.request("1", tokens + [8] * 3, 16)
     (full, chunk), num_computed, new = prefill_groups(manager, req1)
     assert num_computed == 64 and len(full) == 4 and chunk == [0, 0, 0, 0]
     assert new is not None and [len(group) for group in new] == [1, 1]
+    manager.free(req0)
     manager.free(req1)
+    assert manager.usage == 0.0
 
 
 def prefill_groups(manager: Any, request: Request) -> tuple[tuple[list[int], ...], int, Any]:
