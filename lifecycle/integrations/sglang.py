@@ -29,8 +29,33 @@ rather than SGLang's page ids because the core hands out block ids itself: it ha
 caches blocks an engine allocated elsewhere.
 
 By design (refused with ``Unsupported`` at construction): EAGLE bigram keys, eviction policies
-other than LRU, sliding-window and hybrid (Mamba, SWA) trees. Hierarchical caching is SGLang's
-``HiRadixCache``, not provided.
+other than LRU, sliding-window and hybrid (Mamba, SWA) trees (SWA trees are the next class's).
+Hierarchical caching is SGLang's ``HiRadixCache``, not provided.
+
+SWA models (full attention layers beside sliding-window ones): ``LifecycleSWARadixCache(params)``
+in place of SGLang's ``UnifiedRadixCache`` with the ``FULL`` and ``SWA`` components, over SGLang's
+own ``SWATokenToKVPoolAllocator``, the tree an :class:`SWAPageTree`. The mapping:
+
+- SGLang's two index spaces are the grouped core's two groups: group 0 (``full``) holds a tree
+  slot per cached page, group 1 (``sliding_window``) a slot per page whose SWA KV is cached. Both
+  tables keep the page's *full* KV indices; the SWA indices are the allocator's
+  ``full_to_swa_index_mapping`` of them, so the KV goes back through the allocator's own
+  ``free`` (full and SWA), ``free_swa`` (a tombstone: SWA only) and ``free_full``.
+- A tombstone is a -1 in group 1's column. ``sliding_window_size`` W is the core's window of
+  W + 1 (a query at a cut reads the W tokens before it), so a match is the longest prefix whose
+  last W tokens have their SWA KV, SGLang's rule; a lock holds the path in group 0 and its last
+  window in group 1.
+- ``insert``'s SWA evicted length (``component_evicted_seqlens[SWA]``) is released by the core:
+  the record is admitted with the tokens up to it plus a window, the rest appended, so the pages
+  below it hold no SWA slot (at most the last window of the key's end may be missing: more is
+  refused). A cached page whose SWA KV was a tombstone takes the caller's (the core fills the
+  hole; its SWA index moves to the cached full index in the mapping and the caller's full index
+  is freed), as SGLang recovers tombstones. Duplicates past ``prev_prefix_len`` are freed by the
+  cache, as SGLang's SWA cache does.
+- No checkpoints (``retention_interval=0``): SGLang frees a request's out-of-window SWA KV itself.
+- Not yet: ``checkpoint`` (the running request's path; refused with ``Unsupported``), SWA-only
+  eviction (``swa_num_tokens`` evicts whole least recently used runs, full KV too: the core's
+  per-group eviction is not offered to Python), KV events, EAGLE, hierarchical caching, Mamba.
 """
 
 from __future__ import annotations
@@ -172,7 +197,7 @@ def radix_cache_class() -> type[Any]:
                 raise Unsupported("LifecycleRadixCache: EAGLE bigram keys are not supported")
             if getattr(params, "sliding_window_size", None) is not None:
                 raise Unsupported(f"LifecycleRadixCache: sliding_window_size={params.sliding_window_size}: "
-                                  "sliding-window trees are not supported")
+                                  "sliding-window trees are swa_radix_cache_class()'s")
             components = getattr(params, "tree_components", None)
             if components is not None and any(int(component) != 0 for component in components):
                 raise Unsupported(f"LifecycleRadixCache: tree_components={components!r}: only full attention "
@@ -623,7 +648,7 @@ class SWAPageTree:
         self.page_size = page_size
         self.window = window
         self._release = release
-        self._pools = (BlockPool(num_pages), BlockPool(num_swa_pages))
+        self._pools = [BlockPool(num_pages), BlockPool(num_swa_pages)]
         self._rows = (np.zeros((num_pages, page_size), np.int64), np.zeros((num_swa_pages, page_size), np.int64))
         self._held = (np.zeros(num_pages, np.bool_), np.zeros(num_swa_pages, np.bool_))
         self._id = next(_SWA_TREES)
