@@ -56,7 +56,9 @@ class Engine:
         self.mapping[source] = 0
 
 
-def tree(num_pages: int = 64, num_swa_pages: int = 32, page_size: int = 1, window: int = 4) -> tuple[SWAPageTree, Engine]:
+def tree(
+    num_pages: int = 64, num_swa_pages: int = 32, page_size: int = 1, window: int = 4
+) -> tuple[SWAPageTree, Engine]:
     engine = Engine()
     return SWAPageTree(num_pages, num_swa_pages, page_size, window, engine), engine
 
@@ -80,14 +82,14 @@ def insert(t: SWAPageTree, e: Engine, tokens: list[int], swa_evicted: int = 0) -
 
 
 def matched(t: SWAPageTree, tokens: list[int]) -> list[int]:
-    return t.values(t.match(tokens, len(tokens))).tolist()
+    return [int(v) for v in t.values(t.match(tokens, len(tokens)))]
 
 
 def settled(t: SWAPageTree, e: Engine) -> None:
+    """The tree's recount; the engine's live KV is exactly what the tree caches."""
     t.check_invariants()
-    held = set(np.concatenate([t.values(t.root)]).tolist())
-    assert held <= e.live_full
-    assert t.cached_pages * t.page_size <= len(e.live_full)
+    assert len(e.live_full) == t.cached_pages * t.page_size
+    assert len(e.live_swa) == t.cached_swa_pages * t.page_size
 
 
 def test_a_match_ends_where_its_last_window_has_swa_kv() -> None:
