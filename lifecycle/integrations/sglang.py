@@ -29,8 +29,33 @@ rather than SGLang's page ids because the core hands out block ids itself: it ha
 caches blocks an engine allocated elsewhere.
 
 By design (refused with ``Unsupported`` at construction): EAGLE bigram keys, eviction policies
-other than LRU, sliding-window and hybrid (Mamba, SWA) trees. Hierarchical caching is SGLang's
-``HiRadixCache``, not provided.
+other than LRU, sliding-window and hybrid (Mamba, SWA) trees (SWA trees are the next class's).
+Hierarchical caching is SGLang's ``HiRadixCache``, not provided.
+
+SWA models (full attention layers beside sliding-window ones): ``LifecycleSWARadixCache(params)``
+in place of SGLang's ``UnifiedRadixCache`` with the ``FULL`` and ``SWA`` components, over SGLang's
+own ``SWATokenToKVPoolAllocator``, the tree an :class:`SWAPageTree`. The mapping:
+
+- SGLang's two index spaces are the grouped core's two groups: group 0 (``full``) holds a tree
+  slot per cached page, group 1 (``sliding_window``) a slot per page whose SWA KV is cached. Both
+  tables keep the page's *full* KV indices; the SWA indices are the allocator's
+  ``full_to_swa_index_mapping`` of them, so the KV goes back through the allocator's own
+  ``free`` (full and SWA), ``free_swa`` (a tombstone: SWA only) and ``free_full``.
+- A tombstone is a -1 in group 1's column. ``sliding_window_size`` W is the core's window of
+  W + 1 (a query at a cut reads the W tokens before it), so a match is the longest prefix whose
+  last W tokens have their SWA KV, SGLang's rule; a lock holds the path in group 0 and its last
+  window in group 1.
+- ``insert``'s SWA evicted length (``component_evicted_seqlens[SWA]``) is released by the core:
+  the record is admitted with the tokens up to it plus a window, the rest appended, so the pages
+  below it hold no SWA slot (at most the last window of the key's end may be missing: more is
+  refused). A cached page whose SWA KV was a tombstone takes the caller's (the core fills the
+  hole; its SWA index moves to the cached full index in the mapping and the caller's full index
+  is freed), as SGLang recovers tombstones. Duplicates past ``prev_prefix_len`` are freed by the
+  cache, as SGLang's SWA cache does.
+- No checkpoints (``retention_interval=0``): SGLang frees a request's out-of-window SWA KV itself.
+- Not yet: ``checkpoint`` (the running request's path; refused with ``Unsupported``), SWA-only
+  eviction (``swa_num_tokens`` evicts whole least recently used runs, full KV too: the core's
+  per-group eviction is not offered to Python), KV events, EAGLE, hierarchical caching, Mamba.
 """
 
 from __future__ import annotations
@@ -46,10 +71,13 @@ import numpy.typing as npt
 from lifecycle._blockpool import BlockPool
 from lifecycle._retention import DEFAULT_RETENTION
 from lifecycle._sglang_pagetree import PageNode, PageTree, page_indices, pages_of
-from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, Unsupported
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, LifecycleError, SequenceStateError, Unsupported
 from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
-__all__ = ["PageNode", "PageTree", "allocator_class", "dfs_weight_order", "radix_cache_class"]
+__all__ = [
+    "PageNode", "PageTree", "SWANode", "SWAPageTree", "allocator_class", "dfs_weight_order", "radix_cache_class",
+    "swa_radix_cache_class",
+]
 
 _EXTRA: Final = "sglang"
 #: Tree slots when neither the allocator nor the caller says how many pages there are.
@@ -169,7 +197,7 @@ def radix_cache_class() -> type[Any]:
                 raise Unsupported("LifecycleRadixCache: EAGLE bigram keys are not supported")
             if getattr(params, "sliding_window_size", None) is not None:
                 raise Unsupported(f"LifecycleRadixCache: sliding_window_size={params.sliding_window_size}: "
-                                  "sliding-window trees are not supported")
+                                  "sliding-window trees are swa_radix_cache_class()'s")
             components = getattr(params, "tree_components", None)
             if components is not None and any(int(component) != 0 for component in components):
                 raise Unsupported(f"LifecycleRadixCache: tree_components={components!r}: only full attention "
@@ -566,4 +594,518 @@ def __getattr__(name: str) -> type[Any]:
         return radix_cache_class()
     if name == "LifecyclePagedAllocator":
         return allocator_class()
+    if name == "LifecycleSWARadixCache":
+        return swa_radix_cache_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- sliding-window (SWA) trees -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class SWANode:
+    """The end of a cached path of an :class:`SWAPageTree` (a view, as a :class:`PageNode` is):
+    the key's whole pages and one token more, and the full group's tree slots of its pages."""
+
+    tree: int
+    generation: int
+    namespace: int
+    tokens: npt.NDArray[np.int32]
+    slots: npt.NDArray[np.int32]
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.slots)
+
+    @property
+    def evicted(self) -> bool:
+        return False
+
+
+_SWA_TREES = iter(range(1, 1 << 62))
+
+
+class SWAPageTree:
+    """SGLang's SWA radix tree (a full-attention component and a sliding-window one over two
+    index spaces) over lifecycle's grouped core: group 0 holds a tree slot per cached page with
+    the page's *full* KV indices, group 1 (``sliding_window``) a slot per page whose SWA KV is
+    still cached; a -1 there is SGLang's tombstone. Both groups' values are full KV indices: the
+    engine's ``full_to_swa_index_mapping`` turns them into SWA indices, as SGLang's allocator
+    frees them.
+
+    ``window``: SGLang's ``sliding_window_size``; a match ends where the ``window`` tokens before
+    it have their SWA KV (the core's sliding window of ``window + 1``: a query at a cut reads the
+    ``window`` tokens before it). Freed KV goes to ``release``, an object with ``free(full)``
+    (full and SWA KV of those pages), ``free_swa(full)`` (their SWA KV only) and
+    ``free_full(full)`` (full only; their SWA KV was freed before), each given int64 full
+    indices."""
+
+    def __init__(self, num_pages: int, num_swa_pages: int, page_size: int, window: int, release: Any) -> None:
+        for name, value, low in (("num_pages", num_pages, 1), ("num_swa_pages", num_swa_pages, 1),
+                                 ("page_size", page_size, 1), ("window", window, 1)):
+            if type(value) is not int or value < low:
+                raise ConfigError(f"SWAPageTree: {name}={value!r} must be an int >= {low}")
+        self.page_size = page_size
+        self.window = window
+        self._release = release
+        self._pools = [BlockPool(num_pages), BlockPool(num_swa_pages)]
+        self._rows = (np.zeros((num_pages, page_size), np.int64), np.zeros((num_swa_pages, page_size), np.int64))
+        self._held = (np.zeros(num_pages, np.bool_), np.zeros(num_swa_pages, np.bool_))
+        self._id = next(_SWA_TREES)
+        self._generation = 0
+        self._locks: dict[int, SWANode] = {}
+        self._new_core()
+
+    def _new_core(self) -> None:
+        from lifecycle._kvcache import KVCacheCore
+
+        self.core = KVCacheCore(self._pools[0], self.page_size,
+                                groups=[("sliding_window", self.window + 1, 0, self._pools[1])], retention_interval=0)
+        self.root = SWANode(self._id, self._generation, 0, np.zeros(1, np.int32), np.zeros(0, np.int32))
+
+    # -- sizes, in pages --------------------------------------------------------------------------
+
+    @property
+    def cached_pages(self) -> int:
+        return int(self._held[0].sum())
+
+    @property
+    def cached_swa_pages(self) -> int:
+        return int(self._held[1].sum())
+
+    def _pinned(self, group: int) -> int:
+        """Cached pages of ``group`` a lock (a live core record) holds."""
+        refs = self._pools[group].refcounts()
+        return int((self._held[group] & (refs > 1)).sum())
+
+    @property
+    def protected_pages(self) -> int:
+        return self._pinned(0)
+
+    @property
+    def protected_swa_pages(self) -> int:
+        return self._pinned(1)
+
+    @property
+    def num_locks(self) -> int:
+        return len(self._locks)
+
+    # -- the calls --------------------------------------------------------------------------------
+
+    def _key(self, tokens: Any, pages: int) -> npt.NDArray[np.int32]:
+        n = pages * self.page_size
+        head = np.asarray(tokens[:n] if not isinstance(tokens, np.ndarray) else tokens[:n], dtype=np.int64)
+        if len(head) < n:
+            raise InvalidId(f"a key of {n} tokens is longer than its {len(head)} token ids")
+        if n and (int(head.min()) < 0 or int(head.max()) > 0x7FFFFFFF):
+            bad = int(np.flatnonzero((head < 0) | (head > 0x7FFFFFFF))[0])
+            raise InvalidId(f"token id {int(head[bad])} (at index {bad}) is outside [0, {0x7FFFFFFF}]")
+        key = np.zeros(n + 1, np.int32)
+        key[:n] = head
+        return key
+
+    def _node(self, namespace: int, key: npt.NDArray[np.int32], slots: npt.NDArray[np.int32]) -> SWANode:
+        key.flags.writeable = False
+        slots.flags.writeable = False
+        return SWANode(self._id, self._generation, namespace, key, slots)
+
+    def match(self, tokens: Any, length: int, namespace: int = 0) -> SWANode:
+        """The node ending the longest cached prefix of the first ``length`` tokens (whole pages)
+        whose last ``window`` tokens have their SWA KV cached, made the most recently used."""
+        pages = min(int(length) // self.page_size, self._pools[0].num_total)
+        if pages == 0:
+            return self.root
+        key = self._key(tokens, pages)
+        handle = self.core.admit(key, 0, pages, namespace)
+        matched = self.core.cached_tokens(handle) // self.page_size
+        slots = self.core.block_table(handle, 0)[:matched].copy()
+        self.core.finish(handle, False)
+        if matched == 0:
+            return self.root
+        return self._node(namespace, key[: matched * self.page_size + 1].copy(), slots)
+
+    def _room(self, pages: int) -> None:
+        """Free slots for ``pages`` new pages in both groups first, so that no slot is reused
+        inside a core call before its KV was handed back."""
+        for group in (0, 1):
+            while self._pools[group].num_free < pages and self.core.evict(1):
+                self._settle()
+
+    def insert(self, tokens: Any, length: int, values: Any, namespace: int = 0,
+               swa_evicted: int = 0) -> tuple[int, SWANode]:
+        """Cache ``values`` (full KV indices, one per token of the key's whole pages) under the
+        first ``length`` tokens; the pages below ``swa_evicted`` tokens have no SWA KV any more
+        (the request freed it). Returns the pages that were cached already, whose indices stay the
+        caller's (it frees them), and the node ending the key. Pages cached with their SWA KV evicted take
+        the caller's SWA KV (its full indices are freed here, the SWA KV moved to the cached full
+        indices through ``release.move_swa``)."""
+        ps = self.page_size
+        pages = int(length) // ps
+        if pages == 0:
+            return 0, self.root
+        if pages > self._pools[0].num_total or pages > self._pools[1].num_total:
+            raise InvalidId(f"insert: a key of {pages} pages is longer than the tree's "
+                            f"{min(self._pools[0].num_total, self._pools[1].num_total)} pages")
+        full = np.ascontiguousarray(np.asarray(values, dtype=np.int64)[: pages * ps]).reshape(-1)
+        if len(full) < pages * ps:
+            raise InvalidId(f"insert: {len(full)} KV indices for a key of {pages} pages of {ps}")
+        if len(full) and int(full.min()) < 0:
+            raise InvalidId(f"insert: KV index {int(full.min())} is negative")
+        key = self._key(tokens, pages)
+        self._room(pages)
+        # The SWA KV below ``swa_evicted`` is gone: the record releases those pages' blocks (the
+        # window it reads at ``keep`` tokens starts there).
+        evicted_pages = max(int(swa_evicted), 0) // ps
+        keep = evicted_pages * ps + self.window if evicted_pages else pages * ps
+        if keep > pages * ps:
+            raise InvalidId(f"insert: swa_evicted={swa_evicted} is within the last window ({self.window} tokens) of "
+                            f"the key's {pages * ps} tokens: only SWA KV that left the window is freed")
+        handle = self.core.admit(key if keep == pages * ps else key[:keep], pages, pages, namespace)
+        cut = self.core.cached_tokens(handle) // ps
+        if keep < pages * ps:
+            self.core.append(handle, key[keep:])
+        rows = full.reshape(pages, ps)
+        tables = (self.core.block_table(handle, 0), self.core.block_table(handle, 1))
+        for group in (0, 1):
+            new = tables[group][cut:pages]
+            mine = new >= 0
+            self._rows[group][new[mine]] = rows[cut:pages][mine]
+            self._held[group][new[mine]] = True
+        self.core.finish(handle, True)
+        refs = (self._pools[0].refcounts(), self._pools[1].refcounts())
+        # Group 0's blocks the cache already had: a run from the cut (a prefix cache has no holes).
+        dup = refs[0][tables[0][cut:pages]] == 0
+        cached = cut + (int(np.argmin(dup)) if not dup.all() else len(dup))
+        self._held[0][tables[0][cut:cached]] = False
+        slots = tables[0][:pages].copy()
+        if cached > cut:
+            # The key's last window has its SWA KV now, so a match of all of it reads the path.
+            node = self.match(key, pages * ps, namespace)
+            if node.num_pages < cached:
+                raise InvariantViolation(f"insert: {cached} pages were cached, a match reads {node.num_pages}")
+            slots[cut:cached] = node.slots[cut:cached]
+            tree_rows = self._rows[0][slots[cut:cached]]
+            swa = tables[1][cut:cached]
+            filled = (swa >= 0) & (refs[1][np.maximum(swa, 0)] > 0)
+            # A tombstone the caller's SWA KV filled: it now belongs to the cached full indices.
+            if filled.any():
+                self._rows[1][swa[filled]] = tree_rows[filled]
+                self._release.move_swa(rows[cut:cached][filled].reshape(-1), tree_rows[filled].reshape(-1))
+                self._release.free_full(rows[cut:cached][filled].reshape(-1))
+            self._held[1][swa[(swa >= 0) & ~filled]] = False
+            below = np.arange(cut, cached) < evicted_pages  # their SWA KV is gone already
+            for mask, free in ((~filled & below, self._release.free_full), (~filled & ~below, self._release.free)):
+                if mask.any():
+                    free(rows[cut:cached][mask].reshape(-1))
+        self._settle()
+        return cut, self._node(namespace, key, slots)
+
+    def values(self, node: SWANode) -> Int64Array:
+        """The full KV indices of ``node``'s path."""
+        self._own(node, "values")
+        return self._rows[0][node.slots].reshape(-1).copy()
+
+    def _own(self, node: SWANode, call: str) -> None:
+        if not isinstance(node, SWANode) or node.tree != self._id:
+            raise SequenceStateError(f"{call}: {node!r} is not a node of this tree")
+        if node.generation != self._generation:
+            raise SequenceStateError(f"{call}: the node is from before a reset (generation {node.generation}, "
+                                     f"now {self._generation})")
+
+    def lock(self, node: SWANode) -> tuple[int, int, int]:
+        """Keep ``node``'s path (full group) and its last window (SWA group) from eviction;
+        returns the lock's handle and how many full and SWA pages it took from the evictable."""
+        self._own(node, "lock")
+        before = (self.protected_pages, self.protected_swa_pages)
+        handle = self.core.admit(node.tokens, 0, node.num_pages, node.namespace)
+        table = self.core.block_table(handle, 0)
+        if len(table) != node.num_pages or not np.array_equal(table, node.slots):
+            self.core.finish(handle, False)
+            raise SequenceStateError(
+                f"lock: the node's path of {node.num_pages} pages was evicted ({len(table)} of them are served now)"
+            )
+        self._locks[int(handle)] = node
+        return int(handle), self.protected_pages - before[0], self.protected_swa_pages - before[1]
+
+    def unlock(self, handle: int) -> tuple[int, int]:
+        """Release lock ``handle``; returns how many full and SWA pages became evictable."""
+        if handle not in self._locks:
+            raise SequenceStateError(f"unlock: lock {handle} is not held ({len(self._locks)} locks held)")
+        before = (self.protected_pages, self.protected_swa_pages)
+        del self._locks[handle]
+        self.core.finish(handle, False)
+        return before[0] - self.protected_pages, before[1] - self.protected_swa_pages
+
+    def evict(self, pages: int, swa_pages: int = 0) -> tuple[int, int]:
+        """Free at least ``pages`` full pages and ``swa_pages`` SWA pages, least recently used
+        first, or as many as are evictable; returns how many of each went. Full eviction trims
+        runs in both groups; SWA pages go the same way (whole runs, least recently used first):
+        the core's per-group eviction is not offered to this tree yet."""
+        before = (self._pools[0].num_free, self._pools[1].num_free)
+        if pages > 0:
+            self.core.evict(int(pages))
+            self._settle()
+        while self._pools[1].num_free - before[1] < swa_pages and self.core.evict(1):
+            self._settle()
+        return self._pools[0].num_free - before[0], self._pools[1].num_free - before[1]
+
+    def _settle(self) -> None:
+        """Hand the KV of every slot the core freed back to the engine (refcounts recounted)."""
+        gone = [np.flatnonzero(self._held[g] & (self._pools[g].refcounts() == 0)) for g in (0, 1)]
+        if not (len(gone[0]) or len(gone[1])):
+            return
+        for g in (0, 1):
+            self._held[g][gone[g]] = False
+        full_rows, swa_rows = self._rows[0][gone[0]], self._rows[1][gone[1]]
+        both = np.isin(full_rows[:, 0], swa_rows[:, 0])
+        swa_only = swa_rows[~np.isin(swa_rows[:, 0], full_rows[:, 0])]
+        if len(swa_only):
+            self._release.free_swa(swa_only.reshape(-1))
+        if both.any():
+            self._release.free(full_rows[both].reshape(-1))
+        if (~both).any():
+            self._release.free_full(full_rows[~both].reshape(-1))
+
+    def reset(self) -> None:
+        """Drop every page and lock without handing KV back (the engine clears its allocator)."""
+        for handle in list(self._locks):
+            self.core.finish(handle, False)
+        self._locks.clear()
+        for g in (0, 1):
+            self._held[g][:] = False
+            self._pools[g] = BlockPool(self._pools[g].num_total)
+        self._generation += 1
+        self._new_core()
+
+    def check_invariants(self) -> None:
+        """The core's recount; every slot the tree keeps KV for is one the core holds."""
+        self.core.check_invariants()
+        for g in (0, 1):
+            refs = self._pools[g].refcounts()
+            if (self._held[g] != (refs > 0)).any():
+                bad = int(np.flatnonzero(self._held[g] != (refs > 0))[0])
+                raise InvariantViolation(f"group {g} slot {bad}: kept {bool(self._held[g][bad])}, "
+                                         f"references {int(refs[bad])}")
+        if self.core.num_live_sequences != len(self._locks):
+            raise InvariantViolation(f"{self.core.num_live_sequences} core records for {len(self._locks)} locks")
+
+
+class _SWARelease:
+    """An :class:`SWAPageTree`'s ``release`` over SGLang's ``SWATokenToKVPoolAllocator`` (its
+    ``free`` / ``free_swa`` / ``free_full`` and its ``full_to_swa_index_mapping``)."""
+
+    def __init__(self, allocator: Any, device: Any) -> None:
+        import torch
+
+        self._allocator = allocator
+        self._torch = torch
+        self._device = device
+
+    def _tensor(self, values: Int64Array) -> Any:
+        return self._torch.from_numpy(np.ascontiguousarray(values)).to(self._device)
+
+    def free(self, full: Int64Array) -> None:
+        self._allocator.free(self._tensor(full))
+
+    def free_swa(self, full: Int64Array) -> None:
+        self._allocator.free_swa(self._tensor(full))
+
+    def free_full(self, full: Int64Array) -> None:
+        self._allocator.free_full(self._tensor(full))
+
+    def move_swa(self, source: Int64Array, dest: Int64Array) -> None:
+        mapping = self._allocator.full_to_swa_index_mapping
+        src, dst = self._tensor(source), self._tensor(dest)
+        mapping[dst] = mapping[src]
+        mapping[src] = 0
+
+
+@functools.cache
+def swa_radix_cache_class() -> type[Any]:
+    """``LifecycleSWARadixCache``: SGLang's SWA prefix cache (``UnifiedRadixCache`` with a
+    full and a sliding-window component) over an :class:`SWAPageTree` (built once; needs SGLang)."""
+    import_engine("sglang", _EXTRA)
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        BasePrefixCache,
+        DecLockRefResult,
+        EvictResult,
+        IncLockRefResult,
+        InsertResult,
+        MatchResult,
+    )
+
+    class LifecycleSWARadixCache(BasePrefixCache):  # type: ignore[misc]
+        """SGLang's SWA radix cache interface over lifecycle's grouped core (see
+        :class:`SWAPageTree`); takes SGLang's ``SWATokenToKVPoolAllocator``."""
+
+        def __init__(self, params: Any) -> None:
+            window = getattr(params, "sliding_window_size", None)
+            if window is None or int(window) <= 0:
+                raise ConfigError(f"LifecycleSWARadixCache: sliding_window_size={window!r} must be a positive int")
+            if params.is_eagle:
+                raise Unsupported("LifecycleSWARadixCache: EAGLE bigram keys are not supported")
+            components = getattr(params, "tree_components", None)
+            if components is not None and sorted(int(c) for c in components) != [0, 1]:
+                raise Unsupported(f"LifecycleSWARadixCache: tree_components={components!r}: only full attention "
+                                  "with sliding-window attention (FULL, SWA) is supported")
+            if getattr(params, "draft_swa_window", 0):
+                raise Unsupported("LifecycleSWARadixCache: a draft model's SWA window is not supported")
+            policy = str(params.eviction_policy).lower()
+            if policy != "lru":
+                raise Unsupported(f"LifecycleSWARadixCache: eviction_policy={policy!r}; only 'lru' is supported")
+            allocator = params.token_to_kv_pool_allocator
+            for name in ("free_swa", "free_full", "full_to_swa_index_mapping", "size_full", "size_swa"):
+                if not hasattr(allocator, name):
+                    raise ConfigError(f"LifecycleSWARadixCache: the allocator {type(allocator).__name__} has no "
+                                      f"{name}: an SWA allocator (SWATokenToKVPoolAllocator) is needed")
+            if getattr(allocator, "swa_req_ring", False):
+                raise Unsupported("LifecycleSWARadixCache: a per-request SWA ring is not supported")
+            self.disable = params.disable
+            self.req_to_token_pool = params.req_to_token_pool
+            self.token_to_kv_pool_allocator = allocator
+            self.page_size: int = params.page_size
+            self.is_eagle = False
+            self.eviction_policy = policy
+            self.sliding_window_size: int = int(window)
+            self.enable_kv_cache_events = False
+            self.device = torch.device(getattr(allocator, "device", "cpu"))
+            ps = self.page_size
+            self._tree = SWAPageTree(allocator.size_full // ps + 1, allocator.size_swa // ps + 1, ps,
+                                     self.sliding_window_size, _SWARelease(allocator, self.device))
+            self._namespaces: CacheNamespaces[tuple[str | None, str | None]] = CacheNamespaces()
+            self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+            if params.enable_metrics:
+                self.init_metrics_collector()
+
+        @property
+        def tree(self) -> SWAPageTree:
+            return self._tree
+
+        @property
+        def root_node(self) -> SWANode:
+            return self._tree.root
+
+        def supports_swa(self) -> bool:
+            return True
+
+        def _namespace(self, key: Any) -> int:
+            if key.extra_key is None and key.cache_salt is None:
+                return 0
+            return self._namespaces.key((key.extra_key, key.cache_salt))
+
+        def _tokens(self, key: Any) -> Any:
+            if key.is_bigram:
+                raise Unsupported("LifecycleSWARadixCache: EAGLE bigram keys are not supported")
+            return key.token_ids
+
+        def reset(self) -> None:
+            self._tree.reset()
+
+        def match_prefix(self, params: Any) -> Any:
+            """The longest cached prefix (whole pages) whose last ``sliding_window_size`` tokens
+            have their SWA KV cached."""
+            key = params.key
+            node = self._tree.root if self.disable else self._tree.match(self._tokens(key), len(key),
+                                                                         self._namespace(key))
+            length = node.num_pages * self.page_size
+            return MatchResult(device_prefix_len=length, last_device_node=node, last_host_node=node,
+                               best_match_node=node, full_kv_hit_length=length)
+
+        def insert(self, params: Any) -> Any:
+            """Cache ``params.value`` (full KV indices) under ``params.key``; the SWA KV of the
+            tokens below the SWA component's evicted length (``component_evicted_seqlens``) is
+            gone. ``prefix_len`` tokens were cached already: the caller's indices there, past
+            ``prev_prefix_len``, are freed here (as SGLang's SWA cache does)."""
+            if self.disable:
+                return InsertResult(prefix_len=0)
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+            key = params.key
+            tokens = self._tokens(key)
+            value = params.value if params.value is not None else torch.tensor(list(tokens), dtype=torch.int64)
+            evicted = params.component_evicted_seqlens.get(ComponentType.SWA, 0)
+            cached, node = self._tree.insert(tokens, len(key), value.cpu(), self._namespace(key), evicted)
+            ps = self.page_size
+            # As SGLang's SWA cache: the caller's duplicates past ``prev_prefix_len`` are freed
+            # here (full KV only below the SWA evicted length, whose SWA KV is gone).
+            start, split = params.prev_prefix_len, min(max(evicted, params.prev_prefix_len), cached * ps)
+            if params.value is not None:
+                if split > start:
+                    self.token_to_kv_pool_allocator.free_full(params.value[start:split])
+                if cached * ps > split:
+                    self.token_to_kv_pool_allocator.free(params.value[split:cached * ps])
+            return InsertResult(prefix_len=cached * ps, total_len=len(key) // ps * ps, last_device_node=node)
+
+        def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+            """Not offered yet: the request path (caching a running request's KV with the SWA KV
+            it already freed) is refused by name; the scheduler cannot run on this cache yet."""
+            raise Unsupported("LifecycleSWARadixCache.checkpoint: caching a running request is not supported yet")
+
+        def evict(self, params: Any) -> Any:
+            if self.disable:
+                return EvictResult()
+            ps = self.page_size
+            full, swa = self._tree.evict(-(-params.num_tokens // ps), -(-params.swa_num_tokens // ps))
+            return EvictResult(num_tokens_evicted=full * ps, swa_num_tokens_evicted=swa * ps)
+
+        def inc_lock_ref(self, node: SWANode) -> Any:
+            if self.disable or node.num_pages == 0:
+                return IncLockRefResult(delta=0)
+            handle, full, _ = self._tree.lock(node)
+            return IncLockRefResult(delta=-full * self.page_size, node_id=handle)
+
+        def dec_lock_ref(self, node: SWANode, params: Any = None) -> Any:
+            if self.disable or node.num_pages == 0:
+                return DecLockRefResult(delta=0)
+            handle = getattr(params, "node_id", None)
+            if handle is None:
+                handles = [h for h, n in self._tree._locks.items() if n is node]
+                if not handles:
+                    raise SequenceStateError("dec_lock_ref: no lock is held on the node")
+                handle = handles[-1]
+            full, _ = self._tree.unlock(handle)
+            return DecLockRefResult(delta=full * self.page_size)
+
+        def path_device_indices(self, node: SWANode) -> Any:
+            if node.num_pages == 0:
+                return self._empty
+            return torch.from_numpy(self._tree.values(node)).to(self.device)
+
+        def supports_prefix_sharing(self) -> bool:
+            return not self.disable
+
+        def full_evictable_size(self) -> int:
+            return (self._tree.cached_pages - self._tree.protected_pages) * self.page_size
+
+        def swa_evictable_size(self) -> int:
+            return (self._tree.cached_swa_pages - self._tree.protected_swa_pages) * self.page_size
+
+        def full_protected_size(self) -> int:
+            return self._tree.protected_pages * self.page_size
+
+        def swa_protected_size(self) -> int:
+            return self._tree.protected_swa_pages * self.page_size
+
+        def evictable_size(self) -> int:
+            return self.full_evictable_size()
+
+        def protected_size(self) -> int:
+            return self.full_protected_size()
+
+        def total_size(self) -> tuple[int, int]:
+            """Tokens cached, and of them those with their SWA KV (as ``UnifiedRadixCache``)."""
+            return self._tree.cached_pages * self.page_size, self._tree.cached_swa_pages * self.page_size
+
+        def pretty_print(self) -> None:
+            print(f"LifecycleSWARadixCache: {self._tree.cached_pages * self.page_size} tokens cached, "
+                  f"{self._tree.cached_swa_pages * self.page_size} with their SWA KV "
+                  f"({self.full_protected_size()} / {self.swa_protected_size()} protected)")
+
+        def sanity_check(self) -> None:
+            self._tree.check_invariants()
+
+        def check_invariants(self) -> None:
+            self._tree.check_invariants()
+
+    return LifecycleSWARadixCache
