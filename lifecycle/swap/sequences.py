@@ -50,7 +50,10 @@ def restore_sequence(
     call = "restore_sequence_state"
 
     def allocate_groups(positions: list[npt.NDArray[np.uint32]], kv_tokens: int) -> None:
-        core.allocate(handle, num_blocks, call, positions, kv_tokens)
+        if positions:
+            core.allocate(handle, num_blocks, call, positions, kv_tokens)
+        else:  # one group (of MLA or indexer layers): no window
+            core.allocate(handle, num_blocks, call)
 
     if not ctx.grouped:
         core.allocate(handle, num_blocks, call)
