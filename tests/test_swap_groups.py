@@ -255,7 +255,7 @@ def test_a_group_short_of_blocks_refuses_the_restore_naming_it() -> None:
     try:
         seq = prefilled(m, 40)
         record = saved(m, seq)
-        hogs = []
+        hogs: list[SequenceState] = []  # held until the teardown
         while m.core.group_pools[1].num_free >= 4:
             hogs.append(prefilled(m, 16, start=500 + 16 * len(hogs)))  # a window of 4 blocks each
         assert m.core.group_pools[0].num_free >= seq.num_blocks  # group 0 has room, group 1 not

@@ -157,7 +157,8 @@ def _group_positions(
     for group, count in enumerate(held[1:], start=1):
         column = meta[offset : offset + 4 * count].view(_U32)
         offset += 4 * count
-        if count and (int(column[-1]) >= header.num_blocks or (count > 1 and bool((np.diff(column.astype(np.int64)) <= 0).any()))):
+        ascending = count < 2 or bool((np.diff(column.astype(np.int64)) > 0).all())
+        if count and (int(column[-1]) >= header.num_blocks or not ascending):
             raise SwapFormatError(
                 f"record's positions of KV cache group {group} must ascend within the table of "
                 f"{header.num_blocks} blocks"
@@ -244,7 +245,7 @@ def restore(
         raise SwapModelMismatch(
             f"record's per-section sizes {table} != this model's {layout.kv_layer_bytes + layout.ssm_range_bytes}"
         )
-    name_at, positions = table_bytes, []
+    name_at, positions = table_bytes, list[npt.NDArray[np.uint32]]()
     if layout.grouped:
         _, positions, name_at = _group_positions(header, layout, meta, table_bytes)
     name = meta[name_at : name_at + header.adapter_name_bytes].tobytes()
