@@ -330,3 +330,16 @@ def test_the_swap_tier_swaps_a_grouped_sequence_out_and_back(
     assert pages(model, back) == image
     assert counts(model) == empty
     model.check_invariants()
+
+
+def test_the_cores_allocate_refuses_positions_that_do_not_ascend_within_the_table(model: HybridModel) -> None:
+    from lifecycle.errors import InvalidId
+
+    seq = model.alloc_sequence_for(40)
+    before = counts(model)
+    with pytest.raises(InvalidId, match=r"held\[0\] must hold ascending positions in \[0, 10\)"):
+        model.core.allocate(seq.handle, 10, "restore", [np.array([3, 2])], 0)
+    with pytest.raises(InvalidId, match=r"held\[0\] must hold ascending positions in \[0, 10\)"):
+        model.core.allocate(seq.handle, 10, "restore", [np.array([9, 10])], 0)
+    assert counts(model) == before and seq.num_blocks == 0
+    model.check_invariants()
