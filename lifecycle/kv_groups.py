@@ -46,16 +46,6 @@ def core_groups(config: ModelConfig) -> list[GroupSpec] | None:
     return [(group.kind, group.window, group.sink_tokens, BlockPool(group.num_blocks)) for group in groups[1:]]
 
 
-def refuse_grouped_swap(config: ModelConfig, call: str) -> None:
-    """A swap record holds one group of attention layers: refuse a model of other KV groups
-    (several groups, MLA, an indexer) before anything is read or written."""
-    if not config.is_single_attention_group:
-        raise Unsupported(
-            f"{call}: {config.name!r} has KV groups {describe_groups(config)}; a swap record holds the blocks of "
-            "one group of attention layers (finish the sequence and recompute it instead)"
-        )
-
-
 def refuse_grouped_tiers(config: ModelConfig, host_tier_blocks: int, store: str | None) -> None:
     """The host tier and the shared store move group 0's blocks only: refuse them for a model of
     several KV groups."""

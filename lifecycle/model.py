@@ -24,7 +24,6 @@ from lifecycle.compaction import SlotMoves
 from lifecycle.config import ModelConfig, ModelDims
 from lifecycle.device import Device, open_device
 from lifecycle.errors import ConfigError, InvalidId, TornDown, Unsupported
-from lifecycle.kv_groups import refuse_grouped_swap
 from lifecycle.events.types import KVEventBatch
 from lifecycle.lora import AdapterInfo
 from lifecycle.parts import Gate, ModelParts, ModelViews
@@ -234,14 +233,12 @@ class HybridModel(ModelCalls, ModelViews, RetentionCalls, LifecycleDefaults):
         """Write the sequence to ``writer`` as a swap record (:func:`lifecycle.swap.sequences.save_sequence`)."""
         self._core.handle_of(seq)
         with self._entered:
-            refuse_grouped_swap(self._config, "save_sequence_state")
             save_sequence(self._parts.swap, seq, writer, self._counters, self._clock)
 
     def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
         """Restore a fresh sequence from a swap record (:func:`lifecycle.swap.sequences.restore_sequence`)."""
         self._core.handle_of(seq)
         with self._entered:
-            refuse_grouped_swap(self._config, "restore_sequence_state")
             restore_sequence(self._parts.swap, self._core, seq, num_blocks, reader, self._counters, self._clock)
 
     def num_free_blocks(self) -> int:

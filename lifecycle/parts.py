@@ -73,7 +73,9 @@ class ModelParts:
         self.drop_queue: deque[int] = deque()  # handles of sequences dropped unfreed (their finalizers fill it)
         self.adapters = AdapterTable(config.num_adapter_slots)
         self.lora = AdapterBindings(self.adapters, core)
-        self.swap = SwapContext(config, device, memory.kv, memory.ssm, staging=memory.staging, adapters=self.adapters)
+        self.swap = SwapContext(config, device, memory.kv, memory.ssm, staging=memory.staging, adapters=self.adapters,
+                                kv_groups=memory.kv_groups, core=self.core,
+                                grouped=not config.is_single_attention_group)
         self.events = (
             KVEventLog(
                 config.block_size, adapter_of=self.lora.adapter_of, salt_of=core.salts.salt_of, groups=core.groups

@@ -42,7 +42,7 @@ from lifecycle._int32 cimport (
     grow_array, int32_buffer, int32_column, int64_vector, shrink as _shrink, token_vector as _token_vector,
     writeable_int32,
 )
-from lifecycle._radix cimport MAX_PRIORITY, Chunk, RNode, WalkEnd, chunk_decref, chunk_new
+from lifecycle._radix cimport MAX_PRIORITY, Chunk, RNode, WalkEnd, chunk_column, chunk_decref, chunk_new
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
@@ -60,7 +60,10 @@ import numpy as np
 # The event log's and the records' names that callers import from this module.
 from lifecycle._evlog import CLEARED, EVENT_DTYPE, REMOVED, STORED, RawEvents  # no-cython-lint
 from lifecycle._records import SeqStatus, SequenceState  # no-cython-lint
-from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, RetentionError, TornDown, Unsupported
+from lifecycle.errors import (
+    ConfigError, InvalidId, InvariantViolation, OutOfBlocks, RetentionError, SequenceStateError, TornDown,
+    Unsupported,
+)
 
 cnp.import_array()
 
@@ -929,15 +932,30 @@ cdef class KVCacheCore:
             return 0
         return max(<Py_ssize_t>0, rec.num_blocks - before)
 
-    def allocate(self, handle, num_blocks, str call="allocate"):
+    def allocate(self, handle, num_blocks, str call="allocate", held=None, kv_tokens=0):
         """Give a fresh record (no blocks, no tokens) exactly ``num_blocks`` free blocks, never
         evicting (a restore must not drop cache it cannot give back); ``OutOfBlocks`` when too few
-        are free. ``call`` names the caller in errors."""
+        are free. ``call`` names the caller in errors. With KV cache groups (a swap record's
+        restore): ``held[g - 1]`` lists the positions (ascending, < ``num_blocks``) where group
+        ``g`` holds a block (None: every position; -1 at the others), ``kv_tokens`` the tokens
+        up to which the windows were released; every group's blocks are taken, or none."""
         cdef int64_t h = _handle_arg(handle, "allocate")
         cdef Py_ssize_t wanted = _as_count(num_blocks, f"{call}: num_blocks", 0, self._max_blocks_per_seq)
         if self._grouped:
-            self._refuse_grouped(call)
+            _allocate_columns(self, h, wanted, held, kv_tokens, call)
+            return
+        if held is not None or kv_tokens != 0:
+            raise InvalidId(f"{call}: held / kv_tokens are for a core of several KV cache groups; this one has one")
         self._counters.blocks_allocated += self._records.allocate(h, wanted, call)
+
+    def kv_tokens(self, handle):
+        """The tokens up to which the record's windowed groups released their blocks (0 with one group)."""
+        cdef int64_t h = _handle_arg(handle, "kv_tokens")
+        self._lock.enter_gil()
+        try:
+            return self._records.read(h, "kv_tokens").kv_tokens
+        finally:
+            self._lock.leave(NULL)
 
     def cache(self, handle, num_blocks):
         """Insert the record's first ``num_blocks`` full blocks into the prefix cache (nodes that
@@ -1809,3 +1827,80 @@ cdef class KVCacheCore:
         if problem is not None:
             return problem
         return self._trie._hash_problem() if self._track else None
+
+
+cdef int _allocate_columns(KVCacheCore core, int64_t h, Py_ssize_t wanted, object held, object kv_tokens,
+                           str call) except -1:
+    """``KVCacheCore.allocate`` of a core of several groups: the positions checked, then every
+    group's blocks taken under the lock, all or nothing (each group's free count is checked first)."""
+    cdef KVGroups groups = core._groups
+    cdef Py_ssize_t n = groups.n, g, i, p, need, short = -1, have = 0
+    cdef Py_ssize_t kv = _as_count(kv_tokens, f"{call}: kv_tokens", 0, INT32_MAX)
+    cdef int32_t *col
+    cdef int32_t *ids
+    cdef Failure f
+    cdef SeqRec *rec
+    cdef int64_t seq_id = -1, held_blocks = 0, held_tokens = 0
+    if held is None:
+        held = [None] * (n - 1)
+    if isinstance(held, (str, bytes)) or not hasattr(held, "__len__") or len(held) != n - 1:
+        raise InvalidId(f"{call}: held must list the positions of each of the {n - 1} KV cache groups past group 0")
+    columns = []
+    for g in range(1, n):
+        entry = held[g - 1]
+        positions = np.arange(wanted, dtype=np.int32) if entry is None else np.asarray(entry)
+        if positions.ndim != 1 or (positions.size and positions.dtype.kind not in "iu"):
+            raise InvalidId(f"{call}: held[{g - 1}] must be a 1-D array of block positions, got {entry!r}")
+        if positions.size and (
+            positions[0] < 0 or positions[-1] >= wanted or (positions.size > 1 and (np.diff(positions) <= 0).any())
+        ):
+            raise InvalidId(
+                f"{call}: held[{g - 1}] must hold ascending positions in [0, {wanted}), got {positions.tolist()}"
+            )
+        columns.append(np.ascontiguousarray(positions, dtype=np.int32))
+    ok(&f)
+    core._lock.enter_gil()
+    rec = core._records.active(h, &f)
+    if rec != NULL:
+        if rec.num_blocks or rec.num_tokens:
+            seq_id, held_blocks, held_tokens = rec.seq_id, rec.num_blocks, rec.num_tokens
+        elif core._records.reserve(rec, wanted, 0) or groups._reserve(wanted):
+            f.code = E_NO_MEMORY
+        else:
+            if core._pool._num_free < wanted:
+                short, need, have = 0, wanted, core._pool._num_free
+            for g in range(1, n):
+                need = (<cnp.ndarray>columns[g - 1]).shape[0]
+                if short < 0 and groups.num_free(g) < need:
+                    short, have = g, groups.num_free(g)
+            if short >= 0:
+                need = wanted if short == 0 else (<cnp.ndarray>columns[short - 1]).shape[0]
+            else:
+                # Every pool has room: none of these can fail.
+                core._pool._allocate_locked(rec.chunk.blocks, wanted)
+                core._counters.blocks_allocated += wanted
+                for g in range(1, n):
+                    ids = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>columns[g - 1])
+                    need = (<cnp.ndarray>columns[g - 1]).shape[0]
+                    col = chunk_column(rec.chunk, g)
+                    for p in range(wanted):
+                        col[p] = -1
+                    groups.pool_of(g)._allocate_locked(groups._ids, need)
+                    for i in range(need):
+                        col[ids[i]] = groups._ids[i]
+                    groups._counts[g].allocated += need
+                rec.num_blocks = <int32_t>wanted
+                rec.kv_tokens = <int32_t>kv
+    core._lock.leave(NULL)
+    if seq_id >= 0:
+        raise SequenceStateError(
+            f"{call}: sequence {seq_id} already holds {held_blocks} blocks and {held_tokens} tokens; "
+            "it needs a freshly allocated sequence"
+        )
+    if short >= 0:
+        raise OutOfBlocks(
+            f"{call}: {need} blocks of KV cache group {short} are needed, {have} are free in that group's pool "
+            "(this never evicts: reclaim_prefix_blocks first)"
+        )
+    core._records.raise_failure(&f, call)
+    return 0

@@ -1,9 +1,8 @@
 """HybridModel over several KV cache groups: a pool per group, tables per group, stats and
-invariants per group, swap refused (lifecycle/kv_groups.py, lifecycle/pools.py)."""
+invariants per group (lifecycle/kv_groups.py, lifecycle/pools.py); swap: tests/test_swap_groups.py."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,14 +128,6 @@ def test_the_step_writes_each_groups_new_ids_into_its_table(model: HybridModel) 
     assert seq.num_tokens == 41 and seq.num_blocks == 11
     assert seq_tables[0][0, 10] == model.block_table(seq)[10]
     assert seq_tables[1][0, 10] == model.block_table(seq, 1)[10]
-
-
-def test_swap_of_a_grouped_sequence_is_refused_naming_the_groups(model: HybridModel) -> None:
-    seq = prefilled(model, 8)
-    before = model.group_stats()
-    with pytest.raises(Unsupported, match=r"full \(2 layers\), sliding_window 16 \(2 layers\)"):
-        model.save_sequence_state(seq, io.BytesIO())
-    assert model.group_stats() == before
 
 
 def test_a_one_group_model_keeps_todays_core_and_one_pool() -> None:

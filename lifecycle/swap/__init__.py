@@ -5,7 +5,10 @@ The byte layout and the versioning policy are in ``docs/swap-format.md``; in sho
 little-endian header with its own xxh3-64 checksum, then sections (meta: layer table, adapter name,
 tokens; one per attention layer: the KV of the sequence's blocks in block-table order; one per SSM
 slot range: h / conv state), each followed by the xxh3-64 of its payload seeded with the section's
-index, so two equal-sized sections swapped in the stream do not verify.
+index, so two equal-sized sections swapped in the stream do not verify. A model of KV cache groups
+writes format 2.0 (``GROUPED_MAJOR``): the header names the groups and the window state, the meta
+section where each group holds blocks, and each group's layers have their sections of the blocks
+that group holds.
 
 Data moves through a bounded staging buffer (pinned host memory on CUDA, double-buffered so the
 copy of one half overlaps the hashing and I/O of the other), so memory use does not grow with the
@@ -53,6 +56,7 @@ from lifecycle.swap.context import SwapContext
 from lifecycle.swap.format import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
+    GROUPED_MAJOR,
     HEADER_BYTES,
     MAGIC,
     MAX_RECORD_TOKENS,
@@ -69,6 +73,7 @@ __all__ = [
     "MAX_RECORD_TOKENS",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
+    "GROUPED_MAJOR",
     "HEADER_BYTES",
     "MAGIC",
     "StagingBuffer",

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
-from lifecycle.errors import SequenceStateError, SwapFormatError, SwapModelMismatch
+from lifecycle.errors import SequenceStateError, SwapError, SwapFormatError, SwapModelMismatch
 from lifecycle.swap.format import (
     _CHECKSUM,
     _META_SECTION,
     _TOKEN,
+    _U32,
     _U64,
     FLAG_FAILED,
     HEADER_BYTES,
@@ -23,14 +25,17 @@ from lifecycle.swap.format import (
     parse_header,
 )
 from lifecycle.swap.saving import _adapter_of, _slot_of
-from lifecycle.swap.staging import _block_runs, _kv_ranges, _Mover, _quiet_synchronize
+from lifecycle.swap.staging import _block_runs, _Held, _kv_pools, _kv_ranges, _Mover, _quiet_synchronize
 from lifecycle.swap.streams import _In
 
 if TYPE_CHECKING:
     from lifecycle.sequence import SequenceState
     from lifecycle.swap.context import SwapContext
 
-__all__ = ["read_header", "restore"]
+__all__ = ["AllocateGroups", "read_header", "restore"]
+
+#: (2.x) gives a fresh sequence every group's blocks: (positions per group past 0, kv_tokens).
+AllocateGroups: TypeAlias = Callable[[list["npt.NDArray[np.uint32]"], int], None]
 
 
 def read_header(reader: BinaryIO) -> SwapHeader:
@@ -41,6 +46,12 @@ def read_header(reader: BinaryIO) -> SwapHeader:
 
 def _check_header(header: SwapHeader, layout: _Layout, num_blocks: int) -> None:
     """Everything the header says that the model can contradict, before anything is touched."""
+    if header.major != layout.major:
+        what = "of KV cache groups" if layout.grouped else "of one group of attention layers"
+        raise SwapFormatError(
+            f"swap record format version {header.major}.{header.minor} is not supported by this model: a model "
+            f"{what} reads major version {layout.major}"
+        )
     if header.fingerprint != layout.fingerprint:
         raise SwapModelMismatch(
             f"record was written by a model with fingerprint {header.fingerprint:#018x}; this model's is "
@@ -56,6 +67,7 @@ def _check_header(header: SwapHeader, layout: _Layout, num_blocks: int) -> None:
         layout.kv_block_bytes,
         len(layout.ssm_range_bytes),
         layout.ssm_bytes,
+        len(layout.group_layer_bytes) if layout.grouped else 0,
     )
     found = (
         header.block_size,
@@ -63,10 +75,11 @@ def _check_header(header: SwapHeader, layout: _Layout, num_blocks: int) -> None:
         header.kv_block_bytes,
         header.num_ssm_ranges,
         header.ssm_bytes,
+        header.num_groups,
     )
     if found != expected:
         raise SwapModelMismatch(
-            "record layout (block_size, attention layers, kv bytes per block, ssm ranges, ssm bytes) = "
+            "record layout (block_size, KV layers, kv bytes per block, ssm ranges, ssm bytes, KV cache groups) = "
             f"{found}, this model's = {expected}"
         )
     # Before anything past the header is read: the meta section is sized by these counts.
@@ -77,6 +90,9 @@ def _check_header(header: SwapHeader, layout: _Layout, num_blocks: int) -> None:
         raise SwapFormatError(f"record header: {problem}")
     if header.adapter_name_bytes > MAX_ADAPTER_NAME_BYTES:
         raise SwapFormatError(f"adapter name of {header.adapter_name_bytes} bytes exceeds {MAX_ADAPTER_NAME_BYTES}")
+    if layout.grouped:
+        _check_grouped_sizes(header, layout)
+        return
     meta = layout.meta_bytes(header.adapter_name_bytes, header.num_tokens)
     record = layout.record_bytes(header.num_blocks, header.adapter_name_bytes, header.num_tokens)
     if header.meta_bytes != meta or header.record_bytes != record:
@@ -84,6 +100,90 @@ def _check_header(header: SwapHeader, layout: _Layout, num_blocks: int) -> None:
             f"header sizes meta_bytes={header.meta_bytes}, record_bytes={header.record_bytes} disagree with its "
             f"own fields (expected {meta}, {record})"
         )
+
+
+def _check_grouped_sizes(header: SwapHeader, layout: _Layout) -> None:
+    """(2.x) The sizes a header can be checked for before its meta section says what each group
+    holds: ``kv_tokens`` within the tokens, and the meta and record sizes within those of a
+    record whose groups hold no block past group 0's and one whose groups hold every block."""
+    if header.kv_tokens > header.num_tokens:
+        raise SwapFormatError(f"record header: kv_tokens={header.kv_tokens} exceeds num_tokens={header.num_tokens}")
+    groups = len(layout.group_layer_bytes)
+    least = [header.num_blocks] + [0] * (groups - 1)
+    most = [header.num_blocks] * groups
+    name, tokens = header.adapter_name_bytes, header.num_tokens
+    low, high = layout.meta_bytes(name, tokens, least), layout.meta_bytes(name, tokens, most)
+    if not low <= header.meta_bytes <= high or (header.meta_bytes - low) % 4:
+        raise SwapFormatError(
+            f"header meta_bytes={header.meta_bytes} disagrees with its own fields (a multiple of 4 past {low}, at "
+            f"most {high})"
+        )
+    record = layout.record_bytes(header.num_blocks, name, tokens, most)
+    if header.record_bytes > record:
+        raise SwapFormatError(f"header record_bytes={header.record_bytes} exceeds {record}, its fields' largest")
+
+
+def _group_positions(
+    header: SwapHeader, layout: _Layout, meta: npt.NDArray[np.uint8], at: int
+) -> tuple[list[int], list[npt.NDArray[np.uint32]], int]:
+    """(2.x) From the meta section at byte ``at``: the group table (each group's layers, checked
+    against the model's, and blocks held) and where the groups past 0 hold their blocks (checked
+    ascending and within the table). Returns (held per group, positions per group past 0, the
+    offset of the adapter name)."""
+    groups = len(layout.group_layer_bytes)
+    table = meta[at : at + 8 * groups].view(_U32).reshape(groups, 2)
+    layers = tuple(table[:, 0].tolist())
+    if layers != tuple(len(group) for group in layout.group_layer_bytes):
+        raise SwapModelMismatch(
+            f"record's layers per KV cache group {layers} != this model's "
+            f"{tuple(len(group) for group in layout.group_layer_bytes)}"
+        )
+    held = [int(count) for count in table[:, 1]]
+    if held[0] != header.num_blocks or max(held) > header.num_blocks:
+        raise SwapFormatError(
+            f"record's blocks per KV cache group {held}: group 0 holds num_blocks={header.num_blocks}, the others "
+            "at most as many"
+        )
+    name_at = at + 8 * groups
+    meta_bytes = layout.meta_bytes(header.adapter_name_bytes, header.num_tokens, held)
+    record_bytes = layout.record_bytes(header.num_blocks, header.adapter_name_bytes, header.num_tokens, held)
+    if (header.meta_bytes, header.record_bytes) != (meta_bytes, record_bytes):
+        raise SwapFormatError(
+            f"header sizes meta_bytes={header.meta_bytes}, record_bytes={header.record_bytes} disagree with the "
+            f"blocks its groups hold {held} (expected {meta_bytes}, {record_bytes})"
+        )
+    offset = name_at + header.adapter_name_bytes + 4 * header.num_tokens
+    positions = []
+    for group, count in enumerate(held[1:], start=1):
+        column = meta[offset : offset + 4 * count].view(_U32)
+        offset += 4 * count
+        ascending = count < 2 or bool((np.diff(column.astype(np.int64)) > 0).all())
+        if count and (int(column[-1]) >= header.num_blocks or not ascending):
+            raise SwapFormatError(
+                f"record's positions of KV cache group {group} must ascend within the table of "
+                f"{header.num_blocks} blocks"
+            )
+        positions.append(column)
+    return held, positions, name_at
+
+
+def _fresh_blocks(
+    ctx: SwapContext, seq: SequenceState, layout: _Layout, positions: list[npt.NDArray[np.uint32]], kv_tokens: int,
+    allocate_groups: AllocateGroups | None,
+) -> list[_Held]:
+    """The blocks the record's KV streams into, per group of the layout: the sequence's table (1.x,
+    allocated before), or (2.x) every group's blocks ``allocate_groups`` gives it now."""
+    if not layout.group_layer_bytes:
+        return []
+    if not layout.grouped:
+        return [_Held(seq.block_table, None)]
+    if allocate_groups is None or ctx.core is None:
+        raise SwapError("a record of KV cache groups is restored with allocate_groups and the core's tables")
+    allocate_groups(positions, kv_tokens)
+    held = [_Held(seq.block_table, None)]
+    for group, where in enumerate(positions, start=1):
+        held.append(_Held(ctx.core.block_table(seq.handle, group)[where], where))
+    return held
 
 
 def _check_adapter(ctx: SwapContext, seq: SequenceState, name: bytes, generation: int) -> None:
@@ -108,6 +208,7 @@ def restore(
     num_blocks: int,
     reader: BinaryIO,
     allocate: Callable[[], None] | None = None,
+    allocate_groups: AllocateGroups | None = None,
 ) -> int:
     """Stream a record into ``seq``; returns the bytes read. The header is read and checked against
     the model first; then ``allocate()`` (if given) gives the sequence its ``num_blocks`` fresh
@@ -115,7 +216,12 @@ def restore(
     table, adapter and tokens are checked before any memory is written; KV is written into the
     fresh blocks as it streams (the caller frees them on failure); the SSM state, tokens and prompt
     length are set only after every checksum verified. Reads exactly the record's bytes from
-    ``reader``, never beyond."""
+    ``reader``, never beyond.
+
+    A 2.x record (a model of KV cache groups) says where each group holds blocks in its meta
+    section: once that verified, ``allocate_groups(positions, kv_tokens)`` gives the sequence
+    every group's blocks (``positions``: per group past 0, where it holds one) and its window
+    state."""
     layout = ctx.layout()
     slot = _slot_of(ctx, seq, "restore")
     inp = _In(reader)
@@ -124,10 +230,9 @@ def restore(
     inp.record_bytes = header.record_bytes
     if allocate is not None:
         allocate()
-    block_ids = seq.block_table
-    if block_ids.shape[0] != num_blocks:
+    if not layout.grouped and seq.block_table.shape[0] != num_blocks:
         raise SequenceStateError(
-            f"restore: sequence {seq.seq_id} holds {block_ids.shape[0]} blocks, expected {num_blocks}"
+            f"restore: sequence {seq.seq_id} holds {seq.block_table.shape[0]} blocks, expected {num_blocks}"
         )
 
     inp.section = layout.section_name(_META_SECTION)
@@ -140,25 +245,31 @@ def restore(
         raise SwapModelMismatch(
             f"record's per-section sizes {table} != this model's {layout.kv_layer_bytes + layout.ssm_range_bytes}"
         )
-    name = meta[table_bytes : table_bytes + header.adapter_name_bytes].tobytes()
+    name_at, positions = table_bytes, list[npt.NDArray[np.uint32]]()
+    if layout.grouped:
+        _, positions, name_at = _group_positions(header, layout, meta, table_bytes)
+    name = meta[name_at : name_at + header.adapter_name_bytes].tobytes()
     _check_adapter(ctx, seq, name, header.adapter_generation)
-    tokens = meta[table_bytes + header.adapter_name_bytes :].view(_TOKEN)
+    tokens_at = name_at + header.adapter_name_bytes
+    tokens = meta[tokens_at : tokens_at + 4 * header.num_tokens].view(_TOKEN)
     if tokens.shape[0] and int(tokens.min()) < 0:
         raise SwapFormatError(f"record holds a negative token id {int(tokens.min())}")
+    groups = _fresh_blocks(ctx, seq, layout, positions, header.kv_tokens, allocate_groups)
 
     mover = _Mover(ctx)
     try:
         # Copies queued earlier (into blocks this sequence now owns) must not land after ours.
         ctx.device.synchronize()
         section = _META_SECTION + 1
-        runs = _block_runs(block_ids)
-        for layer, block_bytes in enumerate(layout.kv_layer_bytes):
-            inp.section = layout.section_name(section)
-            hasher = xxhash.xxh3_64(seed=section)
-            mover.restore(_kv_ranges(ctx.kv, layer, block_bytes, runs), hasher, inp)  # type: ignore[arg-type]
-            (stored,) = _CHECKSUM.unpack(inp.read(8).tobytes())
-            _check_section(inp.section, stored, hasher.intdigest(), inp.offset)
-            section += 1
+        for pool, group, layers in zip(_kv_pools(ctx, layout), groups, layout.group_layer_bytes, strict=True):
+            runs = _block_runs(group.ids)
+            for layer, block_bytes in enumerate(layers):
+                inp.section = layout.section_name(section)
+                hasher = xxhash.xxh3_64(seed=section)
+                mover.restore(_kv_ranges(pool, layer, block_bytes, runs), hasher, inp)
+                (stored,) = _CHECKSUM.unpack(inp.read(8).tobytes())
+                _check_section(inp.section, stored, hasher.intdigest(), inp.offset)
+                section += 1
         # SSM state is buffered on the host and verified before the slot is written.
         ssm_state = np.empty(layout.ssm_bytes, dtype=np.uint8)
         offset = 0

@@ -16,15 +16,16 @@ from lifecycle.swap.format import (
     _TOKEN,
     _U64,
     FLAG_FAILED,
-    FORMAT_MAJOR,
     FORMAT_MINOR,
     MAX_ADAPTER_NAME_BYTES,
     MAX_RECORD_TOKENS,
     ConfigLike,
     SwapHeader,
+    _Layout,
     _Limits,
+    _U32,
 )
-from lifecycle.swap.staging import _block_runs, _kv_ranges, _Mover, _quiet_synchronize
+from lifecycle.swap.staging import _block_runs, _Held, _kv_pools, _kv_ranges, _Mover, _quiet_synchronize
 from lifecycle.swap.streams import _Out
 
 if TYPE_CHECKING:
@@ -79,6 +80,22 @@ def _check_saveable(limits: _Limits, seq: SequenceState, what: str) -> None:
         raise SequenceStateError(f"{what}: sequence {seq.seq_id}: {problem}; its record could not be restored")
 
 
+def _held_blocks(ctx: SwapContext, seq: SequenceState, layout: _Layout) -> list[_Held]:
+    """Per KV cache group of the layout, group 0 first: the block ids the sequence holds and (past
+    group 0) their positions in its table; a 1.x layout: group 0's table alone."""
+    if not layout.group_layer_bytes:
+        return []
+    held = [_Held(seq.block_table, None)]
+    if layout.grouped:
+        if ctx.core is None:
+            raise SwapError("a swap context of KV cache groups needs the core that holds their tables")
+        for group in range(1, len(layout.group_layer_bytes)):
+            column = ctx.core.block_table(seq.handle, group)
+            positions = np.flatnonzero(column >= 0).astype(_U32)
+            held.append(_Held(column[positions], positions))
+    return held
+
+
 def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
     """Write the record of ``seq`` to ``writer``; returns the bytes written. Changes nothing in the
     pools or the sequence; extra memory is the staging buffer (none on the host device). A
@@ -88,14 +105,15 @@ def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
     slot = _slot_of(ctx, seq, "save")
     _check_saveable(layout.limits, seq, "save")
     name, generation = _adapter_of(ctx, seq)
-    block_ids = seq.block_table
+    groups = _held_blocks(ctx, seq, layout)
+    counts = [int(group.ids.shape[0]) for group in groups]
     tokens = seq.tokens.astype(_TOKEN, copy=False)
-    num_blocks, num_tokens = int(block_ids.shape[0]), int(tokens.shape[0])
+    num_blocks, num_tokens = int(seq.num_blocks), int(tokens.shape[0])
     header = SwapHeader(
-        major=FORMAT_MAJOR,
+        major=layout.major,
         minor=FORMAT_MINOR,
         fingerprint=layout.fingerprint,
-        record_bytes=layout.record_bytes(num_blocks, len(name), num_tokens),
+        record_bytes=layout.record_bytes(num_blocks, len(name), num_tokens, counts or None),
         block_size=layout.block_size,
         num_blocks=num_blocks,
         num_tokens=num_tokens,
@@ -106,10 +124,12 @@ def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
         ssm_bytes=layout.ssm_bytes,
         adapter_name_bytes=len(name),
         adapter_generation=generation,
-        meta_bytes=layout.meta_bytes(len(name), num_tokens),
+        meta_bytes=layout.meta_bytes(len(name), num_tokens, counts),
         ssm_tokens=-1 if seq.ssm_tokens is None else int(seq.ssm_tokens),
         flags=FLAG_FAILED if seq.failed else 0,
         num_ssm_ranges=len(layout.ssm_range_bytes),
+        num_groups=len(layout.group_layer_bytes) if layout.grouped else 0,
+        kv_tokens=ctx.core.kv_tokens(seq.handle) if layout.grouped and ctx.core is not None else 0,
     )
     out = _Out(writer)
     mover = _Mover(ctx)
@@ -118,19 +138,26 @@ def save(ctx: SwapContext, seq: SequenceState, writer: BinaryIO) -> int:
         out.write(header.pack())
         out.section = layout.section_name(_META_SECTION)
         table = np.array(layout.kv_layer_bytes + layout.ssm_range_bytes, dtype=_U64).tobytes()
+        parts = [memoryview(table)]
+        if layout.grouped:
+            group_table = [(len(layers), count) for layers, count in zip(layout.group_layer_bytes, counts, strict=True)]
+            parts.append(memoryview(np.array(group_table, dtype=_U32).tobytes()))
+        parts += [memoryview(name), tokens.data.cast("B")]
+        parts += [memoryview(group.positions.tobytes()) for group in groups if group.positions is not None]
         hasher = xxhash.xxh3_64(seed=_META_SECTION)
-        for part in (memoryview(table), memoryview(name), tokens.data.cast("B")):
+        for part in parts:
             hasher.update(part)
             out.write(part)
         out.write(_CHECKSUM.pack(hasher.intdigest()))
         section = _META_SECTION + 1
-        runs = _block_runs(block_ids)
-        for layer, block_bytes in enumerate(layout.kv_layer_bytes):
-            out.section = layout.section_name(section)
-            hasher = xxhash.xxh3_64(seed=section)
-            mover.save(_kv_ranges(ctx.kv, layer, block_bytes, runs), hasher, out)  # type: ignore[arg-type]
-            out.write(_CHECKSUM.pack(hasher.intdigest()))
-            section += 1
+        for pool, group, layers in zip(_kv_pools(ctx, layout), groups, layout.group_layer_bytes, strict=True):
+            runs = _block_runs(group.ids)
+            for layer, block_bytes in enumerate(layers):
+                out.section = layout.section_name(section)
+                hasher = xxhash.xxh3_64(seed=section)
+                mover.save(_kv_ranges(pool, layer, block_bytes, runs), hasher, out)
+                out.write(_CHECKSUM.pack(hasher.intdigest()))
+                section += 1
         if ctx.ssm is not None:
             for addr, nbytes in ctx.ssm.slot_ranges(slot):
                 out.section = layout.section_name(section)

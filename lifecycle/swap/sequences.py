@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, BinaryIO
 
+import numpy as np
+import numpy.typing as npt
+
 from lifecycle.errors import SequenceStateError
 from lifecycle.swap.context import SwapContext
 from lifecycle.swap.restoring import restore
@@ -41,12 +44,22 @@ def restore_sequence(
 ) -> None:
     """Take ``num_blocks`` free blocks for the fresh sequence ``seq`` (all or nothing, never
     evicting), then stream the record from ``reader`` into them and its slot; on any failure the
-    blocks go back and the sequence is as it was."""
+    blocks go back and the sequence is as it was. A model of KV cache groups takes every group's
+    blocks in one core call once the record's meta section said where each group holds them."""
     handle = core.handle_of(seq)
-    core.allocate(handle, num_blocks, "restore_sequence_state")
+    call = "restore_sequence_state"
+
+    def allocate_groups(positions: list[npt.NDArray[np.uint32]], kv_tokens: int) -> None:
+        if positions:
+            core.allocate(handle, num_blocks, call, positions, kv_tokens)
+        else:  # one group (of MLA or indexer layers): no window
+            core.allocate(handle, num_blocks, call)
+
+    if not ctx.grouped:
+        core.allocate(handle, num_blocks, call)
     try:
         with clock:
-            read = restore(ctx, seq, num_blocks, reader)
+            read = restore(ctx, seq, num_blocks, reader, allocate_groups=allocate_groups if ctx.grouped else None)
     except BaseException:
         core.clear(handle)
         counters.swap_failures += 1

@@ -4,7 +4,7 @@ on the host device, straight from the pools)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +15,7 @@ from lifecycle.errors import SwapError
 if TYPE_CHECKING:
     from lifecycle.device.base import Device
     from lifecycle.swap.context import KVLayout, SwapContext
+    from lifecycle.swap.format import _Layout
     from lifecycle.swap.streams import _In, _Out
 
 __all__ = ["DEFAULT_STAGING_BYTES", "StagingBuffer"]
@@ -58,6 +59,21 @@ class StagingBuffer:
             ptr, self._ptr, self._view = self._ptr, 0, None
             self._device.free_pinned(ptr)
 
+
+
+class _Held(NamedTuple):
+    """The blocks a sequence holds in one KV cache group: their ids in table order, and (past
+    group 0 of a 2.x record) their positions in the table."""
+
+    ids: npt.NDArray[np.int32]
+    positions: npt.NDArray[np.uint32] | None
+
+
+def _kv_pools(ctx: SwapContext, layout: _Layout) -> tuple[KVLayout, ...]:
+    """The KV pool of each group of the layout, group 0 first."""
+    if layout.grouped:
+        return ctx.kv_groups
+    return (ctx.kv,) if ctx.kv is not None and layout.group_layer_bytes else ()
 
 
 def _block_runs(block_ids: npt.NDArray[np.int32]) -> list[tuple[int, int]]:

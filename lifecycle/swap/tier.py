@@ -69,6 +69,7 @@ class SwapHandle:
     adapter: tuple[str, int] | None  # (name, generation) the KV was computed with
     location: Literal["host", "file"]
     path: Path | None  # the spill file, for location == "file"
+    held: tuple[int, ...] = ()  # blocks each KV cache group past 0 holds (a model of several groups)
 
 
 class _HostPool:
@@ -242,8 +243,13 @@ class SwapTier:
         if seq.adapter_slot != NO_ADAPTER:
             info = model.adapter_info(seq.adapter_slot)
             adapter = (info.name, info.generation)
-        nbytes = record_nbytes(model.config, seq.num_blocks, seq.num_tokens, adapter[0] if adapter else None)
-        record = self._reserve(nbytes, seq, adapter)
+        held = tuple(
+            int(np.count_nonzero(model.block_table(seq, group) >= 0)) for group in range(1, len(model.config.kv_groups))
+        )
+        nbytes = record_nbytes(
+            model.config, seq.num_blocks, seq.num_tokens, adapter[0] if adapter else None, held if held else None
+        )
+        record = self._reserve(nbytes, seq, adapter, held)
         try:
             if record.offset >= 0:
                 writer = _ViewWriter(self._host.view(record.offset, nbytes))
@@ -266,7 +272,9 @@ class SwapTier:
             raise
         return record.handle
 
-    def _reserve(self, nbytes: int, seq: SequenceState, adapter: tuple[str, int] | None) -> _Record:
+    def _reserve(
+        self, nbytes: int, seq: SequenceState, adapter: tuple[str, int] | None, held: tuple[int, ...]
+    ) -> _Record:
         with self._lock:
             if self._closed:
                 raise TornDown("swap_out: the swap tier was closed")
@@ -291,6 +299,7 @@ class SwapTier:
                 adapter=adapter,
                 location="host" if path is None else "file",
                 path=path,
+                held=held,
             )
             record = _Record(handle, -1 if offset is None else offset)
             self._records[handle_id] = record
@@ -315,9 +324,7 @@ class SwapTier:
                     model.bind_adapter(seq, adapter_slot)
                 # A restore never evicts (so that a failed one gives back exactly what it took):
                 # make the room here first.
-                short = handle.num_blocks - model.num_free_blocks()
-                if short > 0:
-                    model.reclaim_prefix_blocks(short)
+                self._make_room(handle)
                 if record.offset >= 0:
                     reader = _ViewReader(self._host.view(record.offset, handle.nbytes))
                     model.restore_sequence_state(seq, handle.num_blocks, cast(BinaryIO, reader))
@@ -341,17 +348,21 @@ class SwapTier:
         return seq
 
     def _make_room(self, handle: SwapHandle) -> None:
-        """Evict cached prefix blocks until the record's blocks are free, or ``OutOfBlocks``."""
+        """Evict cached prefix blocks until the record's blocks are free in every KV cache group
+        (group 0's eviction trims cached runs in every group at once), or ``OutOfBlocks`` naming
+        the group."""
         model = self._model
-        needed = handle.num_blocks
-        free = model.num_free_blocks()
-        while free < needed:
-            if model.reclaim_prefix_blocks(needed - free) == 0:
-                raise OutOfBlocks(
-                    f"swap_in: the record needs {needed} blocks, {free} of {model.num_total_blocks()} are free "
-                    "after evicting every evictable cached block (the handle stays live)"
-                )
-            free = model.num_free_blocks()
+        pools = model.core.group_pools
+        for group, needed in enumerate((handle.num_blocks, *handle.held)):
+            free = model.num_free_blocks() if group == 0 else pools[group].num_free  # (group 0: reaps drops first)
+            while free < needed:
+                if model.reclaim_prefix_blocks(max(needed - free, 1)) == 0:
+                    where = f" of KV cache group {group}" if len(pools) > 1 else ""
+                    raise OutOfBlocks(
+                        f"swap_in: the record needs {needed} blocks{where}, {free} of {pools[group].num_total} are "
+                        "free after evicting every evictable cached block (the handle stays live)"
+                    )
+                free = pools[group].num_free
 
     def _adapter_slot(self, handle: SwapHandle) -> int:
         """The slot where the handle's adapter generation is loaded now."""
