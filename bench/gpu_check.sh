@@ -155,7 +155,7 @@ if [ "$versions_ok" = 1 ]; then
                 [ -e "$so" ] && cp -f "$so" lifecycle/
             done
         fi
-        if "$PY" -c 'import lifecycle._blockpool, lifecycle._dlpack, lifecycle._evlog, lifecycle._groups, lifecycle._hostcopy, lifecycle._hosttier, lifecycle._kvcache, lifecycle._modelcalls, lifecycle._radix, lifecycle._records, lifecycle._retention, lifecycle._saltmap, lifecycle._sglang_pagetree, lifecycle._slots, lifecycle._snapids, lifecycle._sync, lifecycle._tierkey' >>"$LOG" 2>&1; then
+        if "$PY" -c 'import lifecycle._blockpool, lifecycle._coreviews, lifecycle._dlpack, lifecycle._evlog, lifecycle._groups, lifecycle._hostcopy, lifecycle._hosttier, lifecycle._kvcache, lifecycle._modelcalls, lifecycle._radix, lifecycle._records, lifecycle._retention, lifecycle._saltmap, lifecycle._sglang_pagetree, lifecycle._slots, lifecycle._snapids, lifecycle._sync, lifecycle._tierkey' >>"$LOG" 2>&1; then
             installed=1
             record "install" "ok" "$STEP_SECONDS" "pip install --no-build-isolation --no-deps; compiled modules import"
         else

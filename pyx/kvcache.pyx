@@ -14,7 +14,8 @@ evicting when short), ``append``, ``grow``, ``cache`` (into the trie, mid-life),
 ``snapshot_point`` (a hybrid model's SSM snapshot at a block boundary), ``finish`` (cache the full
 blocks, release everything), ``step`` (a decode step for a batch). When a finishing request's new
 blocks go into the trie, its chunk is taken over instead of copied, unless most of it would be
-waste.
+waste. The SSM snapshot calls, the event log, ``evict_blocks``, the counters and
+``check_invariants`` are done in ``lifecycle._coreviews`` (their methods stay here).
 
 Ownership (as SPEC §4 states it): the cache holds one pool reference per cached block; a record
 holds one on every block of its table. References are acquired before any is released; a block the
@@ -26,23 +27,21 @@ event log share it, as one ``CoreLock``), taken in the one form of ``_sync.pxd``
 
 cimport cython
 cimport numpy as cnp
-from cpython.pyport cimport PY_SSIZE_T_MAX
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 from cpython.mem cimport PyMem_Free
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._blockpool cimport BatchResult
-from lifecycle._evlog cimport EvLog, new_event_log
-from lifecycle._groups cimport group_index, group_tables as _group_tables, new_groups, one_group_stats
-from lifecycle._hash cimport lc_content_hashes, lc_root_hash, lc_stream_tokens_checked, lc_tokens_differ
+from lifecycle._evlog cimport new_event_log
+from lifecycle._groups cimport group_index, group_tables as _group_tables, new_groups
+from lifecycle._hash cimport lc_stream_tokens_checked, lc_tokens_differ
 from lifecycle._int32 cimport (
-    adapter_key as _adapter_key, block_ids, empty_int32 as _empty_int32, first_negative as _first_negative,
-    grow_array, int32_buffer, int32_column, int64_vector, shrink as _shrink, token_vector as _token_vector,
-    writeable_int32,
+    adapter_key as _adapter_key, empty_int32 as _empty_int32, grow_array, int32_buffer, int32_column, int64_vector,
+    shrink as _shrink, token_vector as _token_vector, writeable_int32,
 )
-from lifecycle._radix cimport MAX_PRIORITY, Chunk, RNode, WalkEnd, chunk_column, chunk_decref, chunk_new
+from lifecycle._radix cimport MAX_PRIORITY, Chunk, RNode, WalkEnd, chunk_decref, chunk_new
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
@@ -53,24 +52,16 @@ from lifecycle._records cimport (
 from lifecycle._slots cimport SlotGuard, SlotPool
 from lifecycle._saltmap cimport SaltMap
 from lifecycle._snapids cimport new_snapshot_ids
-from lifecycle._sync cimport NOGIL_MIN_WORK, PyThreadState, core_lock
+from lifecycle._sync cimport PyThreadState, core_lock
 
-import numpy as np
+cimport lifecycle._coreviews as _views
 
 # The event log's and the records' names that callers import from this module.
 from lifecycle._evlog import CLEARED, EVENT_DTYPE, REMOVED, STORED, RawEvents  # no-cython-lint
 from lifecycle._records import SeqStatus, SequenceState  # no-cython-lint
-from lifecycle.errors import (
-    ConfigError, InvalidId, InvariantViolation, OutOfBlocks, RetentionError, SequenceStateError, TornDown,
-    Unsupported,
-)
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, RetentionError, Unsupported
 
 cnp.import_array()
-
-_STATUS_NAMES = ("freed", "active", "retired")
-
-cdef enum:
-    LONG_CALL = NOGIL_MIN_WORK   # ``CoreLock.enter`` work that always releases the GIL
 
 
 @cython.final
@@ -942,7 +933,7 @@ cdef class KVCacheCore:
         cdef int64_t h = _handle_arg(handle, "allocate")
         cdef Py_ssize_t wanted = _as_count(num_blocks, f"{call}: num_blocks", 0, self._max_blocks_per_seq)
         if self._grouped:
-            _allocate_columns(self, h, wanted, held, kv_tokens, call)
+            _views.allocate_columns(self, h, wanted, held, kv_tokens, call)
             return
         if held is not None or kv_tokens != 0:
             raise InvalidId(f"{call}: held / kv_tokens are for a core of several KV cache groups; this one has one")
@@ -1002,21 +993,7 @@ cdef class KVCacheCore:
         """The content hashes of the whole blocks of ``tokens`` under prefix-cache key
         ``adapter`` (uint64, docs/content-hashes.md), without a record: what a tier below the
         device is asked for before admission."""
-        cdef const int32_t *data = NULL
-        cdef Py_ssize_t n = 0, full
-        cdef int64_t key = _adapter_key(adapter)
-        cdef Py_ssize_t i
-        tokens = _token_vector(tokens, &data, &n)
-        for i in range(n):
-            if data[i] < 0:
-                raise _first_negative(data, n)
-        full = n // self._block_size
-        cdef cnp.ndarray out = np.empty(full, dtype=np.uint64)
-        cdef uint64_t *dest = <uint64_t *>cnp.PyArray_DATA(out)
-        if full:
-            with nogil:
-                lc_content_hashes(lc_root_hash(key), data, full, self._block_size, self._trie._keys, dest)
-        return out
+        return _views.content_hashes(self, tokens, adapter)
 
     def cache_key(self, handle):
         """The prefix-cache key (trie root) the record's blocks are matched and cached under."""
@@ -1048,85 +1025,16 @@ cdef class KVCacheCore:
         (the caller copies the SSM state into it, or calls ``drop_snapshot`` if it cannot);
         ``(-1, False)`` when snapshots are off. ``rolling`` first drops the record's previous
         rolling snapshot (if no one took it over since), then remembers this one."""
-        cdef int64_t h = _handle_arg(handle, "snapshot_point")
-        cdef Py_ssize_t full = _as_count(num_blocks, "num_blocks", 1, self._max_blocks_per_seq)
-        cdef int32_t sid = -1
-        cdef bint fresh = False
-        cdef Failure f
-        if self._grouped:
-            self._refuse_grouped("save_snapshot")
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        sid = self._snapshot_locked(h, full, rolling, &fresh, &f)
-        self._lock.leave(released)
-        self._records.raise_failure(&f, "save_snapshot")
-        return sid, fresh
-
-    cdef int32_t _snapshot_locked(
-        self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f
-    ) noexcept nogil:
-        cdef SeqRec *rec = self._records.get(handle, f)
-        cdef Py_ssize_t taken
-        cdef int32_t end, sid, previous
-        cdef RNode *node
-        if rec == NULL:
-            return -1
-        if full > rec.num_blocks or full * self._block_size > rec.num_tokens:
-            f.code = E_NOT_CACHED
-            f.value = full
-            f.limit = min(<Py_ssize_t>rec.num_tokens // self._block_size, <Py_ssize_t>rec.num_blocks)
-            return -1
-        if not self._enabled or rec.failed or self._snaps.num == 0:
-            return -1
-        previous = self._snaps.rolling_of(rec)
-        if rolling and previous >= 0:
-            node = &self._trie._nodes[self._snaps.node_of(previous)]
-            if node.depth + node.length != full:
-                self._snaps.drop(previous)
-                rec.rolling = -1
-                previous = -1
-        end = self._cache_locked(rec, full, &taken, f)
-        if end < 0:
-            return -1
-        sid = self._snaps.tag(end, fresh)
-        if sid < 0 or not fresh[0]:
-            if sid >= 0 and not (rolling and previous == sid):
-                rec.rolling = -1
-            return sid
-        self._counters.snapshots_saved += 1
-        rec.rolling = sid if rolling else -1
-        rec.rolling_generation = self._snaps.generation_of(sid)
-        return sid
+        return _views.snapshot_point(self, handle, num_blocks, rolling)
 
     def drop_snapshot(self, snapshot_id):
         """Free a snapshot id whose SSM state could not be copied (its node keeps its KV)."""
-        cdef int32_t sid = <int32_t>_as_count(snapshot_id, "snapshot_id", 0, max(self._snaps.num - 1, 0))
-        cdef Failure f
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        if self._records.closed:
-            f.code = E_CLOSED
-        elif sid < self._snaps.num and self._snaps.node_of(sid) >= 0:
-            self._snaps.drop(sid)
-        self._lock.leave(released)
-        self._records.raise_failure(&f, "drop_snapshot")
+        return _views.drop_snapshot(self, snapshot_id)
 
     def prefix_snapshot(self, handle):
         """The snapshot id at the end of the prefix the record reuses (-1: none), whose SSM state
         prefill starts from."""
-        cdef int64_t h = _handle_arg(handle, "prefix_snapshot")
-        cdef int32_t sid = -1
-        cdef Failure f
-        cdef SeqRec *rec
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        rec = self._records.get(h, &f)
-        if rec != NULL and rec.pin_node >= 0 and rec.cached_tokens > 0:
-            # (a record caching past its reused prefix moved its pin further down)
-            sid = self._trie._tag_at(rec.pin_node, rec.cached_tokens // self._block_size)
-        self._lock.leave(released)
-        self._records.raise_failure(&f, "prefix_snapshot")
-        return sid
+        return _views.prefix_snapshot(self, handle)
 
     def finish(self, handle, bint cache=True):
         """What a finishing request does, in one call: cache its full blocks (unless ``cache`` is
@@ -1443,31 +1351,7 @@ cdef class KVCacheCore:
 
     def counters(self):
         """The core's counters since it was made, as a dict."""
-        cdef Counters c = self._counters
-        if self._grouped:
-            # The groups' eviction frees and trims group 0's blocks too.
-            c.blocks_freed += self._groups._counts[0].freed
-            c.blocks_evicted += self._groups._counts[0].evicted
-        return {
-            "sequences_allocated": self._records.num_opened,
-            "sequences_freed": self._records.num_closed,
-            "blocks_allocated": c.blocks_allocated,
-            "blocks_freed": c.blocks_freed,
-            "blocks_cached": c.blocks_cached,
-            "blocks_evicted": c.blocks_evicted,
-            "prefix_lookups": c.prefix_lookups,
-            "prefix_hits": c.prefix_hits,
-            "prefix_misses": c.prefix_misses,
-            "prefix_hit_tokens": c.prefix_hit_tokens,
-            "prefix_lookup_tokens": c.prefix_lookup_tokens,
-            "snapshots_saved": c.snapshots_saved,
-            "snapshot_hits": c.snapshot_hits,
-            "snapshot_hits_cut_short": c.snapshot_hits_cut_short,
-            "snapshots_evicted": self._snaps.evicted,
-            "cache_read_tokens": c.prefix_hit_tokens,
-            "cache_write_tokens": c.blocks_cached * self._block_size,
-            "time_in_library_ns": self._lock.held_ns(),
-        }
+        return _views.counters(self)
 
     # -- retention (lifecycle._retention) --
 
@@ -1486,16 +1370,7 @@ cdef class KVCacheCore:
 
     def unpin_prefix(self, tokens, adapter=0):
         """Undo ``pin_prefix`` of the same prefix; returns its blocks (``Retention.unpin``)."""
-        cdef Failure f
-        cdef PyThreadState *released
-        blocks = self._retention.unpin(tokens, _adapter_key(adapter))
-        if self._grouped:
-            ok(&f)
-            released = self._lock.enter(LONG_CALL)
-            self._groups.settle_all(self._trie, &f)  # its runs may end where a window group lent blocks
-            self._lock.leave(released)
-            self._records.raise_failure(&f, "unpin_prefix")
-        return blocks
+        return _views.unpin_prefix(self, tokens, adapter)
 
     def time_ns(self):
         """Nanoseconds spent in the core's calls so far (under its lock)."""
@@ -1509,54 +1384,18 @@ cdef class KVCacheCore:
         """Drop every record and cached block without touching the pool (whose memory goes with
         the model); every later call but ``close`` raises ``TornDown``. Returns ``(live records,
         blocks they held, cached blocks)``."""
-        cdef Py_ssize_t blocks = 0, live, cached
-        cdef const int32_t *tags
-        self._lock.enter_gil()
-        try:
-            live = self._records.num_live
-            cached = self._trie._num_blocks
-            if not self._records.closed:
-                blocks = self._records.close_all()
-                self._trie._clear()
-                self._trie._take_evicted_tags(&tags)  # a closed core hands out no snapshots
-        finally:
-            self._lock.leave(NULL)
-        return live, blocks, cached
+        return _views.close(self)
 
     def memory(self):
         """Bytes of host memory the cache's metadata holds: ``trie`` (node slots, buckets),
         ``chunks`` (chunk headers and block-id arrays of cached runs), ``tokens`` (token arrays of
         cached runs), ``hashes``, ``records`` (the record table), as a dict."""
-        self._lock.enter_gil()
-        try:
-            return {"trie": self._trie.nbytes, **self._trie._chunk_bytes(), "records": self._records.nbytes(),
-                    "cached_blocks": self._trie._num_blocks}
-        finally:
-            self._lock.leave(NULL)
+        return _views.memory(self)
 
     def reset(self):
         """Drop every cached block if none is in use by a request (pinned); returns whether it
         did. Snapshot ids of dropped nodes are freed."""
-        cdef Failure f
-        cdef bint done = False
-        ok(&f)
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        if self._records.closed:
-            f.code = E_CLOSED
-        elif self._trie._lru_blocks == self._trie._num_blocks:
-            self._quiet = True
-            if self._grouped:
-                self._groups.quiet = True
-            self.evict_locked(self._trie._num_blocks + self._pool._num_blocks, &f)
-            self._quiet = False
-            if self._grouped:
-                self._groups.quiet = False
-            done = self._trie._num_blocks == 0
-            if done and self._evlog.events:
-                self._evlog.cleared()
-        self._lock.leave(released)
-        self._records.raise_failure(&f, "reset")
-        return done
+        return _views.reset(self)
 
     # -- events, content hashes, engine tables ----------------------------------------------------
 
@@ -1573,20 +1412,7 @@ cdef class KVCacheCore:
         Turning both off drops pending entries. An entry that would take the tokens pending
         past ``max_pending_tokens`` (an engine that stopped draining) is dropped and counted
         (``RawEvents.dropped``)."""
-        cdef bint track = events or demote
-        cdef Py_ssize_t cap = _as_count(max_pending_tokens, "max_pending_tokens", 0, PY_SSIZE_T_MAX // 8)
-        if self._grouped and demote:
-            self._refuse_grouped("set_events(demote=True)")
-        self._lock.enter_gil()
-        try:
-            if track and not self._track and self._trie._hash_all():
-                raise MemoryError("set_events: out of host memory for the cached blocks' hashes")
-            self._track = track
-            self._evlog.configure(events, demote, cap)
-            if self._grouped:
-                self._groups.log_to(self._evlog if events else None)
-        finally:
-            self._lock.leave(NULL)
+        return _views.set_events(self, events, demote, max_pending_tokens)
 
     def set_demote_min_priority(self, priority):
         """With demotion on, only evicted blocks of retention priority ``priority`` or more are
@@ -1612,11 +1438,7 @@ cdef class KVCacheCore:
         """Drain the event log into a ``RawEvents`` (entries in the order things happened: see
         there), handing over its buffers rather than copying them; they come back for reuse when
         the ``RawEvents`` goes. ``lifecycle.events`` turns one into typed events."""
-        cdef EvLog log
-        cdef PyThreadState *released = self._lock.enter(LONG_CALL)
-        log = self._evlog.drain()
-        self._lock.leave(released)
-        return self._evlog.wrap(&log)
+        return _views.take_events(self)
 
     @property
     def pending_events(self):
@@ -1634,50 +1456,7 @@ cdef class KVCacheCore:
         invalid. Blocks on the path of a running request are left alone (it still reads them).
         Returns the ids of the blocks that left the cache (int32, the given ones and those after
         them); ids that are not cached are ignored. Costs one pass over the trie's nodes."""
-        if self._grouped:
-            self._refuse_grouped("evict_blocks")
-        cdef cnp.ndarray wanted = block_ids(ids, self._pool._num_blocks, "evict_blocks")
-        cdef const int32_t *data = <const int32_t *>cnp.PyArray_DATA(wanted)
-        cdef Py_ssize_t i, n = cnp.PyArray_DIM(wanted, 0), nb = self._pool._num_blocks, count, total = 0
-        cdef RadixTrie trie = self._trie
-        cdef int32_t top
-        cdef Failure f
-        ok(&f)
-        marked = np.zeros(nb + 1, dtype=np.bool_)
-        cdef uint8_t *mark = <uint8_t *>cnp.PyArray_DATA(marked)
-        for i in range(n):
-            mark[data[i]] = True
-        dropped = []
-        self._lock.enter_gil()
-        try:
-            if self._records.closed:
-                raise TornDown("evict_blocks: the KV cache core was closed (torn down)")
-            for i in trie._marked_nodes(mark):
-                # Looked at again: an earlier drop may have taken this node (and a cut reused its slot).
-                top = trie._cut_at_mark(<int32_t>i, mark)
-                if top == -2:
-                    raise MemoryError("evict_blocks: out of host memory")
-                if top < 0:
-                    continue
-                # Their KV is invalid: logged as removed (hashes only), never demoted.
-                if self._reserve_scratch(trie._lru_blocks) or self._reserve_token_scratch(trie._lru_blocks, False):
-                    raise MemoryError("evict_blocks: out of host memory")
-                count = trie._drop_subtree(top, self._scratch, NULL, self._hash_scratch if self._track else NULL)
-                if count < 0:
-                    raise MemoryError("evict_blocks: out of host memory")
-                if trie._num_evicted_tags:
-                    self._drain_tags()
-                if self._track and count > 0:
-                    self._evlog.removed(self._scratch, NULL, self._hash_scratch, count)
-                self._counters.blocks_evicted += count
-                dropped.append(np.asarray(<int32_t[:count]>self._scratch).copy() if count else np.empty(0, np.int32))
-                self._counters.blocks_freed += self._pool._dec_ref_locked(self._scratch, count, &f.batch)
-                total += count
-                if f.batch.failed_at >= 0:
-                    raise InvariantViolation(f"evict_blocks: the pool refused a cached block ({f.batch.failed_at})")
-        finally:
-            self._lock.leave(NULL)
-        return np.concatenate(dropped).astype(np.int32) if dropped else np.empty(0, dtype=np.int32)
+        return _views.evict_blocks(self, ids)
 
     def num_common_prefix_blocks(self, handles):
         """How many leading blocks every one of the given live records shares (the same block
@@ -1711,26 +1490,7 @@ cdef class KVCacheCore:
         mismatch: the pool's and the trie's own checks, every block's refcount against the records'
         tables plus the cache's nodes, every node's pins against the records, every chunk's
         references, and the snapshot ids against the nodes' tags."""
-        self._lock.enter_gil()
-        try:
-            if self._records.closed:
-                # The pool keeps the references the closed core dropped: nothing left to recount.
-                raise TornDown("check_invariants: the KV cache core was closed (torn down)")
-            problem = self._pool._problem()
-            if problem is None:
-                problem = self._trie._problem()
-                if problem is not None:
-                    problem = f"RadixTrie: {problem}"
-            else:
-                problem = f"BlockPool: {problem}"
-            if problem is None:
-                problem = self._recount()
-            if problem is None and self._grouped:
-                problem = self._groups.problem(self._trie, self._records, self._null_block)
-        finally:
-            self._lock.leave(NULL)
-        if problem is not None:
-            raise InvariantViolation(problem)
+        return _views.check_invariants(self)
 
     # -- KV cache groups ------------------------------------------------------------------------------
 
@@ -1738,9 +1498,7 @@ cdef class KVCacheCore:
         """(Tests only) make the ``groups``-th growth of the groups' scratch from now fail (their
         scratch dropped first, so the next calls grow it again) and the ``chunks``-th growth of a
         record's chunk, as if the host were out of memory; 0: none."""
-        if self._grouped:
-            self._groups.fail_growth(_as_count(groups, "groups", 0, INT32_MAX))
-        self._trie._chunk_cache().fail_in = _as_count(chunks, "chunks", 0, INT32_MAX)
+        return _views.fail_growth(self, groups, chunks)
 
     cdef Py_ssize_t _ngroups(self) noexcept:
         return self._groups.n if self._grouped else 1
@@ -1773,134 +1531,4 @@ cdef class KVCacheCore:
         ``sink_tokens``, its pool's ``num_blocks`` and ``num_free``, ``num_cached`` (blocks the
         cache holds in it), ``blocks_allocated``, ``blocks_freed``, ``blocks_released`` (left a
         window), ``blocks_kept_at_checkpoints``, ``blocks_evicted``."""
-        counters = self.counters()
-        self._lock.enter_gil()
-        try:
-            rows = self._groups.stats(self._trie) if self._grouped else one_group_stats(self._pool, self._trie)
-        finally:
-            self._lock.leave(NULL)
-        rows[0].update({key: counters[key] for key in ("blocks_allocated", "blocks_freed", "blocks_evicted")})
-        return rows
-
-    cdef str _recount(self):
-        cdef Py_ssize_t i, j, nb = self._pool._num_blocks
-        cdef RNode *node
-        cdef RadixTrie trie = self._trie
-        expected = np.zeros(nb + 1, dtype=np.int64)
-        cdef int64_t[::1] refs = expected
-        pins = {}
-        chunk_refs = {}
-        problem = self._records.problem(refs, pins, chunk_refs)
-        if problem is not None:
-            return problem
-        self._retention.count_pins(pins)
-        if self._null_block >= 0:
-            refs[self._null_block] += 1
-        tags = 0
-        for i in range(trie._high_water):
-            node = &trie._nodes[i]
-            if node.parent < 0:
-                continue
-            chunk_refs[<size_t>node.chunk] = chunk_refs.get(<size_t>node.chunk, 0) + 1
-            for j in range(node.start, node.start + node.length):
-                if not 0 <= node.chunk.blocks[j] < nb:
-                    return f"node {i} holds block id {node.chunk.blocks[j]} out of range [0, {nb})"
-                refs[node.chunk.blocks[j]] += 1
-            if node.pin_count != pins.get(i, 0):
-                return f"node {i} is pinned {node.pin_count} times, but sequences hold {pins.get(i, 0)} pins on it"
-            if node.tag >= 0:
-                tags += 1
-                if node.tag >= self._snaps.num or self._snaps.node_of(node.tag) != i:
-                    return f"node {i} is tagged with snapshot {node.tag}, which is not kept at it"
-        for address, count in chunk_refs.items():
-            if (<Chunk *><size_t>address).refs != count:
-                return f"a chunk has {(<Chunk *><size_t>address).refs} references but {count} holders"
-        if self._grouped and self._groups.shared:
-            for i in range(1, self._groups.n):  # every group's ids are this pool's
-                problem = self._groups.count_refs(trie, self._records, i, refs, nb)
-                if problem is not None:
-                    return problem
-        for i in range(nb):
-            if refs[i] != self._pool._refcounts[i]:
-                return f"block {i}: refcount {self._pool._refcounts[i]} but sequences and cache hold {refs[i]}"
-        problem = self._snaps.problem(tags)
-        if problem is not None:
-            return problem
-        return self._trie._hash_problem() if self._track else None
-
-
-cdef int _allocate_columns(KVCacheCore core, int64_t h, Py_ssize_t wanted, object held, object kv_tokens,
-                           str call) except -1:
-    """``KVCacheCore.allocate`` of a core of several groups: the positions checked, then every
-    group's blocks taken under the lock, all or nothing (each group's free count is checked first)."""
-    cdef KVGroups groups = core._groups
-    cdef Py_ssize_t n = groups.n, g, i, p, need, short = -1, have = 0
-    cdef Py_ssize_t kv = _as_count(kv_tokens, f"{call}: kv_tokens", 0, INT32_MAX)
-    cdef int32_t *col
-    cdef int32_t *ids
-    cdef Failure f
-    cdef SeqRec *rec
-    cdef int64_t seq_id = -1, held_blocks = 0, held_tokens = 0
-    if held is None:
-        held = [None] * (n - 1)
-    if isinstance(held, (str, bytes)) or not hasattr(held, "__len__") or len(held) != n - 1:
-        raise InvalidId(f"{call}: held must list the positions of each of the {n - 1} KV cache groups past group 0")
-    columns = []
-    for g in range(1, n):
-        entry = held[g - 1]
-        positions = np.arange(wanted, dtype=np.int32) if entry is None else np.asarray(entry)
-        if positions.ndim != 1 or (positions.size and positions.dtype.kind not in "iu"):
-            raise InvalidId(f"{call}: held[{g - 1}] must be a 1-D array of block positions, got {entry!r}")
-        if positions.size and (
-            positions[0] < 0 or positions[-1] >= wanted or (positions.size > 1 and (np.diff(positions) <= 0).any())
-        ):
-            raise InvalidId(
-                f"{call}: held[{g - 1}] must hold ascending positions in [0, {wanted}), got {positions.tolist()}"
-            )
-        columns.append(np.ascontiguousarray(positions, dtype=np.int32))
-    ok(&f)
-    core._lock.enter_gil()
-    rec = core._records.active(h, &f)
-    if rec != NULL:
-        if rec.num_blocks or rec.num_tokens:
-            seq_id, held_blocks, held_tokens = rec.seq_id, rec.num_blocks, rec.num_tokens
-        elif core._records.reserve(rec, wanted, 0) or groups._reserve(wanted):
-            f.code = E_NO_MEMORY
-        else:
-            if core._pool._num_free < wanted:
-                short, need, have = 0, wanted, core._pool._num_free
-            for g in range(1, n):
-                need = (<cnp.ndarray>columns[g - 1]).shape[0]
-                if short < 0 and groups.num_free(g) < need:
-                    short, have = g, groups.num_free(g)
-            if short >= 0:
-                need = wanted if short == 0 else (<cnp.ndarray>columns[short - 1]).shape[0]
-            else:
-                # Every pool has room: none of these can fail.
-                core._pool._allocate_locked(rec.chunk.blocks, wanted)
-                core._counters.blocks_allocated += wanted
-                for g in range(1, n):
-                    ids = <int32_t *>cnp.PyArray_DATA(<cnp.ndarray>columns[g - 1])
-                    need = (<cnp.ndarray>columns[g - 1]).shape[0]
-                    col = chunk_column(rec.chunk, g)
-                    for p in range(wanted):
-                        col[p] = -1
-                    groups.pool_of(g)._allocate_locked(groups._ids, need)
-                    for i in range(need):
-                        col[ids[i]] = groups._ids[i]
-                    groups._counts[g].allocated += need
-                rec.num_blocks = <int32_t>wanted
-                rec.kv_tokens = <int32_t>kv
-    core._lock.leave(NULL)
-    if seq_id >= 0:
-        raise SequenceStateError(
-            f"{call}: sequence {seq_id} already holds {held_blocks} blocks and {held_tokens} tokens; "
-            "it needs a freshly allocated sequence"
-        )
-    if short >= 0:
-        raise OutOfBlocks(
-            f"{call}: {need} blocks of KV cache group {short} are needed, {have} are free in that group's pool "
-            "(this never evicts: reclaim_prefix_blocks first)"
-        )
-    core._records.raise_failure(&f, call)
-    return 0
+        return _views.group_stats(self)

@@ -2,8 +2,11 @@
 # the per-request records, the SSM snapshot ids and the event log (each a part with its own .pxd),
 # all guarded by the pool's lock.
 #
-# Other Cython modules (the SGLang page tree) use the core only through what is declared here
-# without a leading underscore: its lock, the locked calls by handle, the counts read inline.
+# Other Cython modules (the SGLang page tree, the model's calls) use the core only through what is
+# declared here without a leading underscore: its lock, the locked calls by handle, the counts read
+# inline. The core's calls off the request path (lifecycle._coreviews) also read its ``readonly``
+# fields and call the request path's own steps; what they change in the core they change through
+# the inline setters and counts below. No other module writes a field of the core.
 
 cimport cython
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
@@ -17,7 +20,11 @@ from lifecycle._retention cimport Retention
 from lifecycle._saltmap cimport SaltMap
 from lifecycle._slots cimport SlotPool
 from lifecycle._snapids cimport SnapshotIds
-from lifecycle._sync cimport CoreLock
+from lifecycle._sync cimport NOGIL_MIN_WORK, CoreLock
+
+
+cdef enum:
+    LONG_CALL = NOGIL_MIN_WORK   # ``CoreLock.enter`` work that always releases the GIL
 
 
 cdef struct Counters:
@@ -37,31 +44,31 @@ cdef struct Counters:
 
 @cython.final
 cdef class KVCacheCore:
-    cdef BlockPool _pool
-    cdef RadixTrie _trie
-    cdef Records _records
-    cdef SnapshotIds _snaps
-    cdef EventLog _evlog
+    cdef readonly BlockPool _pool
+    cdef readonly RadixTrie _trie
+    cdef readonly Records _records
+    cdef readonly SnapshotIds _snaps
+    cdef readonly EventLog _evlog
     cdef readonly SaltMap salts     # the cache salts of the records' keys (GIL held)
-    cdef CoreLock _lock
-    cdef Py_ssize_t _block_size
-    cdef Py_ssize_t _max_blocks_per_seq
+    cdef readonly CoreLock _lock
+    cdef readonly Py_ssize_t _block_size
+    cdef readonly Py_ssize_t _max_blocks_per_seq
     cdef Py_ssize_t _max_tokens_per_seq
-    cdef bint _enabled
+    cdef readonly bint _enabled
     cdef bint _snapshot_cut
     cdef int32_t *_scratch
     cdef Py_ssize_t _scratch_capacity
-    cdef Counters _counters
-    cdef bint _track                # content hashes of cached blocks kept (events or demotion on)
+    cdef readonly Counters _counters
+    cdef readonly bint _track                # content hashes of cached blocks kept (events or demotion on)
     cdef bint _quiet                # (reset) evictions are not logged one by one
-    cdef int32_t _null_block        # a block held for good, never handed out (-1: none)
+    cdef readonly int32_t _null_block        # a block held for good, never handed out (-1: none)
     cdef int32_t *_token_scratch
     cdef Py_ssize_t _token_scratch_capacity
     cdef uint64_t *_hash_scratch
     cdef Py_ssize_t _hash_scratch_capacity
-    cdef Retention _retention       # retention hints and pinned prefixes
-    cdef KVGroups _groups           # groups past group 0 (None: one group, the pool's)
-    cdef bint _grouped              # _groups is not None
+    cdef readonly Retention _retention       # retention hints and pinned prefixes
+    cdef readonly KVGroups _groups           # groups past group 0 (None: one group, the pool's)
+    cdef readonly bint _grouped              # _groups is not None
 
     # -- the surface: the lock (``lock().enter_gil()`` ... ``lock().leave(NULL)``), then locked calls --
     cdef inline CoreLock lock(self):
@@ -77,6 +84,33 @@ cdef class KVCacheCore:
 
     cdef inline Py_ssize_t num_live(self) noexcept nogil:
         return self._records.num_live
+
+    # -- (lock held) the scratch and the counts and settings the calls off the request path change --
+    cdef inline int32_t *scratch(self) noexcept nogil:
+        """Block ids of the last eviction (``_reserve_scratch`` makes room)."""
+        return self._scratch
+
+    cdef inline uint64_t *hash_scratch(self) noexcept nogil:
+        """Their hashes (``_reserve_token_scratch`` makes room)."""
+        return self._hash_scratch
+
+    cdef inline void count_allocated(self, Py_ssize_t blocks) noexcept nogil:
+        self._counters.blocks_allocated += blocks
+
+    cdef inline void count_evicted(self, Py_ssize_t blocks) noexcept nogil:
+        self._counters.blocks_evicted += blocks
+
+    cdef inline void count_freed(self, Py_ssize_t blocks) noexcept nogil:
+        self._counters.blocks_freed += blocks
+
+    cdef inline void count_snapshot_saved(self) noexcept nogil:
+        self._counters.snapshots_saved += 1
+
+    cdef inline void set_track(self, bint track) noexcept nogil:
+        self._track = track
+
+    cdef inline void set_quiet(self, bint quiet) noexcept nogil:
+        self._quiet = quiet
 
     cdef int64_t admit_locked(self, int64_t key, const int32_t *data, Py_ssize_t n, Py_ssize_t prefix,
                               Py_ssize_t wanted, Failure *f) noexcept nogil
@@ -112,13 +146,9 @@ cdef class KVCacheCore:
                                     Py_ssize_t wanted, Failure *f) noexcept nogil
     cdef Py_ssize_t _grow_checked(self, int64_t handle, Py_ssize_t wanted, Failure *f) noexcept nogil
     cdef int32_t _cache_checked(self, int64_t handle, Py_ssize_t full, Py_ssize_t *taken, Failure *f) noexcept nogil
-    cdef int32_t _snapshot_locked(
-        self, int64_t handle, Py_ssize_t full, bint rolling, bint *fresh, Failure *f
-    ) noexcept nogil
     cdef Py_ssize_t _step_locked(
         self, const int64_t *hs, Py_ssize_t n, const int32_t *tok, const int32_t *cnt, int32_t *tab,
         const int32_t *row_of, Py_ssize_t ncols, bint cache, int32_t *refused, int32_t **group_tabs, Failure *f
     ) noexcept nogil
-    cdef str _recount(self)
     cdef int _refuse_grouped(self, str call) except -1
     cdef Py_ssize_t _ngroups(self) noexcept
