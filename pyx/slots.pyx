@@ -18,6 +18,8 @@ cimport cython
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 
+from lifecycle._sync cimport lc_mutex_init, lc_mutex_lock, lc_mutex_unlock
+
 from operator import index as _as_index
 
 from lifecycle.errors import (
@@ -84,6 +86,7 @@ cdef class SlotPool:
             guards[i] = NULL
         self._owners = owners
         self._guards = guards
+        lc_mutex_init(&self._lock)
         self._free_stack = free_stack
         self._stack_pos = stack_pos
         self._state = state
@@ -104,65 +107,69 @@ cdef class SlotPool:
 
     cdef int32_t _pop_free(self) noexcept nogil:
         cdef int32_t slot = -1
-        with self._lock:
-            if self._num_free > 0:
-                self._num_free -= 1
-                slot = self._free_stack[self._num_free]
-                self._stack_pos[slot] = -1
-                self._state[slot] = GUARDED
-                self._num_guarded += 1
+        lc_mutex_lock(&self._lock)
+        if self._num_free > 0:
+            self._num_free -= 1
+            slot = self._free_stack[self._num_free]
+            self._stack_pos[slot] = -1
+            self._state[slot] = GUARDED
+            self._num_guarded += 1
+        lc_mutex_unlock(&self._lock)
         return slot
 
     cdef int _claim(self, int32_t slot) noexcept nogil:
         """Free or detached -> guarded; returns the previous state (nothing changes if guarded)."""
         cdef int32_t pos, last
         cdef uint8_t previous
-        with self._lock:
-            previous = self._state[slot]
-            if previous == FREE:
-                # Remove from the middle of the free stack: move the top entry into its place.
-                pos = self._stack_pos[slot]
-                self._num_free -= 1
-                last = self._free_stack[self._num_free]
-                self._free_stack[pos] = last
-                self._stack_pos[last] = pos
-                self._stack_pos[slot] = -1
-            elif previous == DETACHED:
-                self._num_detached -= 1
-            else:
-                return previous
+        lc_mutex_lock(&self._lock)
+        previous = self._state[slot]
+        if previous == FREE:
+            # Remove from the middle of the free stack: move the top entry into its place.
+            pos = self._stack_pos[slot]
+            self._num_free -= 1
+            last = self._free_stack[self._num_free]
+            self._free_stack[pos] = last
+            self._stack_pos[last] = pos
+            self._stack_pos[slot] = -1
+        elif previous == DETACHED:
+            self._num_detached -= 1
+        if previous == FREE or previous == DETACHED:
             self._state[slot] = GUARDED
             self._num_guarded += 1
+        lc_mutex_unlock(&self._lock)
         return previous
 
     cdef int _release(self, int32_t slot) noexcept nogil:
         """Guarded -> free; returns the previous state (nothing changes unless it was guarded)."""
         cdef uint8_t previous
-        with self._lock:
-            previous = self._state[slot]
-            if previous == GUARDED:
-                self._state[slot] = FREE
-                self._stack_pos[slot] = self._num_free
-                self._free_stack[self._num_free] = slot
-                self._num_free += 1
-                self._num_guarded -= 1
+        lc_mutex_lock(&self._lock)
+        previous = self._state[slot]
+        if previous == GUARDED:
+            self._state[slot] = FREE
+            self._stack_pos[slot] = self._num_free
+            self._free_stack[self._num_free] = slot
+            self._num_free += 1
+            self._num_guarded -= 1
+        lc_mutex_unlock(&self._lock)
         return previous
 
     cdef int _detach(self, int32_t slot) noexcept nogil:
         """Guarded -> detached; returns the previous state (nothing changes unless it was guarded)."""
         cdef uint8_t previous
-        with self._lock:
-            previous = self._state[slot]
-            if previous == GUARDED:
-                self._state[slot] = DETACHED
-                self._num_guarded -= 1
-                self._num_detached += 1
+        lc_mutex_lock(&self._lock)
+        previous = self._state[slot]
+        if previous == GUARDED:
+            self._state[slot] = DETACHED
+            self._num_guarded -= 1
+            self._num_detached += 1
+        lc_mutex_unlock(&self._lock)
         return previous
 
     cdef uint8_t _state_of(self, int32_t slot) noexcept nogil:
         cdef uint8_t state
-        with self._lock:
-            state = self._state[slot]
+        lc_mutex_lock(&self._lock)
+        state = self._state[slot]
+        lc_mutex_unlock(&self._lock)
         return state
 
     cdef int32_t _slot_arg(self, object slot) except -1:
@@ -277,30 +284,31 @@ cdef class SlotPool:
         counts[1] = 0
         counts[2] = 0
         with nogil:
-            with self._lock:
-                num_free = self._num_free
-                num_guarded = self._num_guarded
-                num_detached = self._num_detached
-                for slot in range(n):
-                    if self._state[slot] > DETACHED:
-                        problem = 1
+            lc_mutex_lock(&self._lock)
+            num_free = self._num_free
+            num_guarded = self._num_guarded
+            num_detached = self._num_detached
+            for slot in range(n):
+                if self._state[slot] > DETACHED:
+                    problem = 1
+                    bad_slot = slot
+                    break
+                counts[self._state[slot]] += 1
+                if (self._state[slot] == FREE) != (self._stack_pos[slot] >= 0):
+                    problem = 2
+                    bad_slot = slot
+                    break
+            if problem == 0 and (num_free < 0 or num_free > n):
+                problem = 3
+            if problem == 0:
+                for i in range(num_free):
+                    slot = self._free_stack[i]
+                    if slot < 0 or slot >= n or self._state[slot] != FREE or self._stack_pos[slot] != i:
+                        problem = 4
                         bad_slot = slot
+                        bad_index = i
                         break
-                    counts[self._state[slot]] += 1
-                    if (self._state[slot] == FREE) != (self._stack_pos[slot] >= 0):
-                        problem = 2
-                        bad_slot = slot
-                        break
-                if problem == 0 and (num_free < 0 or num_free > n):
-                    problem = 3
-                if problem == 0:
-                    for i in range(num_free):
-                        slot = self._free_stack[i]
-                        if slot < 0 or slot >= n or self._state[slot] != FREE or self._stack_pos[slot] != i:
-                            problem = 4
-                            bad_slot = slot
-                            bad_index = i
-                            break
+            lc_mutex_unlock(&self._lock)
         if problem == 1:
             raise InvariantViolation(f"slot {bad_slot} has a corrupt state byte")
         if problem == 2:

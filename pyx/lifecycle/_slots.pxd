@@ -2,6 +2,8 @@
 # pyx/lifecycle/ because Cython finds the .pxd of module lifecycle._slots by its package path on the
 # include path; other Cython modules cimport it as ``from lifecycle._slots cimport SlotPool``.
 cimport cython
+
+from lifecycle._sync cimport lc_mutex_t
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 
@@ -20,7 +22,7 @@ cdef class SlotPool:
     # reference, cleared when the guard lets go), so the slot's owner is found from the slot.
     cdef int64_t* _owners
     cdef void** _guards
-    cdef cython.pymutex _lock
+    cdef lc_mutex_t _lock           # the one lock form (lifecycle._sync), taken without the GIL
 
     cdef SlotGuard _guard_for(self, int32_t slot)
     cdef SlotGuard _acquire(self)
