@@ -291,17 +291,22 @@ cdef class KVGroups:
         """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
         ``v`` (which covers the first ``limit`` blocks), else ``low``. A full group serves every
         cut of a cached path; each windowed one is asked in turn until they agree."""
-        cdef Py_ssize_t g, cut = limit, found
-        cdef bint moved = True
-        while cut > low and moved:
-            moved = False
-            for g in range(1, self.n):
-                if self._rules[g].kind == KIND_FULL:
-                    continue
-                found = self._group_cut(t, v, g, cut, low)
-                if found < cut:
-                    cut = found
-                    moved = True
+        cdef Py_ssize_t g = 0, cut = limit, found, windowed = 0, agree = 0
+        for g in range(1, self.n):
+            windowed += self._rules[g].kind != KIND_FULL
+        # Each group's answer is a cut it serves: once every windowed group agreed on the same
+        # cut, none is asked again (a group is asked twice only after another moved the cut).
+        g = 0
+        while cut > low and agree < windowed:
+            g = g + 1 if g + 1 < self.n else 1
+            if self._rules[g].kind == KIND_FULL:
+                continue
+            found = self._group_cut(t, v, g, cut, low)
+            if found < cut:
+                cut = found
+                agree = 1
+            else:
+                agree += 1
         return cut if cut > low else low
 
     cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
@@ -442,14 +447,14 @@ cdef class KVGroups:
         (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
         reference on every block it reads, so none loses one. Returns how many it freed."""
         cdef GroupCache *c = &self._cache[g]
-        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end
+        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end, pending = 0
         cdef int32_t b, u
         cdef int32_t *entry
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
         cdef bint logging = self._evlog is not None and not self.quiet
-        if c.where == NULL or n <= 0 or self._reserve(1):
+        if c.where == NULL or n <= 0 or self._reserve(n):
             return 0
         if self.retention is not None and self.retention.pinned_blocks > 0:
             protected = self._retention_pinned(t)
@@ -458,7 +463,7 @@ cdef class KVGroups:
                 return 0
         for q in range(2):
             b = c.head[q]
-            while b >= 0 and self.num_free(g) - before < n and f.code == OK:
+            while b >= 0 and self.num_free(g) + pending - before < n and f.code == OK:
                 u = c.owner[b]
                 if protected != NULL and protected[u]:
                     b = c.next[b]
@@ -472,16 +477,22 @@ cdef class KVGroups:
                 if logging:
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
-                self._ids[0] = b
+                # Only the cache held it: its one reference goes with the others in one batch
+                # (the same order of frees), before anything else uses the scratch.
+                self._ids[pending] = b
+                pending += 1
                 self._counts[g].evicted += 1
-                self._unref(g, 1, f)
                 end = node.depth + node.length
                 if (
                     node.num_children == 0 and node.lock_count == 0
                     and (p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size))
                 ):
-                    self.settle_leaf(t, u, freed0, trimmed, f)
+                    self._unref(g, pending, f)
+                    pending = 0
+                    # Every cut of the leaf above p reads block p: its cut is p's or below.
+                    self._settle_below(t, u, p, freed0, trimmed, f)
                 b = c.head[q]
+        self._unref(g, pending, f)
         free(protected)
         return self.num_free(g) - before
 
@@ -876,6 +887,12 @@ cdef class KVGroups:
                          Failure *f) noexcept nogil:
         """Trim node ``v``, if it is an unprotected leaf, back to the last cut every group can
         serve, and its parent likewise when it goes."""
+        return self._settle_below(t, v, -1, freed0, trimmed, f)
+
+    cdef int _settle_below(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t *freed0,
+                           Py_ssize_t *trimmed, Failure *f) noexcept nogil:
+        """``settle_leaf``, knowing that no cut of ``v`` above ``limit`` is served (a block every
+        such cut reads is missing; -1: nothing known), so the search for its cut starts there."""
         cdef RNode *node
         cdef Py_ssize_t end, cut
         cdef int32_t parent
@@ -884,7 +901,8 @@ cdef class KVGroups:
             if node.num_children != 0 or node.lock_count != 0:
                 return 0
             end = node.depth + node.length
-            cut = self.best_cut(t, v, end, node.depth)
+            cut = self.best_cut(t, v, end if limit < 0 else max(min(limit, end), <Py_ssize_t>node.depth), node.depth)
+            limit = -1  # (a parent: nothing known)
             if cut < 0:
                 f.code = E_NO_MEMORY
                 return -1

@@ -153,6 +153,8 @@ cdef class KVGroups:
                       Failure *f) noexcept nogil
     cdef int settle_leaf(self, RadixTrie t, int32_t v, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                          Failure *f) noexcept nogil
+    cdef int _settle_below(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t *freed0,
+                           Py_ssize_t *trimmed, Failure *f) noexcept nogil
     cdef Py_ssize_t evict(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                           Failure *f) noexcept nogil
     cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
