@@ -88,7 +88,7 @@ def child_groups(preset: str, library: str) -> None:
     os._exit(0)
 
 
-def counted(call: Callable[[], None]) -> None:
+def counted(call: Callable[[], object]) -> None:
     """Run ``call`` inside ``math.fsum``, the one C function callgrind collects in (nothing else
     this process runs calls it), so that imports and preparation count nothing."""
 

@@ -1004,8 +1004,7 @@ cdef class KVGroups:
         """The first inconsistency of groups 1 .. n - 1 (refcounts against the records' columns
         and the cached runs', each pool's own tables) or of the rule that every leaf ends at a
         cut every group can serve; None when there is none."""
-        cdef Py_ssize_t g, i, p, nb, end, released, last
-        cdef SeqRec *rec
+        cdef Py_ssize_t g, i, p, nb, end, last
         cdef RNode *node
         cdef BlockPool pool
         cdef int64_t[::1] expected
