@@ -2,11 +2,16 @@
 
     python bench/callgrind.py                 # W2 and W3, core and model
     python bench/callgrind.py --workloads w2  # W2 alone
+    python bench/callgrind.py --workloads w3-groups --presets gemma-3-27b,llama-4-scout
+                                              # W3 chunked through a preset's groups and one group
 
 Each figure is one run of this script under ``valgrind --tool=callgrind`` that builds the trace's
 requests and the core (or model), then replays them (``bench/replay.py``'s loops) inside the one C
 function callgrind collects in; the count over the request count is the replay's cost per request
 (imports, preparation and teardown count nothing, so the figure is steady to a few instructions).
+``w3-groups`` replays W3 as bench/groups_replay.py does (prefilled in chunks) through the core
+with a preset's KV cache groups ("groups") and with one full-attention group at the same budget
+("one"); ``--keep DIR`` leaves each run's callgrind file there for ``callgrind_annotate``.
 Valgrind runs the real interpreter (``sys.executable``, not a pyenv shim) with the cyclic GC off, as
 the timed replays run.
 """
@@ -33,6 +38,9 @@ def child(workload: str, library: str) -> None:
     """The measured process: prepare, replay, exit at once."""
     from replay import PrefixTrace, core_requests, drive_core, drive_model, model_requests, new_model
 
+    if workload.startswith("w3-groups:"):
+        child_groups(workload.split(":", 1)[1], library)
+        return
     trace: PrefixTrace
     if workload == "w2":
         from traces import TRACES
@@ -60,7 +68,27 @@ def child(workload: str, library: str) -> None:
     os._exit(0)
 
 
-def counted(call: Callable[[], None]) -> None:
+def child_groups(preset: str, library: str) -> None:
+    """The measured process of ``w3-groups``: ``preset``'s groups ("groups") or one group ("one")."""
+    from groups_replay import chunked_requests, drive_chunked, new_core, one_group_blocks
+    from w3 import load_w3
+    from workloads import reference_presets
+
+    trace = load_w3()
+    config = reference_presets()[preset]
+    if library == "groups":
+        core = new_core(trace, config, 0)
+    else:
+        core = new_core(trace, None, one_group_blocks(config, config.memory_plan().budget_bytes))
+    requests = chunked_requests(trace)
+    gc.collect()
+    gc.disable()
+    counted(lambda: drive_chunked(core, requests, trace.max_live))
+    print(trace.num_requests, flush=True)
+    os._exit(0)
+
+
+def counted(call: Callable[[], object]) -> None:
     """Run ``call`` inside ``math.fsum``, the one C function callgrind collects in (nothing else
     this process runs calls it), so that imports and preparation count nothing."""
 
@@ -71,10 +99,13 @@ def counted(call: Callable[[], None]) -> None:
     math.fsum(once())
 
 
-def instructions(workload: str, library: str) -> tuple[int, int]:
+def instructions(workload: str, library: str, keep: Path | None = None) -> tuple[int, int]:
     """Instructions callgrind counted for one run of :func:`child`, and the trace's request count."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            out = keep / f"callgrind.{workload.replace(':', '.')}.{library}"
         command = [
             "valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=math_fsum",
             f"--callgrind-out-file={out}", sys.executable, __file__,
@@ -93,20 +124,32 @@ def instructions(workload: str, library: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w2,w3")
-    parser.add_argument("--libraries", default="core,model")
+    parser.add_argument("--libraries", default=None, help="core,model (w3-groups: groups,one)")
+    parser.add_argument("--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups: presets to replay")
+    parser.add_argument("--keep", type=Path, default=None, help="a folder to leave the callgrind files in")
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "LIBRARY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], args.child[1])
         return
+    workloads = []
     for workload in args.workloads.split(","):
+        if workload == "w3-groups":
+            workloads += [f"w3-groups:{preset}" for preset in args.presets.split(",")]
+        else:
+            workloads.append(workload)
+    for workload in workloads:
+        grouped = workload.startswith("w3-groups:")
+        libraries = args.libraries or ("groups,one" if grouped else "core,model")
         per: dict[str, float] = {}
-        for library in args.libraries.split(","):
-            total, requests = instructions(workload, library)
+        for library in libraries.split(","):
+            total, requests = instructions(workload, library, args.keep)
             per[library] = total / requests
             print(f"{workload} {library}: {per[library]:,.0f} instructions per request", flush=True)
         if "core" in per and "model" in per:
             print(f"{workload} model/core: {per['model'] / per['core']:.3f}x", flush=True)
+        if "groups" in per and "one" in per:
+            print(f"{workload} groups/one: {per['groups'] / per['one']:.3f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -96,36 +96,51 @@ def admit_chunked(core: Any, tokens: Any, reusable: int, grow_tokens: int) -> tu
     return handle, reused
 
 
-def replay_chunked(trace: W3Trace, config: ModelConfig | None, num_blocks: int) -> tuple[float, int, int]:
-    """One timed W3 replay, prefilled in chunks (see the module's docstring), on a core with
-    ``config``'s groups, else one group of ``num_blocks``; returns (seconds, hit tokens, blocks
-    evicted)."""
+def new_core(trace: W3Trace, config: ModelConfig | None, num_blocks: int) -> Any:
+    """A core with ``config``'s groups, else one group of ``num_blocks``, at ``trace``'s block size."""
     from lifecycle._blockpool import BlockPool
     from lifecycle._kvcache import KVCacheCore
     from lifecycle.kv_groups import core_groups
 
     pool = BlockPool(config.kv_groups[0].num_blocks if config is not None else num_blocks)
-    core = KVCacheCore(pool, trace.block_size, groups=core_groups(config) if config is not None else None)
-    bs = trace.block_size
-    requests = [(trace.tokens[i], trace.reusable_blocks(i)) for i in range(trace.num_requests)]
+    return KVCacheCore(pool, trace.block_size, groups=core_groups(config) if config is not None else None)
+
+
+def chunked_requests(trace: W3Trace) -> list[tuple[Any, int]]:
+    """Each request's tokens and reusable blocks, as :func:`drive_chunked` takes them."""
+    return [(trace.tokens[i], trace.reusable_blocks(i)) for i in range(trace.num_requests)]
+
+
+def drive_chunked(core: Any, requests: list[tuple[Any, int]], max_live: int) -> int:
+    """The replay's loop (at most ``max_live`` requests live, oldest finished first); returns the
+    blocks reused."""
     live: deque[int] = deque()
-    max_live = trace.max_live
     finish = core.finish
     hit_blocks = 0
+    for tokens, reusable in requests:
+        if len(live) == max_live:
+            finish(live.popleft())
+        handle, hit = admit_chunked(core, tokens, reusable, len(tokens))
+        hit_blocks += hit
+        live.append(handle)
+    while live:
+        finish(live.popleft())
+    return hit_blocks
+
+
+def replay_chunked(trace: W3Trace, config: ModelConfig | None, num_blocks: int) -> tuple[float, int, int]:
+    """One timed W3 replay, prefilled in chunks (see the module's docstring), on a core with
+    ``config``'s groups, else one group of ``num_blocks``; returns (seconds, hit tokens, blocks
+    evicted)."""
+    core = new_core(trace, config, num_blocks)
+    requests = chunked_requests(trace)
     with no_gc():
         start = time.perf_counter()
-        for tokens, reusable in requests:
-            if len(live) == max_live:
-                finish(live.popleft())
-            handle, hit = admit_chunked(core, tokens, reusable, len(tokens))
-            hit_blocks += hit
-            live.append(handle)
-        while live:
-            finish(live.popleft())
+        hit_blocks = drive_chunked(core, requests, trace.max_live)
         seconds = time.perf_counter() - start
     core.check_invariants()
     check_no_leak(core)
-    return seconds, hit_blocks * bs, core.counters()["blocks_evicted"]
+    return seconds, hit_blocks * trace.block_size, core.counters()["blocks_evicted"]
 
 
 def w3_groups(trace: W3Trace, presets: dict[str, ModelConfig], repeats: int) -> list[dict[str, Any]]:

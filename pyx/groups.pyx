@@ -59,6 +59,70 @@ KINDS = ("full", "sliding_window", "chunked_local")
 DEFAULT_RETENTION_TOKENS = 4096
 
 
+cdef inline void _unlink_block(GroupCache *c, int32_t b) noexcept nogil:
+    """Take block ``b`` off the eviction list it is on (if any)."""
+    cdef Py_ssize_t q = c.listed[b] - 1
+    if q < 0:
+        return
+    if c.prev[b] >= 0:
+        c.next[c.prev[b]] = c.next[b]
+    else:
+        c.head[q] = c.next[b]
+    if c.next[b] >= 0:
+        c.prev[c.next[b]] = c.prev[b]
+    else:
+        c.tail[q] = c.prev[b]
+    c.listed[b] = 0
+    c.count[q] -= 1
+
+
+cdef enum:
+    _SPAN = 16  # ids _last_missing tests at once
+
+
+cdef inline Py_ssize_t _last_missing(RadixTrie t, RNode **at, Py_ssize_t g, Py_ssize_t first,
+                                     Py_ssize_t stop) noexcept nogil:
+    """The last block in ``[first, stop)`` group ``g`` lacks on the path through ``at[0]`` (which
+    covers ``stop``; left at the node holding the block found, or the last one looked at), else
+    ``first - 1``. Within a node, downwards: ``_SPAN`` ids one by one, then runs of ``_SPAN``
+    tested at once (their OR is negative when one is -1: a loop of fixed length the compiler
+    vectorizes), the rest one by one."""
+    cdef RNode *node = at[0]
+    cdef Py_ssize_t lo, hi, p, k
+    cdef int32_t acc
+    cdef const int32_t *col
+    hi = stop
+    while hi > first:
+        while hi <= node.depth:
+            node = &t._nodes[node.parent]
+        lo = max(first, <Py_ssize_t>node.depth)
+        col = chunk_column(node.chunk, g) + node.start - node.depth
+        # The first few one by one (holes often lie close together), then by runs.
+        p = hi - 1
+        while p >= max(lo, hi - _SPAN) and col[p] >= 0:
+            p -= 1
+        if p >= max(lo, hi - _SPAN):
+            at[0] = node
+            return p
+        hi = p + 1
+        while hi - lo >= _SPAN:
+            acc = 0
+            for k in range(_SPAN):
+                acc |= col[hi - _SPAN + k]
+            if acc < 0:
+                break
+            hi -= _SPAN
+        p = hi - 1
+        while p >= lo and col[p] >= 0:
+            p -= 1
+        if p >= lo:
+            at[0] = node
+            return p
+        hi = lo
+    at[0] = node
+    return first - 1
+
+
 cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
                          Py_ssize_t max_tokens):
     """The groups of a core over ``pool`` (group 0) and ``groups``: a sequence of
@@ -291,17 +355,22 @@ cdef class KVGroups:
         """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
         ``v`` (which covers the first ``limit`` blocks), else ``low``. A full group serves every
         cut of a cached path; each windowed one is asked in turn until they agree."""
-        cdef Py_ssize_t g, cut = limit, found
-        cdef bint moved = True
-        while cut > low and moved:
-            moved = False
-            for g in range(1, self.n):
-                if self._rules[g].kind == KIND_FULL:
-                    continue
-                found = self._group_cut(t, v, g, cut, low)
-                if found < cut:
-                    cut = found
-                    moved = True
+        cdef Py_ssize_t g = 0, cut = limit, found, windowed = 0, agree = 0
+        for g in range(1, self.n):
+            windowed += self._rules[g].kind != KIND_FULL
+        # Each group's answer is a cut it serves: once every windowed group agreed on the same
+        # cut, none is asked again (a group is asked twice only after another moved the cut).
+        g = 0
+        while cut > low and agree < windowed:
+            g = g + 1 if g + 1 < self.n else 1
+            if self._rules[g].kind == KIND_FULL:
+                continue
+            found = self._group_cut(t, v, g, cut, low)
+            if found < cut:
+                cut = found
+                agree = 1
+            else:
+                agree += 1
         return cut if cut > low else low
 
     cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
@@ -316,13 +385,7 @@ cdef class KVGroups:
                 cut = p  # a cut past a missing sink block reads it
         while cut > low:
             first = max(self.first_needed(g, cut * self._block_size), sink)
-            p = cut - 1
-            while p >= first:
-                while p < node.depth:
-                    node = &t._nodes[node.parent]
-                if chunk_column(node.chunk, g)[node.start + p - node.depth] < 0:
-                    break
-                p -= 1
+            p = _last_missing(t, &node, g, first, cut)
             if p < first:
                 return cut
             cut = p
@@ -377,7 +440,7 @@ cdef class KVGroups:
                 return -1
             if self._cache[g].where != NULL:
                 for p in range(count):
-                    self._unlink(&self._cache[g], self._ids[p])  # a sequence reads it: not evictable
+                    _unlink_block(&self._cache[g], self._ids[p])  # a sequence reads it: not evictable
                     self._cache[g].kept[self._ids[p]] = 1  # a window that served a hit goes last
         return 0
 
@@ -442,14 +505,14 @@ cdef class KVGroups:
         (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
         reference on every block it reads, so none loses one. Returns how many it freed."""
         cdef GroupCache *c = &self._cache[g]
-        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end
+        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end, pending = 0
         cdef int32_t b, u
         cdef int32_t *entry
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
         cdef bint logging = self._evlog is not None and not self.quiet
-        if c.where == NULL or n <= 0 or self._reserve(1):
+        if c.where == NULL or n <= 0 or self._reserve(n):
             return 0
         if self.retention is not None and self.retention.pinned_blocks > 0:
             protected = self._retention_pinned(t)
@@ -458,7 +521,7 @@ cdef class KVGroups:
                 return 0
         for q in range(2):
             b = c.head[q]
-            while b >= 0 and self.num_free(g) - before < n and f.code == OK:
+            while b >= 0 and self.num_free(g) + pending - before < n and f.code == OK:
                 u = c.owner[b]
                 if protected != NULL and protected[u]:
                     b = c.next[b]
@@ -472,16 +535,22 @@ cdef class KVGroups:
                 if logging:
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
-                self._ids[0] = b
+                # Only the cache held it: its one reference goes with the others in one batch
+                # (the same order of frees), before anything else uses the scratch.
+                self._ids[pending] = b
+                pending += 1
                 self._counts[g].evicted += 1
-                self._unref(g, 1, f)
                 end = node.depth + node.length
                 if (
                     node.num_children == 0 and node.lock_count == 0
                     and (p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size))
                 ):
-                    self.settle_leaf(t, u, freed0, trimmed, f)
+                    self._unref(g, pending, f)
+                    pending = 0
+                    # Every cut of the leaf above p reads block p: its cut is p's or below.
+                    self._settle_below(t, u, p, freed0, trimmed, f)
                 b = c.head[q]
+        self._unref(g, pending, f)
         free(protected)
         return self.num_free(g) - before
 
@@ -536,7 +605,7 @@ cdef class KVGroups:
         cdef GroupCache *c = &self._cache[g]
         if c.where == NULL:
             return
-        self._unlink(c, b)
+        _unlink_block(c, b)
         c.where[b] = NULL
 
     cdef void _offer(self, Py_ssize_t g, int32_t b) noexcept nogil:
@@ -546,7 +615,7 @@ cdef class KVGroups:
         cdef Py_ssize_t q
         if c.where == NULL or c.where[b] == NULL or (<BlockPool>self._pools[g])._refcounts[b] != 1:
             return
-        self._unlink(c, b)
+        _unlink_block(c, b)
         q = 1 if c.kept[b] else 0
         c.prev[b] = c.tail[q]
         c.next[b] = -1
@@ -557,21 +626,6 @@ cdef class KVGroups:
         c.tail[q] = b
         c.listed[b] = <uint8_t>(q + 1)
         c.count[q] += 1
-
-    cdef void _unlink(self, GroupCache *c, int32_t b) noexcept nogil:
-        cdef Py_ssize_t q = c.listed[b] - 1
-        if q < 0:
-            return
-        if c.prev[b] >= 0:
-            c.next[c.prev[b]] = c.next[b]
-        else:
-            c.head[q] = c.next[b]
-        if c.next[b] >= 0:
-            c.prev[c.next[b]] = c.prev[b]
-        else:
-            c.tail[q] = c.prev[b]
-        c.listed[b] = 0
-        c.count[q] -= 1
 
     cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
                      Failure *f) noexcept nogil:
@@ -876,6 +930,12 @@ cdef class KVGroups:
                          Failure *f) noexcept nogil:
         """Trim node ``v``, if it is an unprotected leaf, back to the last cut every group can
         serve, and its parent likewise when it goes."""
+        return self._settle_below(t, v, -1, freed0, trimmed, f)
+
+    cdef int _settle_below(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t *freed0,
+                           Py_ssize_t *trimmed, Failure *f) noexcept nogil:
+        """``settle_leaf``, knowing that no cut of ``v`` above ``limit`` is served (a block every
+        such cut reads is missing; -1: nothing known), so the search for its cut starts there."""
         cdef RNode *node
         cdef Py_ssize_t end, cut
         cdef int32_t parent
@@ -884,7 +944,8 @@ cdef class KVGroups:
             if node.num_children != 0 or node.lock_count != 0:
                 return 0
             end = node.depth + node.length
-            cut = self.best_cut(t, v, end, node.depth)
+            cut = self.best_cut(t, v, end if limit < 0 else max(min(limit, end), <Py_ssize_t>node.depth), node.depth)
+            limit = -1  # (a parent: nothing known)
             if cut < 0:
                 f.code = E_NO_MEMORY
                 return -1

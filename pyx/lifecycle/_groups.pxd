@@ -124,7 +124,6 @@ cdef class KVGroups:
     cdef void _track(self, Py_ssize_t g, int32_t *entry, Py_ssize_t p, int32_t node) noexcept nogil
     cdef void _untrack(self, Py_ssize_t g, int32_t b) noexcept nogil
     cdef void _offer(self, Py_ssize_t g, int32_t b) noexcept nogil
-    cdef void _unlink(self, GroupCache *c, int32_t b) noexcept nogil
     cdef Py_ssize_t punch(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                           Failure *f) noexcept nogil
     cdef int cache(self, RadixTrie t, SeqRec *rec, Py_ssize_t d, int32_t v, Py_ssize_t pos, Py_ssize_t full,
@@ -153,6 +152,8 @@ cdef class KVGroups:
                       Failure *f) noexcept nogil
     cdef int settle_leaf(self, RadixTrie t, int32_t v, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                          Failure *f) noexcept nogil
+    cdef int _settle_below(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t *freed0,
+                           Py_ssize_t *trimmed, Failure *f) noexcept nogil
     cdef Py_ssize_t evict(self, RadixTrie t, Py_ssize_t g, Py_ssize_t n, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                           Failure *f) noexcept nogil
     cdef void write_rows(self, SeqRec *rec, int32_t **tables, Py_ssize_t row, Py_ssize_t start,
