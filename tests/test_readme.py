@@ -121,6 +121,7 @@ SHORT: dict[str, list[str]] = {
     "python bench/workloads.py w4 --json": ["help: python bench/workloads.py --help", "run: python bench/w4.py"],
     "python bench/peers.py": ["help: python bench/peers.py --help"],  # needs the engines' venvs and an hour
     "python bench/peers.py --workloads w4": ["help: python bench/peers.py --help"],
+    "python bench/callgrind.py": ["help: python bench/callgrind.py --help"],
     "python bench/peers.py --w3-repeats 3": ["help: python bench/peers.py --help"],
     "python bench/decode_threads.py": ["run: python bench/decode_threads.py --steps 20 --repeats 1"],
     "python bench/w4.py": ["run: python bench/w4.py"],
