@@ -15,7 +15,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
 
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._evlog cimport EvLog
-from lifecycle._groups cimport KVGroups, one_group_stats
+from lifecycle._groups cimport KIND_FULL, KVGroups, one_group_stats
 from lifecycle._hash cimport lc_content_hashes, lc_root_hash
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key, block_ids, first_negative as _first_negative, token_vector as _token_vector,
@@ -385,7 +385,7 @@ cdef int allocate_columns(KVCacheCore core, int64_t h, Py_ssize_t wanted, object
     """``KVCacheCore.allocate`` of a core of several groups: the positions checked, then every
     group's blocks taken under the lock, all or nothing (each group's free count is checked first)."""
     cdef KVGroups groups = core._groups
-    cdef Py_ssize_t n = groups.n, g, i, p, need, short = -1, have = 0
+    cdef Py_ssize_t n = groups.n, g, i, p, need, short = -1, have = 0, sink, low
     cdef Py_ssize_t kv = _as_count(kv_tokens, f"{call}: kv_tokens", 0, INT32_MAX)
     cdef int32_t *col
     cdef int32_t *ids
@@ -407,6 +407,16 @@ cdef int allocate_columns(KVCacheCore core, int64_t h, Py_ssize_t wanted, object
         ):
             raise InvalidId(
                 f"{call}: held[{g - 1}] must hold ascending positions in [0, {wanted}), got {positions.tolist()}"
+            )
+        # What the group still reads at kv_tokens (its sink blocks and its window or chunk) must be held.
+        sink = min(<Py_ssize_t>groups._rules[g].sink_blocks, wanted)
+        low = sink
+        if groups._rules[g].kind != KIND_FULL:
+            low = max(low, groups.first_needed(g, (kv // core._block_size) * core._block_size))
+        if np.count_nonzero((positions < sink) | (positions >= low)) != sink + max(wanted - low, 0):
+            raise InvalidId(
+                f"{call}: held[{g - 1}] lacks blocks KV cache group {g} still reads at kv_tokens={kv}: it needs "
+                f"positions [0, {sink}) and [{low}, {wanted}), got {positions.tolist()}"
             )
         columns.append(np.ascontiguousarray(positions, dtype=np.int32))
     ok(&f)

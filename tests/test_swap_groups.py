@@ -343,3 +343,20 @@ def test_the_cores_allocate_refuses_positions_that_do_not_ascend_within_the_tabl
         model.core.allocate(seq.handle, 10, "restore", [np.array([9, 10])], 0)
     assert counts(model) == before and seq.num_blocks == 0
     model.check_invariants()
+
+
+def test_the_cores_allocate_refuses_positions_missing_what_the_window_still_reads(model: HybridModel) -> None:
+    from lifecycle.errors import InvalidId
+
+    seq = model.alloc_sequence_for(40)
+    before = counts(model)
+    # A 16-token window over blocks of 4: at 40 tokens it reads blocks 6 to 9.
+    with pytest.raises(InvalidId, match=r"held\[0\] lacks blocks KV cache group 1 still reads at kv_tokens=40: "
+                                        r"it needs positions \[0, 0\) and \[6, 10\), got \[7, 8, 9\]"):
+        model.core.allocate(seq.handle, 10, "restore", [np.array([7, 8, 9])], 40)
+    assert counts(model) == before and seq.num_blocks == 0
+    model.core.allocate(seq.handle, 10, "restore", [np.array([6, 7, 8, 9])], 40)
+    assert model.core.block_table(seq.handle, 1).tolist()[:6] == [-1] * 6
+    model.check_invariants()
+    model.free_sequence(seq)
+    assert counts(model) == before
