@@ -420,23 +420,31 @@ class LifecycleKVCacheManager:
         """The request's longest cached prefix in whole blocks (at most ``max_cache_hit_length``
         tokens, by default all but the last token): its blocks, its token count, and 0 (no
         sparse-retention junction). Takes no block until ``allocate_slots``."""
+        handle = self._probe_for(request, max_cache_hit_length)
+        if handle < 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        table = self.core.block_table(handle)
+        return KVCacheBlocks(table), len(table) * self.block_size, 0
+
+    def _probe_for(self, request: Any, max_cache_hit_length: int | None) -> int:
+        """The handle of a probe record holding the request's longest cached prefix (kept as the
+        probe ``allocate_slots`` takes over), or -1 when nothing is cached for it."""
         self._settle()
         if not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0
+            return -1
         num_tokens = request.num_tokens
         limit = num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, num_tokens - 1)
         limit = min(limit, self._cacheable_tokens(request))
         bs = self.block_size
         if limit < bs:
-            return self.empty_kv_cache_blocks, 0, 0
+            return -1
         core = self.core
-        handle = core.admit(self._tokens(request), 0, limit // bs, self._namespace(request))
-        table = core.block_table(handle)
-        if not len(table):
+        handle: int = core.admit(self._tokens(request), 0, limit // bs, self._namespace(request))
+        if not core.num_blocks(handle):
             core.finish(handle, False)
-            return self.empty_kv_cache_blocks, 0, 0
+            return -1
         self._probe, self._probe_request = handle, request.request_id
-        return KVCacheBlocks(table), len(table) * bs, 0
+        return handle
 
     def allocate_slots(
         self,
@@ -856,23 +864,10 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[AnyBlocks, int, int]:
         """The longest cached prefix every group serves (see the base class), per group."""
-        self._settle()
-        if not self.prefix_cache_lookup_enabled(request):
+        handle = self._probe_for(request, max_cache_hit_length)
+        if handle < 0:
             return self.empty_kv_cache_blocks, 0, 0
-        num_tokens = request.num_tokens
-        limit = num_tokens - 1 if max_cache_hit_length is None else min(max_cache_hit_length, num_tokens - 1)
-        limit = min(limit, self._cacheable_tokens(request))
-        bs = self.block_size
-        if limit < bs:
-            return self.empty_kv_cache_blocks, 0, 0
-        core = self.core
-        handle = core.admit(self._tokens(request), 0, limit // bs, self._namespace(request))
-        hit = core.num_blocks(handle)
-        if not hit:
-            core.finish(handle, False)
-            return self.empty_kv_cache_blocks, 0, 0
-        self._probe, self._probe_request = handle, request.request_id
-        return self._blocks(handle, 0), hit * bs, 0
+        return self._blocks(handle, 0), self.core.num_blocks(handle) * self.block_size, 0
 
     def allocate_slots(
         self,
