@@ -169,6 +169,21 @@ def retention_priority(priority: int) -> int:
     return min(100, max(0, DEFAULT_RETENTION + int(priority)))
 
 
+def _key_namespace(namespaces: CacheNamespaces[tuple[str | None, str | None]], key: Any) -> int:
+    """The core's adapter key of a ``RadixKey``'s namespace (its ``extra_key`` and ``cache_salt``;
+    0 for neither)."""
+    if key.extra_key is None and key.cache_salt is None:
+        return 0
+    return namespaces.key((key.extra_key, key.cache_salt))
+
+
+def _unigram_tokens(key: Any, owner: str) -> Any:
+    """A ``RadixKey``'s token ids; EAGLE's bigram keys are refused in ``owner``'s name."""
+    if key.is_bigram:
+        raise Unsupported(f"{owner}: EAGLE bigram keys are not supported")
+    return key.token_ids
+
+
 def radix_cache_class() -> type[Any]:
     """``LifecycleRadixCache``: SGLang's ``BasePrefixCache`` over a :class:`PageTree` (built once;
     needs SGLang)."""
@@ -268,14 +283,10 @@ def radix_cache_class() -> type[Any]:
             return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)
 
         def _namespace(self, key: Any) -> int:
-            if key.extra_key is None and key.cache_salt is None:
-                return 0
-            return self._namespaces.key((key.extra_key, key.cache_salt))
+            return _key_namespace(self._namespaces, key)
 
         def _unigram(self, key: Any) -> Any:
-            if key.is_bigram:
-                raise Unsupported("LifecycleRadixCache: EAGLE bigram keys are not supported")
-            return key.token_ids
+            return _unigram_tokens(key, "LifecycleRadixCache")
 
         # -- BasePrefixCache --------------------------------------------------------------------
 
@@ -990,14 +1001,10 @@ def swa_radix_cache_class() -> type[Any]:
             return True
 
         def _namespace(self, key: Any) -> int:
-            if key.extra_key is None and key.cache_salt is None:
-                return 0
-            return self._namespaces.key((key.extra_key, key.cache_salt))
+            return _key_namespace(self._namespaces, key)
 
         def _tokens(self, key: Any) -> Any:
-            if key.is_bigram:
-                raise Unsupported("LifecycleSWARadixCache: EAGLE bigram keys are not supported")
-            return key.token_ids
+            return _unigram_tokens(key, "LifecycleSWARadixCache")
 
         def reset(self) -> None:
             self._tree.reset()
