@@ -56,7 +56,33 @@ from lifecycle.errors import ConfigError, InvalidId
 cnp.import_array()
 
 KINDS = ("full", "sliding_window", "chunked_local")
+#: The least default retention interval, in tokens (and the default where the groups share one pool).
 DEFAULT_RETENTION_TOKENS = 4096
+
+
+cdef Py_ssize_t default_retention(list specs, Py_ssize_t block_size, bint shared):
+    """The default checkpoint interval, in blocks, of groups ``specs`` over pools of their own: the
+    least power of two of blocks, at least :data:`DEFAULT_RETENTION_TOKENS` tokens, at which the
+    windows kept at checkpoints of as many cached tokens as group 0's pool holds fill at most half
+    of each windowed group's pool (the other half holds the live windows and the last window of
+    each finished run). A window of ``w`` blocks (sinks and one block more included) in a pool of
+    ``c`` blocks beside group 0's ``f`` gives ``f * w / (2 * c)`` blocks: with pools sized for
+    what sequences hold at once (:meth:`lifecycle.config.ModelConfig.memory_plan`), a wide window
+    (Gemma 3's 1,024 tokens) checkpoints more rarely than a narrow one (gpt-oss's 128). Groups
+    sharing one pool keep the least interval."""
+    cdef Py_ssize_t least = max(DEFAULT_RETENTION_TOKENS // block_size, 1), need = least, blocks, interval
+    cdef Py_ssize_t full = (<BlockPool>specs[0][3])._num_blocks
+    if shared:
+        return least
+    for kind, window, sink, pool in specs[1:]:
+        if kind == "full":
+            continue
+        blocks = (window + block_size - 1) // block_size + (sink + block_size - 1) // block_size + 1
+        need = max(need, (full * blocks + 2 * (<BlockPool>pool)._num_blocks - 1) // max(2 * (<BlockPool>pool)._num_blocks, 1))
+    interval = least
+    while interval < need:
+        interval *= 2
+    return interval
 
 
 cdef inline void _unlink_block(GroupCache *c, int32_t b) noexcept nogil:
@@ -142,7 +168,7 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
             "group has a pool of its own"
         )
     if retention_interval is None:
-        retention = max(DEFAULT_RETENTION_TOKENS // block_size, 1)
+        retention = default_retention(specs, block_size, bool(shared) and all(shared))
     else:
         retention = _as_count(retention_interval, "retention_interval", 0, max(max_tokens, 0))
         if retention % block_size:

@@ -85,8 +85,9 @@ cdef class KVCacheCore:
     block (before its window, or released since); ``cache`` and ``step(cache=True)`` cache every
     group's computed blocks; the decode step releases what left a window (a cached block stays
     cached, evictable by its group; an uncached one is freed unless it lies in the window before a
-    checkpoint every ``retention_interval`` tokens, default 4096, a multiple of the block size;
-    0: none). See ``lifecycle._groups``.
+    checkpoint every ``retention_interval`` tokens, a multiple of the block size, 0: none; by
+    default a power of two of blocks, at least 4096 tokens, from the pools' sizes: see
+    ``lifecycle._groups.default_retention``). See ``lifecycle._groups``.
     """
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,

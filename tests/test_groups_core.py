@@ -336,6 +336,46 @@ def test_a_retention_interval_off_the_block_grid_is_refused() -> None:
         make(retention=6)
 
 
+@pytest.mark.parametrize(
+    ("full_blocks", "window_blocks", "window", "sink", "expected_tokens"),
+    [
+        (4096, 4096, 8, 0, 4096),  # 4,096 * 3 / 8,192 blocks: under the least interval (1,024 blocks)
+        (65536, 64, 8, 0, 8192),  # 65,536 * 3 / 128 = 1,536 blocks, rounded up to 2,048
+        (65536, 16, 8, 0, 32768),  # 65,536 * 3 / 32 = 6,144 blocks, rounded up to 8,192
+        (65536, 512, 400, 8, 32768),  # (100 + 2 sink + 1) blocks: 65,536 * 103 / 1,024 = 6,592 -> 8,192
+    ],
+)
+def test_the_default_retention_interval_follows_the_pools(
+    full_blocks: int, window_blocks: int, window: int, sink: int, expected_tokens: int
+) -> None:
+    """Checkpoint windows of as many cached tokens as group 0's pool holds fill at most half the
+    windowed group's pool, in a power of two of blocks of at least 4,096 tokens."""
+    core = KVCacheCore(BlockPool(full_blocks), BS, groups=[("sliding_window", window, sink, BlockPool(window_blocks))])
+    assert core.retention_interval == expected_tokens
+    # One pool for every group (vLLM's layout): the least interval, whatever the sizes.
+    shared = BlockPool(full_blocks)
+    assert KVCacheCore(shared, BS, groups=[("sliding_window", window, sink, shared)]).retention_interval == 4096
+    # Given, it is kept as given.
+    given = KVCacheCore(BlockPool(8), BS, groups=[("sliding_window", 8, 0, BlockPool(8))], retention_interval=8)
+    assert given.retention_interval == 8
+
+
+def test_the_default_retention_interval_on_the_presets() -> None:
+    """At issue 31's budget, Gemma 3's 1,024-token window and Llama 4's 8,192-token chunks
+    checkpoint every 16,384 tokens, gpt-oss's 128-token window every 4,096: the pools' sizes choose
+    it (a checkpoint keeps 65 window blocks on Gemma, 9 on gpt-oss)."""
+    from lifecycle.kv_groups import core_groups
+    from lifecycle.presets import preset, reference_kv_budget
+
+    found = {}
+    for name in ("gpt-oss-120b", "gemma-3-27b", "llama-4-scout"):
+        config = preset(name)
+        config = config.replace(kv_budget_bytes=reference_kv_budget(config))
+        core = KVCacheCore(BlockPool(config.kv_groups[0].num_blocks), 16, groups=core_groups(config))
+        found[name] = core.retention_interval
+    assert found == {"gpt-oss-120b": 4096, "gemma-3-27b": 16384, "llama-4-scout": 16384}
+
+
 def test_snapshot_cut_is_refused_with_groups() -> None:
     with pytest.raises(ConfigError, match="snapshot_cut"):
         make(snapshot_cut=True)

@@ -48,7 +48,8 @@ class KVCacheCore:
     ``step(cache=True)`` insert a live record's computed blocks in every group's column. The decode
     step, ``append`` and ``finish`` release what left a window: a block on the record's cached path
     stays in the cache, evictable; one off it is freed, except the windows before checkpoints every
-    ``retention_interval`` tokens (default 4096, a multiple of ``block_size``; 0: none), which the
+    ``retention_interval`` tokens (a multiple of ``block_size``; 0: none; by default a power of two
+    of blocks, at least 4096 tokens, chosen from the pools' sizes), which the
     record keeps for its finish. A windowed group short of blocks takes its own cache-only blocks,
     least recently left to the cache first (sink blocks, checkpoint windows and windows that served
     a hit last), and trims a run whose last window lost one to a cut every group serves; group 0's
