@@ -834,7 +834,8 @@ def test_mamba_specs_the_facade_does_not_build_are_refused_by_name(change: dict[
 
 
 @pytest.mark.parametrize(("specs", "fields", "options", "named"), [
-    ([FullAttentionSpec(block_size=BS), FullAttentionSpec(block_size=BS), mamba_spec()], {}, {}, "beside FullAttentionSpec, FullAttentionSpec"),
+    ([FullAttentionSpec(block_size=BS), FullAttentionSpec(block_size=BS), mamba_spec()], {}, {},
+     "beside FullAttentionSpec, FullAttentionSpec"),
     ([FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=8), mamba_spec()], {}, {},
      "beside FullAttentionSpec, SlidingWindowSpec"),
     ([mamba_spec(), mamba_spec()], {}, {}, "beside none"),

@@ -22,10 +22,19 @@ constructor returns for such a config: one core of KV cache groups whose every g
 from one pool, as vLLM's groups share one ``BlockPool`` (an id names a page in every group's
 tensors). A hit is the longest prefix every group serves; a group's table names the null block
 where its window released a block; every group's full blocks are cached as vLLM caches them
-(at ``allocate_slots`` and ``cache_blocks``), so a request hits another one still running. Mamba,
-encoder-decoder and cross-attention groups, groups of different block sizes, a group layout with no
-full-attention group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV
-cache residency metrics and context parallelism are refused with ``Unsupported``.
+(at ``allocate_slots`` and ``cache_blocks``), so a request hits another one still running.
+
+One full-attention (or MLA) group with Mamba groups (Jamba, Nemotron-H, Qwen3-Next) gets
+:class:`LifecycleMambaKVCacheManager`: the attention group is the core's, the Mamba groups' tables
+are vLLM's ``MambaManager``'s (mode "align": the null block but at the running state's block, a
+state cached at each block a computed chunk ends on; mode "none": one block a request), each state
+one block per Mamba group from the same pool, cached under the content hash of the prefix it ends.
+A hit is the longest prefix whose attention blocks are cached with a state at its end. Encoder-
+decoder and cross-attention groups, a Mamba group beside windowed or several attention groups,
+Mamba's speculative, checkpoint and sparse-retention blocks, partial hits (a hash block below the
+block size), attention groups of different block sizes, a group layout with no full-attention
+group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV cache
+residency metrics and context parallelism are refused with ``Unsupported``.
 
 To run vLLM's own scheduler over it, name :func:`scheduler_class`'s classes to vLLM:
 ``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (vLLM's default
@@ -1275,7 +1284,7 @@ class LifecycleMambaKVCacheManager(LifecycleKVCacheManager):
         if 0 <= last < -(-processed // bs) - 1 and last in mamba.held:
             self._release(mamba.held.pop(last))
 
-    def _cache(self, request: Any, live: _Live | _HybridLive, num_tokens: int) -> None:
+    def _cache(self, request: Any, live: _Live, num_tokens: int) -> None:
         """The attention blocks (the base class), then the Mamba states of the blocks computed by
         ``num_tokens`` (vLLM's ``MambaManager.cache_blocks``; not past the attention blocks that
         may be cached)."""

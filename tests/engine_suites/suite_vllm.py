@@ -1009,7 +1009,8 @@ def test_prefill_hybrid_model_combinations_with_mamba(make: Managers, kinds: lis
     pytest.param(["full", "sliding_window", "mamba_align"], id="3g-full+sw+mamba"),
     pytest.param(["full", "full", "mamba_align"], id="3g-2full+mamba"),
     pytest.param(["full", "mamba_align", "full", "mamba_align"], id="4g-interleaved-full+mamba"),
-    pytest.param(["sliding_window", "mamba_align", "sliding_window_large", "mamba_align"], id="4g-sw+mamba+sw_large+mamba"),
+    pytest.param(["sliding_window", "mamba_align", "sliding_window_large", "mamba_align"],
+                 id="4g-sw+mamba+sw_large+mamba"),
     pytest.param(["full", "full", "sliding_window", "mamba_align"], id="4g-2full+sw+mamba"),
 ])
 def test_the_mamba_combinations_not_built_are_refused_by_name(kinds: list[str]) -> None:
@@ -1105,7 +1106,8 @@ def kept_ancestors(manager: Any) -> int:
     held = {int(b) for live in manager._live.values() for b in manager.core.block_table(live.handle)}
     held |= set(manager._owner)
     cache_only = sum(1 for block, count in enumerate(refs.tolist()) if count == 1 and block and block not in held)
-    return cache_only - manager.core.num_evictable_blocks
+    evictable: int = manager.core.num_evictable_blocks
+    return cache_only - evictable
 
 
 def mamba_scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, async_scheduling: bool,
