@@ -761,6 +761,23 @@ def test_the_mamba_groups_take_any_place_in_vllms_group_order() -> None:
     mamba_settled(manager)
 
 
+def test_estimate_cached_tokens_is_the_least_over_the_groups() -> None:
+    """vLLM's rule: the attention group's cached tokens, but no more than the deepest cached
+    state the request holds."""
+    manager = mamba()
+    request = FakeRequest("a", list(range(14)))
+    run_chunk(manager, request, 11)  # one chunk: 2 attention blocks cached, no state
+    assert manager.estimate_cached_tokens(request) == 0
+    other = FakeRequest("b", list(range(100, 114)))
+    run_chunk(manager, other, 8)
+    assert manager.estimate_cached_tokens(other) == 8
+    run_chunk(manager, other, 4)  # the state after 12 tokens is cached; the one after 8 still held
+    assert manager.estimate_cached_tokens(other) == 12
+    manager.free(request)
+    manager.free(other)
+    mamba_settled(manager)
+
+
 def test_take_new_block_ids_names_the_attention_groups_new_blocks() -> None:
     """For the worker to zero them, as vLLM's manager does for a config with Mamba layers."""
     manager = mamba()
@@ -780,9 +797,9 @@ def test_reset_and_evict_blocks_drop_cached_states() -> None:
     manager.free(request)
     again = FakeRequest("b", [*range(8), 2])
     assert manager.get_computed_blocks(again)[1] == 8
-    manager.evict_blocks([state])
-    assert manager.get_computed_blocks(again)[:3:2] == (manager.empty_kv_cache_blocks, 8)[:1] + (8,)
-    assert manager.get_computed_blocks(again)[1] == 0
+    manager.evict_blocks([state])  # the state goes; the attention blocks stay: a miss, their length the boundary
+    blocks, hit, boundary = manager.get_computed_blocks(again)
+    assert (group_ids(blocks), hit, boundary) == (([], [], []), 0, 8)
     run_chunk(manager, again, 8)
     manager.free(again)
     assert manager._states and manager.reset_prefix_cache()

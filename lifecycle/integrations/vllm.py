@@ -1512,6 +1512,17 @@ class LifecycleMambaKVCacheManager(LifecycleKVCacheManager):
         counts[self._attention_group] = super().get_num_common_prefix_blocks(running_request_id)[0]
         return counts
 
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """vLLM's rule: the least over the groups of the deepest cached prefix the request's blocks
+        end (the attention group's cached blocks; the deepest cached state it holds)."""
+        attention = super().estimate_cached_tokens(request)
+        mamba = self._mamba.get(request.request_id)
+        if mamba is None:
+            return attention
+        keys = self._state_keys
+        deepest = max(((p + 1) * self.block_size for p, h in mamba.held.items() if h in keys), default=0)
+        return min(attention, deepest)
+
     def take_new_block_ids(self) -> list[int]:
         """The attention group's blocks allocated since the last call, for the worker to zero
         (vLLM's rule for a config with Mamba layers)."""

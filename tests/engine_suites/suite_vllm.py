@@ -1035,8 +1035,9 @@ def test_random_mamba_traffic_gets_the_tables_vllms_manager_gives(seed: int) -> 
     where one is reported, as vLLM's scheduler splits), decoded with draft tokens now and then,
     freed; the same calls on vLLM's manager and the facade give the same hits, boundaries and
     refusals, and block tables of the same shape (where the null block is) in every group, the
-    same number of blocks to zero, and the same usage but for the cached attention blocks the
-    core keeps as ancestors of a path a live request cached (``kept_ancestors``)."""
+    same ``estimate_cached_tokens``, the same number of blocks to zero, and the same usage but for
+    the cached attention blocks the core keeps as ancestors of a path a live request cached
+    (``kept_ancestors``)."""
     rng = random.Random(seed)
     hasher = get_request_block_hasher(16, sha256)
     kinds = ["full", "mamba_align", "mamba_align"]
@@ -1046,6 +1047,7 @@ def test_random_mamba_traffic_gets_the_tables_vllms_manager_gives(seed: int) -> 
     prefixes = [[rng.randrange(100) for _ in range(rng.randrange(20, 70))] for _ in range(3)]
     live: dict[str, list[Request]] = {}
     log: list[list[Any]] = [[], []]
+    kept = 0
     for number in range(150):
         roll = rng.random()
         if live and (len(live) > 5 or roll < 0.15):
@@ -1086,12 +1088,15 @@ def test_random_mamba_traffic_gets_the_tables_vllms_manager_gives(seed: int) -> 
         for k, manager in enumerate(managers):
             manager.new_step_starts()
             log[k].append(("zero", len(manager.take_new_block_ids())))
-            log[k].append(("tables", [(name, mamba_masks(manager.get_blocks(name))) for name in sorted(live)]))
+            log[k].append(("tables", [(name, mamba_masks(manager.get_blocks(name)),
+                                       manager.estimate_cached_tokens(live[name][k])) for name in sorted(live)]))
         assert log[0] == log[1], number
         used = [round(manager.usage * 1999) for manager in managers]
         assert used[1] - used[0] == kept_ancestors(managers[1]), number
+        kept += kept_ancestors(managers[1])
     hits = [entry[2] for entry in log[1] if entry[0] == "new"]
     assert sum(hits) > 0 and any(entry[3] for entry in log[1] if entry[0] == "new")
+    assert kept  # (the usage check above was not vacuous)
     for manager, requests in zip(managers, zip(*live.values())):
         for request in requests:
             manager.free(request)
@@ -1178,3 +1183,24 @@ def test_vllms_scheduler_over_a_full_and_mamba_config(model_config: Any, async_s
         assert manager.usage == 0.0 and len(manager._live) == 0
         assert lifecycle.reset_prefix_cache() and manager.core.num_cached_blocks == 0
         assert manager.core.num_live_sequences == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["align", "none"])
+def test_vllms_engine_core_reads_the_mamba_facades_groups_at_start_up(model_config: Any, caching: bool) -> None:
+    """EngineCore's start-up reads over full + Mamba groups: the attention block size, and each
+    group's kind and block size (a "none"-mode Mamba block is the model length)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from lifecycle.integrations.vllm import scheduler_class
+
+    answers = []
+    for scheduler_cls in (Scheduler, scheduler_class(False)):
+        core = type("Core", (), {})()
+        core.scheduler = mamba_scheduler(scheduler_cls, model_config, 40, False, caching)
+        core.vllm_config = core.scheduler.vllm_config
+        EngineCore._initialize_effective_attention_block_size(core)
+        answers.append((core.vllm_config.cache_config.effective_attention_block_size,
+                        EngineCore.get_kv_cache_group_metadata(core)))
+    assert answers[0] == answers[1] and answers[0][0] == 16
+    assert [group["block_size"] for group in answers[1][1]] == [16, *[16 if caching else 1024] * 2]
