@@ -233,7 +233,7 @@ def group_rule(spec: Any) -> tuple[str, int]:
         return ("chunked_local", int(spec.attention_chunk_size))
     raise Unsupported(
         f"LifecycleKVCacheManager: a {kind} group; full attention, MLA, sliding-window and chunked local groups "
-        "are supported"
+        "are supported (and Mamba groups beside one full-attention group, through LifecycleKVCacheManager)"
     )
 
 
@@ -1511,6 +1511,10 @@ class LifecycleMambaKVCacheManager(LifecycleKVCacheManager):
         counts = [0] * self.num_kv_cache_groups
         counts[self._attention_group] = super().get_num_common_prefix_blocks(running_request_id)[0]
         return counts
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary states handed to a KV connector: none (connectors are refused)."""
+        return {}
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """vLLM's rule: the least over the groups of the deepest cached prefix the request's blocks
