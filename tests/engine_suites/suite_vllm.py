@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -902,6 +903,8 @@ def mamba_groups_config(num_blocks: int, kinds: list[str], block_size: int = 16)
     """``_make_hybrid_kv_cache_config`` of vLLM's tests with its ``"mamba"`` (mode ``"none"``)
     and ``"mamba_align"`` specs, and the other kinds of ``spec_of``."""
     def spec(kind: str) -> Any:
+        if kind == "mla":
+            return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
         if kind.startswith("mamba"):
             mode = "align" if kind == "mamba_align" else "none"
             return MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode=mode)
@@ -974,6 +977,7 @@ MAMBA_COMBINATIONS = [
     pytest.param(["full", "mamba_align"], id="2g-full+mamba"),
     pytest.param(["full", "mamba_align", "mamba_align"], id="3g-full+2mamba"),
     pytest.param(["mamba_align", "full"], id="2g-mamba+full"),
+    pytest.param(["mla", "mamba_align"], id="2g-mla+mamba"),
 ]
 
 
@@ -997,7 +1001,8 @@ def test_prefill_hybrid_model_combinations_with_mamba(make: Managers, kinds: lis
     computed, num_computed, new = prefill_groups(manager, req1)
     assert num_computed == 48 and len(computed) == len(kinds)
     for kind, group in zip(kinds, computed):
-        assert len(group) == 3 and (group[:2] == [0, 0] and group[2] != 0 if kind != "full" else 0 not in group)
+        state = kind.startswith("mamba")
+        assert len(group) == 3 and (group[:2] == [0, 0] and group[2] != 0 if state else 0 not in group)
     assert new is not None and [len(group) for group in new] == [1] * len(kinds)
     manager.free(req0)
     manager.free(req1)
