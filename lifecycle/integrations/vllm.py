@@ -1062,7 +1062,10 @@ class LifecycleMambaKVCacheManager(LifecycleKVCacheManager):
     pressure it may evict one group's and keep another's, a hit then needing all). What differs,
     by design: a cached state no request holds is evicted only when the core has no evictable
     attention block left, least recently used first (vLLM evicts its one free queue's oldest,
-    attention or Mamba); each state is a core record (``core.num_live_sequences`` counts them).
+    attention or Mamba); a request that missed for want of a state recomputes a prefix whose
+    attention blocks are cached, and the core keeps those cached-only ancestors of its cached path
+    while it lives (vLLM counts them free: ``usage`` is that much higher, and under pressure the
+    schedules part); each state is a core record (``core.num_live_sequences`` counts them).
     ``take_new_block_ids`` names the attention group's new blocks, for the worker to zero, as
     vLLM's manager does for a config with Mamba layers. Refused with ``Unsupported``: a Mamba
     group beside sliding-window, chunked local or several attention groups; Mamba groups of
