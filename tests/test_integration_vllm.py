@@ -8,6 +8,7 @@ Every test ends with the manager's ``check_invariants`` and the pool's counts.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -569,3 +570,351 @@ def test_a_high_priority_request_keeps_its_blocks_through_a_flood_of_default_one
     _, hit, _ = manager.get_computed_blocks(FakeRequest("again", list(range(100, 117))))
     assert hit == 16
     settled(manager)
+
+
+# -- full attention + Mamba groups ------------------------------------------------------------------
+
+
+class FullAttentionSpec(SimpleNamespace):
+    """Stands in for vLLM's spec of that name (the facade reads a spec's class name and fields)."""
+
+
+class MambaSpec(SimpleNamespace):
+    """Stands in for vLLM's ``MambaSpec``."""
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    """Stands in for vLLM's ``SlidingWindowSpec``."""
+
+
+def mamba_spec(**fields: Any) -> MambaSpec:
+    return MambaSpec(**{"block_size": BS, "mamba_cache_mode": "align", "num_speculative_blocks": 0,
+                        "num_prefill_checkpoint_blocks": 0, **fields})
+
+
+def mamba_config(num_blocks: int, *specs: Any, **fields: Any) -> SimpleNamespace:
+    groups = [SimpleNamespace(kv_cache_spec=spec) for spec in specs]
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=groups, **fields)
+
+
+def mamba(num_blocks: int = 40, mamba_groups: int = 2, mode: str = "align", first: bool = True,
+          **options: Any) -> Any:
+    """A manager of a full-attention group (vLLM's group 0, or last with ``first=False``) and
+    ``mamba_groups`` Mamba groups."""
+    size = BS if mode == "align" else 1024
+    specs = [mamba_spec(block_size=size, mamba_cache_mode=mode) for _ in range(mamba_groups)]
+    full = FullAttentionSpec(block_size=BS)
+    ordered = [full, *specs] if first else [*specs, full]
+    options.setdefault("enable_caching", mode == "align")
+    return LifecycleKVCacheManager(mamba_config(num_blocks, *ordered), max_model_len=1024, **options)
+
+
+def run_chunk(manager: Any, request: FakeRequest, tokens: int, *, step: bool = True) -> Any:
+    """``allocate_slots`` for the request's next ``tokens`` (a lookup first for a new one), as the
+    scheduler does; the tokens are computed and the step ends (``new_step_starts``)."""
+    hit = 0
+    computed = None
+    if request.num_computed_tokens == 0 and request.request_id not in manager._live:
+        computed, hit, _ = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, tokens - hit if computed is not None else tokens, hit, computed)
+    if new is not None:
+        request.num_computed_tokens += hit + (tokens - hit if computed is not None else tokens)
+    if step:
+        manager.new_step_starts()
+    return new
+
+
+def mamba_settled(manager: Any) -> None:
+    manager.check_invariants()
+    core = manager.core
+    if not manager._live:  # every block is free, cached, a cached state's, or the null block
+        states = len(manager._mamba_groups) * len(manager._refs)
+        assert core.pool.num_free + core.num_cached_blocks + states + 1 == core.pool.num_total
+
+
+def test_a_mamba_config_gets_vllms_align_tables_null_blocks_but_the_running_state() -> None:
+    """vLLM's MambaManager in align mode: one block a group at the position of the block the
+    chunk ends in, null blocks before it; each group's ids its own, all from one pool."""
+    from lifecycle.integrations.vllm import LifecycleMambaKVCacheManager
+
+    manager = mamba()
+    assert isinstance(manager, LifecycleMambaKVCacheManager) and manager.num_kv_cache_groups == 3
+    request = FakeRequest("a", list(range(14)))
+    full, first, second = group_ids(run_chunk(manager, request, 12))
+    assert len(full) == 3 and first[:2] == second[:2] == [0, 0] and first[2] != second[2]
+    assert 0 not in full and len({*full, first[2], second[2]}) == 5
+    assert manager.usage == 5 / 39
+    full2, first2, second2 = group_ids(run_chunk(manager, request, 2))  # 12 + 2 tokens: block 3
+    assert len(full2) == 1 and first2 == [first2[0]] and second2 == [second2[0]]
+    assert group_ids(manager.get_blocks("a"))[1] == [0, 0, first[2], first2[0]]
+    manager.free(request)
+    assert manager.usage == 0.0
+    mamba_settled(manager)
+
+
+def test_a_hit_needs_a_mamba_state_at_the_cut_and_names_the_longer_attention_hit() -> None:
+    """A state is cached where a chunk ended on a block boundary: one 11-token chunk caches none
+    (a later prompt misses, the attention hit of 8 tokens its shared-prefix boundary); an 8-token
+    chunk caches the state after 8 tokens, which a later prompt hits: its Mamba tables name the
+    null block but at the cut, the state's blocks."""
+    manager = mamba()
+    first = FakeRequest("a", [*range(8), 50, 51, 52])
+    run_chunk(manager, first, 11)
+    blocks, hit, boundary = manager.get_computed_blocks(FakeRequest("b", [*range(8), 60, 61, 62]))
+    assert (hit, boundary) == (0, 8) and group_ids(blocks) == ([], [], [])
+    second = FakeRequest("c", [*range(8), 70, 71, 72])
+    run_chunk(manager, second, 8)
+    state = [group_ids(manager.get_blocks("c"))[g][1] for g in (1, 2)]
+    third = FakeRequest("d", [*range(8), 80, 81, 82])
+    blocks, hit, boundary = manager.get_computed_blocks(third)
+    assert (hit, boundary) == (8, 0)
+    full, first_group, second_group = group_ids(blocks)
+    assert full == group_ids(manager.get_blocks("a"))[0][:2]  # the attention blocks cached first
+    assert (first_group, second_group) == ([0, state[0]], [0, state[1]])
+    new = manager.allocate_slots(third, 3, 8, blocks)
+    assert new is not None and [len(g) for g in group_ids(new)] == [1, 1, 1]
+    for request in (first, second, third):
+        manager.free(request)
+    mamba_settled(manager)
+
+
+def test_a_state_cached_in_this_step_is_no_hit_until_the_next() -> None:
+    """vLLM: a request cannot rely on a state another one computes in the same step;
+    ``allocate_slots`` answers None (taking nothing) until ``new_step_starts``."""
+    manager = mamba()
+    run_chunk(manager, FakeRequest("a", [*range(8), 9, 9]), 8, step=False)
+    later = FakeRequest("b", [*range(8), 7, 7])
+    blocks, hit, _ = manager.get_computed_blocks(later)
+    assert hit == 8
+    free = manager.core.pool.num_free
+    assert manager.allocate_slots(later, 2, 8, blocks) is None
+    assert manager.core.pool.num_free == free
+    mamba_settled(manager)
+    manager.new_step_starts()
+    blocks, hit, _ = manager.get_computed_blocks(later)
+    assert hit == 8 and manager.allocate_slots(later, 2, 8, blocks) is not None
+    mamba_settled(manager)
+
+
+def test_decoding_keeps_two_states_and_caches_one_at_every_block_boundary() -> None:
+    """While decoding, a request holds the state it copies from and the running one; the one
+    before goes at ``remove_skipped_blocks`` (cached, so still a hit); every block boundary
+    passed caches the state there."""
+    manager = mamba(mamba_groups=1)
+    request = FakeRequest("a", list(range(8)))
+    run_chunk(manager, request, 8)  # the prompt: a state after 8 tokens (block 1)
+    for token in range(9):  # decode to 17 tokens: blocks 2, 3 and 4 get states
+        request.output_token_ids.append(100 + token)
+        assert run_chunk(manager, request, 1) is not None
+        table = group_ids(manager.get_blocks("a"))[1]
+        assert sum(1 for block in table if block) <= 2
+    assert sorted(manager._mamba["a"].held) == [3, 4]
+    manager.free(request)
+    for length, hit in ((9, 8), (13, 12), (17, 16)):
+        assert manager.get_computed_blocks(FakeRequest("b", request.all_token_ids[:length]))[1] == hit
+    mamba_settled(manager)
+
+
+def test_cached_states_are_evicted_when_the_attention_cache_has_nothing_left() -> None:
+    """Cached states no request holds count as free; once the pool and the core's evictable
+    attention blocks are short, the least recently used states go, so a request fits; the one
+    that does not fit takes nothing."""
+    manager = mamba(num_blocks=14, mamba_groups=1)
+    for name in "abcd":
+        request = FakeRequest(name, [ord(name) * 10 + t for t in range(5)])
+        run_chunk(manager, request, 4)  # a state after 4 tokens
+        manager.free(request)
+    assert len(manager._evictable) == 4 and manager.usage == 0.0
+    big = FakeRequest("big", list(range(200, 248)))
+    assert run_chunk(manager, big, 40) is not None  # 10 attention blocks and a state: 11 of 13
+    assert len(manager._evictable) <= 2
+    mamba_settled(manager)
+    free = manager.core.pool.num_free
+    too_big = FakeRequest("too big", list(range(300, 348)))
+    assert run_chunk(manager, too_big, 40) is None
+    assert manager.core.pool.num_free == free and "too big" not in manager._live
+    manager.free(big)
+    manager.free(too_big)
+    mamba_settled(manager)
+
+
+def test_none_mode_holds_one_block_a_group_for_each_request_and_caches_nothing() -> None:
+    manager = mamba(mode="none")
+    request = FakeRequest("a", list(range(30)))
+    full, first, second = group_ids(run_chunk(manager, request, 30))
+    assert len(full) == 8 and len(first) == len(second) == 1 and first != second
+    request.output_token_ids.append(5)
+    assert [len(g) for g in group_ids(run_chunk(manager, request, 1))] == [0, 0, 0]
+    assert manager.get_computed_blocks(FakeRequest("b", list(range(30))))[1] == 0
+    manager.free(request)
+    assert manager.usage == 0.0 and manager.core.pool.num_free == 39
+    mamba_settled(manager)
+
+
+def test_the_mamba_groups_take_any_place_in_vllms_group_order() -> None:
+    manager = mamba(first=False)
+    request = FakeRequest("a", list(range(9)))
+    first, second, full = group_ids(run_chunk(manager, request, 8))
+    assert len(full) == 2 and first[0] == second[0] == 0 and first[1] and second[1]
+    assert manager.get_num_common_prefix_blocks() == [0, 0, 2]
+    manager.free(request)
+    mamba_settled(manager)
+
+
+def test_estimate_cached_tokens_is_the_least_over_the_groups() -> None:
+    """vLLM's rule: the attention group's cached tokens, but no more than the deepest cached
+    state the request holds."""
+    manager = mamba()
+    request = FakeRequest("a", list(range(14)))
+    run_chunk(manager, request, 11)  # one chunk: 2 attention blocks cached, no state
+    assert manager.estimate_cached_tokens(request) == 0
+    other = FakeRequest("b", list(range(100, 114)))
+    run_chunk(manager, other, 8)
+    assert manager.estimate_cached_tokens(other) == 8
+    run_chunk(manager, other, 4)  # the state after 12 tokens is cached; the one after 8 still held
+    assert manager.estimate_cached_tokens(other) == 12
+    manager.free(request)
+    manager.free(other)
+    mamba_settled(manager)
+
+
+def test_take_new_block_ids_names_the_attention_groups_new_blocks() -> None:
+    """For the worker to zero them, as vLLM's manager does for a config with Mamba layers."""
+    manager = mamba()
+    request = FakeRequest("a", list(range(10)))
+    full, _, _ = group_ids(run_chunk(manager, request, 10))
+    assert manager.take_new_block_ids() == full and manager.take_new_block_ids() == []
+    manager.free(request)
+    mamba_settled(manager)
+
+
+def test_reset_and_evict_blocks_drop_cached_states() -> None:
+    manager = mamba()
+    request = FakeRequest("a", [*range(8), 1])
+    run_chunk(manager, request, 8)
+    state = group_ids(manager.get_blocks("a"))[1][1]
+    assert not manager.reset_prefix_cache()
+    manager.free(request)
+    again = FakeRequest("b", [*range(8), 2])
+    assert manager.get_computed_blocks(again)[1] == 8
+    manager.evict_blocks([state])  # the state goes; the attention blocks stay: a miss, their length the boundary
+    blocks, hit, boundary = manager.get_computed_blocks(again)
+    assert (group_ids(blocks), hit, boundary) == (([], [], []), 0, 8)
+    run_chunk(manager, again, 8)
+    manager.free(again)
+    assert manager._states and manager.reset_prefix_cache()
+    assert not manager._states and manager.core.pool.num_free == 39
+    mamba_settled(manager)
+
+
+@pytest.mark.parametrize("block_ids", [[1.0], ["2"], [None], [-1], [40]])
+def test_evict_blocks_with_mamba_groups_refuses_what_is_not_a_block_id(block_ids: Any) -> None:
+    manager = mamba()
+    request = FakeRequest("a", [*range(8), 1])
+    run_chunk(manager, request, 8)
+    manager.free(request)
+    cached = manager.core.num_cached_blocks, len(manager._states)
+    with pytest.raises(InvalidId):
+        manager.evict_blocks([*group_ids(manager.get_computed_blocks(request)[0])[1], *block_ids])
+    assert (manager.core.num_cached_blocks, len(manager._states)) == cached
+    mamba_settled(manager)
+
+
+def test_a_hit_whose_state_went_before_allocate_slots_is_refused_by_name() -> None:
+    manager = mamba()
+    run_chunk(manager, FakeRequest("a", [*range(8), 1]), 8)
+    manager.free(FakeRequest("a", []))
+    later = FakeRequest("b", [*range(8), 2])
+    blocks, hit, _ = manager.get_computed_blocks(later)
+    manager.evict_blocks([group_ids(blocks)[1][1]])
+    free = manager.core.pool.num_free
+    with pytest.raises(SequenceStateError, match="Mamba state after 2 blocks"):
+        manager.allocate_slots(later, 1, hit, blocks)
+    assert manager.core.pool.num_free == free and "b" not in manager._live
+    mamba_settled(manager)
+
+
+@pytest.mark.parametrize(("change", "error", "named"), [
+    ({"num_speculative_blocks": 1}, Unsupported, "num_speculative_blocks=1"),
+    ({"num_prefill_checkpoint_blocks": 2}, Unsupported, "num_prefill_checkpoint_blocks=2"),
+    ({"mamba_cache_mode": "all"}, Unsupported, "mamba_cache_mode='all'"),
+    ({"block_size": 8}, Unsupported, "Mamba block size of 8"),
+    ({"mamba_cache_mode": "none", "block_size": 1024}, ConfigError, "mamba_cache_mode='none' with enable_caching"),
+    ({"mamba_cache_mode": "none", "block_size": 64}, Unsupported, "below max_model_len"),
+])
+def test_mamba_specs_the_facade_does_not_build_are_refused_by_name(change: dict[str, Any], error: type[Exception],
+                                                                   named: str) -> None:
+    caching = not (change.get("mamba_cache_mode") == "none" and change.get("block_size") == 64)
+    config = mamba_config(20, FullAttentionSpec(block_size=BS), mamba_spec(**change))
+    with pytest.raises(error, match=re.escape(named)):
+        LifecycleKVCacheManager(config, max_model_len=1024, enable_caching=caching)
+
+
+@pytest.mark.parametrize(("specs", "fields", "options", "named"), [
+    ([FullAttentionSpec(block_size=BS), FullAttentionSpec(block_size=BS), mamba_spec()], {}, {},
+     "beside FullAttentionSpec, FullAttentionSpec"),
+    ([FullAttentionSpec(block_size=BS), SlidingWindowSpec(block_size=BS, sliding_window=8), mamba_spec()], {}, {},
+     "beside FullAttentionSpec, SlidingWindowSpec"),
+    ([mamba_spec(), mamba_spec()], {}, {}, "beside none"),
+    ([FullAttentionSpec(block_size=BS), mamba_spec(), mamba_spec(block_size=8)], {}, {}, "one Mamba spec"),
+    ([FullAttentionSpec(block_size=BS), mamba_spec()], {"prefix_cache_retention_interval": 0}, {},
+     "prefix_cache_retention_interval=0"),
+    ([FullAttentionSpec(block_size=BS), mamba_spec()], {}, {"enable_kv_cache_events": True}, "enable_kv_cache_events"),
+], ids=["two attention groups", "a sliding window", "no attention group", "two Mamba specs", "sparse retention",
+        "events"])
+def test_mamba_layouts_the_facade_does_not_build_are_refused_by_name(specs: list[Any], fields: dict[str, Any],
+                                                                     options: dict[str, Any], named: str) -> None:
+    with pytest.raises(Unsupported, match=re.escape(named)):
+        LifecycleKVCacheManager(mamba_config(20, *specs, **fields), max_model_len=1024, **options)
+
+
+def test_bad_mamba_allocations_are_refused_and_take_nothing() -> None:
+    manager = mamba()
+    request = FakeRequest("a", list(range(9)))
+    with pytest.raises(InvalidId, match="num_new_tokens must be greater than 0"):
+        manager.allocate_slots(request, 0)
+    with pytest.raises(InvalidId, match="6 computed tokens"):
+        manager.allocate_slots(request, 3, 6)
+    with pytest.raises(SequenceStateError, match="told of 2 cached blocks"):
+        manager.allocate_slots(request, 1, 8)
+    assert manager.core.pool.num_free == 39 and not manager._live
+    mamba_settled(manager)
+
+
+def test_random_mamba_traffic_leaks_nothing() -> None:
+    """Random prompts over shared prefixes, prefilled in block-aligned chunks as vLLM's scheduler
+    splits them, decoded and freed, in a pool that evicts: every step recounts the states and
+    blocks, and everything comes back."""
+    rng = np.random.default_rng(7)
+    manager = mamba(36)
+    live: dict[str, FakeRequest] = {}
+    prefixes = [rng.integers(0, 20, 12).tolist() for _ in range(3)]
+    for number in range(400):
+        if live and (len(live) > 3 or rng.random() < 0.25):
+            manager.free(live.pop(rng.choice(sorted(live))))
+        elif live and rng.random() < 0.5:
+            request = live[rng.choice(sorted(live))]
+            left = len(request.prompt_token_ids) - request.num_computed_tokens
+            if left > 0:
+                chunk = left if left < BS else left // BS * BS
+            else:
+                request.output_token_ids.append(int(rng.integers(0, 20)))
+                chunk = 1
+            if run_chunk(manager, request, chunk) is None:
+                manager.free(live.pop(request.request_id))
+        else:
+            tokens = prefixes[int(rng.integers(3))] + rng.integers(0, 20, int(rng.integers(1, 12))).tolist()
+            request = FakeRequest(str(number), tokens)
+            _, hit, boundary = manager.get_computed_blocks(request)
+            end = boundary or len(tokens) // BS * BS or len(tokens)
+            if manager.allocate_slots(request, max(end - hit, 1), hit, manager.get_computed_blocks(request)[0]) is None:
+                manager.free(request)
+            else:
+                request.num_computed_tokens = hit + max(end - hit, 1)
+                live[request.request_id] = request
+            manager.new_step_starts()
+        mamba_settled(manager)
+    for request in live.values():
+        manager.free(request)
+    mamba_settled(manager)
+    assert manager.usage == 0.0 and manager._states

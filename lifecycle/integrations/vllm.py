@@ -22,10 +22,19 @@ constructor returns for such a config: one core of KV cache groups whose every g
 from one pool, as vLLM's groups share one ``BlockPool`` (an id names a page in every group's
 tensors). A hit is the longest prefix every group serves; a group's table names the null block
 where its window released a block; every group's full blocks are cached as vLLM caches them
-(at ``allocate_slots`` and ``cache_blocks``), so a request hits another one still running. Mamba,
-encoder-decoder and cross-attention groups, groups of different block sizes, a group layout with no
-full-attention group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV
-cache residency metrics and context parallelism are refused with ``Unsupported``.
+(at ``allocate_slots`` and ``cache_blocks``), so a request hits another one still running.
+
+One full-attention (or MLA) group with Mamba groups (Jamba, Nemotron-H, Qwen3-Next) gets
+:class:`LifecycleMambaKVCacheManager`: the attention group is the core's, the Mamba groups' tables
+are vLLM's ``MambaManager``'s (mode "align": the null block but at the running state's block, a
+state cached at each block a computed chunk ends on; mode "none": one block a request), each state
+one block per Mamba group from the same pool, cached under the content hash of the prefix it ends.
+A hit is the longest prefix whose attention blocks are cached with a state at its end. Encoder-
+decoder and cross-attention groups, a Mamba group beside windowed or several attention groups,
+Mamba's speculative, checkpoint and sparse-retention blocks, partial hits (a hash block below the
+block size), attention groups of different block sizes, a group layout with no full-attention
+group, EAGLE and the other lookahead rules of speculative decoding, KV connectors, KV cache
+residency metrics and context parallelism are refused with ``Unsupported``.
 
 To run vLLM's own scheduler over it, name :func:`scheduler_class`'s classes to vLLM:
 ``--scheduler-cls lifecycle.integrations.vllm.LifecycleAsyncScheduler`` (vLLM's default
@@ -41,7 +50,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from math import gcd
 from typing import Any, Final, TypeAlias, final, overload
 
 import numpy as np
@@ -55,7 +66,8 @@ from lifecycle.integrations import CacheNamespaces, import_engine, raw_event_log
 
 __all__ = [
     "Block", "BlockList", "Coordinator", "GroupManager", "KVCacheBlocks", "KVCacheGroupBlocks",
-    "LifecycleHybridKVCacheManager", "LifecycleKVCacheManager", "group_rule", "scheduler_class",
+    "LifecycleHybridKVCacheManager", "LifecycleKVCacheManager", "LifecycleMambaKVCacheManager", "group_rule",
+    "scheduler_class",
 ]
 
 _EXTRA: Final = "vllm"
@@ -221,7 +233,7 @@ def group_rule(spec: Any) -> tuple[str, int]:
         return ("chunked_local", int(spec.attention_chunk_size))
     raise Unsupported(
         f"LifecycleKVCacheManager: a {kind} group; full attention, MLA, sliding-window and chunked local groups "
-        "are supported"
+        "are supported (and Mamba groups beside one full-attention group, through LifecycleKVCacheManager)"
     )
 
 
@@ -255,10 +267,11 @@ class LifecycleKVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
+        every = list(getattr(kv_cache_config, "kv_cache_groups", ()))
+        groups = self._attention_groups(every, enable_caching, max_model_len)
         rules = [group_rule(group.kv_cache_spec) for group in groups]
         if all(kind != "full" for kind, _ in rules):
-            names = ", ".join(type(group.kv_cache_spec).__name__ for group in groups) or "none"
+            names = ", ".join(type(group.kv_cache_spec).__name__ for group in every) or "none"
             raise Unsupported(
                 f"LifecycleKVCacheManager: KV cache groups of {names}; a full-attention (or MLA) group is needed"
             )
@@ -290,8 +303,9 @@ class LifecycleKVCacheManager:
             raise Unsupported(
                 f"LifecycleKVCacheManager: KV cache groups of block sizes {sizes}; one block size is needed"
             )
+        scheduling = self._scheduling_block_size(block_size)
         for name, value in (("scheduler_block_size", scheduler_block_size), ("hash_block_size", hash_block_size)):
-            if value is not None and value != block_size:
+            if value is not None and value not in (block_size, scheduling):
                 raise Unsupported(f"LifecycleKVCacheManager: {name}={value} differs from the block size {block_size}")
         if len(groups) > 1 and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
             raise Unsupported(
@@ -302,13 +316,26 @@ class LifecycleKVCacheManager:
                     rules=rules)
         self.kv_cache_config = kv_cache_config
         self.metrics_collector = None
-        self.coordinator = Coordinator(block_size, *(group.kv_cache_spec for group in groups))
+        self.coordinator = Coordinator(block_size, *(group.kv_cache_spec for group in every))
+        for manager in self.coordinator.single_type_managers:  # (a Mamba group's blocks may be longer)
+            manager.block_size = int(getattr(manager.kv_cache_spec, "block_size", block_size))
 
     def __new__(cls, *args: Any, **kwargs: Any) -> LifecycleKVCacheManager:
         config = kwargs.get("kv_cache_config", args[0] if args else None)
-        if cls is LifecycleKVCacheManager and len(getattr(config, "kv_cache_groups", ())) > 1:
+        groups = getattr(config, "kv_cache_groups", ())
+        if cls is LifecycleKVCacheManager and any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in groups):
+            return super().__new__(LifecycleMambaKVCacheManager)
+        if cls is LifecycleKVCacheManager and len(groups) > 1:
             return super().__new__(LifecycleHybridKVCacheManager)
         return super().__new__(cls)
+
+    def _attention_groups(self, groups: list[Any], enable_caching: bool, max_model_len: int) -> list[Any]:
+        """The groups the core serves (all of them here; a Mamba manager takes its own out)."""
+        return groups
+
+    def _scheduling_block_size(self, block_size: int) -> int:
+        """The scheduler's block size besides the block size (none here)."""
+        return block_size
 
     @classmethod
     def from_blocks(
@@ -986,6 +1013,557 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
     def _event_groups(self, raw: Any) -> Iterable[int]:
         groups: list[int] = raw.entries["group"].tolist()
         return [self._vllm_group[g] for g in groups]
+
+
+@final
+class _MambaLive:
+    """A request's Mamba block table as vLLM's ``MambaManager`` keeps it, the same in every Mamba
+    group (they move in step): its length, the positions that name blocks (each a Mamba state:
+    one block per Mamba group, held by a core record of no tokens) and the align mode's counts
+    (``allocated``, ``last_state``, ``retired``, ``cached``: ``_allocated_block_reqs``,
+    ``last_state_block_idx``, ``_num_retired_blocks``, ``num_cached_block``)."""
+
+    __slots__ = ("length", "held", "allocated", "last_state", "retired", "cached")
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.held: dict[int, int] = {}
+        self.allocated = False
+        self.last_state = -1
+        self.retired = 0
+        self.cached = 0
+
+
+class LifecycleMambaKVCacheManager(LifecycleKVCacheManager):
+    """:class:`LifecycleKVCacheManager` of a ``KVCacheConfig`` with one full-attention (or MLA)
+    group and Mamba groups (what its constructor returns for one), every group's ids from one
+    pool. The attention group is the core's (its hits, caching and eviction as for one group); the
+    Mamba groups are kept here, as vLLM's ``MambaManager`` keeps them:
+
+    - ``mamba_cache_mode="align"`` (prefix caching): a request's Mamba table is position-indexed
+      by block, the null block everywhere but at the block holding its running state (and the
+      one before it until ``remove_skipped_blocks`` passes it): ``allocate_slots`` adds one block
+      when the tokens reach a new block, padding with null blocks up to it; a block whose tokens
+      are computed is cached as the state after its last token (vLLM's scheduler ends prefill
+      chunks on block boundaries for this), keyed by the content hash of the prefix it ends
+      (lifecycle's, of the attention record's tokens, LoRA and salt). A hit is the longest prefix
+      whose attention blocks are cached and whose last block has a Mamba state: the attention hit
+      first, then the deepest state within it (one set lookup over its hashes), then the attention
+      record cut there. The hit's table names the null block but at its last position, the state;
+      ``get_computed_blocks``' third value is the attention hit where it is longer (vLLM's
+      shared-prefix boundary, where the scheduler ends the next chunk so its state is cached). A
+      state cached this step is not a hit until ``new_step_starts`` (``allocate_slots`` answers
+      None, as vLLM does).
+    - ``mamba_cache_mode="none"`` (no prefix caching; the Mamba block is the model length): one
+      block per Mamba group for each request, from its first ``allocate_slots`` to its ``free``.
+
+    Every Mamba group's state is one unit here: its blocks (one per Mamba group) are taken,
+    cached, hit and evicted together (vLLM keeps each group's block in its one free queue, so under
+    pressure it may evict one group's and keep another's, a hit then needing all). What differs,
+    by design: a cached state no request holds is evicted only when the core has no evictable
+    attention block left, least recently used first (vLLM evicts its one free queue's oldest,
+    attention or Mamba); a request that missed for want of a state recomputes a prefix whose
+    attention blocks are cached, and the core keeps those cached-only ancestors of its cached path
+    while it lives (vLLM counts them free: ``usage`` is that much higher, and under pressure the
+    schedules part); each state is a core record (``core.num_live_sequences`` counts them).
+    ``take_new_block_ids`` names the attention group's new blocks, for the worker to zero, as
+    vLLM's manager does for a config with Mamba layers. Refused with ``Unsupported``: a Mamba
+    group beside sliding-window, chunked local or several attention groups; Mamba groups of
+    different specs; speculative (``num_speculative_blocks``) and prefill checkpoint blocks;
+    sparse retention (``prefix_cache_retention_interval``); a hash block size below the block size
+    (partial hits); KV cache events."""
+
+    _mamba_groups: tuple[int, ...]
+    _attention_group: int
+    _align: bool
+    _mamba_block_size: int
+
+    def __init__(self, kv_cache_config: Any, max_model_len: int, *args: Any, **kwargs: Any) -> None:
+        interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+        if interval is not None:
+            raise Unsupported(
+                f"LifecycleKVCacheManager: prefix_cache_retention_interval={interval!r} with Mamba groups; "
+                "sparse retention of Mamba states is not supported (None: every state cached)"
+            )
+        events = kwargs.get("enable_kv_cache_events", args[8] if len(args) > 8 else False)
+        if events:
+            raise Unsupported(
+                "LifecycleKVCacheManager: enable_kv_cache_events=True with Mamba groups; KV cache events of "
+                "Mamba states are not supported"
+            )
+        super().__init__(kv_cache_config, max_model_len, *args, **kwargs)
+
+    def _attention_groups(self, groups: list[Any], enable_caching: bool, max_model_len: int) -> list[Any]:
+        mamba = [i for i, group in enumerate(groups) if type(group.kv_cache_spec).__name__ == "MambaSpec"]
+        others = [i for i in range(len(groups)) if i not in mamba]
+        if len(others) != 1:
+            names = ", ".join(type(groups[i].kv_cache_spec).__name__ for i in others) or "none"
+            raise Unsupported(
+                f"LifecycleKVCacheManager: Mamba groups beside {names}; Mamba groups are supported beside one "
+                "full-attention (or MLA) group"
+            )
+        first = groups[mamba[0]].kv_cache_spec
+        mode = getattr(first, "mamba_cache_mode", "none")
+        for i in mamba:
+            spec = groups[i].kv_cache_spec
+            if getattr(spec, "mamba_cache_mode", "none") not in ("align", "none"):
+                raise Unsupported(
+                    f"LifecycleKVCacheManager: mamba_cache_mode={spec.mamba_cache_mode!r}; 'align' and 'none' are "
+                    "supported"
+                )
+            for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+                if getattr(spec, name, 0):
+                    raise Unsupported(
+                        f"LifecycleKVCacheManager: a Mamba group with {name}={getattr(spec, name)}; speculative and "
+                        "prefill checkpoint blocks are not supported"
+                    )
+            if spec.block_size != first.block_size or spec.mamba_cache_mode != mode:
+                raise Unsupported(
+                    f"LifecycleKVCacheManager: Mamba groups of block sizes {first.block_size} and {spec.block_size}, "
+                    f"modes {mode!r} and {spec.mamba_cache_mode!r}; one Mamba spec is needed"
+                )
+        attention = int(groups[others[0]].kv_cache_spec.block_size)
+        size = int(first.block_size)
+        if mode == "none" and enable_caching:
+            raise ConfigError(
+                "LifecycleKVCacheManager: mamba_cache_mode='none' with enable_caching=True; prefix caching with Mamba "
+                "groups needs mamba_cache_mode='align' (vLLM's MambaManager asserts it too)"
+            )
+        if mode == "align" and size != attention:
+            raise Unsupported(
+                f"LifecycleKVCacheManager: a Mamba block size of {size} beside an attention block size of "
+                f"{attention}; mamba_cache_mode='align' needs one block size"
+            )
+        if mode == "none" and size < max_model_len:
+            raise Unsupported(
+                f"LifecycleKVCacheManager: a Mamba block size of {size} below max_model_len={max_model_len} with "
+                "mamba_cache_mode='none'; one Mamba block a request is supported"
+            )
+        self._mamba_groups = tuple(mamba)
+        self._attention_group = others[0]
+        self._align = mode == "align"
+        self._mamba_block_size = size
+        return [groups[others[0]]]
+
+    def _scheduling_block_size(self, block_size: int) -> int:
+        """vLLM's scheduler block size: the least common multiple of the groups' block sizes."""
+        return block_size * self._mamba_block_size // gcd(block_size, self._mamba_block_size)
+
+    def _setup(self, num_blocks: int, block_size: int, max_model_len: int, *, enable_caching: bool, log_stats: bool,
+               enable_kv_cache_events: bool, watermark: float, rules: Sequence[tuple[str, int]] = ()) -> None:
+        super()._setup(num_blocks, block_size, max_model_len, enable_caching=enable_caching, log_stats=log_stats,
+                       enable_kv_cache_events=enable_kv_cache_events, watermark=watermark, rules=rules)
+        self.num_kv_cache_groups = 1 + len(self._mamba_groups)
+        self.empty_kv_cache_blocks = KVCacheGroupBlocks(tuple(_EMPTY for _ in range(self.num_kv_cache_groups)))
+        self._mamba: dict[str, _MambaLive] = {}
+        self._refs: dict[int, int] = {}  # a state's record: the requests holding it, and the cache
+        self._state_ids: dict[int, npt.NDArray[np.int32]] = {}  # its block in each Mamba group
+        self._owner: dict[int, int] = {}  # block id: the state's record holding it
+        self._states: dict[int, int] = {}  # content hash of a prefix: the state cached at its end
+        self._state_keys: dict[int, int] = {}  # the reverse
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached states no request holds, oldest first
+        self._this_step: set[int] = set()
+        self._zero: list[npt.NDArray[np.int32]] = []
+
+    # -- Mamba states -------------------------------------------------------------------------------
+
+    def _new_state(self) -> int:
+        """A state's record holding a fresh block for every Mamba group (room made by the caller)."""
+        core = self.core
+        handle: int = core.open()
+        try:
+            core.grow(handle, len(self._mamba_groups))
+        except BaseException:
+            core.finish(handle, False)
+            raise
+        ids = core.block_table(handle)
+        self._refs[handle] = 1
+        self._state_ids[handle] = ids
+        for block_id in ids.tolist():
+            self._owner[block_id] = handle
+        return handle
+
+    def _acquire(self, handle: int) -> None:
+        self._refs[handle] += 1
+        self._evictable.pop(handle, None)
+
+    def _release(self, handle: int) -> None:
+        """Drop one holder of the state: freed when none is left, evictable when only the cache is."""
+        refs = self._refs[handle] - 1
+        if refs:
+            self._refs[handle] = refs
+            if refs == 1 and handle in self._state_keys:
+                self._evictable[handle] = None
+            return
+        del self._refs[handle]
+        for block_id in self._state_ids.pop(handle).tolist():
+            del self._owner[block_id]
+        self.core.finish(handle, False)
+
+    def _uncache(self, handle: int) -> None:
+        """Take the state out of the cache (its blocks go when no request holds them)."""
+        del self._states[self._state_keys.pop(handle)]
+        self._evictable.pop(handle, None)
+        self._release(handle)
+
+    def _make_room(self, blocks: int) -> None:
+        """Evict cached states no request holds, least recently used first, until ``blocks`` can
+        be had from the pool and the core's evictable attention blocks."""
+        pool, core, per = self._pool, self.core, len(self._mamba_groups)
+        short = blocks - pool.num_free - core.num_evictable_blocks
+        while short > 0 and self._evictable:
+            self._uncache(next(iter(self._evictable)))
+            short -= per
+
+    def _state_cut(self, handle: int, blocks: int) -> int:
+        """The deepest cut within the record's first ``blocks`` with a state cached at its end."""
+        if not self._states or blocks == 0:
+            return 0
+        hashes = self.core.block_hashes(handle)[:blocks]
+        common = self._states.keys() & hashes.tolist()
+        if not common:
+            return 0
+        return int(np.flatnonzero(np.isin(hashes, np.fromiter(common, dtype=np.uint64)))[-1]) + 1
+
+    def _columns(self, mamba: _MambaLive | None, start: int, stop: int) -> npt.NDArray[np.int32]:
+        """Every Mamba group's ids at positions ``[start, stop)`` (a row a group)."""
+        columns = np.zeros((len(self._mamba_groups), max(stop - start, 0)), dtype=np.int32)
+        if mamba is not None:
+            for position, handle in mamba.held.items():
+                if start <= position < stop:
+                    columns[:, position - start] = self._state_ids[handle]
+        return columns
+
+    def _group_blocks(self, attention: npt.NDArray[np.int32], columns: npt.NDArray[np.int32]) -> KVCacheGroupBlocks:
+        ids: list[npt.NDArray[np.int32]] = [_EMPTY] * self.num_kv_cache_groups
+        ids[self._attention_group] = attention
+        for row, group in enumerate(self._mamba_groups):
+            ids[group] = columns[row]
+        return KVCacheGroupBlocks(tuple(ids))
+
+    def _mamba_need(self, mamba: _MambaLive, hit: int, main_tokens: int, slot_tokens: int) -> int:
+        """Blocks each Mamba group takes for the request (vLLM's ``get_num_blocks_to_allocate``,
+        less its evictable hit): at most one in align mode, negative where blocks were
+        over-allocated before."""
+        if self._align:
+            new = -(-main_tokens // self.block_size) - hit - mamba.length
+            return min(new, 1) if new > 0 else new
+        return max(-(-slot_tokens // self._mamba_block_size) - mamba.length, 0)
+
+    def _mamba_allocate(self, mamba: _MambaLive, main_tokens: int, slot_tokens: int) -> npt.NDArray[np.int32]:
+        """vLLM's ``MambaManager.allocate_new_blocks``: the table's new positions, every group's."""
+        if not self._align:
+            required = -(-slot_tokens // self._mamba_block_size)
+            start = mamba.length
+            for position in range(start, required):
+                mamba.held[position] = self._new_state()
+            mamba.length = max(required, start)
+            return self._columns(mamba, start, mamba.length)
+        required = -(-main_tokens // self.block_size)
+        if required <= mamba.length:
+            mamba.allocated = True
+            return self._columns(None, 0, 0)
+        start = mamba.length
+        if start > 0:
+            mamba.last_state = start - 1  # the state the model runner copies into the new block
+        mamba.held[required - 1] = self._new_state()
+        mamba.length = required
+        mamba.allocated = True
+        return self._columns(mamba, start, required)
+
+    def _mamba_remove(self, mamba: _MambaLive, processed: int) -> None:
+        """vLLM's align-mode ``remove_skipped_blocks``: blocks before the one holding the last
+        processed token's state, and the state two steps back, go (the cache keeps its own)."""
+        if not self._align:
+            return
+        bs = self.block_size
+        skipped = min((processed - 1) // bs, mamba.length) if processed > 1 else 0
+        first = mamba.retired
+        if first < skipped:
+            for position in sorted((p for p in mamba.held if first <= p < skipped), reverse=True):
+                self._release(mamba.held.pop(position))
+            mamba.retired = skipped
+        last = mamba.last_state
+        if 0 <= last < -(-processed // bs) - 1 and last in mamba.held:
+            self._release(mamba.held.pop(last))
+
+    def _cache(self, request: Any, live: _Live, num_tokens: int) -> None:
+        """The attention blocks (the base class), then the Mamba states of the blocks computed by
+        ``num_tokens`` (vLLM's ``MambaManager.cache_blocks``; not past the attention blocks that
+        may be cached)."""
+        super()._cache(request, live, num_tokens)
+        mamba = self._mamba.get(request.request_id)
+        if not self.enable_caching or not self._align or mamba is None:
+            return
+        full = num_tokens // self.block_size
+        if full <= mamba.cached:
+            return
+        limit = min(full, live.cacheable, self.core.num_blocks(live.handle))
+        positions = sorted(p for p in mamba.held if mamba.cached <= p < limit)
+        mamba.cached = full
+        if not positions:
+            return
+        hashes = self.core.block_hashes(live.handle)
+        for position in positions:
+            key = int(hashes[position])
+            self._this_step.add(key)
+            handle = mamba.held[position]
+            if handle not in self._state_keys and key not in self._states:
+                self._states[key] = handle
+                self._state_keys[handle] = key
+                self._refs[handle] += 1
+
+    # -- the scheduler's calls ----------------------------------------------------------------------
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[AnyBlocks, int, int]:
+        """The longest prefix whose attention blocks are cached with a Mamba state at its end (see
+        the class), per group, and vLLM's shared-prefix boundary: the attention hit where it is
+        longer, else 0."""
+        handle = self._probe_for(request, max_cache_hit_length)
+        if handle < 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        core = self.core
+        attention = core.num_blocks(handle)
+        cut = self._state_cut(handle, attention)
+        while cut < core.num_blocks(handle):
+            self._settle()
+            if cut == 0:
+                return self.empty_kv_cache_blocks, 0, attention * self.block_size
+            handle = core.admit(self._tokens(request), 0, cut, self._namespace(request))
+            self._probe, self._probe_request = handle, request.request_id
+            cut = self._state_cut(handle, core.num_blocks(handle))
+        columns = np.zeros((len(self._mamba_groups), cut), dtype=np.int32)
+        columns[:, cut - 1] = self._state_ids[self._states[int(core.block_hashes(handle)[cut - 1])]]
+        boundary = attention * self.block_size if attention > cut else 0
+        return self._group_blocks(core.block_table(handle), columns), cut * self.block_size, boundary
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> AnyBlocks | None:
+        """As the base class for the attention group, and vLLM's ``MambaManager`` for the Mamba
+        groups (see the class): their skipped blocks go first, then both groups' blocks are
+        counted against the free ones (cached blocks and states no request holds included), the
+        hit's state taken, the new blocks allocated and the computed blocks cached."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidId("allocate_slots: num_new_tokens must be greater than 0 when there are no computed tokens")
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise Unsupported("allocate_slots: KV connectors and encoder tokens are not supported")
+        bs = self.block_size
+        core = self.core
+        request_id = request.request_id
+        live = self._live.get(request_id)
+        opened = -1
+        state = -1
+        state_key = 0
+        if live is None:
+            expected = num_new_computed_tokens // bs
+            if num_new_computed_tokens % bs or (expected and not self.enable_caching):
+                raise InvalidId(f"allocate_slots: {num_new_computed_tokens} computed tokens are not a cached prefix")
+            if self._probe >= 0 and self._probe_request == request_id and core.num_blocks(self._probe) == expected:
+                opened, self._probe, self._probe_request = self._probe, -1, None
+            else:
+                self._settle()
+                opened = core.admit(self._tokens(request), 0, expected, self._namespace(request))
+            if core.num_blocks(opened) != expected:
+                held = core.num_blocks(opened)
+                core.finish(opened, False)
+                raise SequenceStateError(
+                    f"allocate_slots: request {request_id!r} was told of {expected} cached blocks, "
+                    f"but {held} are cached now"
+                )
+            if expected:
+                state_key = int(core.block_hashes(opened)[expected - 1])
+                state = self._states.get(state_key, -1)
+                if state < 0:
+                    core.finish(opened, False)
+                    raise SequenceStateError(
+                        f"allocate_slots: request {request_id!r} was told of a Mamba state after {expected} blocks, "
+                        "but none is cached there now"
+                    )
+            handle, have = opened, expected
+            mamba = _MambaLive()
+        else:
+            self._settle()
+            handle, have = live.handle, core.num_blocks(live.handle)
+            mamba = self._mamba[request_id]
+            computed_now = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+            self._mamba_remove(mamba, max(0, computed_now - (getattr(request, "num_in_flight_tokens", 0) or 0)))
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        main = min(computed, self.max_model_len) + num_new_tokens
+        slot = min(main + num_lookahead_tokens, self.max_model_len)
+        needed = -(-min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len) // bs)
+        per = len(self._mamba_groups)
+        hit = have if live is None else 0
+        taken = int(state in self._evictable)  # (a hit on a state no request holds takes it from the free ones)
+        required = max(needed - have, 0) + per * (self._mamba_need(mamba, hit, main, slot) + taken)
+        watermark = 0
+        if self.watermark_blocks and has_scheduled_reqs and getattr(request.status, "name", None) in _WAITING_STATES:
+            watermark = self.watermark_blocks
+        free = self._pool.num_free + core.num_evictable_blocks + per * len(self._evictable)
+        refused = state_key in self._this_step if state >= 0 else False  # (vLLM: a state of this step is no hit)
+        if full_sequence_must_fit and not refused:
+            whole = min(request.num_tokens, self.max_model_len)
+            need = max(-(-whole // bs) - have, 0) + per * (self._mamba_need(mamba, hit, whole, whole) + taken)
+            refused = need + watermark > free
+        if refused or required + watermark > free - reserved_blocks:
+            if opened >= 0:
+                core.finish(opened, False)
+            return None
+        if state >= 0:
+            mamba.length = mamba.cached = have
+            mamba.held[have - 1] = state
+            self._acquire(state)
+        new_states = -(-main // bs) > mamba.length if self._align else max(self._mamba_need(mamba, 0, main, slot), 0)
+        self._make_room(max(needed - have, 0) + per * int(new_states))
+        if needed > have:
+            core.grow(handle, needed)
+        columns = self._mamba_allocate(mamba, main, slot)
+        if live is None:
+            live = _Live(handle, request.num_tokens, have, self._cacheable_tokens(request) // bs)
+            self._live[request_id] = live
+            self._mamba[request_id] = mamba
+            self._retain(request, handle)
+        attention = core.block_table(handle)[have:needed] if needed > have else _EMPTY
+        if len(attention):
+            self._zero.append(attention)
+        if not delay_cache_blocks:
+            self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))
+        return self._group_blocks(attention, columns)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """The Mamba blocks before the last processed token's state go (see ``allocate_slots``)."""
+        mamba = self._mamba.get(request_id)
+        if mamba is not None:
+            self._settle()
+            self._mamba_remove(mamba, processed_computed_tokens)
+
+    def free(self, request: Any) -> None:
+        """Release the request's blocks and states; the cached ones stay cached."""
+        super().free(request)
+        mamba = self._mamba.pop(request.request_id, None)
+        if mamba is not None:
+            for position in sorted(mamba.held, reverse=True):
+                self._release(mamba.held[position])
+
+    def new_step_starts(self) -> None:
+        """States cached in the last step may be hits from now on."""
+        self._this_step.clear()
+
+    @property
+    def usage(self) -> float:
+        """The share of blocks in use by requests (cached attention blocks and states no request
+        holds count as free, as in vLLM)."""
+        self._settle()
+        free = self._pool.num_free + self.core.num_evictable_blocks + len(self._mamba_groups) * len(self._evictable)
+        return 1.0 - free / (self._pool.num_total - 1)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block and state; False, changing nothing, while any request holds blocks."""
+        self._settle()
+        if self._live:
+            return False
+        for handle in list(self._state_keys):
+            self._uncache(handle)
+        self._this_step.clear()
+        return super().reset_prefix_cache()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the given blocks from the prefix cache: a Mamba block's state (every group's
+        block of it), an attention block as the base class does. Ids that are not ints in the
+        pool's range are refused (``InvalidId``) before anything is evicted."""
+        try:
+            ids = list(block_ids)
+        except TypeError:
+            raise InvalidId(f"evict_blocks: block_ids must be an iterable of ints, got {block_ids!r}") from None
+        total = self._pool.num_total
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < total:
+                raise InvalidId(f"evict_blocks: block id {block_id!r} is not an int in [0, {total})")
+        self._settle()
+        attention = [block_id for block_id in ids if block_id not in self._owner]
+        self.core.evict_blocks(attention)
+        for block_id in ids:
+            handle = self._owner.get(block_id, -1)
+            if handle >= 0 and handle in self._state_keys:
+                self._uncache(handle)
+
+    def get_blocks(self, request_id: str) -> AnyBlocks:
+        live = self._live.get(request_id)
+        if live is None:
+            return self.empty_kv_cache_blocks
+        mamba = self._mamba[request_id]
+        return self._group_blocks(self.core.block_table(live.handle), self._columns(mamba, 0, mamba.length))
+
+    def get_num_common_prefix_blocks(self, running_request_id: str | None = None) -> list[int]:
+        """The attention group's shared leading blocks (the base class); 0 in a Mamba group."""
+        counts = [0] * self.num_kv_cache_groups
+        counts[self._attention_group] = super().get_num_common_prefix_blocks(running_request_id)[0]
+        return counts
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary states handed to a KV connector: none (connectors are refused)."""
+        return {}
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """vLLM's rule: the least over the groups of the deepest cached prefix the request's blocks
+        end (the attention group's cached blocks; the deepest cached state it holds)."""
+        attention = super().estimate_cached_tokens(request)
+        mamba = self._mamba.get(request.request_id)
+        if mamba is None:
+            return attention
+        keys = self._state_keys
+        deepest = max(((p + 1) * self.block_size for p, h in mamba.held.items() if h in keys), default=0)
+        return min(attention, deepest)
+
+    def take_new_block_ids(self) -> list[int]:
+        """The attention group's blocks allocated since the last call, for the worker to zero
+        (vLLM's rule for a config with Mamba layers)."""
+        ids: list[int] = np.concatenate(self._zero).tolist() if self._zero else []
+        self._zero = []
+        return ids
+
+    def create_kv_cache_blocks(self, blocks: Any) -> AnyBlocks:
+        return KVCacheGroupBlocks(tuple(
+            np.fromiter((block.block_id for block in group), dtype=np.int32) for group in blocks
+        ))
+
+    def check_invariants(self) -> None:
+        """The base class's checks, counting a core record for each state, and the states'
+        holders: every request's held states, the cache's, the evictable ones."""
+        self._settle()
+        self.core.check_invariants()
+        if self.core.num_live_sequences != len(self._live) + len(self._refs):
+            raise SequenceStateError(
+                f"{self.core.num_live_sequences} core records are live for {len(self._live)} requests and "
+                f"{len(self._refs)} Mamba states"
+            )
+        holders = dict.fromkeys(self._refs, 0)
+        for mamba in self._mamba.values():
+            for handle in mamba.held.values():
+                holders[handle] += 1
+        for handle in self._state_keys:
+            holders[handle] += 1
+        evictable = {h for h in self._state_keys if holders[h] == 1}
+        if holders != self._refs or evictable != set(self._evictable) or len(self._states) != len(self._state_keys):
+            raise SequenceStateError(
+                f"Mamba states: holders {holders} against counts {self._refs}, evictable {sorted(self._evictable)} "
+                f"against {sorted(evictable)}"
+            )
 
 
 def scheduler_class(async_scheduling: bool = True) -> type[Any]:

@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -453,15 +454,21 @@ def test_a_multimodal_request_reuses_and_caches_only_the_blocks_before_its_first
     manager.check_invariants()
 
 
-def test_a_sliding_window_group_alone_and_a_mamba_group_are_refused_by_name() -> None:
+def test_a_sliding_window_group_alone_and_the_mamba_layouts_not_built_are_refused_by_name() -> None:
     spec = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=32)
     window = KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
     with pytest.raises(NotImplementedError, match="SlidingWindowSpec"):
         LifecycleKVCacheManager(window, max_model_len=8192, hash_block_size=16)
-    mamba = MambaSpec(block_size=16, shapes=((1, 1),), dtypes=(torch.float32,))
-    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["m"], mamba)]
-    with pytest.raises(NotImplementedError, match="MambaSpec"):
+    # mamba_cache_mode "none" (MambaSpec's default) with prefix caching: vLLM's MambaManager asserts
+    none = mamba_groups_config(10, ["full", "mamba"])
+    with pytest.raises(AssertionError, match="align"):
+        KVCacheManager(none, max_model_len=8192, hash_block_size=16, scheduler_block_size=16, enable_caching=True)
+    with pytest.raises(ValueError, match="mamba_cache_mode='none' with enable_caching=True"):
+        LifecycleKVCacheManager(none, max_model_len=8192, hash_block_size=16, enable_caching=True)
+    speculative = MambaSpec(block_size=16, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                            num_speculative_blocks=1)
+    groups = [KVCacheGroupSpec(["f"], spec_of("full")), KVCacheGroupSpec(["m"], speculative)]
+    with pytest.raises(NotImplementedError, match="num_speculative_blocks=1"):
         LifecycleKVCacheManager(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups),
                                 max_model_len=8192, hash_block_size=16)
     with pytest.raises(NotImplementedError, match="EAGLE"):
@@ -527,14 +534,16 @@ def scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, asyn
                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=16)
 
 
-def drive(scheduler: Any, seed: int, depth: int, abort_every: int = 0) -> list[tuple[Any, ...]]:
+def drive(scheduler: Any, seed: int, depth: int, abort_every: int = 0, tables: bool = False) -> list[tuple[Any, ...]]:
     """24 requests (most opening with one 48-token system prompt) arriving over 30 steps, run to
     the end with tokens sampled from ``seed``, as vLLM's engine core steps: with ``depth`` 2 the
     next step is scheduled before the last one's output is processed (``step_with_batch_queue``,
     async scheduling). Every ``abort_every`` steps the lowest-numbered request is aborted. The
     log: each schedule's tokens per request, the new requests' cache hits and the preempted; each
     output's finished requests; every 7 steps the scheduler's stats (KV cache usage, prefix cache
-    requests, queries and hits)."""
+    requests, queries and hits). With ``tables``, each schedule also logs the shape of the block
+    ids it hands the model runner: per request and group, how many and where the null block is,
+    and how many attention blocks are to be zeroed."""
     from collections import deque
 
     from vllm.v1.outputs import ModelRunnerOutput
@@ -563,6 +572,12 @@ def drive(scheduler: Any, seed: int, depth: int, abort_every: int = 0) -> list[t
                 sorted((r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs),
                 sorted(out.preempted_req_ids or ()),
             ))
+            if tables:
+                cached = out.scheduled_cached_reqs
+                news = [(r.req_id, r.block_ids) for r in out.scheduled_new_reqs]
+                news += [(r, b) for r, b in zip(cached.req_ids, cached.new_block_ids) if b is not None]
+                log.append(("tables", sorted((r, [(len(g), [i for i, b in enumerate(g) if b == 0]) for g in groups])
+                                             for r, groups in news), len(out.new_block_ids_to_zero or ())))
             if len(batches) < depth and out.total_num_scheduled_tokens > 0:
                 continue  # a free slot in the queue: schedule the next step first
         if batches:
@@ -879,3 +894,318 @@ def test_block_stored_event_group_idx_multiple_groups(make: Managers) -> None:
     manager.free(req)
     stored = {event.group_idx for event in manager.take_events() if isinstance(event, BlockStored)}
     assert stored == {0, 1, 2}
+
+
+# -- full attention + Mamba groups (vLLM's MambaManager) -----------------------------------------------
+
+
+def mamba_groups_config(num_blocks: int, kinds: list[str], block_size: int = 16) -> KVCacheConfig:
+    """``_make_hybrid_kv_cache_config`` of vLLM's tests with its ``"mamba"`` (mode ``"none"``)
+    and ``"mamba_align"`` specs, and the other kinds of ``spec_of``."""
+    def spec(kind: str) -> Any:
+        if kind == "mla":
+            return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        if kind.startswith("mamba"):
+            mode = "align" if kind == "mamba_align" else "none"
+            return MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode=mode)
+        return spec_of(kind, block_size)
+
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec(kind)) for i, kind in enumerate(kinds)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_prefill_hybrid_model_mamba_align(make: Managers) -> None:
+    """vLLM's test of the same name (its issue 34361): a 55-token prompt in one chunk, the Mamba
+    table padded with null blocks; caching it skips them."""
+    manager = hybrid(make, mamba_groups_config(30, ["full", "mamba_align"]))
+    req0 = make.request("0", [i for i in range(3) for _ in range(16)] + [3] * 7, 16)
+    computed, num_computed, boundary = manager.get_computed_blocks(req0)
+    assert (num_computed, boundary) == (0, 0)
+    blocks = manager.allocate_slots(req0, 55, num_computed, computed)
+    assert blocks is not None
+    full, states = blocks.get_block_ids()
+    assert len(full) == 4 and states[:3] == [0, 0, 0] and states[3] not in (0, *full)
+    manager.free(req0)
+    assert manager.usage == 0.0
+
+
+def test_hybrid_cache_mamba_align_shared_prefix_detection(make: Managers) -> None:
+    """vLLM's test of the same name: the third value of ``get_computed_blocks`` (vLLM 0.33's
+    shared-prefix boundary; upstream's ``num_uncached_common_prefix_tokens``) is the attention
+    hit where no Mamba state is cached at its end. The scheduler's split at it is checked by the
+    scheduler comparison below."""
+    manager = hybrid(make, mamba_groups_config(30, ["full", "mamba_align"]))
+    prefix = [i for i in range(3) for _ in range(16)]
+    req_0 = make.request("0", prefix, 16)
+    computed, num_computed, boundary = manager.get_computed_blocks(req_0)
+    assert (num_computed, boundary) == (0, 0)
+    manager.allocate_slots(req_0, 48, 0, computed)
+    manager.new_step_starts()
+    req_1 = make.request("1", prefix + [100] * 7, 16)
+    computed, num_computed, boundary = manager.get_computed_blocks(req_1)
+    assert (num_computed, boundary) == (48, 0)
+    manager.allocate_slots(req_1, 7, 48, computed)
+    req_2 = make.request("2", prefix[:-1] + [101], 16)
+    computed, num_computed, boundary = manager.get_computed_blocks(req_2)
+    assert (num_computed, boundary) == (0, 32)  # no state after 2 blocks: a shared prefix to split at
+    manager.allocate_slots(req_2, 48, 0, computed)
+    for request in (req_0, req_1, req_2):
+        manager.free(request)
+    assert manager.usage == 0.0
+
+
+def test_hybrid_model_mamba_align_with_dynamic_draft_tokens(make: Managers) -> None:
+    """vLLM's test of the same name (its issue 39271): draft tokens change from 16 to 1 a round;
+    the Mamba group's table was over-allocated before and gets nothing."""
+    manager = hybrid(make, mamba_groups_config(30, ["full", "mamba_align"]))
+    req0 = make.request("0", [i for i in range(3) for _ in range(16)] + [3] * 7, 16)
+    computed, num_computed, _ = manager.get_computed_blocks(req0)
+    assert manager.allocate_slots(req0, 55, num_computed, computed) is not None
+    req0.append_output_token_ids([1])
+    req0.num_computed_tokens = 55
+    req0.spec_token_ids = [4] * 16
+    assert manager.allocate_slots(req0, num_new_tokens=16, num_new_computed_tokens=0) is not None
+    req0.append_output_token_ids([4])
+    req0.num_computed_tokens += 1
+    req0.spec_token_ids = [5]
+    blocks = manager.allocate_slots(req0, num_new_tokens=1, num_new_computed_tokens=0)
+    assert blocks is not None and all(len(group) == 0 for group in blocks.blocks)
+    manager.free(req0)
+
+
+MAMBA_COMBINATIONS = [
+    pytest.param(["full", "mamba_align"], id="2g-full+mamba"),
+    pytest.param(["full", "mamba_align", "mamba_align"], id="3g-full+2mamba"),
+    pytest.param(["mamba_align", "full"], id="2g-mamba+full"),
+    pytest.param(["mla", "mamba_align"], id="2g-mla+mamba"),
+]
+
+
+@pytest.mark.parametrize("kinds", MAMBA_COMBINATIONS)
+def test_prefill_hybrid_model_combinations_with_mamba(make: Managers, kinds: list[str]) -> None:
+    """The Mamba cases of vLLM's ``test_prefill_hybrid_model_combinations`` the facade serves, in
+    align mode (vLLM 0.33 asserts it for prefix caching) and with the first prompt's 48 common
+    tokens computed as their own chunk, as vLLM's scheduler splits it (one 55-token chunk caches
+    no state at 48, and vLLM's own manager misses there too): the second request hits 48 tokens
+    in every group, its Mamba tables the null block but at the cut."""
+    manager = hybrid(make, mamba_groups_config(10 * len(kinds), kinds))
+    common = [i for i in range(3) for _ in range(16)]
+    req0 = make.request("0", common + [3] * 7, 16)
+    computed, num_computed, _ = manager.get_computed_blocks(req0)
+    assert num_computed == 0
+    assert manager.allocate_slots(req0, 48, 0, computed) is not None
+    req0.num_computed_tokens = 48
+    assert manager.allocate_slots(req0, 7) is not None
+    manager.new_step_starts()
+    req1 = make.request("1", common + [4] * 5, 16)
+    computed, num_computed, new = prefill_groups(manager, req1)
+    assert num_computed == 48 and len(computed) == len(kinds)
+    for kind, group in zip(kinds, computed):
+        state = kind.startswith("mamba")
+        assert len(group) == 3 and (group[:2] == [0, 0] and group[2] != 0 if state else 0 not in group)
+    assert new is not None and [len(group) for group in new] == [1] * len(kinds)
+    manager.free(req0)
+    manager.free(req1)
+    assert manager.usage == 0.0
+
+
+@pytest.mark.parametrize("kinds", [
+    pytest.param(["sliding_window", "mamba_align"], id="2g-sw+mamba"),
+    pytest.param(["full", "sliding_window", "mamba_align"], id="3g-full+sw+mamba"),
+    pytest.param(["full", "full", "mamba_align"], id="3g-2full+mamba"),
+    pytest.param(["full", "mamba_align", "full", "mamba_align"], id="4g-interleaved-full+mamba"),
+    pytest.param(["sliding_window", "mamba_align", "sliding_window_large", "mamba_align"],
+                 id="4g-sw+mamba+sw_large+mamba"),
+    pytest.param(["full", "full", "sliding_window", "mamba_align"], id="4g-2full+sw+mamba"),
+])
+def test_the_mamba_combinations_not_built_are_refused_by_name(kinds: list[str]) -> None:
+    """The rest of vLLM's Mamba combinations: a Mamba group beside anything but one attention
+    group is refused, naming the other groups, before anything is allocated."""
+    config_ = mamba_groups_config(40, kinds)
+    with pytest.raises(NotImplementedError, match=r"Mamba groups beside|MambaSpec; a full-attention \(or MLA\) group"):
+        LifecycleKVCacheManager(config_, max_model_len=8192, scheduler_block_size=16, hash_block_size=16)
+
+
+def mamba_masks(blocks: Any) -> list[tuple[int, list[int]]] | None:
+    """The shape of a ``KVCacheBlocks``: per group, how many ids and where the null block is."""
+    if blocks is None:
+        return None
+    return [(len(group), [i for i, b in enumerate(group) if b == 0]) for group in blocks.get_block_ids()]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_mamba_traffic_gets_the_tables_vllms_manager_gives(seed: int) -> None:
+    """Differential, full + two Mamba groups in align mode, a pool that never evicts: requests
+    over shared prefixes prefilled in block-aligned chunks (ending at the shared-prefix boundary
+    where one is reported, as vLLM's scheduler splits), decoded with draft tokens now and then,
+    freed; the same calls on vLLM's manager and the facade give the same hits, boundaries and
+    refusals, and block tables of the same shape (where the null block is) in every group, the
+    same ``estimate_cached_tokens``, the same number of blocks to zero, and the same usage but for
+    the cached attention blocks the core keeps as ancestors of a path a live request cached
+    (``kept_ancestors``)."""
+    rng = random.Random(seed)
+    hasher = get_request_block_hasher(16, sha256)
+    kinds = ["full", "mamba_align", "mamba_align"]
+    managers = [IMPLEMENTATIONS[impl](mamba_groups_config(2000, kinds), max_model_len=8192,
+                                      scheduler_block_size=16, hash_block_size=16, enable_caching=True)
+                for impl in ("vllm", "lifecycle")]
+    prefixes = [[rng.randrange(100) for _ in range(rng.randrange(20, 70))] for _ in range(3)]
+    live: dict[str, list[Request]] = {}
+    log: list[list[Any]] = [[], []]
+    kept = 0
+    for number in range(150):
+        roll = rng.random()
+        if live and (len(live) > 5 or roll < 0.15):
+            name = rng.choice(sorted(live))
+            for manager, request in zip(managers, live.pop(name)):
+                manager.free(request)
+        elif live and roll < 0.6:
+            name = rng.choice(sorted(live))
+            pair = live[name]
+            left = pair[0].num_prompt_tokens - pair[0].num_computed_tokens
+            drafts = rng.choice([0, 0, 3])
+            for k, (manager, request) in enumerate(zip(managers, pair)):
+                if left > 0:
+                    chunk = left if left <= 16 else left // 16 * 16
+                else:
+                    if request.num_computed_tokens == request.num_tokens:
+                        request.append_output_token_ids(7 + number % 5)
+                    chunk = request.num_tokens - request.num_computed_tokens + drafts
+                new = manager.allocate_slots(request, chunk)
+                log[k].append(("step", name, mamba_masks(new)))
+                if new is not None:
+                    request.num_computed_tokens = min(request.num_computed_tokens + chunk, request.num_tokens)
+        else:
+            tokens = rng.choice(prefixes)[: rng.randrange(16, 70)] + [rng.randrange(100, 200)
+                                                                    for _ in range(rng.randrange(1, 40))]
+            name = str(number)
+            pair = []
+            for k, manager in enumerate(managers):
+                params = SamplingParams(max_tokens=50)
+                request = Request(name, tokens, params, None, block_hasher=hasher if k == 0 else None)
+                computed, hit, boundary = manager.get_computed_blocks(request)
+                end = boundary or (len(tokens) // 16 * 16 if len(tokens) > 16 else len(tokens))
+                new = manager.allocate_slots(request, max(end - hit, 1), hit, computed)
+                log[k].append(("new", name, hit, boundary, mamba_masks(computed), mamba_masks(new)))
+                request.num_computed_tokens = hit + max(end - hit, 1)
+                pair.append(request)
+            live[name] = pair
+        for k, manager in enumerate(managers):
+            manager.new_step_starts()
+            log[k].append(("zero", len(manager.take_new_block_ids())))
+            log[k].append(("tables", [(name, mamba_masks(manager.get_blocks(name)),
+                                       manager.estimate_cached_tokens(live[name][k])) for name in sorted(live)]))
+        assert log[0] == log[1], number
+        used = [round(manager.usage * 1999) for manager in managers]
+        assert used[1] - used[0] == kept_ancestors(managers[1]), number
+        kept += kept_ancestors(managers[1])
+    hits = [entry[2] for entry in log[1] if entry[0] == "new"]
+    assert sum(hits) > 0 and any(entry[3] for entry in log[1] if entry[0] == "new")
+    assert kept  # (the usage check above was not vacuous)
+    for manager, requests in zip(managers, zip(*live.values())):
+        for request in requests:
+            manager.free(request)
+    managers[1].check_invariants()
+    assert managers[0].usage == managers[1].usage == 0.0
+
+
+def kept_ancestors(manager: Any) -> int:
+    """Cached attention blocks no request holds that the core cannot evict: ancestors, in its
+    trie, of a path a live request cached (vLLM counts them free)."""
+    refs = manager.core.pool.refcounts()
+    held = {int(b) for live in manager._live.values() for b in manager.core.block_table(live.handle)}
+    held |= set(manager._owner)
+    cache_only = sum(1 for block, count in enumerate(refs.tolist()) if count == 1 and block and block not in held)
+    evictable: int = manager.core.num_evictable_blocks
+    return cache_only - evictable
+
+
+def mamba_scheduler(scheduler_cls: type[Any], model_config: Any, num_blocks: int, async_scheduling: bool,
+                    caching: bool) -> Any:
+    """``scheduler`` over full attention and two Mamba groups: align mode with prefix caching (the
+    scheduler then ends prefill chunks on block boundaries), else mode "none" (the Mamba block is
+    the model length, 1024 tokens, and the scheduler's block size their least common multiple)."""
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    mode = "align" if caching else "none"
+    scheduler_config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                                       is_encoder_decoder=False, async_scheduling=async_scheduling)
+    cache_config = CacheConfig(block_size=16, cache_dtype="auto", enable_prefix_caching=caching,
+                               mamba_cache_mode=mode)
+    cache_config.num_gpu_blocks = num_blocks
+    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
+                             device_config=DeviceConfig("cpu"))
+    kinds = ["full", f"mamba{'_align' if caching else ''}", f"mamba{'_align' if caching else ''}"]
+    groups = mamba_groups_config(num_blocks, kinds)
+    if not caching:
+        state = MambaSpec(block_size=1024, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="none")
+        groups = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+            groups.kv_cache_groups[0], KVCacheGroupSpec(["m1"], state), KVCacheGroupSpec(["m2"], state)])
+    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=groups, log_stats=True,
+                         structured_output_manager=StructuredOutputManager(vllm_config),
+                         block_size=16 if caching else 1024)
+
+
+@pytest.mark.parametrize("abort_every", [0, 5], ids=["", "aborts"])
+@pytest.mark.parametrize("caching", [True, False], ids=["align", "none"])
+@pytest.mark.parametrize("num_blocks", [40, 80, 400])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_vllms_scheduler_over_a_full_and_mamba_config(model_config: Any, async_scheduling: bool, num_blocks: int,
+                                                      caching: bool, abort_every: int) -> None:
+    """The scheduler comparison on full attention + two Mamba groups, vLLM's manager against the
+    facade, with every schedule's block tables compared by shape (where the null block is, in
+    every group) and the count of blocks to zero. In mode "none" (one Mamba block a request, no
+    caching) and with room to spare in align mode (400 blocks) every step is the same, usage
+    included. With 40 or 80 blocks in align mode the schedules part where the pool runs short: a
+    request that missed for want of a Mamba state recomputes a prefix whose attention blocks are
+    cached, and its copies are cached below the core's (a trie), which keeps those cached-only
+    blocks while a request below them lives; vLLM counts them free. Then both finish the same
+    requests, and the facade leaks nothing."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from lifecycle.integrations.vllm import LifecycleMambaKVCacheManager, scheduler_class
+
+    own_class = AsyncScheduler if async_scheduling else Scheduler
+    depth = 2 if async_scheduling else 1
+    for seed in (1, 2):
+        theirs = drive(mamba_scheduler(own_class, model_config, num_blocks, async_scheduling, caching), seed, depth,
+                       abort_every, tables=True)
+        lifecycle = mamba_scheduler(scheduler_class(async_scheduling), model_config, num_blocks, async_scheduling,
+                                    caching)
+        manager = lifecycle.kv_cache_manager
+        assert isinstance(manager, LifecycleMambaKVCacheManager)
+        ours = drive(lifecycle, seed, depth, abort_every, tables=True)
+        finished = [sorted(r for entry in log if entry[0] == "finished" for r in entry[1]) for log in (theirs, ours)]
+        if num_blocks == 400 or not caching:
+            assert ours == theirs
+        elif not abort_every:
+            assert finished[0] == finished[1] and len(finished[1]) == 24
+        hits = sum(n for entry in ours if entry[0] == "scheduled" for _, n in entry[2])
+        assert (hits > 0) == caching
+        manager.check_invariants()
+        assert manager.usage == 0.0 and len(manager._live) == 0
+        assert lifecycle.reset_prefix_cache() and manager.core.num_cached_blocks == 0
+        assert manager.core.num_live_sequences == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["align", "none"])
+def test_vllms_engine_core_reads_the_mamba_facades_groups_at_start_up(model_config: Any, caching: bool) -> None:
+    """EngineCore's start-up reads over full + Mamba groups: the attention block size, and each
+    group's kind and block size (a "none"-mode Mamba block is the model length)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from lifecycle.integrations.vllm import scheduler_class
+
+    answers = []
+    for scheduler_cls in (Scheduler, scheduler_class(False)):
+        core = type("Core", (), {})()
+        core.scheduler = mamba_scheduler(scheduler_cls, model_config, 40, False, caching)
+        core.vllm_config = core.scheduler.vllm_config
+        EngineCore._initialize_effective_attention_block_size(core)
+        answers.append((core.vllm_config.cache_config.effective_attention_block_size,
+                        EngineCore.get_kv_cache_group_metadata(core)))
+    assert answers[0] == answers[1] and answers[0][0] == 16
+    assert [group["block_size"] for group in answers[1][1]] == [16, *[16 if caching else 1024] * 2]
