@@ -46,7 +46,7 @@ from libc.string cimport memcpy, memset
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._int32 cimport grow_array, token_vector, writeable_int32
 from lifecycle._sync cimport PyThreadState
-from lifecycle._radix cimport RNode, chunk_column
+from lifecycle._radix cimport DEFAULT_PRIORITY, MAX_PRIORITY, RNode, chunk_column
 from lifecycle._records cimport E_INVALID_ARG, E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
 import numpy as np
@@ -526,7 +526,10 @@ cdef class KVGroups:
                           Failure *f) noexcept nogil:
         """Free up to ``n`` blocks of windowed group ``g`` from the cache: its cache-only blocks,
         least recently left to the cache first, ordinary ones before kept ones, none on a run a
-        retention pin protects (it keeps its runs whole). Each leaves a hole (-1) in its run; a
+        retention pin protects (it keeps its runs whole). Once a retention priority was given,
+        the blocks of runs below the default priority go first, then those at it, then the
+        higher ones (each pass by the same order), as group 0's eviction takes the lowest
+        priority's runs first. Each leaves a hole (-1) in its run; a
         leaf whose last window lost a block is trimmed to a cut every group serves
         (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
         reference on every block it reads, so none loses one. Returns how many it freed."""
@@ -538,6 +541,12 @@ cdef class KVGroups:
         cdef uint64_t hashed
         cdef char *protected = NULL
         cdef bint logging = self._evlog is not None and not self.quiet
+        cdef int32_t limit
+        cdef Py_ssize_t first = 4  # (pass, list) pairs from q // 2, q % 2: without priorities, pass 2 alone
+        cdef int32_t limits[3]
+        limits[0] = DEFAULT_PRIORITY - 1
+        limits[1] = DEFAULT_PRIORITY
+        limits[2] = MAX_PRIORITY
         if c.where == NULL or n <= 0 or self._reserve(n):
             return 0
         if self.retention is not None and self.retention.pinned_blocks > 0:
@@ -545,11 +554,16 @@ cdef class KVGroups:
             if protected == NULL:
                 f.code = E_NO_MEMORY
                 return 0
-        for q in range(2):
-            b = c.head[q]
+        if self.retention is not None and self.retention.hinted:
+            first = 0
+            if t._heap_size and t._heap[0].at <= t._now():
+                t._decay(t._now())  # priorities whose duration ran out go back to the default first
+        for q in range(first, 6):
+            limit = limits[q // 2]
+            b = c.head[q % 2]
             while b >= 0 and self.num_free(g) + pending - before < n and f.code == OK:
                 u = c.owner[b]
-                if protected != NULL and protected[u]:
+                if (protected != NULL and protected[u]) or t._nodes[u].priority > limit:
                     b = c.next[b]
                     continue
                 node = &t._nodes[u]
@@ -575,7 +589,7 @@ cdef class KVGroups:
                     pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
-                b = c.head[q]
+                b = c.head[q % 2]
         self._unref(g, pending, f)
         free(protected)
         return self.num_free(g) - before

@@ -695,13 +695,14 @@ cdef class KVCacheCore:
                     if self._track:
                         self._log_stored(leaf, length)
                 tip = leaf if length > 0 else v
-        if self._retention._num_hints:
-            self._retention.apply(rec, tip, rec.cached_tokens // bs)
         if self._grouped:
             if cached:
                 self._groups.finish(self._trie, rec, v, pos, full, leaf, f)
             else:
                 self._groups.release_all(rec, f)
+        # (After the groups' finish, which fills the new leaf's columns: a hint may cut its runs.)
+        if self._retention._num_hints:
+            self._retention.apply(rec, tip, rec.cached_tokens // bs)
         if rec.pin_node >= 0:
             self._trie._unpin(rec.pin_node)
         # The blocks [pos, full) now belong to the cache: the record's references changed owner.

@@ -25,7 +25,7 @@ from lifecycle._int32 cimport token_vector as _token_vector
 from lifecycle._radix cimport DEFAULT_PRIORITY, MAX_PRIORITY, RNode, WalkEnd
 from lifecycle._records cimport E_NO_MEMORY, Failure, handle_arg as _handle_arg, ok
 
-from lifecycle.errors import RetentionError, Unsupported
+from lifecycle.errors import RetentionError
 
 cnp.import_array()
 
@@ -117,7 +117,7 @@ cdef void _apply_spans(RadixTrie t, int32_t end, const Span *spans, Py_ssize_t n
     starts inside one, then, root first, a run from block ``first_new`` on with no branch off the
     path takes its span's priority and any other run only a higher one (or the same for longer).
     Out of memory: nothing."""
-    cdef Py_ssize_t i, k, count = 0
+    cdef Py_ssize_t i, k, count = 0, alone
     cdef int32_t v, b, lo, hi
     cdef int32_t *path
     cdef RNode *node
@@ -145,6 +145,10 @@ cdef void _apply_spans(RadixTrie t, int32_t end, const Span *spans, Py_ssize_t n
     for k in range(count - 1, -1, -1):
         path[k] = v
         v = t._nodes[v].parent
+    # The runs from ``alone`` on have no branch off the path below them (the path's end has no child).
+    alone = count
+    while alone > 0 and t._nodes[path[alone - 1]].num_children == (0 if alone == count else 1):
+        alone -= 1
     now = t._now()
     k = 0
     for i in range(count):
@@ -152,9 +156,10 @@ cdef void _apply_spans(RadixTrie t, int32_t end, const Span *spans, Py_ssize_t n
         while k + 1 < n and spans[k + 1].start <= node.depth:
             k += 1
         at = now + spans[k].duration if spans[k].duration >= 0 else INFINITY
-        # A run may go lower only if the request cached it and nothing branches off it below
-        # (a lower parent than its child would break the lists' order).
-        if node.depth >= first_new and node.num_children == (0 if i == count - 1 else 1):
+        # A run may go lower only if the request cached it and nothing branches off the path
+        # anywhere below it (a lower parent than a child off the path would break the lists'
+        # order; the path's own runs below are set next, each lifting its ancestors).
+        if node.depth >= first_new and i >= alone:
             t._set_priority(path[i], spans[k].priority, at)
         elif spans[k].priority > node.priority or (spans[k].priority == node.priority and at > node.expiry):
             # Raised, it keeps its old rank's expiry if later: its children's ranks last that long.
@@ -192,7 +197,6 @@ cdef class Retention:
         ``decode_duration_s``) for its generated tokens, ``ttl_s`` for its whole path. Applied
         at its finish. Bad input raises ``RetentionError`` and keeps the old hint."""
         cdef int64_t h = _handle_arg(handle, "set_retention")
-        self._refuse_grouped("set_retention")
         cdef Failure f
         cdef SeqRec *rec
         cdef Span *spans
@@ -283,15 +287,10 @@ cdef class Retention:
         for i in range(self._num_hints):
             if self._hints[i].seq_id == rec.seq_id:
                 if end >= 0:
+                    self.hinted = True
                     _apply_spans(self._trie, end, self._hints[i].spans, self._hints[i].num_spans, first_new)
                 self._drop(i)
                 return
-
-    cdef int _refuse_grouped(self, str call) except -1:
-        if self._grouped:
-            raise Unsupported(f"{call}: retention hints are not offered by a KV cache core with several KV cache "
-                              "groups (their finish and eviction rules do not follow them yet)")
-        return 0
 
     def prioritize(self, tokens, int64_t key, priority, duration_s=None):
         """Raise the cached whole blocks of ``tokens`` under adapter ``key`` to ``priority``
@@ -303,7 +302,6 @@ cdef class Retention:
         cdef WalkEnd walk
         cdef int32_t root
         cdef Span span
-        self._refuse_grouped("prioritize")
         span.start = 0
         span.priority = _priority(priority, "priority")
         span.duration = _seconds(duration_s, "duration_s")
@@ -316,6 +314,7 @@ cdef class Retention:
             if matched > 0:
                 if self._trie._reserve(1):
                     raise MemoryError("prioritize: cannot grow the trie")
+                self.hinted = True
                 _apply_spans(self._trie, self._trie._settle(&walk), &span, 1, matched)
         finally:
             self._lock.leave(NULL)

@@ -511,6 +511,8 @@ OPS = st.lists(
         st.tuples(st.just("evict"), st.integers(1, 12), st.just(0)),
         st.tuples(st.just("cache"), st.integers(0, 7), st.booleans()),
         st.tuples(st.just("cached_step"), st.integers(0, 7), st.integers(1, 6)),
+        st.tuples(st.just("hint"), st.integers(0, 7), st.sampled_from([0, 35, 90])),
+        st.tuples(st.just("tick"), st.just(0), st.just(0)),
     ),
     min_size=1,
     max_size=40,
@@ -539,8 +541,16 @@ def test_random_lives_keep_every_group_balanced_and_every_cached_run_servable(
     core, pool, other = make(kind, window, sink if kind == "sliding_window" else 0, blocks=24, group_blocks=14,
                              retention=retention, events=events)
     live: list[int] = []
+    clock = 0.0
+    core.retention.set_time(clock)
     for op, a, b in ops:
-        if op == "admit":
+        if op == "hint" and live:
+            # A priority for the first block, lasting two ticks; it reaches the cache at the finish.
+            core.set_retention(live[int(a) % len(live)], [(0, BS, int(b), 2.0)], decode_priority=int(b))
+        elif op == "tick":
+            clock += 1.0
+            core.retention.set_time(clock)
+        elif op == "admit":
             # Prompts from a few shared stems, so that runs share prefixes and diverge.
             prompt = [t for stem in a for t in range(stem * 8, stem * 8 + 8)]
             grow = len(prompt) // BS + int(b)
@@ -733,16 +743,86 @@ def _grouped_after_a_finish() -> tuple[KVCacheCore, list[int]]:
     return core, prompt
 
 
-def test_retention_hints_are_refused_with_several_groups() -> None:
-    core, prompt = _grouped_after_a_finish()
-    handle = core.admit(prompt, 11)
-    cached = core.group_stats()
-    with pytest.raises(Unsupported, match="set_retention"):
-        core.set_retention(handle, [(12, 20, 90)])
-    with pytest.raises(Unsupported, match="prioritize"):
-        core.retention.prioritize(prompt[:20], 0, 90)
-    assert core.group_stats() == cached
+def _window_core(group_blocks: int = 24) -> KVCacheCore:
+    """A sliding window of 8 tokens whose pool, not group 0's, runs short under a flood."""
+    core = KVCacheCore(BlockPool(400), BS, groups=[("sliding_window", 8, 0, BlockPool(group_blocks))],
+                       retention_interval=0)
+    core.retention.set_time(0.0)
+    return core
+
+
+def _serve_hinted(core: KVCacheCore, tokens: list[int], ranges: Any = None) -> None:
+    handle = core.admit(tokens, len(tokens) // BS + 1)
+    if ranges is not None:
+        core.set_retention(handle, ranges)
     core.finish(handle)
+    core.check_invariants()
+
+
+def _hit_tokens(core: KVCacheCore, tokens: list[int]) -> int:
+    before = core.counters()["prefix_hit_tokens"]
+    core.finish(core.admit(tokens + [7], len(tokens) // BS + 1), False)
+    return core.counters()["prefix_hit_tokens"] - before
+
+
+def _one_offs(core: KVCacheCore, count: int, priority: int | None = None) -> None:
+    for i in range(count):
+        tokens = list(range(10_000 + 100 * i, 10_000 + 100 * i + 24))
+        _serve_hinted(core, tokens, None if priority is None else [(0, 24, priority)])
+
+
+SYSTEM = list(range(1000, 1020))  # five blocks: a hit at its end reads blocks 3 and 4 in the window group
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+def test_a_high_priority_prefix_keeps_its_window_through_a_flood_on_a_grouped_core(hinted: bool) -> None:
+    """The window group's pool is what runs short: its own eviction takes default-priority runs'
+    window blocks before a high-priority run's (without the hint the flood takes the prefix's)."""
+    core = _window_core()
+    _serve_hinted(core, SYSTEM + [1, 2, 3, 4], [(0, len(SYSTEM), 90)] if hinted else None)
+    _one_offs(core, 30)
+    assert core.group_stats()[1]["blocks_evicted"] > 24  # the window group's pool turned over
+    assert _hit_tokens(core, SYSTEM) == (len(SYSTEM) if hinted else 0)
+    core.check_invariants()
+
+
+def test_low_priority_one_offs_lose_their_windows_before_an_older_default_prefix() -> None:
+    core = _window_core()
+    _serve_hinted(core, SYSTEM + [1, 2, 3, 4])
+    _one_offs(core, 30, priority=0)
+    assert _hit_tokens(core, SYSTEM) == len(SYSTEM)
+    core.check_invariants()
+
+
+@pytest.mark.parametrize(("seconds", "kept"), [(4.0, True), (6.0, False)])
+def test_a_window_priority_decays_after_its_duration_on_a_grouped_core(seconds: float, kept: bool) -> None:
+    """Within its 5 s the prefix keeps its window through the flood; after them it is a default
+    run again, and the flood takes its window (no hit was served in between: a window that served
+    one goes last, whatever its priority)."""
+    core = _window_core()
+    _serve_hinted(core, SYSTEM + [1, 2, 3, 4], [(0, len(SYSTEM), 90, 5.0)])
+    core.retention.set_time(seconds)
+    _one_offs(core, 30)
+    assert _hit_tokens(core, SYSTEM) == (len(SYSTEM) if kept else 0)
+    core.check_invariants()
+
+
+def test_prioritize_keeps_a_cached_prefix_on_a_grouped_core() -> None:
+    core = _window_core()
+    _serve_hinted(core, SYSTEM + [1, 2, 3, 4])
+    assert core.retention.prioritize(SYSTEM, 0, 90) == len(SYSTEM) // BS
+    _one_offs(core, 30)
+    assert _hit_tokens(core, SYSTEM) == len(SYSTEM)
+    core.check_invariants()
+
+
+def test_a_high_priority_prefix_outlives_a_flood_of_group_0_on_a_grouped_core() -> None:
+    """Group 0's pool runs short: its eviction takes runs by priority in every group at once."""
+    core = KVCacheCore(BlockPool(48), BS, groups=[("sliding_window", 8, 0, BlockPool(400))], retention_interval=0)
+    core.retention.set_time(0.0)
+    _serve_hinted(core, SYSTEM + [1, 2, 3, 4], [(0, len(SYSTEM), 90)])
+    _one_offs(core, 30)
+    assert _hit_tokens(core, SYSTEM) == len(SYSTEM)
     core.check_invariants()
 
 

@@ -394,3 +394,26 @@ def test_a_bad_demotion_minimum_is_refused_naming_it() -> None:
     with pytest.raises(RetentionError, match=r"demote_min_priority must be an int in \[0, 100\], got 101"):
         core.set_demote_min_priority(101)
     assert core.demote_min_priority == 0
+
+
+def test_a_low_priority_hint_leaves_a_run_another_request_branched_below_at_its_priority() -> None:
+    """A request hints its first block low, and another request's cached run branched off its path
+    below that block: the first block keeps a priority at least the branch's, so the branch (a
+    leaf) goes before it and the lists keep every parent after its children (found by a random
+    replay: the check looked only at the run's own children)."""
+    core = make_core(24, BS)
+    core.retention.set_time(0.0)
+
+    def stems(*ids: int) -> list[int]:
+        return [t for s in ids for t in range(s * 8, s * 8 + 8)]
+
+    a = core.admit(stems(2, 0, 0, 0), 11)
+    b = core.admit(stems(2, 1, 0), 8)
+    core.set_retention(b, [(0, BS, 0, 2.0)], decode_priority=0)
+    assert core.cache(b, 6) == 6  # b's prompt is cached mid-life; a branches off it after block 2
+    core.finish(a)
+    core.check_invariants()
+    core.finish(b)
+    core.check_invariants()
+    # The branch is evicted before the blocks it hangs from.
+    assert _hits(core, stems(2, 0, 0, 0)[:8]) == 8

@@ -35,7 +35,8 @@ cdef class Retention:
     cdef Hint *_hints               # one per hinted live request, in no order
     cdef Py_ssize_t _num_hints      # read by the core's finish: 0 means nothing to look up
     cdef Py_ssize_t _hints_capacity
-    cdef bint _grouped              # the core has several KV cache groups: hints refused
+    cdef bint _grouped              # the core has several KV cache groups
+    cdef readonly bint hinted       # a priority was ever given (a windowed group's eviction then reads them)
     cdef list _pins                 # (adapter key, token bytes, node, blocks) per pinned prefix
     cdef readonly Py_ssize_t pin_budget
     cdef readonly Py_ssize_t pinned_blocks
@@ -43,7 +44,6 @@ cdef class Retention:
     cdef void apply(self, SeqRec *rec, int32_t end, Py_ssize_t first_new) noexcept nogil
     cdef void _drop(self, Py_ssize_t i) noexcept nogil
     cdef void _purge(self)
-    cdef int _refuse_grouped(self, str call) except -1
     cdef int count_pins(self, dict pins) except -1
 
 
