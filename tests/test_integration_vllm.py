@@ -332,6 +332,25 @@ def hybrid_prefill(manager: LifecycleKVCacheManager, request: FakeRequest) -> tu
     return group_ids(computed), num_computed, None if new is None else group_ids(new)
 
 
+@pytest.mark.parametrize("priority", [0, -50])
+def test_a_high_priority_request_keeps_its_hit_through_a_flood_on_a_hybrid_manager(priority: int) -> None:
+    """vLLM #47802 on several groups: a request's priority reaches the cache, in every group (its
+    full blocks and the window a hit at its end reads), through 12 later default-priority prompts
+    that turn the one pool over; at the default priority the flood takes it."""
+    manager = hybrid(num_blocks=30)
+    kept = FakeRequest("kept", list(range(100, 117)))
+    kept.priority = priority  # type: ignore[attr-defined]
+    hybrid_prefill(manager, kept)
+    manager.free(kept)
+    for i in range(12):
+        one_off = FakeRequest(f"r{i}", [1000 * (i + 1) + t for t in range(17)])
+        hybrid_prefill(manager, one_off)
+        manager.free(one_off)
+    _, hit, _ = manager.get_computed_blocks(FakeRequest("again", list(range(100, 117))))
+    assert hit == (16 if priority else 0)
+    settled(manager)
+
+
 def test_every_group_gets_its_own_ids_from_the_one_pool() -> None:
     manager = hybrid()
     _, _, new = hybrid_prefill(manager, FakeRequest("a", list(range(20))))

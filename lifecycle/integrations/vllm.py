@@ -971,6 +971,7 @@ class LifecycleHybridKVCacheManager(LifecycleKVCacheManager):
             cacheable = self._cacheable_tokens(request) // bs
             live = _HybridLive(handle, recorded, expected, cacheable, request, expected * bs)
             self._hybrid[request_id] = live
+            self._retain(request, handle)
         if not delay_cache_blocks:
             self._cache(request, live, min(computed + num_new_tokens, request.num_tokens))
         if needed <= have:
