@@ -837,20 +837,26 @@ class SWAPageTree:
         if len(full) and int(full.min()) < 0:
             raise InvalidId(f"insert: KV index {int(full.min())} is negative")
         key = self._key(tokens, pages)
-        # The SWA KV below ``swa_evicted`` is gone: the record releases those pages' blocks (the
-        # window it reads at ``keep`` tokens starts there).
-        evicted_pages = max(int(swa_evicted), 0) // ps
-        keep = evicted_pages * ps + self.window if evicted_pages else pages * ps
-        if keep > pages * ps:
-            raise InvalidId(f"insert: swa_evicted={swa_evicted} is within the last window ({self.window} tokens) of "
-                            f"the key's {pages * ps} tokens: only SWA KV that left the window is freed")
-        handle = self.core.admit(key if keep == pages * ps else key[:keep], 0, pages, namespace)
+        handle = self.core.admit(key, 0, pages, namespace)
         try:
             cut = self.core.cached_tokens(handle) // ps
+            # The caller's SWA KV below ``swa_evicted`` is gone. Below the cut the pages are the
+            # cache's (their SWA KV is the cache's); past it, the record releases those pages'
+            # blocks: its KV is taken to cover ``keep`` tokens, whose window starts there.
+            evicted_pages = max(int(swa_evicted), 0) // ps
+            if evicted_pages <= cut:
+                evicted_pages = 0
+            keep = evicted_pages * ps + self.window if evicted_pages else pages * ps
+            if keep > pages * ps:
+                # No page past the cut has a whole window of SWA KV before it: none could be
+                # matched, so none is cached (the caller keeps them, and frees them).
+                slots = self.core.block_table(handle, 0)[:cut].copy()
+                self._finish(handle)
+                return cut, (self._node(namespace, key[: cut * ps + 1].copy(), slots) if cut else self.root)
             self._room(pages - cut)
             self.core.grow(handle, pages)
-            if keep < pages * ps:
-                self.core.append(handle, key[keep:])
+            if evicted_pages:
+                self.core.append(handle, [], kv_tokens=keep)
         except BaseException:
             self._finish(handle)
             raise
@@ -1184,10 +1190,6 @@ def swa_radix_cache_class() -> type[Any]:
             evicted = kv.get_evicted_seqlen(ComponentType.SWA)
             aligned = length // ps * ps
             protected = kv.cache_protected_len
-            if evicted and evicted // ps * ps + self.sliding_window_size > aligned:
-                # The key's last window lost SWA KV (a stop before the last committed token):
-                # nothing past what the cache holds could be matched, so nothing more goes in.
-                aligned = protected
             if aligned <= protected:
                 return
             row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
@@ -1197,15 +1199,19 @@ def swa_radix_cache_class() -> type[Any]:
                                               component_evicted_seqlens={ComponentType.SWA: evicted}))
             kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
             node = result.last_device_node
+            # The path may end short of the key where no page past the cached part had a whole
+            # window of SWA KV before it (the request freed it): those pages stay the request's.
             indices = self.path_device_indices(node)
-            if len(indices) != aligned:
-                raise InvariantViolation(f"checkpoint: the inserted path holds {len(indices)} indices, "
-                                         f"not the key's {aligned}")
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, aligned)), indices[protected:])
+            cached = len(indices)
+            if cached < protected:
+                raise InvariantViolation(f"checkpoint: the path holds {cached} indices, below the "
+                                         f"{protected} the request's lock protects")
+            if cached > protected:
+                self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, cached)), indices[protected:])
             self.unlock(req.lock)
             req.lock = self.lock(node)
-            kv.cache_protected_len = aligned
             req.last_node = node
+            kv.cache_protected_len = cached
 
         def evict(self, params: Any) -> Any:
             if self.disable:
