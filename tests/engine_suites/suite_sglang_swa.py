@@ -314,3 +314,108 @@ def test_requests_served_by_sglangs_scheduler_functions_hit_alike_over_both_cach
     theirs = serve_requests("sglang", seed, swa_branching=False, **sizes)[0]
     ours = serve_requests("lifecycle", seed, swa_branching=False, **sizes)[0]
     assert ours == theirs
+
+
+# -- SGLang's prefill scheduling over the cache ------------------------------------------------------
+
+
+def admission_rounds(impl: str, seed: int, kv_size: int, kv_size_swa: int) -> list[Any]:
+    """Rounds of SGLang's prefill scheduling over an SWA cache, as ``Scheduler._get_new_batch_prefill_raw``
+    runs them (``suite_sglang.admission_rounds``'s rounds over SWA pools): a ``PrefillAdder``
+    (its SWA budget: the allocator's free full and SWA tokens and the cache's evictable sizes;
+    a 512-token input cap, 64-token chunks), the carried chunked request first, then the waiting
+    queue in the ``lpm`` policy's order until an answer other than CONTINUE. Each admitted
+    request is prefilled: its row holds the cached prefix's indices and fresh pages of both pools
+    for the rest; a chunked request is checkpointed (``checkpoint_kv_cache``: the cache's
+    ``checkpoint``, which frees the SWA KV that left the window) and keeps its lock and row for
+    the next round; any other finishes with its prefill (``release_kv_cache``). The first time
+    a pool is short (the scheduler would evict) the log ends with the eviction asked for. The
+    log: every answer with the request's match, what each round admitted and chunked, and the
+    cache's and the pools' sizes."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    ps = 4
+    cache, allocator = build(impl, kv_size=kv_size, kv_size_swa=kv_size_swa, page_size=ps, window=16)
+    pool = cache.req_to_token_pool
+    order = SchedulePolicy(policy="lpm", tree_cache=cache, enable_hierarchical_cache=False,
+                           enable_priority_scheduling=False, schedule_low_priority_values_first=False)
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(0, 100, size=int(rng.integers(8, 60))).tolist() for _ in range(4)]
+    log: list[Any] = []
+    waiting: list[Any] = []
+    chunked: Any = None
+
+    def sizes() -> tuple[int, ...]:
+        # Not the SWA evictable size: SGLang's lock takes whole tree nodes until they cover the
+        # window (more than the window where a node is longer), lifecycle's the window's pages.
+        return (cache.full_evictable_size(), cache.full_protected_size(), allocator.full_available_size(),
+                allocator.swa_available_size())
+
+    for round_ in range(6):
+        for _ in range(4):
+            stem = stems[int(rng.integers(0, 4))]
+            prompt = stem[: int(rng.integers(0, len(stem) + 1))] + rng.integers(200, 250, size=int(rng.integers(1, 120))).tolist()
+            waiting.append(Req(str(len(log)), "", array("q", prompt),
+                               SamplingParams(max_new_tokens=int(rng.integers(1, 64)))))
+            log.append(("arrived", waiting[-1].rid, len(prompt)))
+        adder = PrefillAdder(ps, cache, allocator, None, 0.5, 512, 64)
+        if chunked is not None:
+            chunked.init_next_round_input()
+            chunked.swa_branching_seqlen = None
+            chunked = adder.add_chunked_req(chunked)
+        order.calc_priority(waiting)
+        for req in waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            req.init_next_round_input(cache)
+            req.swa_branching_seqlen = None  # SGLang's SWA branch point off (see serve_requests)
+            answer = adder.add_one_req(req, has_chunked_req=chunked is not None, truncation_align_size=None)
+            log.append((req.rid, req.prefix_len, answer.name))
+            if answer != AddReqResult.CONTINUE:
+                break
+        admitted = adder.can_run_list
+        waiting = [req for req in waiting if req not in admitted]
+        chunked = adder.new_chunked_req
+        log.append(("admitted", [req.rid for req in admitted], None if chunked is None else chunked.rid, sizes()))
+        for req in admitted:
+            kv = req.kv
+            start = req.prefix_len
+            if kv.req_pool_idx is None:  # a new request: a row, the cached prefix's indices in it
+                pool.alloc([req])
+                pool.write((kv.req_pool_idx, slice(0, start)), cache.prefix_device_indices(req).to(torch.int32))
+            end = req.extend_end
+            fresh = swa_alloc(allocator, end - start, ps)
+            if fresh is None:
+                # The scheduler evicts here; the two caches may evict different pages.
+                log.append(("evict", req.rid, end - start))
+                return log
+            pool.write((kv.req_pool_idx, slice(start, end)), fresh.to(torch.int32))
+            kv.kv_allocated_len = kv.kv_committed_len = end
+            if req is chunked:
+                checkpoint_kv_cache(req, cache)
+            else:
+                req.finished_reason = FINISH_LENGTH(length=0)
+                release_kv_cache(req, cache, checkpoint=True)
+        log.append(("prefilled", round_, cache.total_size(), sizes()))
+        if impl == "lifecycle":
+            cache.check_invariants()
+    return log
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize(("kv_size", "kv_size_swa"), [(8192, 4096), (512, 256)], ids=["roomy", "tight"])
+@pytest.mark.parametrize("seed", [0, 1, 3, 4])
+def test_prefill_admission_decides_alike_over_both_caches(seed: int, kv_size: int, kv_size_swa: int) -> None:
+    """SGLang's own prefill scheduling (``SchedulePolicy`` and ``PrefillAdder`` with its SWA
+    budget, locks on the admitted prefixes, chunked prefills checkpointed and carried across
+    rounds) over six rounds: the same answers, admissions, chunks and sizes over SGLang's SWA
+    cache and lifecycle's, up to the first eviction a tight pool needs."""
+    theirs = admission_rounds("sglang", seed, kv_size, kv_size_swa)
+    ours = admission_rounds("lifecycle", seed, kv_size, kv_size_swa)
+    assert ours == theirs
+    assert any(entry[2] is not None for entry in ours if entry[0] == "admitted")  # a chunked prefill
+    assert any(entry[1] > 0 for entry in ours if isinstance(entry[0], str) and entry[0].isdigit())  # hits
+    assert (ours[-1][0] == "evict") == (kv_size < 1000)  # the tight pool runs short
