@@ -53,9 +53,21 @@ own ``SWATokenToKVPoolAllocator``, the tree an :class:`SWAPageTree`. The mapping
   is freed), as SGLang recovers tombstones. Duplicates past ``prev_prefix_len`` are freed by the
   cache, as SGLang's SWA cache does.
 - No checkpoints (``retention_interval=0``): SGLang frees a request's out-of-window SWA KV itself.
-- Not yet: ``checkpoint`` (the running request's path; refused with ``Unsupported``), SWA-only
-  eviction (``swa_num_tokens`` evicts whole least recently used runs, full KV too: the core's
-  per-group eviction is not offered to Python), KV events, EAGLE, hierarchical caching, Mamba.
+- ``checkpoint`` (the running request's path, ``cache_unfinished_req``'s place, and the finish):
+  as ``UnifiedRadixCache.checkpoint_into_tree`` with FULL and SWA, the request's out-of-window SWA
+  KV freed first, the key inserted with its SWA evicted length (counted past the cached part
+  only: SGLang clamps it up to ``cache_protected_len``), the row pointed at the cache's indices,
+  the lock moved. SGLang's SWA branch point (``swa_branching_seqlen``) is not reported: the
+  insert fills the SWA KV a match lacked instead.
+- ``evict``'s ``swa_num_tokens`` tombstones SWA KV (``KVCacheCore.evict_group(1, n)``: least
+  recently cached pages' SWA KV first, their full KV kept; a run whose last window lost it is
+  trimmed). The order is by when a page's SWA KV was left to the cache, not SGLang's SWA LRU by
+  access.
+- No call's cost grows with the pools: freed slots are read off the pools' free stacks, sizes
+  and lock counts kept as they change. A lock protects its last window's pages, where SGLang
+  locks whole tree nodes until they cover the window (its SWA protected size can be larger).
+- Not yet: KV events, EAGLE, hierarchical caching, Mamba, ``release_swa_prefix_lock``
+  (``SGLANG_OPT_RELEASE_PREFILL_SWA``, off by default), SGLang's split-leaf-on-insert.
 """
 
 from __future__ import annotations
@@ -940,11 +952,12 @@ class SWAPageTree:
 
     def unlock(self, handle: int) -> tuple[int, int]:
         """Release lock ``handle``; returns how many full and SWA pages became evictable."""
-        entry = self._locks.pop(handle, None)
+        entry: tuple[SWANode, npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = self._locks.pop(handle, None)
         if entry is None:
             raise SequenceStateError(f"unlock: lock {handle} is not held ({len(self._locks)} locks held)")
         given = []
-        for g, slots in ((0, entry[1]), (1, entry[2])):
+        held: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] = (entry[1], entry[2])
+        for g, slots in enumerate(held):
             refs = self._lockref[g]
             refs[slots] -= 1
             given.append(int((refs[slots] == 0).sum()))
@@ -1001,8 +1014,8 @@ class SWAPageTree:
             if self._counts[g] != int(self._held[g].sum()):
                 raise InvariantViolation(f"group {g}: {self._counts[g]} slots counted, {int(self._held[g].sum())} held")
             expected = np.zeros_like(self._lockref[g])
-            for entry in self._locks.values():
-                expected[entry[1 + g]] += 1
+            for _, full_slots, swa_slots in self._locks.values():
+                expected[swa_slots if g else full_slots] += 1
             if not np.array_equal(expected, self._lockref[g]):
                 raise InvariantViolation(f"group {g}: the locks' counts do not match the locks held")
             if self._protected[g] != int((expected > 0).sum()):

@@ -285,7 +285,7 @@ SERVING = [
 @pytest.mark.parametrize("sizes", SERVING)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_requests_served_by_sglangs_scheduler_functions_leak_nothing(impl: str, seed: int,
-                                                                    sizes: dict[str, int]) -> None:
+                                                                    sizes: dict[str, Any]) -> None:
     """Chunked prefills checkpointed chunk by chunk, decodes sliding the window, finishes
     releasing into the tree: every index of both pools is free or cached, no lock is left, and
     evicting everything hands every index back."""
@@ -307,7 +307,7 @@ def test_requests_served_by_sglangs_scheduler_functions_leak_nothing(impl: str, 
 @pytest.mark.parametrize("sizes", SERVING[:2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_requests_served_by_sglangs_scheduler_functions_hit_alike_over_both_caches(seed: int,
-                                                                                 sizes: dict[str, int]) -> None:
+                                                                                 sizes: dict[str, Any]) -> None:
     """In a pool that never evicts, SGLang's SWA cache and lifecycle's give every request the
     same hit, the chunks the same protected and SWA-evicted lengths, and hold the same tokens
     (SGLang's SWA branch points dropped: see ``serve_requests``)."""
@@ -357,7 +357,8 @@ def admission_rounds(impl: str, seed: int, kv_size: int, kv_size_swa: int) -> li
     for round_ in range(6):
         for _ in range(4):
             stem = stems[int(rng.integers(0, 4))]
-            prompt = stem[: int(rng.integers(0, len(stem) + 1))] + rng.integers(200, 250, size=int(rng.integers(1, 120))).tolist()
+            tail = rng.integers(200, 250, size=int(rng.integers(1, 120))).tolist()
+            prompt = stem[: int(rng.integers(0, len(stem) + 1))] + tail
             waiting.append(Req(str(len(log)), "", array("q", prompt),
                                SamplingParams(max_new_tokens=int(rng.integers(1, 64)))))
             log.append(("arrived", waiting[-1].rid, len(prompt)))
