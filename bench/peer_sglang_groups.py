@@ -93,7 +93,7 @@ def pool_tokens(preset: GroupPreset) -> tuple[int, int]:
 class SWACache:
     """A UnifiedRadixCache (FULL + SWA) over an SWATokenToKVPoolAllocator sized for ``preset``."""
 
-    def __init__(self, preset: GroupPreset, max_live: int, max_context: int) -> None:
+    def __init__(self, preset: GroupPreset, max_live: int, max_context: int, lifecycle: bool = False) -> None:
         server_args = ServerArgs(model_path="dummy", page_size=BLOCK_SIZE)
         set_global_server_args_for_scheduler(server_args)
         self.full_tokens, self.swa_tokens = pool_tokens(preset)
@@ -129,7 +129,14 @@ class SWACache:
             sliding_window_size=self.window,
             tree_components=(ComponentType.FULL, ComponentType.SWA),
         )
-        self.tree = UnifiedRadixCache(params=params)
+        if lifecycle:
+            if str(HERE.parent) not in sys.path:
+                sys.path.insert(0, str(HERE.parent))  # the checkout's lifecycle (built in place)
+            from lifecycle.integrations.sglang import swa_radix_cache_class
+
+            self.tree = swa_radix_cache_class()(params)
+        else:
+            self.tree = UnifiedRadixCache(params=params)
 
     def alloc(self, need: int) -> torch.Tensor | None:
         """``need`` slots (whole pages) in both pools, mapped full to SWA: what ``alloc_extend``
@@ -147,13 +154,15 @@ class SWACache:
         return full[:need]
 
 
-def replay_swa(preset: GroupPreset, trace: Any, as_scheduled: bool) -> tuple[float, int, int, dict[str, Any]]:
+def replay_swa(preset: GroupPreset, trace: Any, as_scheduled: bool,
+               lifecycle: bool = False) -> tuple[float, int, int, dict[str, Any]]:
     """One W3 replay; (seconds, hit tokens, refused admissions, stop). ``as_scheduled``: the prompt is
     published into the tree after its prefill (``checkpoint_kv_cache``), as the scheduler does;
     else only at finish (W3's rule), after the decode slid its window. ``stop``: where and why
-    the replay stopped, when one of SGLang's own checks failed ({} when it ran to the end)."""
+    the replay stopped, when one of SGLang's own checks failed ({} when it ran to the end).
+    ``lifecycle``: through ``LifecycleSWARadixCache`` in place of ``UnifiedRadixCache``."""
     longest = max(len(t) for t in trace.tokens)
-    cache = SWACache(preset, trace.max_live, longest + BLOCK_SIZE)
+    cache = SWACache(preset, trace.max_live, longest + BLOCK_SIZE, lifecycle)
     # Trace preparation: token arrays, SGLang's key type.
     requests = [
         (array("q", trace.prompt(i).tolist()), array("q", trace.generated(i).tolist()))
@@ -202,6 +211,7 @@ def _replay_requests(
         )
         match_kv_cache(req, tree, prompt)
         hit = req.prefix_len
+        req.kv.cache_protected_len = hit  # as Req.init_next_round_input sets it after its match
         req.lock = tree.lock(req.last_node)
         total = len(prompt) + len(output)
         # The tokens to allocate, whole pages: the allocator evicts what either pool lacks.
@@ -273,7 +283,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
     parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--libraries", default="sglang-swa,sglang")
+    parser.add_argument("--libraries", default="sglang-swa,lifecycle-swa,sglang")
     parser.add_argument("--caching", default="as-scheduled,at-finish")
     args = parser.parse_args()
     from w3 import load_w3
@@ -282,18 +292,22 @@ def main() -> int:
     libraries = args.libraries.split(",")
     for name in args.presets.split(","):
         preset = PRESETS[name]
-        if "sglang-swa" in libraries:
+        for library in ("sglang-swa", "lifecycle-swa"):
+            if library not in libraries:
+                continue
             if name in SERVED:
                 for caching in args.caching.split(","):
-                    seconds, hits, refused, stopped = replay_swa(preset, trace, caching == "as-scheduled")
+                    seconds, hits, refused, stopped = replay_swa(
+                        preset, trace, caching == "as-scheduled", lifecycle=library == "lifecycle-swa"
+                    )
                     entry = record(
-                        preset, "sglang-swa", seconds, hits, trace,
+                        preset, library, seconds, hits, trace,
                         caching=caching, refused=refused, **stopped, **memory_record(preset),
                     )
                     print(json.dumps(entry), flush=True)
             else:
                 reason = NOT_SERVED.get(name, "not a hybrid SWA model in SGLang")
-                entry = {"workload": "W3-groups", "preset": name, "library": "sglang-swa", "not_served": reason}
+                entry = {"workload": "W3-groups", "preset": name, "library": library, "not_served": reason}
                 print(json.dumps(entry), flush=True)
         if "sglang" in libraries:
             pages = preset.budget_bytes // (preset.bytes_per_token_per_layer * len(preset.layers) * BLOCK_SIZE)

@@ -4,7 +4,7 @@
 ``KVCacheCore`` keeps these methods (their signatures and docstrings are there) and hands each
 one to the function of the same name here: its SSM snapshot points, content hashes without a
 record, its counters, memory and per-group figures, unpinning a prefix, close and reset, the event
-log switched and drained, eviction by block id, and the invariant check. They work on the core
+log switched and drained, eviction by block id and by group, and the invariant check. They work on the core
 through ``lifecycle/_kvcache.pxd``: its ``readonly`` parts and settings, the request path's own
 locked steps, and its inline setters and counts for what they change in it.
 """
@@ -15,7 +15,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint64_t
 
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._evlog cimport EvLog
-from lifecycle._groups cimport KIND_FULL, KVGroups, one_group_stats
+from lifecycle._groups cimport KIND_FULL, KVGroups, group_index, one_group_stats
 from lifecycle._hash cimport lc_content_hashes, lc_root_hash
 from lifecycle._int32 cimport (
     adapter_key as _adapter_key, block_ids, first_negative as _first_negative, token_vector as _token_vector,
@@ -291,6 +291,27 @@ cdef evict_blocks(KVCacheCore core, ids):
     finally:
         core._lock.leave(NULL)
     return np.concatenate(dropped).astype(np.int32) if dropped else np.empty(0, dtype=np.int32)
+
+
+cdef evict_group(KVCacheCore core, group, num_blocks):
+    cdef Py_ssize_t g = group_index(group, core._ngroups(), "evict_group")
+    cdef Py_ssize_t n = _as_count(num_blocks, "num_blocks", 0, INT32_MAX)
+    cdef Py_ssize_t freed = 0, freed0 = 0, trimmed = 0
+    cdef KVGroups groups = core._groups
+    cdef Failure f
+    ok(&f)
+    cdef PyThreadState *released = core._lock.enter(LONG_CALL)
+    if core._records.closed:
+        f.code = E_CLOSED
+    elif g == 0:
+        freed = core.evict_locked(n, &f)
+    elif groups._rules[g].kind == KIND_FULL:
+        freed = groups.evict(core._trie, g, n, &freed0, &trimmed, &f)
+    else:
+        freed = groups.punch(core._trie, g, n, &freed0, &trimmed, &f)
+    core._lock.leave(released)
+    core._records.raise_failure(&f, "evict_group")
+    return freed
 
 
 cdef check_invariants(KVCacheCore core):

@@ -1460,6 +1460,15 @@ cdef class KVCacheCore:
         them); ids that are not cached are ignored. Costs one pass over the trie's nodes."""
         return _views.evict_blocks(self, ids)
 
+    def evict_group(self, group, num_blocks):
+        """Free at least ``num_blocks`` blocks of KV cache group ``group`` from the cache, or as
+        many as it can; returns how many of that group's blocks became free. Group 0 (or a full
+        group) evicts as ``evict`` does. A windowed group frees its cache-only blocks one by one,
+        least recently left to the cache first (the same rule as when it is short of blocks): each
+        leaves a hole in its run, the run's other groups keep their blocks, and a leaf whose last
+        window lost a block is trimmed to a cut every group serves (freeing blocks of the others)."""
+        return _views.evict_group(self, group, num_blocks)
+
     def num_common_prefix_blocks(self, handles):
         """How many leading blocks every one of the given live records shares (the same block
         ids), as cascade attention wants; 0 for no records."""

@@ -491,6 +491,60 @@ def test_a_hole_in_a_leafs_last_window_trims_it_to_a_cut_every_group_serves() ->
     core.check_invariants()
 
 
+def test_evict_group_frees_a_window_groups_cache_only_blocks_and_keeps_the_full_kv() -> None:
+    core, other, ids, h = released_run(retention=0, group_blocks=64)
+    pool = core.pool
+    table = core.block_table(h, 1).tolist()
+    before = pool.num_free
+    # The least recently released first; group 0 keeps every block.
+    assert core.evict_group(1, 3) == 3
+    assert (other.refcounts()[ids[:3]] == 0).all() and (other.refcounts()[ids[3:]] == 1).all()
+    assert pool.num_free == before and core.group_stats()[1]["num_cache_only"] == 5
+    # A live sequence loses no block it reads: only the cache-only ones go.
+    assert core.evict_group(1, 100) == 5
+    assert core.block_table(h, 1).tolist() == table and pool.num_free == before
+    core.finish(h)
+    # The run keeps its full KV and its last window: a query at its end still hits all of it.
+    b = core.admit(PROMPT + [7], 0)
+    assert core.cached_tokens(b) == 40
+    core.finish(b, False)
+    core.check_invariants()
+
+
+def test_evict_group_of_a_leafs_last_window_trims_the_leaf_in_every_group() -> None:
+    core, pool, other = make(retention=0)
+    h = core.admit(list(range(16)), 4)
+    core.append(h, [])
+    core.finish(h)
+    # Its window blocks are its last window: losing one leaves no cut of the run servable.
+    assert core.evict_group(1, 1) >= 1
+    assert (core.num_cached_blocks, pool.num_free, other.num_free) == (0, 64, 64)
+    core.check_invariants()
+
+
+def test_evict_group_zero_evicts_as_evict_does() -> None:
+    core, pool, other = make(retention=16)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    assert core.evict_group(0, 1) == 3
+    assert [row["num_cached"] for row in core.group_stats()] == [8, 4]
+    core.check_invariants()
+
+
+@pytest.mark.parametrize(("group", "num_blocks", "match"), [
+    (2, 1, "group 2 does not exist; this core has 2 KV cache groups"),
+    (1, -1, "num_blocks=-1 is outside"),
+    ("1", 1, "group must be an int"),
+])
+def test_evict_group_refuses_bad_arguments_by_name_and_changes_nothing(group: Any, num_blocks: int,
+                                                                      match: str) -> None:
+    core, other, _, _ = released_run(retention=0, group_blocks=64)
+    before = (core.pool.num_free, other.num_free)
+    with pytest.raises(InvalidId, match=match):
+        core.evict_group(group, num_blocks)
+    assert (core.pool.num_free, other.num_free) == before
+    core.check_invariants()
+
+
 def test_a_window_group_that_cannot_grow_names_it_and_the_sequence_keeps_its_blocks() -> None:
     core, other, _, h = released_run(retention=0, group_blocks=12)
     table = core.block_table(h, 1).tolist()

@@ -203,3 +203,31 @@ def test_random_traffic_hands_every_index_back_once() -> None:
 
 def test_sglangs_own_swa_radix_cache_tests_pass_against_the_adapter() -> None:
     assert "passed" in run_suite("sglang", "suite_sglang_swa.py")
+
+
+def test_swa_kv_freed_up_to_the_last_window_is_released_too() -> None:
+    # 12 tokens, SWA KV freed below 8: the window of 4 before the end is all the key keeps.
+    t, e = tree()
+    _, path = insert(t, e, list(range(1, 13)), swa_evicted=8)
+    assert matched(t, list(range(1, 13))) == path
+    assert t.cached_swa_pages == 4
+    settled(t, e)
+
+
+def test_a_freed_length_inside_the_last_window_caches_nothing_past_the_cached_part() -> None:
+    t, e = tree()
+    insert(t, e, [1, 2, 3, 4, 5, 6])
+    cached, path = insert(t, e, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], swa_evicted=8)
+    assert (cached, path) == (6, matched(t, [1, 2, 3, 4, 5, 6, 0]))
+    # Tokens 7..10 stay the caller's (it frees them); the tree kept the first key's six.
+    assert (t.cached_pages, t.cached_swa_pages) == (6, 6)
+    t.check_invariants()
+
+
+def test_swa_eviction_tombstones_swa_kv_and_keeps_the_full_kv() -> None:
+    t, e = tree()
+    insert(t, e, list(range(1, 13)))
+    full, swa = t.evict(0, 3)
+    assert (full, swa) == (0, 3) and t.cached_pages == 12 and t.cached_swa_pages == 9
+    assert len(matched(t, list(range(1, 13)))) == 12  # its last window kept its SWA KV
+    settled(t, e)

@@ -53,9 +53,21 @@ own ``SWATokenToKVPoolAllocator``, the tree an :class:`SWAPageTree`. The mapping
   is freed), as SGLang recovers tombstones. Duplicates past ``prev_prefix_len`` are freed by the
   cache, as SGLang's SWA cache does.
 - No checkpoints (``retention_interval=0``): SGLang frees a request's out-of-window SWA KV itself.
-- Not yet: ``checkpoint`` (the running request's path; refused with ``Unsupported``), SWA-only
-  eviction (``swa_num_tokens`` evicts whole least recently used runs, full KV too: the core's
-  per-group eviction is not offered to Python), KV events, EAGLE, hierarchical caching, Mamba.
+- ``checkpoint`` (the running request's path, ``cache_unfinished_req``'s place, and the finish):
+  as ``UnifiedRadixCache.checkpoint_into_tree`` with FULL and SWA, the request's out-of-window SWA
+  KV freed first, the key inserted with its SWA evicted length (counted past the cached part
+  only: SGLang clamps it up to ``cache_protected_len``), the row pointed at the cache's indices,
+  the lock moved. SGLang's SWA branch point (``swa_branching_seqlen``) is not reported: the
+  insert fills the SWA KV a match lacked instead.
+- ``evict``'s ``swa_num_tokens`` tombstones SWA KV (``KVCacheCore.evict_group(1, n)``: least
+  recently cached pages' SWA KV first, their full KV kept; a run whose last window lost it is
+  trimmed). The order is by when a page's SWA KV was left to the cache, not SGLang's SWA LRU by
+  access.
+- No call's cost grows with the pools: freed slots are read off the pools' free stacks, sizes
+  and lock counts kept as they change. A lock protects its last window's pages, where SGLang
+  locks whole tree nodes until they cover the window (its SWA protected size can be larger).
+- Not yet: KV events, EAGLE, hierarchical caching, Mamba, ``release_swa_prefix_lock``
+  (``SGLANG_OPT_RELEASE_PREFILL_SWA``, off by default), SGLang's split-leaf-on-insert.
 """
 
 from __future__ import annotations
@@ -647,9 +659,13 @@ class SWAPageTree:
     ``window``: SGLang's ``sliding_window_size``; a match ends where the ``window`` tokens before
     it have their SWA KV (the core's sliding window of ``window + 1``: a query at a cut reads the
     ``window`` tokens before it). Freed KV goes to ``release``, an object with ``free(full)``
-    (full and SWA KV of those pages), ``free_swa(full)`` (their SWA KV only) and
-    ``free_full(full)`` (full only; their SWA KV was freed before), each given int64 full
-    indices."""
+    (full and SWA KV of those pages), ``free_swa(full)`` (their SWA KV only), ``free_full(full)``
+    (full only; their SWA KV was freed before) and ``move_swa(source, dest)`` (the SWA KV of the
+    full indices ``source`` now belongs to ``dest``), each given int64 full indices.
+
+    No call's cost grows with the pools: the slots a core call freed are read off the top of the
+    pool's free stack (a call that only frees pushes them there last), the sizes are counted as
+    slots are cached, freed, locked and unlocked."""
 
     def __init__(self, num_pages: int, num_swa_pages: int, page_size: int, window: int, release: Any) -> None:
         for name, value, low in (("num_pages", num_pages, 1), ("num_swa_pages", num_swa_pages, 1),
@@ -662,9 +678,12 @@ class SWAPageTree:
         self._pools = [BlockPool(num_pages), BlockPool(num_swa_pages)]
         self._rows = (np.zeros((num_pages, page_size), np.int64), np.zeros((num_swa_pages, page_size), np.int64))
         self._held = (np.zeros(num_pages, np.bool_), np.zeros(num_swa_pages, np.bool_))
+        self._lockref = (np.zeros(num_pages, np.int32), np.zeros(num_swa_pages, np.int32))
+        self._counts = [0, 0]  # slots held (cached) per group
+        self._protected = [0, 0]  # of them, on a lock's path (group 0) or last window (group 1)
         self._id = next(_SWA_TREES)
         self._generation = 0
-        self._locks: dict[int, SWANode] = {}
+        self._locks: dict[int, tuple[SWANode, npt.NDArray[np.int32], npt.NDArray[np.int32]]] = {}
         self._new_core()
 
     def _new_core(self) -> None:
@@ -678,28 +697,85 @@ class SWAPageTree:
 
     @property
     def cached_pages(self) -> int:
-        return int(self._held[0].sum())
+        return self._counts[0]
 
     @property
     def cached_swa_pages(self) -> int:
-        return int(self._held[1].sum())
-
-    def _pinned(self, group: int) -> int:
-        """Cached pages of ``group`` a lock (a live core record) holds."""
-        refs = self._pools[group].refcounts()
-        return int((self._held[group] & (refs > 1)).sum())
+        return self._counts[1]
 
     @property
     def protected_pages(self) -> int:
-        return self._pinned(0)
+        """Cached pages on a lock's path."""
+        return self._protected[0]
 
     @property
     def protected_swa_pages(self) -> int:
-        return self._pinned(1)
+        """Cached pages whose SWA KV a lock holds (each lock's last window)."""
+        return self._protected[1]
 
     @property
     def num_locks(self) -> int:
         return len(self._locks)
+
+    # -- slots freed by the core --------------------------------------------------------------------
+
+    def _free_counts(self) -> tuple[int, int]:
+        return self._pools[0].num_free, self._pools[1].num_free
+
+    def _freed_since(self, before: tuple[int, int]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The slots of each group freed since ``before`` (the pools' free counts then), by calls
+        that only freed: the top of each pool's free stack, taken and put back."""
+        out = []
+        for g in (0, 1):
+            pool = self._pools[g]
+            gained = pool.num_free - before[g]
+            if gained <= 0:
+                out.append(np.empty(0, np.int32))
+                continue
+            ids = pool.allocate(gained)
+            pool.dec_ref(ids[::-1])  # back in the order they were (a LIFO stack)
+            out.append(ids)
+        return out[0], out[1]
+
+    def _settle(self, before: tuple[int, int], skip: tuple[Any, Any] = (None, None)) -> None:
+        """Hand back the KV of every cached slot the core freed since ``before``; slots in
+        ``skip`` (per group) are the caller's to handle."""
+        if self._free_counts() == before:
+            return
+        gone = list(self._freed_since(before))
+        for g in (0, 1):
+            if len(gone[g]) and skip[g] is not None and len(skip[g]):
+                gone[g] = gone[g][~np.isin(gone[g], skip[g])]
+            gone[g] = gone[g][self._held[g][gone[g]]]
+        self._hand_back(gone[0], gone[1])
+
+    def _hand_back(self, gone0: npt.NDArray[np.int32], gone1: npt.NDArray[np.int32]) -> None:
+        """The KV of cached slots that left the cache: full and SWA where a page's two went
+        together, SWA only where only its group-1 slot went (a tombstone), full only where its SWA
+        KV went before."""
+        if not (len(gone0) or len(gone1)):
+            return
+        for g, gone in ((0, gone0), (1, gone1)):
+            if (self._lockref[g][gone] > 0).any():
+                raise InvariantViolation(f"group {g}: the core freed a slot a lock holds")
+            self._held[g][gone] = False
+            self._counts[g] -= len(gone)
+        full_rows, swa_rows = self._rows[0][gone0], self._rows[1][gone1]
+        both = np.isin(full_rows[:, 0], swa_rows[:, 0])
+        swa_only = swa_rows[~np.isin(swa_rows[:, 0], full_rows[:, 0])]
+        if len(swa_only):
+            self._release.free_swa(swa_only.reshape(-1))
+        if both.any():
+            self._release.free(full_rows[both].reshape(-1))
+        if (~both).any():
+            self._release.free_full(full_rows[~both].reshape(-1))
+
+    def _finish(self, handle: int, cache: bool = False) -> None:
+        """Finish a core record and hand back what its finish freed (a leaf trimmed once its
+        last pin went)."""
+        before = self._free_counts()
+        self.core.finish(handle, cache)
+        self._settle(before)
 
     # -- the calls --------------------------------------------------------------------------------
 
@@ -727,20 +803,30 @@ class SWAPageTree:
         if pages == 0:
             return self.root
         key = self._key(tokens, pages)
+        return self._match_key(key, pages, namespace)
+
+    def _match_key(self, key: npt.NDArray[np.int32], pages: int, namespace: int) -> SWANode:
         handle = self.core.admit(key, 0, pages, namespace)
         matched = self.core.cached_tokens(handle) // self.page_size
         slots = self.core.block_table(handle, 0)[:matched].copy()
-        self.core.finish(handle, False)
+        self._finish(handle)
         if matched == 0:
             return self.root
         return self._node(namespace, key[: matched * self.page_size + 1].copy(), slots)
 
     def _room(self, pages: int) -> None:
-        """Free slots for ``pages`` new pages in both groups first, so that no slot is reused
-        inside a core call before its KV was handed back."""
-        for group in (0, 1):
-            while self._pools[group].num_free < pages and self.core.evict(1):
-                self._settle()
+        """Free slots for ``pages`` new pages in both groups (a live record pins the key's cached
+        prefix meanwhile), so that no slot is reused inside a core call before its KV was handed
+        back: group 0 by evicting least recently used runs, group 1 by tombstoning the SWA KV of
+        least recently cached pages first."""
+        before = self._free_counts()
+        if self._pools[0].num_free < pages:
+            self.core.evict(pages - self._pools[0].num_free)
+        if self._pools[1].num_free < pages:
+            self.core.evict_group(1, pages - self._pools[1].num_free)
+        while self._pools[1].num_free < pages and self.core.evict(1):
+            pass
+        self._settle(before)
 
     def insert(self, tokens: Any, length: int, values: Any, namespace: int = 0,
                swa_evicted: int = 0) -> tuple[int, SWANode]:
@@ -763,58 +849,77 @@ class SWAPageTree:
         if len(full) and int(full.min()) < 0:
             raise InvalidId(f"insert: KV index {int(full.min())} is negative")
         key = self._key(tokens, pages)
-        self._room(pages)
-        # The SWA KV below ``swa_evicted`` is gone: the record releases those pages' blocks (the
-        # window it reads at ``keep`` tokens starts there).
-        evicted_pages = max(int(swa_evicted), 0) // ps
-        keep = evicted_pages * ps + self.window if evicted_pages else pages * ps
-        if keep > pages * ps:
-            raise InvalidId(f"insert: swa_evicted={swa_evicted} is within the last window ({self.window} tokens) of "
-                            f"the key's {pages * ps} tokens: only SWA KV that left the window is freed")
-        handle = self.core.admit(key if keep == pages * ps else key[:keep], pages, pages, namespace)
-        cut = self.core.cached_tokens(handle) // ps
-        if keep < pages * ps:
-            self.core.append(handle, key[keep:])
+        handle = self.core.admit(key, 0, pages, namespace)
+        try:
+            cut = self.core.cached_tokens(handle) // ps
+            # The caller's SWA KV below ``swa_evicted`` is gone. Below the cut the pages are the
+            # cache's (their SWA KV is the cache's); past it, the record releases those pages'
+            # blocks: its KV is taken to cover ``keep`` tokens, whose window starts there.
+            evicted_pages = max(int(swa_evicted), 0) // ps
+            if evicted_pages <= cut:
+                evicted_pages = 0
+            keep = evicted_pages * ps + self.window if evicted_pages else pages * ps
+            if keep > pages * ps:
+                # No page past the cut has a whole window of SWA KV before it: none could be
+                # matched, so none is cached (the caller keeps them, and frees them).
+                slots = self.core.block_table(handle, 0)[:cut].copy()
+                self._finish(handle)
+                return cut, (self._node(namespace, key[: cut * ps + 1].copy(), slots) if cut else self.root)
+            self._room(pages - cut)
+            self.core.grow(handle, pages)
+            if evicted_pages:
+                self.core.append(handle, [], kv_tokens=keep)
+        except BaseException:
+            self._finish(handle)
+            raise
         rows = full.reshape(pages, ps)
         tables = (self.core.block_table(handle, 0), self.core.block_table(handle, 1))
+        new = []
         for group in (0, 1):
-            new = tables[group][cut:pages]
-            mine = new >= 0
-            self._rows[group][new[mine]] = rows[cut:pages][mine]
-            self._held[group][new[mine]] = True
+            fresh = tables[group][cut:pages]
+            fresh = fresh[fresh >= 0]
+            self._rows[group][fresh] = rows[cut:pages][tables[group][cut:pages] >= 0]
+            self._held[group][fresh] = True
+            self._counts[group] += len(fresh)
+            new.append(fresh)
+        before = self._free_counts()
         self.core.finish(handle, True)
-        refs = (self._pools[0].refcounts(), self._pools[1].refcounts())
+        freed = self._freed_since(before)
+        # Of this insert's slots, those the finish freed: pages the cache had already.
+        for group in (0, 1):
+            mine = freed[group][np.isin(freed[group], new[group])]
+            self._held[group][mine] = False
+            self._counts[group] -= len(mine)
+        others = [freed[g][self._held[g][freed[g]]] for g in (0, 1)]
+        self._hand_back(others[0], others[1])
         # Group 0's blocks the cache already had: a run from the cut (a prefix cache has no holes).
-        dup = refs[0][tables[0][cut:pages]] == 0
+        dup = np.isin(tables[0][cut:pages], freed[0])
         cached = cut + (int(np.argmin(dup)) if not dup.all() else len(dup))
-        self._held[0][tables[0][cut:cached]] = False
         slots = tables[0][:pages].copy()
         if cached > cut:
             # The key's last window has its SWA KV now, so a match of all of it reads the path.
-            node = self.match(key, pages * ps, namespace)
+            node = self._match_key(key, pages, namespace)
             if node.num_pages < cached:
                 raise InvariantViolation(f"insert: {cached} pages were cached, a match reads {node.num_pages}")
             slots[cut:cached] = node.slots[cut:cached]
             tree_rows = self._rows[0][slots[cut:cached]]
             swa = tables[1][cut:cached]
-            filled = (swa >= 0) & (refs[1][np.maximum(swa, 0)] > 0)
+            filled = (swa >= 0) & ~np.isin(swa, freed[1])
             # A tombstone the caller's SWA KV filled: it now belongs to the cached full indices.
             if filled.any():
                 self._rows[1][swa[filled]] = tree_rows[filled]
                 self._release.move_swa(rows[cut:cached][filled].reshape(-1), tree_rows[filled].reshape(-1))
                 self._release.free_full(rows[cut:cached][filled].reshape(-1))
-            self._held[1][swa[(swa >= 0) & ~filled]] = False
             below = np.arange(cut, cached) < evicted_pages  # their SWA KV is gone already
             for mask, free in ((~filled & below, self._release.free_full), (~filled & ~below, self._release.free)):
                 if mask.any():
                     free(rows[cut:cached][mask].reshape(-1))
-        self._settle()
         return cut, self._node(namespace, key, slots)
 
     def values(self, node: SWANode) -> Int64Array:
         """The full KV indices of ``node``'s path."""
         self._own(node, "values")
-        return self._rows[0][node.slots].reshape(-1).copy()
+        return self._rows[0][node.slots].reshape(-1)
 
     def _own(self, node: SWANode, call: str) -> None:
         if not isinstance(node, SWANode) or node.tree != self._id:
@@ -827,55 +932,61 @@ class SWAPageTree:
         """Keep ``node``'s path (full group) and its last window (SWA group) from eviction;
         returns the lock's handle and how many full and SWA pages it took from the evictable."""
         self._own(node, "lock")
-        before = (self.protected_pages, self.protected_swa_pages)
         handle = self.core.admit(node.tokens, 0, node.num_pages, node.namespace)
         table = self.core.block_table(handle, 0)
         if len(table) != node.num_pages or not np.array_equal(table, node.slots):
-            self.core.finish(handle, False)
+            self._finish(handle)
             raise SequenceStateError(
                 f"lock: the node's path of {node.num_pages} pages was evicted ({len(table)} of them are served now)"
             )
-        self._locks[int(handle)] = node
-        return int(handle), self.protected_pages - before[0], self.protected_swa_pages - before[1]
+        window = self.core.block_table(handle, 1)
+        window = window[window >= 0]
+        taken = []
+        for g, slots in ((0, table), (1, window)):
+            refs = self._lockref[g]
+            taken.append(int((refs[slots] == 0).sum()))
+            refs[slots] += 1
+            self._protected[g] += taken[-1]
+        self._locks[int(handle)] = (node, table, window)
+        return int(handle), taken[0], taken[1]
 
     def unlock(self, handle: int) -> tuple[int, int]:
         """Release lock ``handle``; returns how many full and SWA pages became evictable."""
-        if handle not in self._locks:
+        entry: tuple[SWANode, npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = self._locks.pop(handle, None)
+        if entry is None:
             raise SequenceStateError(f"unlock: lock {handle} is not held ({len(self._locks)} locks held)")
-        before = (self.protected_pages, self.protected_swa_pages)
-        del self._locks[handle]
-        self.core.finish(handle, False)
-        return before[0] - self.protected_pages, before[1] - self.protected_swa_pages
+        given = []
+        held: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] = (entry[1], entry[2])
+        for g, slots in enumerate(held):
+            refs = self._lockref[g]
+            refs[slots] -= 1
+            given.append(int((refs[slots] == 0).sum()))
+            self._protected[g] -= given[-1]
+        self._finish(handle)
+        return given[0], given[1]
+
+    def lock_of(self, node: SWANode) -> int | None:
+        """The most recent lock held on ``node`` (None: none)."""
+        for handle in reversed(self._locks):
+            if self._locks[handle][0] is node:
+                return handle
+        return None
 
     def evict(self, pages: int, swa_pages: int = 0) -> tuple[int, int]:
-        """Free at least ``pages`` full pages and ``swa_pages`` SWA pages, least recently used
-        first, or as many as are evictable; returns how many of each went. Full eviction trims
-        runs in both groups; SWA pages go the same way (whole runs, least recently used first):
-        the core's per-group eviction is not offered to this tree yet."""
-        before = (self._pools[0].num_free, self._pools[1].num_free)
+        """Free at least ``pages`` full pages and ``swa_pages`` SWA pages, or as many as are
+        evictable; returns how many of each went. Full eviction trims least recently used runs
+        in both groups (SGLang's leaf eviction); SWA eviction tombstones pages: it frees the SWA
+        KV of cached pages, least recently cached first, keeping their full KV (a run whose last
+        window lost its SWA KV is trimmed, full KV too, as SGLang evicts such a leaf)."""
+        before = self._free_counts()
         if pages > 0:
             self.core.evict(int(pages))
-            self._settle()
-        while self._pools[1].num_free - before[1] < swa_pages and self.core.evict(1):
-            self._settle()
-        return self._pools[0].num_free - before[0], self._pools[1].num_free - before[1]
-
-    def _settle(self) -> None:
-        """Hand the KV of every slot the core freed back to the engine (refcounts recounted)."""
-        gone = [np.flatnonzero(self._held[g] & (self._pools[g].refcounts() == 0)) for g in (0, 1)]
-        if not (len(gone[0]) or len(gone[1])):
-            return
-        for g in (0, 1):
-            self._held[g][gone[g]] = False
-        full_rows, swa_rows = self._rows[0][gone[0]], self._rows[1][gone[1]]
-        both = np.isin(full_rows[:, 0], swa_rows[:, 0])
-        swa_only = swa_rows[~np.isin(swa_rows[:, 0], full_rows[:, 0])]
-        if len(swa_only):
-            self._release.free_swa(swa_only.reshape(-1))
-        if both.any():
-            self._release.free(full_rows[both].reshape(-1))
-        if (~both).any():
-            self._release.free_full(full_rows[~both].reshape(-1))
+        short = int(swa_pages) - (self._pools[1].num_free - before[1])
+        if short > 0:
+            self.core.evict_group(1, short)
+        after = self._free_counts()
+        self._settle(before)
+        return after[0] - before[0], after[1] - before[1]
 
     def reset(self) -> None:
         """Drop every page and lock without handing KV back (the engine clears its allocator)."""
@@ -884,12 +995,15 @@ class SWAPageTree:
         self._locks.clear()
         for g in (0, 1):
             self._held[g][:] = False
+            self._lockref[g][:] = 0
+            self._counts[g] = self._protected[g] = 0
             self._pools[g] = BlockPool(self._pools[g].num_total)
         self._generation += 1
         self._new_core()
 
     def check_invariants(self) -> None:
-        """The core's recount; every slot the tree keeps KV for is one the core holds."""
+        """The core's recount; every slot the tree keeps KV for is one the core holds, the sizes
+        and the locks' counts recounted."""
         self.core.check_invariants()
         for g in (0, 1):
             refs = self._pools[g].refcounts()
@@ -897,6 +1011,18 @@ class SWAPageTree:
                 bad = int(np.flatnonzero(self._held[g] != (refs > 0))[0])
                 raise InvariantViolation(f"group {g} slot {bad}: kept {bool(self._held[g][bad])}, "
                                          f"references {int(refs[bad])}")
+            if self._counts[g] != int(self._held[g].sum()):
+                raise InvariantViolation(f"group {g}: {self._counts[g]} slots counted, {int(self._held[g].sum())} held")
+            expected = np.zeros_like(self._lockref[g])
+            for _, full_slots, swa_slots in self._locks.values():
+                expected[swa_slots if g else full_slots] += 1
+            if not np.array_equal(expected, self._lockref[g]):
+                raise InvariantViolation(f"group {g}: the locks' counts do not match the locks held")
+            if self._protected[g] != int((expected > 0).sum()):
+                raise InvariantViolation(f"group {g}: {self._protected[g]} slots counted protected, "
+                                         f"{int((expected > 0).sum())} locked")
+            if (~self._held[g] & (expected > 0)).any():
+                raise InvariantViolation(f"group {g}: a lock holds a slot the cache does not keep")
         if self.core.num_live_sequences != len(self._locks):
             raise InvariantViolation(f"{self.core.num_live_sequences} core records for {len(self._locks)} locks")
 
@@ -942,6 +1068,7 @@ def swa_radix_cache_class() -> type[Any]:
         DecLockRefResult,
         EvictResult,
         IncLockRefResult,
+        InsertParams,
         InsertResult,
         MatchResult,
     )
@@ -1045,9 +1172,59 @@ def swa_radix_cache_class() -> type[Any]:
             return InsertResult(prefix_len=cached * ps, total_len=len(key) // ps * ps, last_device_node=node)
 
         def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-            """Not offered yet: the request path (caching a running request's KV with the SWA KV
-            it already freed) is refused by name; the scheduler cannot run on this cache yet."""
-            raise Unsupported("LifecycleSWARadixCache.checkpoint: caching a running request is not supported yet")
+            """Cache the request's KV up to row position ``up_to`` (whole pages), as
+            ``UnifiedRadixCache.checkpoint_into_tree`` does with the FULL and SWA components: a
+            running request (chunked prefill, ``cache_unfinished_req``'s place) first frees its
+            SWA KV that left the window (``free_swa_out_of_window_slots``, with SGLang's
+            ``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``), then the key goes in with the
+            SWA evicted length (``req.kv``'s ``component_evicted_seqlens[SWA]``): the pages below
+            it are cached without their SWA KV (tombstones). Duplicates past
+            ``cache_protected_len`` are freed (full KV only below the evicted length), the row is
+            pointed at the cache's indices, the request's lock moves to the new node and
+            ``cache_protected_len`` / ``cache_inserted_len`` / ``last_node`` advance. Nothing past
+            ``up_to``'s whole pages is freed here: ``release_kv_cache`` frees the rest."""
+            if self.disable:
+                return
+            from sglang.srt.environ import envs
+            from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+            from sglang.srt.mem_cache.radix_cache import RadixKey
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+            kv = req.kv
+            ps = self.page_size
+            token_ids = req.full_untruncated_fill_ids[:up_to]
+            length = len(token_ids)
+            if not req.finished() and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
+                free_swa_out_of_window_slots(
+                    req, length - 1, sliding_window_size=self.swa_retain_window, page_size=ps,
+                    req_to_token_pool=self.req_to_token_pool,
+                    token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, retain_floor=None,
+                )
+            evicted = kv.get_evicted_seqlen(ComponentType.SWA)
+            aligned = length // ps * ps
+            protected = kv.cache_protected_len
+            if aligned <= protected:
+                return
+            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+            values = row[:aligned].to(dtype=torch.int64, copy=True)
+            key = RadixKey(token_ids[:aligned], req.extra_key, cache_salt=req.cache_salt)
+            result = self.insert(InsertParams(key=key, value=values, prev_prefix_len=protected,
+                                              component_evicted_seqlens={ComponentType.SWA: evicted}))
+            kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
+            node = result.last_device_node
+            # The path may end short of the key where no page past the cached part had a whole
+            # window of SWA KV before it (the request freed it): those pages stay the request's.
+            indices = self.path_device_indices(node)
+            cached = len(indices)
+            if cached < protected:
+                raise InvariantViolation(f"checkpoint: the path holds {cached} indices, below the "
+                                         f"{protected} the request's lock protects")
+            if cached > protected:
+                self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, cached)), indices[protected:])
+            self.unlock(req.lock)
+            req.lock = self.lock(node)
+            req.last_node = node
+            kv.cache_protected_len = cached
 
         def evict(self, params: Any) -> Any:
             if self.disable:
@@ -1067,10 +1244,9 @@ def swa_radix_cache_class() -> type[Any]:
                 return DecLockRefResult(delta=0)
             handle = getattr(params, "node_id", None)
             if handle is None:
-                handles = [h for h, n in self._tree._locks.items() if n is node]
-                if not handles:
+                handle = self._tree.lock_of(node)
+                if handle is None:
                     raise SequenceStateError("dec_lock_ref: no lock is held on the node")
-                handle = handles[-1]
             full, _ = self._tree.unlock(handle)
             return DecLockRefResult(delta=full * self.page_size)
 

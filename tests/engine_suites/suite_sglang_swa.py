@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -159,3 +160,263 @@ def test_paged_inserts_match_whole_pages(impl: str, page_size: int) -> None:
     whole = 3 // page_size * page_size
     assert indices(cache, [1, 2, 3]) in ([], value[:whole].tolist())  # whole pages, if its window allows
     cache.sanity_check()
+
+
+# -- the request path: SGLang's own scheduler functions over the cache ---------------------------------
+# What the scheduler runs for a request on an SWA model, by SGLang's own functions in
+# mem_cache/common.py and ScheduleBatch: ``match_kv_cache`` (the hit), ``tree.lock(last_node)``,
+# ``evict_from_tree_cache`` when short, pages from both pools (full, SWA, the full-to-SWA
+# mapping), the row written, ``checkpoint_kv_cache`` after each chunk of a chunked prefill
+# (``cache_unfinished_req``'s place: the cache's ``checkpoint``), ``evict_sliding_windows`` as
+# ``maybe_evict_swa`` calls it in decode, and at finish ``release_kv_cache(req, tree,
+# checkpoint=True)``.
+
+
+@pytest.fixture
+def server_config() -> Iterator[None]:
+    """SGLang's process-wide config, as a server publishes it (its own tests' dummy one)."""
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args():
+        yield
+
+
+def swa_alloc(allocator: Any, need: int, page_size: int) -> Any:
+    """``need`` slots in whole pages of both pools, mapped full to SWA (what ``alloc_extend``
+    does for a request starting on a page boundary), or None when a pool is short."""
+    aligned = -(-need // page_size) * page_size
+    full_free = allocator.full_attn_allocator.available_size()
+    swa_free = allocator.swa_attn_allocator.available_size()
+    if aligned > full_free or aligned > swa_free:
+        return None
+    full = allocator.full_attn_allocator.alloc(aligned)
+    allocator.full_to_swa_index_mapping[full] = allocator.swa_attn_allocator.alloc(aligned)
+    return full[:need]
+
+
+def serve_requests(impl: str, seed: int, *, page_size: int, window: int, kv_size: int, kv_size_swa: int,
+                   chunk: int, requests: int = 24, log: list[Any] | None = None,
+                   swa_branching: bool = True) -> tuple[list[Any], Any, Any]:
+    """Requests of a few shared stems served one after another, two live at a time, as the
+    scheduler serves them: a chunked prefill checkpointed after every chunk but the last, the
+    decode sliding the window, the finish releasing into the tree. Returns the log (hits,
+    refusals, the cache's sizes; into ``log`` when given), the cache and its allocator.
+    ``swa_branching=False`` drops the SWA branch point SGLang's match reports (where a hit
+    stopped short for want of SWA KV), which makes its next checkpoint insert only up to there:
+    lifecycle's match reports none (its insert fills the SWA KV the match lacked instead)."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.mem_cache.common import (
+        checkpoint_kv_cache,
+        evict_from_tree_cache,
+        match_kv_cache,
+        release_kv_cache,
+    )
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    cache, allocator = build(impl, kv_size=kv_size, kv_size_swa=kv_size_swa, page_size=page_size, window=window)
+    pool = cache.req_to_token_pool
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(0, 50, size=int(rng.integers(10, 40))).tolist() for _ in range(3)]
+    log = [] if log is None else log
+    live: list[Any] = []
+
+    def finish(req: Any) -> None:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        release_kv_cache(req, cache, checkpoint=True)
+        log.append(("finished", req.rid, cache.total_size(), cache.full_protected_size()))
+
+    for number in range(requests):
+        if len(live) == 2:
+            finish(live.pop(0))
+        stem = stems[int(rng.integers(0, 3))]
+        prompt = array("q", stem[: int(rng.integers(len(stem) // 2, len(stem) + 1))]
+                       + rng.integers(100, 150, size=int(rng.integers(1, 20))).tolist())
+        output = array("q", rng.integers(200, 250, size=int(rng.integers(1, 12))).tolist())
+        req = Req(rid=str(number), origin_input_text="", origin_input_ids=prompt,
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=len(output)))
+        match_kv_cache(req, cache, prompt)
+        if not swa_branching:  # SGLang's SWA branch point (its next insert stops there): off
+            req.swa_branching_seqlen = None
+        hit = req.prefix_len
+        req.kv.cache_protected_len = hit  # as Req.init_next_round_input does after its match
+        req.lock = cache.lock(req.last_node)
+        total = len(prompt) + len(output)
+        evict_from_tree_cache(cache, -(-(total - hit) // page_size) * page_size)
+        new = swa_alloc(allocator, total - hit, page_size)
+        if new is None:
+            log.append(("refused", number, hit))
+            cache.unlock(req.lock)
+            req.lock = None
+            continue
+        prefix = cache.prefix_device_indices(req) if hit else new[:0]
+        pool.alloc([req])
+        pool.write((req.kv.req_pool_idx, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
+        req.full_untruncated_fill_ids = prompt
+        # The chunks of a chunked prefill: each but the last is checkpointed into the tree.
+        end = hit
+        while len(prompt) - end > chunk:
+            end += chunk
+            req.extend_end = end
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+            checkpoint_kv_cache(req, cache)
+            log.append(("chunk", number, end, req.kv.cache_protected_len, req.kv.get_evicted_seqlen(ComponentType.SWA)))
+        req.extend_end = len(prompt)
+        req.output_ids = output
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = total
+        cache.evict_sliding_windows(req, total - 1)  # the decode slid the window
+        log.append(("served", number, hit, req.kv.get_evicted_seqlen(ComponentType.SWA)))
+        live.append(req)
+        if impl == "lifecycle":
+            cache.check_invariants()
+    while live:
+        finish(live.pop(0))
+    return log, cache, allocator
+
+
+SERVING = [
+    pytest.param(dict(page_size=1, window=4, kv_size=2048, kv_size_swa=1024, chunk=8), id="page1-roomy"),
+    pytest.param(dict(page_size=4, window=8, kv_size=2048, kv_size_swa=1024, chunk=16), id="page4-roomy"),
+    pytest.param(dict(page_size=1, window=4, kv_size=96, kv_size_swa=64, chunk=8), id="page1-tight"),
+    pytest.param(dict(page_size=4, window=8, kv_size=128, kv_size_swa=96, chunk=16), id="page4-tight"),
+]
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("sizes", SERVING)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_requests_served_by_sglangs_scheduler_functions_leak_nothing(impl: str, seed: int,
+                                                                    sizes: dict[str, Any]) -> None:
+    """Chunked prefills checkpointed chunk by chunk, decodes sliding the window, finishes
+    releasing into the tree: every index of both pools is free or cached, no lock is left, and
+    evicting everything hands every index back."""
+    log, cache, allocator = serve_requests(impl, seed, **sizes)
+    full, swa = allocator.size_full, allocator.size_swa
+    assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
+    cached_full, cached_swa = cache.total_size()
+    assert allocator.full_available_size() + cached_full == full
+    assert allocator.swa_available_size() + cached_swa == swa
+    assert any(entry[0] == "chunk" for entry in log)  # chunked prefills were checkpointed
+    assert any(entry[0] == "served" and entry[2] > 0 for entry in log)  # and hit
+    cache.evict(EvictParams(num_tokens=full, swa_num_tokens=swa))
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (full, swa)
+    assert cache.total_size() == (0, 0)
+    cache.sanity_check()
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("sizes", SERVING[:2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_requests_served_by_sglangs_scheduler_functions_hit_alike_over_both_caches(seed: int,
+                                                                                 sizes: dict[str, Any]) -> None:
+    """In a pool that never evicts, SGLang's SWA cache and lifecycle's give every request the
+    same hit, the chunks the same protected and SWA-evicted lengths, and hold the same tokens
+    (SGLang's SWA branch points dropped: see ``serve_requests``)."""
+    theirs = serve_requests("sglang", seed, swa_branching=False, **sizes)[0]
+    ours = serve_requests("lifecycle", seed, swa_branching=False, **sizes)[0]
+    assert ours == theirs
+
+
+# -- SGLang's prefill scheduling over the cache ------------------------------------------------------
+
+
+def admission_rounds(impl: str, seed: int, kv_size: int, kv_size_swa: int) -> list[Any]:
+    """Rounds of SGLang's prefill scheduling over an SWA cache, as ``Scheduler._get_new_batch_prefill_raw``
+    runs them (``suite_sglang.admission_rounds``'s rounds over SWA pools): a ``PrefillAdder``
+    (its SWA budget: the allocator's free full and SWA tokens and the cache's evictable sizes;
+    a 512-token input cap, 64-token chunks), the carried chunked request first, then the waiting
+    queue in the ``lpm`` policy's order until an answer other than CONTINUE. Each admitted
+    request is prefilled: its row holds the cached prefix's indices and fresh pages of both pools
+    for the rest; a chunked request is checkpointed (``checkpoint_kv_cache``: the cache's
+    ``checkpoint``, which frees the SWA KV that left the window) and keeps its lock and row for
+    the next round; any other finishes with its prefill (``release_kv_cache``). The first time
+    a pool is short (the scheduler would evict) the log ends with the eviction asked for. The
+    log: every answer with the request's match, what each round admitted and chunked, and the
+    cache's and the pools' sizes."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    ps = 4
+    cache, allocator = build(impl, kv_size=kv_size, kv_size_swa=kv_size_swa, page_size=ps, window=16)
+    pool = cache.req_to_token_pool
+    order = SchedulePolicy(policy="lpm", tree_cache=cache, enable_hierarchical_cache=False,
+                           enable_priority_scheduling=False, schedule_low_priority_values_first=False)
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(0, 100, size=int(rng.integers(8, 60))).tolist() for _ in range(4)]
+    log: list[Any] = []
+    waiting: list[Any] = []
+    chunked: Any = None
+
+    def sizes() -> tuple[int, ...]:
+        # Not the SWA evictable size: SGLang's lock takes whole tree nodes until they cover the
+        # window (more than the window where a node is longer), lifecycle's the window's pages.
+        return (cache.full_evictable_size(), cache.full_protected_size(), allocator.full_available_size(),
+                allocator.swa_available_size())
+
+    for round_ in range(6):
+        for _ in range(4):
+            stem = stems[int(rng.integers(0, 4))]
+            tail = rng.integers(200, 250, size=int(rng.integers(1, 120))).tolist()
+            prompt = stem[: int(rng.integers(0, len(stem) + 1))] + tail
+            waiting.append(Req(str(len(log)), "", array("q", prompt),
+                               SamplingParams(max_new_tokens=int(rng.integers(1, 64)))))
+            log.append(("arrived", waiting[-1].rid, len(prompt)))
+        adder = PrefillAdder(ps, cache, allocator, None, 0.5, 512, 64)
+        if chunked is not None:
+            chunked.init_next_round_input()
+            chunked.swa_branching_seqlen = None
+            chunked = adder.add_chunked_req(chunked)
+        order.calc_priority(waiting)
+        for req in waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            req.init_next_round_input(cache)
+            req.swa_branching_seqlen = None  # SGLang's SWA branch point off (see serve_requests)
+            answer = adder.add_one_req(req, has_chunked_req=chunked is not None, truncation_align_size=None)
+            log.append((req.rid, req.prefix_len, answer.name))
+            if answer != AddReqResult.CONTINUE:
+                break
+        admitted = adder.can_run_list
+        waiting = [req for req in waiting if req not in admitted]
+        chunked = adder.new_chunked_req
+        log.append(("admitted", [req.rid for req in admitted], None if chunked is None else chunked.rid, sizes()))
+        for req in admitted:
+            kv = req.kv
+            start = req.prefix_len
+            if kv.req_pool_idx is None:  # a new request: a row, the cached prefix's indices in it
+                pool.alloc([req])
+                pool.write((kv.req_pool_idx, slice(0, start)), cache.prefix_device_indices(req).to(torch.int32))
+            end = req.extend_end
+            fresh = swa_alloc(allocator, end - start, ps)
+            if fresh is None:
+                # The scheduler evicts here; the two caches may evict different pages.
+                log.append(("evict", req.rid, end - start))
+                return log
+            pool.write((kv.req_pool_idx, slice(start, end)), fresh.to(torch.int32))
+            kv.kv_allocated_len = kv.kv_committed_len = end
+            if req is chunked:
+                checkpoint_kv_cache(req, cache)
+            else:
+                req.finished_reason = FINISH_LENGTH(length=0)
+                release_kv_cache(req, cache, checkpoint=True)
+        log.append(("prefilled", round_, cache.total_size(), sizes()))
+        if impl == "lifecycle":
+            cache.check_invariants()
+    return log
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize(("kv_size", "kv_size_swa"), [(8192, 4096), (512, 256)], ids=["roomy", "tight"])
+@pytest.mark.parametrize("seed", [0, 1, 3, 4])
+def test_prefill_admission_decides_alike_over_both_caches(seed: int, kv_size: int, kv_size_swa: int) -> None:
+    """SGLang's own prefill scheduling (``SchedulePolicy`` and ``PrefillAdder`` with its SWA
+    budget, locks on the admitted prefixes, chunked prefills checkpointed and carried across
+    rounds) over six rounds: the same answers, admissions, chunks and sizes over SGLang's SWA
+    cache and lifecycle's, up to the first eviction a tight pool needs."""
+    theirs = admission_rounds("sglang", seed, kv_size, kv_size_swa)
+    ours = admission_rounds("lifecycle", seed, kv_size, kv_size_swa)
+    assert ours == theirs
+    assert any(entry[2] is not None for entry in ours if entry[0] == "admitted")  # a chunked prefill
+    assert any(entry[1] > 0 for entry in ours if isinstance(entry[0], str) and entry[0].isdigit())  # hits
+    assert (ours[-1][0] == "evict") == (kv_size < 1000)  # the tight pool runs short
