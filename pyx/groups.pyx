@@ -149,6 +149,36 @@ cdef inline Py_ssize_t _last_missing(RadixTrie t, RNode **at, Py_ssize_t g, Py_s
     return first - 1
 
 
+cdef inline Py_ssize_t _missing_down(RadixTrie t, RNode **at, Py_ssize_t g, Py_ssize_t floor,
+                                     Py_ssize_t stop) noexcept nogil:
+    """The least ``c`` in ``[floor, stop]`` with every block of ``[c, stop)`` missing in group
+    ``g`` on the path through ``at[0]`` (which covers ``stop - 1`` or lies below it; left at the
+    node holding block ``c - 1`` when it was looked at). Downwards: ids one by one until a run of
+    ``_SPAN`` fits, then runs of ``_SPAN`` tested at once (their AND is negative when all are -1)."""
+    cdef RNode *node = at[0]
+    cdef Py_ssize_t lo, c = stop, k
+    cdef int32_t acc
+    cdef const int32_t *col
+    while c > floor:
+        while c <= node.depth:
+            node = &t._nodes[node.parent]
+        lo = max(floor, <Py_ssize_t>node.depth)
+        col = chunk_column(node.chunk, g) + node.start - node.depth
+        while c - lo >= _SPAN:
+            acc = -1
+            for k in range(_SPAN):
+                acc &= col[c - _SPAN + k]
+            if acc >= 0:
+                break
+            c -= _SPAN
+        while c > lo and col[c - 1] < 0:
+            c -= 1
+        if c > lo:
+            break  # block c - 1 is there
+    at[0] = node
+    return c
+
+
 cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
                          Py_ssize_t max_tokens):
     """The groups of a core over ``pool`` (group 0) and ``groups``: a sequence of
@@ -403,7 +433,7 @@ cdef class KVGroups:
                                Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
         down from the cut, a missing block at ``p`` rules out every cut above it."""
-        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first, floor
         cdef RNode *node = &t._nodes[v]
         if sink and cut > low:
             p = self._first_missing(t, v, g, min(sink, cut))
@@ -415,6 +445,17 @@ cdef class KVGroups:
             if p < first:
                 return cut
             cut = p
+            # Below a missing block, a cut c whose block c - 1 is missing too is ruled out while
+            # it reads that block: above a chunk's start (chunked), above the sink blocks
+            # (a sliding window of more than one token); the run of missing blocks is skipped.
+            if self._rules[g].kind == KIND_CHUNKED:
+                floor = max(self.first_needed(g, cut * self._block_size), sink, low)
+            elif self._rules[g].window > 1:
+                floor = max(sink, low)
+            else:
+                floor = cut
+            if cut > floor:
+                cut = _missing_down(t, &node, g, floor, cut)
         return low
 
     cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil:
