@@ -102,6 +102,61 @@ cdef inline void _unlink_block(GroupCache *c, int32_t b) noexcept nogil:
     c.count[q] -= 1
 
 
+cdef inline Py_ssize_t _first_needed(GroupRule *r, Py_ssize_t bs, Py_ssize_t tokens) noexcept nogil:
+    """``KVGroups.first_needed`` of rule ``r`` at block size ``bs``."""
+    cdef Py_ssize_t t
+    if r.kind == KIND_SLIDING:
+        t = tokens - r.window + 1
+        return t // bs if t > 0 else 0
+    if r.kind == KIND_CHUNKED:
+        return (tokens // r.window) * r.window // bs
+    return 0
+
+
+cdef inline uint8_t _kept(GroupRule *r, Py_ssize_t bs, Py_ssize_t retention, Py_ssize_t p,
+                          Py_ssize_t *seg) noexcept nogil:
+    """Whether block ``p`` of a group of rule ``r`` is a kept one (``KVGroups._track``: a sink
+    block, or one in the window before the first checkpoint above it). ``seg`` remembers the
+    last checkpoint's interval (its end ``seg[0]``, its window's first block ``seg[1]``; start
+    with ``seg[0] = 0``), so that a run of blocks computes it once per interval."""
+    if p < r.sink_blocks:
+        return 1
+    if retention <= 0:
+        return 0
+    if p >= seg[0] or p < seg[0] - retention:
+        seg[0] = (p // retention + 1) * retention
+        seg[1] = _first_needed(r, bs, seg[0] * bs)
+    return seg[1] <= p
+
+
+cdef inline void _offer_run(GroupCache *c, const int32_t *refs, const int32_t *ids, Py_ssize_t count) noexcept nogil:
+    """``KVGroups._offer`` of each of ``ids`` in turn (``refs``: the group's refcounts)."""
+    cdef int32_t **where = c.where
+    cdef int32_t *nxt = c.next
+    cdef int32_t *prv = c.prev
+    cdef uint8_t *listed = c.listed
+    cdef const uint8_t *kept = c.kept
+    cdef Py_ssize_t i, q
+    cdef int32_t b, tail
+    for i in range(count):
+        b = ids[i]
+        if where[b] == NULL or refs[b] != 1:
+            continue
+        if listed[b]:
+            _unlink_block(c, b)
+        q = kept[b] != 0
+        tail = c.tail[q]
+        prv[b] = tail
+        nxt[b] = -1
+        if tail >= 0:
+            nxt[tail] = b
+        else:
+            c.head[q] = b
+        c.tail[q] = b
+        listed[b] = <uint8_t>(q + 1)
+        c.count[q] += 1
+
+
 cdef enum:
     _SPAN = 16  # ids _last_missing tests at once
 
@@ -572,14 +627,21 @@ cdef class KVGroups:
         (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
         reference on every block it reads, so none loses one. Returns how many it freed."""
         cdef GroupCache *c = &self._cache[g]
-        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end, pending = 0
-        cdef int32_t b, u
+        cdef Py_ssize_t before = self.num_free(g), q, idx, p, pending = 0, evicted = 0
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks
+        cdef int32_t b, u, nb, pb
         cdef int32_t *entry
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
         cdef bint logging = self._evlog is not None and not self.quiet
-        if c.where == NULL or n <= 0 or self._reserve(n):
+        # (locals: with strict aliasing off, each int32 store would reload them through ``c``)
+        cdef int32_t **where = c.where
+        cdef int32_t *owner = c.owner
+        cdef int32_t *nxt = c.next
+        cdef int32_t *prv = c.prev
+        cdef uint8_t *listed = c.listed
+        if where == NULL or n <= 0 or self._reserve(n):
             return 0
         if self.retention is not None and self.retention.pinned_blocks > 0:
             protected = self._retention_pinned(t)
@@ -589,16 +651,29 @@ cdef class KVGroups:
         for q in range(2):
             b = c.head[q]
             while b >= 0 and self.num_free(g) + pending - before < n and f.code == OK:
-                u = c.owner[b]
+                u = owner[b]
                 if protected != NULL and protected[u]:
-                    b = c.next[b]
+                    b = nxt[b]
                     continue
                 node = &t._nodes[u]
-                entry = c.where[b]
+                entry = where[b]
                 idx = entry - chunk_column(node.chunk, g)
                 p = node.depth + idx - node.start
                 entry[0] = -1
-                self._untrack(g, b)
+                # Off its list (_untrack, _unlink_block), untracked.
+                nb = nxt[b]
+                pb = prv[b]
+                if pb >= 0:
+                    nxt[pb] = nb
+                else:
+                    c.head[q] = nb
+                if nb >= 0:
+                    prv[nb] = pb
+                else:
+                    c.tail[q] = pb
+                listed[b] = 0
+                c.count[q] -= 1
+                where[b] = NULL
                 if logging:
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
@@ -606,17 +681,17 @@ cdef class KVGroups:
                 # (the same order of frees), before anything else uses the scratch.
                 self._ids[pending] = b
                 pending += 1
-                self._counts[g].evicted += 1
-                end = node.depth + node.length
+                evicted += 1
                 if (
                     node.num_children == 0 and node.lock_count == 0
-                    and (p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size))
+                    and (p < sink or p >= self.first_needed(g, (node.depth + node.length) * self._block_size))
                 ):
                     self._unref(g, pending, f)
                     pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
                 b = c.head[q]
+        self._counts[g].evicted += evicted
         self._unref(g, pending, f)
         free(protected)
         return self.num_free(g) - before
@@ -756,8 +831,7 @@ cdef class KVGroups:
             f.group = <int32_t>g
         self._counts[g].freed += freed
         if self._cache[g].where != NULL and freed < count:
-            for i in range(count):
-                self._offer(g, self._ids[i])
+            _offer_run(&self._cache[g], (<BlockPool>self._pools[g])._refcounts, self._ids, count)
         return freed
 
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
@@ -802,18 +876,32 @@ cdef class KVGroups:
         cdef int32_t b
         cdef RNode *node
         cdef bint tracked
+        cdef Py_ssize_t bs = self._block_size
+        cdef Py_ssize_t seg[2]
+        cdef GroupRule *rule
+        cdef int32_t **where
+        cdef int32_t *owner
+        cdef uint8_t *kept
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
             released = self.released_to(g, rec)
-            tracked = self._cache[g].where != NULL
+            rule = &self._rules[g]
+            where = self._cache[g].where
+            owner = self._cache[g].owner
+            kept = self._cache[g].kept
+            tracked = where != NULL
             count = 0  # references the record gives up (scratch)
             taken = 0  # references the cache takes (second scratch)
+            seg[0] = 0
             for p in range(pos, full):
                 b = col[p]
                 if b < 0:
                     continue
-                self._track(g, col + p, p, leaf)
-                if p < self._rules[g].sink_blocks or p >= released:
+                if tracked:  # (_track)
+                    where[b] = col + p
+                    owner[b] = leaf
+                    kept[b] = _kept(rule, bs, self._retention, p, seg)
+                if p < rule.sink_blocks or p >= released:
                     self._trimmed[taken] = b
                     taken += 1
                 elif tracked:
@@ -868,6 +956,8 @@ cdef class KVGroups:
         the scratch for ``rec.num_blocks`` ids before it changed anything (group 0's part cannot
         be undone)."""
         cdef Py_ssize_t g, p, count, moved, released
+        cdef Py_ssize_t seg[2]
+        cdef int32_t b
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
@@ -884,11 +974,15 @@ cdef class KVGroups:
                 leaf_col = chunk_column(node.chunk, g) + node.start - pos
                 if node.chunk != rec.chunk:
                     memcpy(leaf_col + pos, col + pos, (full - pos) * sizeof(int32_t))
-                for p in range(pos, full):
-                    if leaf_col[p] >= 0:
-                        self._track(g, leaf_col + p, p, leaf)
-                        if c.where != NULL:
-                            self._trimmed[moved] = leaf_col[p]
+                if c.where != NULL:
+                    seg[0] = 0
+                    for p in range(pos, full):
+                        b = leaf_col[p]
+                        if b >= 0:  # (_track)
+                            c.where[b] = leaf_col + p
+                            c.owner[b] = leaf
+                            c.kept[b] = _kept(&self._rules[g], self._block_size, self._retention, p, seg)
+                            self._trimmed[moved] = b
                             moved += 1
                 if self._evlog is not None:
                     self._log_kept(t, leaf, g, pos, full, full)
@@ -918,8 +1012,8 @@ cdef class KVGroups:
                     self._ids[count] = col[p]
                     count += 1
             self._unref(g, count, f)
-            for p in range(moved):
-                self._offer(g, self._trimmed[p])
+            if c.where != NULL:
+                _offer_run(c, (<BlockPool>self._pools[g])._refcounts, self._trimmed, moved)
         return 0 if f.code == OK else -1
 
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
