@@ -529,8 +529,9 @@ cdef class KVGroups:
         """Give a fresh record (its table empty, its chunk reserved) every group's blocks a query
         at ``cut`` reads from the path ending at ``end`` (a valid cut), with a reference each;
         -1 elsewhere. Nothing changes when refused."""
-        cdef Py_ssize_t g, h, p, sink, first, count
+        cdef Py_ssize_t g, h, p, sink, first, count, d, e
         cdef int32_t *col
+        cdef const int32_t *src
         cdef RNode *node
         cdef Failure ignored
         if self._reserve(cut):
@@ -538,19 +539,26 @@ cdef class KVGroups:
             return -1
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
-            node = &t._nodes[end] if cut > 0 else NULL
-            while node != NULL and node.parent >= 0:
-                memcpy(col + node.depth, chunk_column(node.chunk, g) + node.start, node.length * sizeof(int32_t))
-                node = &t._nodes[node.parent]
             sink = min(<Py_ssize_t>self._rules[g].sink_blocks, cut)
             first = max(self.first_needed(g, cut * self._block_size), sink)
-            count = 0
-            for p in range(cut):
-                if sink <= p < first:
-                    col[p] = -1
-                else:
-                    self._ids[count] = col[p]
-                    count += 1
+            # Only what the query reads is copied: the sink blocks and [first, cut).
+            node = &t._nodes[end] if cut > 0 else NULL
+            while node != NULL and node.parent >= 0:
+                d = node.depth
+                e = d + node.length
+                src = chunk_column(node.chunk, g) + node.start - d
+                if e > max(d, first):
+                    memcpy(col + max(d, first), src + max(d, first), (e - max(d, first)) * sizeof(int32_t))
+                if d < sink:
+                    memcpy(col + d, src + d, (min(e, sink) - d) * sizeof(int32_t))
+                if d <= first and sink == 0:
+                    break
+                node = &t._nodes[node.parent]
+            for p in range(sink, first):
+                col[p] = -1
+            memcpy(self._ids, col, sink * sizeof(int32_t))
+            memcpy(self._ids + sink, col + first, (cut - first) * sizeof(int32_t))
+            count = sink + cut - first
             if count:
                 (<BlockPool>self._pools[g])._inc_ref_locked(self._ids, count, &f.batch)
             if f.batch.failed_at >= 0:
@@ -779,7 +787,11 @@ cdef class KVGroups:
         so the engine's rows never name a block that went back to its pool."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
+        cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks
+        cdef Py_ssize_t seg[2]
         cdef int32_t *col
+        cdef int32_t *ids
+        cdef int32_t **where
         cdef int32_t b
         if tokens <= rec.kv_tokens:
             return 0
@@ -797,24 +809,30 @@ cdef class KVGroups:
             if high <= low:
                 continue
             col = chunk_column(rec.chunk, g)
-            count = 0
+            where = self._cache[g].where
+            ids = self._ids
+            count = released = to_cache = kept = 0
+            seg[0] = 0
             for p in range(low, high):
                 b = col[p]
                 if b < 0:
                     continue
-                self._counts[g].released += 1
-                if p < rec.pin_blocks:
+                released += 1
+                if p < pin:
                     # On its cached path: the entry stays (it may be the trie's), the block the cache's.
-                    self._counts[g].to_cache += self._cache[g].where != NULL and self._cache[g].where[b] != NULL
-                elif self.at_checkpoint(g, p):
-                    self._counts[g].kept += 1
+                    to_cache += where != NULL and where[b] != NULL
+                elif self._retention > 0 and _kept(&self._rules[g], bs, self._retention, p, seg):  # (at_checkpoint)
+                    kept += 1
                     continue
                 else:
                     col[p] = -1
-                self._ids[count] = b
+                ids[count] = b
                 count += 1
                 if tables != NULL:
                     tables[g - 1][row + p] = self.pad
+            self._counts[g].released += released
+            self._counts[g].to_cache += to_cache
+            self._counts[g].kept += kept
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
 
@@ -838,16 +856,25 @@ cdef class KVGroups:
                                  Failure *f) noexcept nogil:
         """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after);
         the caller reserved the scratch for ``stop - start`` ids."""
-        cdef Py_ssize_t p, count = 0, released = self.released_to(g, rec)
+        cdef Py_ssize_t p, count = 0, released = self.released_to(g, rec), pin = rec.pin_blocks
+        cdef Py_ssize_t skip_from = self._rules[g].sink_blocks, skip_to = min(released, pin)
         cdef int32_t *col = chunk_column(rec.chunk, g)
+        cdef int32_t *ids = self._ids
         if stop <= start:
             return 0
-        for p in range(start, stop):
-            if col[p] >= 0 and self.holds(rec, g, p, released):
-                self._ids[count] = col[p]
+        # (holds: every entry but those at [sink, min(released, pin_blocks)), which are skipped)
+        for p in range(start, min(stop, skip_from)):
+            if col[p] >= 0:
+                ids[count] = col[p]
                 count += 1
-                if p >= rec.pin_blocks:
+                if p >= pin:
                     col[p] = -1  # its own entry (on its cached path the entry may be the trie's)
+        for p in range(max(start, skip_to if skip_to > skip_from else skip_from), stop):
+            if col[p] >= 0:
+                ids[count] = col[p]
+                count += 1
+                if p >= pin:
+                    col[p] = -1
         return self._unref(g, count, f)
 
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil:
