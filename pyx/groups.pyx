@@ -635,9 +635,19 @@ cdef class KVGroups:
         (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
         reference on every block it reads, so none loses one. Returns how many it freed."""
         cdef GroupCache *c = &self._cache[g]
-        cdef Py_ssize_t before = self.num_free(g), q, idx, p, pending = 0, evicted = 0
-        cdef Py_ssize_t sink = self._rules[g].sink_blocks
+        cdef Py_ssize_t before = self.num_free(g), q, idx, p, pending = 0, evicted = 0, end, first, k
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, h
         cdef int32_t b, u, nb, pb
+        cdef const int32_t *col
+        # What the last settle of a leaf found (memo_u: the leaf, -1: none): every block of
+        # [memo_from, memo_end) there, memo_end its end. Kept only where g is the one windowed
+        # group and has no sink blocks (settle_below asks g alone, from p down).
+        cdef int32_t memo_u = -1
+        cdef Py_ssize_t memo_from = 0, memo_end = 0
+        cdef bint alone = sink == 0
+        cdef Py_ssize_t goal = before + n, free_now, taken
+        cdef int32_t *ids = NULL
+        cdef RNode *nodes = t._nodes
         cdef int32_t *entry
         cdef RNode *node
         cdef uint64_t hashed
@@ -651,19 +661,26 @@ cdef class KVGroups:
         cdef uint8_t *listed = c.listed
         if where == NULL or n <= 0 or self._reserve(n):
             return 0
+        ids = self._ids
         if self.retention is not None and self.retention.pinned_blocks > 0:
             protected = self._retention_pinned(t)
             if protected == NULL:
                 f.code = E_NO_MEMORY
                 return 0
+        for h in range(1, self.n):
+            if h != g and self._rules[h].kind != KIND_FULL:
+                alone = False
+        free_now = before
         for q in range(2):
             b = c.head[q]
-            while b >= 0 and self.num_free(g) + pending - before < n and f.code == OK:
+            taken = 0
+            # (free_now, ids and nodes change only where the leaf's settle runs: refreshed there)
+            while b >= 0 and free_now + pending < goal and f.code == OK:
                 u = owner[b]
                 if protected != NULL and protected[u]:
                     b = nxt[b]
                     continue
-                node = &t._nodes[u]
+                node = &nodes[u]
                 entry = where[b]
                 idx = entry - chunk_column(node.chunk, g)
                 p = node.depth + idx - node.start
@@ -680,25 +697,62 @@ cdef class KVGroups:
                 else:
                     c.tail[q] = pb
                 listed[b] = 0
-                c.count[q] -= 1
+                taken += 1
                 where[b] = NULL
                 if logging:
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
                 # Only the cache held it: its one reference goes with the others in one batch
                 # (the same order of frees), before anything else uses the scratch.
-                self._ids[pending] = b
+                ids[pending] = b
                 pending += 1
                 evicted += 1
+                end = node.depth + node.length
                 if (
                     node.num_children == 0 and node.lock_count == 0
-                    and (p < sink or p >= self.first_needed(g, (node.depth + node.length) * self._block_size))
+                    and (p < sink or p >= self.first_needed(g, end * self._block_size))
                 ):
                     self._unref(g, pending, f)
                     pending = 0
+                    if u == memo_u and p == memo_end - 1 and end == memo_end and p > node.depth:
+                        # The leaf's last block went, and [memo_from, p) is there (checked when the
+                        # leaf was last settled, nothing of it taken since): the cut a query at p
+                        # reads is p's when [first, memo_from) is there too (settle_below's answer,
+                        # the one windowed group asked).
+                        first = self.first_needed(g, p * self._block_size)
+                        if first >= node.depth:
+                            col = chunk_column(node.chunk, g) + node.start - node.depth
+                            k = first
+                            while k < memo_from and col[k] >= 0:
+                                k += 1
+                            if k >= memo_from:
+                                self._trim_to(t, u, p, freed0, trimmed, f)
+                                memo_end = p
+                                memo_from = min(memo_from, first)
+                                free_now = self.num_free(g)
+                                ids = self._ids
+                                nodes = t._nodes
+                                b = c.head[q]
+                                continue
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
+                    memo_u = -1
+                    node = &t._nodes[u]
+                    if alone and f.code == OK and node.parent >= 0 and node.num_children == 0:
+                        # Still a leaf: it ends where best_cut found every block a query there reads.
+                        end = node.depth + node.length
+                        first = self.first_needed(g, end * self._block_size)
+                        if end > node.depth and first >= node.depth:
+                            memo_u = u
+                            memo_from = first
+                            memo_end = end
+                    free_now = self.num_free(g)
+                    ids = self._ids
+                    nodes = t._nodes
+                elif u == memo_u and memo_from <= p < memo_end:
+                    memo_u = -1  # a block the memo counts on went
                 b = c.head[q]
+            c.count[q] -= taken
         self._counts[g].evicted += evicted
         self._unref(g, pending, f)
         free(protected)
