@@ -644,7 +644,7 @@ cdef class KVGroups:
         # group and has no sink blocks (settle_below asks g alone, from p down).
         cdef int32_t memo_u = -1
         cdef Py_ssize_t memo_from = 0, memo_end = 0
-        cdef bint alone = sink == 0
+        cdef bint alone = sink == 0, two = self.n == 2 and not self.shared  # (shared: one free order)
         cdef Py_ssize_t goal = before + n, free_now, taken
         cdef int32_t *ids = NULL
         cdef RNode *nodes = t._nodes
@@ -712,8 +712,6 @@ cdef class KVGroups:
                     node.num_children == 0 and node.lock_count == 0
                     and (p < sink or p >= self.first_needed(g, end * self._block_size))
                 ):
-                    self._unref(g, pending, f)
-                    pending = 0
                     if u == memo_u and p == memo_end - 1 and end == memo_end and p > node.depth:
                         # The leaf's last block went, and [memo_from, p) is there (checked when the
                         # leaf was last settled, nothing of it taken since): the cut a query at p
@@ -726,6 +724,12 @@ cdef class KVGroups:
                             while k < memo_from and col[k] >= 0:
                                 k += 1
                             if k >= memo_from:
+                                if not two:
+                                    self._unref(g, pending, f)
+                                    pending = 0
+                                # (With groups 0 and g alone, the pending references can wait:
+                                # trimming one block frees nothing in g, its entry gone already,
+                                # nor writes the scratch.)
                                 self._trim_to(t, u, p, freed0, trimmed, f)
                                 memo_end = p
                                 memo_from = min(memo_from, first)
@@ -734,6 +738,8 @@ cdef class KVGroups:
                                 nodes = t._nodes
                                 b = c.head[q]
                                 continue
+                    self._unref(g, pending, f)
+                    pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
                     memo_u = -1
@@ -1036,7 +1042,7 @@ cdef class KVGroups:
         references become the cache's); the record's other references go. The caller reserved
         the scratch for ``rec.num_blocks`` ids before it changed anything (group 0's part cannot
         be undone)."""
-        cdef Py_ssize_t g, p, count, moved, released
+        cdef Py_ssize_t g, p, count, moved, released, sink, skip_to
         cdef Py_ssize_t seg[2]
         cdef int32_t b
         cdef int32_t *col
@@ -1048,6 +1054,8 @@ cdef class KVGroups:
             col = chunk_column(rec.chunk, g)
             c = &self._cache[g]
             released = self.released_to(g, rec)
+            sink = self._rules[g].sink_blocks
+            skip_to = min(released, <Py_ssize_t>rec.pin_blocks)
             count = 0
             moved = 0  # the references that became the cache's (in the second scratch)
             if leaf >= 0:
@@ -1070,7 +1078,10 @@ cdef class KVGroups:
             node = &t._nodes[v] if v >= 0 else NULL
             p = pos - 1
             while node != NULL and p >= 0:
-                if col[p] < 0 or not self.holds(rec, g, p, released):
+                if sink <= p < skip_to:
+                    p = sink - 1  # (holds: none of [sink, min(released, pin_blocks)))
+                    continue
+                if col[p] < 0:
                     p -= 1
                     continue
                 while p < node.depth:
