@@ -644,6 +644,7 @@ cdef class KVGroups:
         # group and has no sink blocks (settle_below asks g alone, from p down).
         cdef int32_t memo_u = -1
         cdef Py_ssize_t memo_from = 0, memo_end = 0
+        cdef Py_ssize_t pending0 = 0  # group 0's blocks of one-block trims, to free (_flush0)
         cdef bint alone = sink == 0, two = self.n == 2 and not self.shared  # (shared: one free order)
         cdef Py_ssize_t goal = before + n, free_now, taken
         cdef int32_t *ids = NULL
@@ -724,13 +725,22 @@ cdef class KVGroups:
                             while k < memo_from and col[k] >= 0:
                                 k += 1
                             if k >= memo_from:
-                                if not two:
+                                if two:
+                                    # With groups 0 and g alone on pools of their own, trimming the
+                                    # one block (_trim_to) frees nothing in g (its entry went) and
+                                    # leaves the scratch alone, so g's pending references wait; group
+                                    # 0's block joins the run freed in one batch, in the same order,
+                                    # before anything else frees or trims (_flush0).
+                                    t._trim_leaf(u, 1, self._trimmed + pending0, NULL,
+                                                 self._hashes + pending0 if logging else NULL, 0)
+                                    if logging:
+                                        self._evlog.removed(self._trimmed + pending0, NULL,
+                                                            self._hashes + pending0, 1, 0)
+                                    pending0 += 1
+                                else:
                                     self._unref(g, pending, f)
                                     pending = 0
-                                # (With groups 0 and g alone, the pending references can wait:
-                                # trimming one block frees nothing in g, its entry gone already,
-                                # nor writes the scratch.)
-                                self._trim_to(t, u, p, freed0, trimmed, f)
+                                    self._trim_to(t, u, p, freed0, trimmed, f)
                                 memo_end = p
                                 memo_from = min(memo_from, first)
                                 free_now = self.num_free(g)
@@ -738,6 +748,9 @@ cdef class KVGroups:
                                 nodes = t._nodes
                                 b = c.head[q]
                                 continue
+                    if pending0:
+                        self._flush0(pending0, freed0, trimmed, f)
+                        pending0 = 0
                     self._unref(g, pending, f)
                     pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
@@ -760,9 +773,22 @@ cdef class KVGroups:
                 b = c.head[q]
             c.count[q] -= taken
         self._counts[g].evicted += evicted
+        if pending0:
+            self._flush0(pending0, freed0, trimmed, f)
         self._unref(g, pending, f)
         free(protected)
         return self.num_free(g) - before
+
+    cdef void _flush0(self, Py_ssize_t count, Py_ssize_t *freed0, Py_ssize_t *trimmed, Failure *f) noexcept nogil:
+        """(punch) Free group 0's blocks of ``count`` one-block trims, in ``self._trimmed``, as
+        ``_trim_to`` frees each (the same order, one batch)."""
+        cdef Py_ssize_t freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, count, &f.batch)
+        freed0[0] += freed
+        trimmed[0] += count
+        self._counts[0].freed += freed
+        self._counts[0].evicted += count
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
 
     cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil:
         """``settle_leaf`` on every leaf (after pins went that the core does not track one by one)."""
