@@ -70,7 +70,7 @@ cdef Py_ssize_t default_retention(list specs, Py_ssize_t block_size, bint shared
     what sequences hold at once (:meth:`lifecycle.config.ModelConfig.memory_plan`), a wide window
     (Gemma 3's 1,024 tokens) checkpoints more rarely than a narrow one (gpt-oss's 128). Groups
     sharing one pool keep the least interval."""
-    cdef Py_ssize_t least = max(DEFAULT_RETENTION_TOKENS // block_size, 1), need = least, blocks, interval
+    cdef Py_ssize_t least = max(DEFAULT_RETENTION_TOKENS // block_size, 1), need = least, blocks, interval, room
     cdef Py_ssize_t full = (<BlockPool>specs[0][3])._num_blocks
     if shared:
         return least
@@ -78,7 +78,8 @@ cdef Py_ssize_t default_retention(list specs, Py_ssize_t block_size, bint shared
         if kind == "full":
             continue
         blocks = (window + block_size - 1) // block_size + (sink + block_size - 1) // block_size + 1
-        need = max(need, (full * blocks + 2 * (<BlockPool>pool)._num_blocks - 1) // max(2 * (<BlockPool>pool)._num_blocks, 1))
+        room = 2 * (<BlockPool>pool)._num_blocks
+        need = max(need, (full * blocks + room - 1) // max(room, 1))
     interval = least
     while interval < need:
         interval *= 2
@@ -927,7 +928,6 @@ cdef class KVGroups:
         cdef Py_ssize_t freed
         if count <= 0:
             return 0
-        cdef Py_ssize_t i
         freed = (<BlockPool>self._pools[g])._dec_ref_locked(self._ids, count, &f.batch)
         if f.batch.failed_at >= 0:
             f.code = E_INVARIANT
