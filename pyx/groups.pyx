@@ -70,7 +70,7 @@ cdef Py_ssize_t default_retention(list specs, Py_ssize_t block_size, bint shared
     what sequences hold at once (:meth:`lifecycle.config.ModelConfig.memory_plan`), a wide window
     (Gemma 3's 1,024 tokens) checkpoints more rarely than a narrow one (gpt-oss's 128). Groups
     sharing one pool keep the least interval."""
-    cdef Py_ssize_t least = max(DEFAULT_RETENTION_TOKENS // block_size, 1), need = least, blocks, interval
+    cdef Py_ssize_t least = max(DEFAULT_RETENTION_TOKENS // block_size, 1), need = least, blocks, interval, room
     cdef Py_ssize_t full = (<BlockPool>specs[0][3])._num_blocks
     if shared:
         return least
@@ -78,7 +78,8 @@ cdef Py_ssize_t default_retention(list specs, Py_ssize_t block_size, bint shared
         if kind == "full":
             continue
         blocks = (window + block_size - 1) // block_size + (sink + block_size - 1) // block_size + 1
-        need = max(need, (full * blocks + 2 * (<BlockPool>pool)._num_blocks - 1) // max(2 * (<BlockPool>pool)._num_blocks, 1))
+        room = 2 * (<BlockPool>pool)._num_blocks
+        need = max(need, (full * blocks + room - 1) // max(room, 1))
     interval = least
     while interval < need:
         interval *= 2
@@ -100,6 +101,61 @@ cdef inline void _unlink_block(GroupCache *c, int32_t b) noexcept nogil:
         c.tail[q] = c.prev[b]
     c.listed[b] = 0
     c.count[q] -= 1
+
+
+cdef inline Py_ssize_t _first_needed(GroupRule *r, Py_ssize_t bs, Py_ssize_t tokens) noexcept nogil:
+    """``KVGroups.first_needed`` of rule ``r`` at block size ``bs``."""
+    cdef Py_ssize_t t
+    if r.kind == KIND_SLIDING:
+        t = tokens - r.window + 1
+        return t // bs if t > 0 else 0
+    if r.kind == KIND_CHUNKED:
+        return (tokens // r.window) * r.window // bs
+    return 0
+
+
+cdef inline uint8_t _kept(GroupRule *r, Py_ssize_t bs, Py_ssize_t retention, Py_ssize_t p,
+                          Py_ssize_t *seg) noexcept nogil:
+    """Whether block ``p`` of a group of rule ``r`` is a kept one (``KVGroups._track``: a sink
+    block, or one in the window before the first checkpoint above it). ``seg`` remembers the
+    last checkpoint's interval (its end ``seg[0]``, its window's first block ``seg[1]``; start
+    with ``seg[0] = 0``), so that a run of blocks computes it once per interval."""
+    if p < r.sink_blocks:
+        return 1
+    if retention <= 0:
+        return 0
+    if p >= seg[0] or p < seg[0] - retention:
+        seg[0] = (p // retention + 1) * retention
+        seg[1] = _first_needed(r, bs, seg[0] * bs)
+    return seg[1] <= p
+
+
+cdef inline void _offer_run(GroupCache *c, const int32_t *refs, const int32_t *ids, Py_ssize_t count) noexcept nogil:
+    """``KVGroups._offer`` of each of ``ids`` in turn (``refs``: the group's refcounts)."""
+    cdef int32_t **where = c.where
+    cdef int32_t *nxt = c.next
+    cdef int32_t *prv = c.prev
+    cdef uint8_t *listed = c.listed
+    cdef const uint8_t *kept = c.kept
+    cdef Py_ssize_t i, q
+    cdef int32_t b, tail
+    for i in range(count):
+        b = ids[i]
+        if where[b] == NULL or refs[b] != 1:
+            continue
+        if listed[b]:
+            _unlink_block(c, b)
+        q = kept[b] != 0
+        tail = c.tail[q]
+        prv[b] = tail
+        nxt[b] = -1
+        if tail >= 0:
+            nxt[tail] = b
+        else:
+            c.head[q] = b
+        c.tail[q] = b
+        listed[b] = <uint8_t>(q + 1)
+        c.count[q] += 1
 
 
 cdef enum:
@@ -147,6 +203,36 @@ cdef inline Py_ssize_t _last_missing(RadixTrie t, RNode **at, Py_ssize_t g, Py_s
         hi = lo
     at[0] = node
     return first - 1
+
+
+cdef inline Py_ssize_t _missing_down(RadixTrie t, RNode **at, Py_ssize_t g, Py_ssize_t floor,
+                                     Py_ssize_t stop) noexcept nogil:
+    """The least ``c`` in ``[floor, stop]`` with every block of ``[c, stop)`` missing in group
+    ``g`` on the path through ``at[0]`` (which covers ``stop - 1`` or lies below it; left at the
+    node holding block ``c - 1`` when it was looked at). Downwards: ids one by one until a run of
+    ``_SPAN`` fits, then runs of ``_SPAN`` tested at once (their AND is negative when all are -1)."""
+    cdef RNode *node = at[0]
+    cdef Py_ssize_t lo, c = stop, k
+    cdef int32_t acc
+    cdef const int32_t *col
+    while c > floor:
+        while c <= node.depth:
+            node = &t._nodes[node.parent]
+        lo = max(floor, <Py_ssize_t>node.depth)
+        col = chunk_column(node.chunk, g) + node.start - node.depth
+        while c - lo >= _SPAN:
+            acc = -1
+            for k in range(_SPAN):
+                acc &= col[c - _SPAN + k]
+            if acc >= 0:
+                break
+            c -= _SPAN
+        while c > lo and col[c - 1] < 0:
+            c -= 1
+        if c > lo:
+            break  # block c - 1 is there
+    at[0] = node
+    return c
 
 
 cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, object retention_interval,
@@ -403,7 +489,7 @@ cdef class KVGroups:
                                Py_ssize_t low) noexcept nogil:
         """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
         down from the cut, a missing block at ``p`` rules out every cut above it."""
-        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first, floor
         cdef RNode *node = &t._nodes[v]
         if sink and cut > low:
             p = self._first_missing(t, v, g, min(sink, cut))
@@ -415,6 +501,17 @@ cdef class KVGroups:
             if p < first:
                 return cut
             cut = p
+            # Below a missing block, a cut c whose block c - 1 is missing too is ruled out while
+            # it reads that block: above a chunk's start (chunked), above the sink blocks
+            # (a sliding window of more than one token); the run of missing blocks is skipped.
+            if self._rules[g].kind == KIND_CHUNKED:
+                floor = max(self.first_needed(g, cut * self._block_size), sink, low)
+            elif self._rules[g].window > 1:
+                floor = max(sink, low)
+            else:
+                floor = cut
+            if cut > floor:
+                cut = _missing_down(t, &node, g, floor, cut)
         return low
 
     cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil:
@@ -433,8 +530,9 @@ cdef class KVGroups:
         """Give a fresh record (its table empty, its chunk reserved) every group's blocks a query
         at ``cut`` reads from the path ending at ``end`` (a valid cut), with a reference each;
         -1 elsewhere. Nothing changes when refused."""
-        cdef Py_ssize_t g, h, p, sink, first, count
+        cdef Py_ssize_t g, h, p, sink, first, count, d, e
         cdef int32_t *col
+        cdef const int32_t *src
         cdef RNode *node
         cdef Failure ignored
         if self._reserve(cut):
@@ -442,19 +540,26 @@ cdef class KVGroups:
             return -1
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
-            node = &t._nodes[end] if cut > 0 else NULL
-            while node != NULL and node.parent >= 0:
-                memcpy(col + node.depth, chunk_column(node.chunk, g) + node.start, node.length * sizeof(int32_t))
-                node = &t._nodes[node.parent]
             sink = min(<Py_ssize_t>self._rules[g].sink_blocks, cut)
             first = max(self.first_needed(g, cut * self._block_size), sink)
-            count = 0
-            for p in range(cut):
-                if sink <= p < first:
-                    col[p] = -1
-                else:
-                    self._ids[count] = col[p]
-                    count += 1
+            # Only what the query reads is copied: the sink blocks and [first, cut).
+            node = &t._nodes[end] if cut > 0 else NULL
+            while node != NULL and node.parent >= 0:
+                d = node.depth
+                e = d + node.length
+                src = chunk_column(node.chunk, g) + node.start - d
+                if e > max(d, first):
+                    memcpy(col + max(d, first), src + max(d, first), (e - max(d, first)) * sizeof(int32_t))
+                if d < sink:
+                    memcpy(col + d, src + d, (min(e, sink) - d) * sizeof(int32_t))
+                if d <= first and sink == 0:
+                    break
+                node = &t._nodes[node.parent]
+            for p in range(sink, first):
+                col[p] = -1
+            memcpy(self._ids, col, sink * sizeof(int32_t))
+            memcpy(self._ids + sink, col + first, (cut - first) * sizeof(int32_t))
+            count = sink + cut - first
             if count:
                 (<BlockPool>self._pools[g])._inc_ref_locked(self._ids, count, &f.batch)
             if f.batch.failed_at >= 0:
@@ -534,65 +639,172 @@ cdef class KVGroups:
         (``settle_leaf``; a pinned one once its last pin goes). A live sequence holds its own
         reference on every block it reads, so none loses one. Returns how many it freed."""
         cdef GroupCache *c = &self._cache[g]
-        cdef Py_ssize_t before = self.num_free(g), q, idx, p, end, pending = 0
-        cdef int32_t b, u
+        cdef Py_ssize_t before = self.num_free(g), q, idx, p, pending = 0, evicted = 0, end, first, k
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, h
+        cdef int32_t b, u, nb, pb
+        cdef const int32_t *col
+        # What the last settle of a leaf found (memo_u: the leaf, -1: none): every block of
+        # [memo_from, memo_end) there, memo_end its end. Kept only where g is the one windowed
+        # group and has no sink blocks (settle_below asks g alone, from p down).
+        cdef int32_t memo_u = -1
+        cdef Py_ssize_t memo_from = 0, memo_end = 0
+        cdef Py_ssize_t pending0 = 0  # group 0's blocks of one-block trims, to free (_flush0)
+        cdef bint alone = sink == 0, two = self.n == 2 and not self.shared  # (shared: one free order)
+        cdef Py_ssize_t goal = before + n, free_now, taken
+        cdef int32_t *ids = NULL
+        cdef RNode *nodes = t._nodes
         cdef int32_t *entry
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
         cdef bint logging = self._evlog is not None and not self.quiet
         cdef int32_t limit
-        cdef Py_ssize_t first = 4  # (pass, list) pairs from q // 2, q % 2: without priorities, pass 2 alone
+        cdef Py_ssize_t lst, start_pass = 4  # (pass, list) pairs q // 2, q % 2: without priorities, pass 2 alone
         cdef int32_t limits[3]
+        # (locals: with strict aliasing off, each int32 store would reload them through ``c``)
+        cdef int32_t **where = c.where
+        cdef int32_t *owner = c.owner
+        cdef int32_t *nxt = c.next
+        cdef int32_t *prv = c.prev
+        cdef uint8_t *listed = c.listed
         limits[0] = DEFAULT_PRIORITY - 1
         limits[1] = DEFAULT_PRIORITY
         limits[2] = MAX_PRIORITY
-        if c.where == NULL or n <= 0 or self._reserve(n):
+        if where == NULL or n <= 0 or self._reserve(n):
             return 0
+        ids = self._ids
         if self.retention is not None and self.retention.pinned_blocks > 0:
             protected = self._retention_pinned(t)
             if protected == NULL:
                 f.code = E_NO_MEMORY
                 return 0
+        for h in range(1, self.n):
+            if h != g and self._rules[h].kind != KIND_FULL:
+                alone = False
         if self.retention is not None and self.retention.hinted:
-            first = 0
+            start_pass = 0
             if t._heap_size and t._heap[0].at <= t._now():
                 t._decay(t._now())  # priorities whose duration ran out go back to the default first
-        for q in range(first, 6):
+        free_now = before
+        for q in range(start_pass, 6):
+            lst = q % 2
             limit = limits[q // 2]
-            b = c.head[q % 2]
-            while b >= 0 and self.num_free(g) + pending - before < n and f.code == OK:
-                u = c.owner[b]
-                if (protected != NULL and protected[u]) or t._nodes[u].priority > limit:
-                    b = c.next[b]
+            b = c.head[lst]
+            taken = 0
+            # (free_now, ids and nodes change only where the leaf's settle runs: refreshed there)
+            while b >= 0 and free_now + pending < goal and f.code == OK:
+                u = owner[b]
+                if (protected != NULL and protected[u]) or nodes[u].priority > limit:
+                    b = nxt[b]
                     continue
-                node = &t._nodes[u]
-                entry = c.where[b]
+                node = &nodes[u]
+                entry = where[b]
                 idx = entry - chunk_column(node.chunk, g)
                 p = node.depth + idx - node.start
                 entry[0] = -1
-                self._untrack(g, b)
+                # Off its list (_untrack, _unlink_block), untracked.
+                nb = nxt[b]
+                pb = prv[b]
+                if pb >= 0:
+                    nxt[pb] = nb
+                else:
+                    c.head[lst] = nb
+                if nb >= 0:
+                    prv[nb] = pb
+                else:
+                    c.tail[lst] = pb
+                listed[b] = 0
+                taken += 1
+                where[b] = NULL
                 if logging:
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
                 # Only the cache held it: its one reference goes with the others in one batch
                 # (the same order of frees), before anything else uses the scratch.
-                self._ids[pending] = b
+                ids[pending] = b
                 pending += 1
-                self._counts[g].evicted += 1
+                evicted += 1
                 end = node.depth + node.length
                 if (
                     node.num_children == 0 and node.lock_count == 0
-                    and (p < self._rules[g].sink_blocks or p >= self.first_needed(g, end * self._block_size))
+                    and (p < sink or p >= self.first_needed(g, end * self._block_size))
                 ):
+                    if u == memo_u and p == memo_end - 1 and end == memo_end and p > node.depth:
+                        # The leaf's last block went, and [memo_from, p) is there (checked when the
+                        # leaf was last settled, nothing of it taken since): the cut a query at p
+                        # reads is p's when [first, memo_from) is there too (settle_below's answer,
+                        # the one windowed group asked).
+                        first = self.first_needed(g, p * self._block_size)
+                        if first >= node.depth:
+                            col = chunk_column(node.chunk, g) + node.start - node.depth
+                            k = first
+                            while k < memo_from and col[k] >= 0:
+                                k += 1
+                            if k >= memo_from:
+                                if two:
+                                    # With groups 0 and g alone on pools of their own, trimming the
+                                    # one block (_trim_to) frees nothing in g (its entry went) and
+                                    # leaves the scratch alone, so g's pending references wait; group
+                                    # 0's block joins the run freed in one batch, in the same order,
+                                    # before anything else frees or trims (_flush0).
+                                    t._trim_leaf(u, 1, self._trimmed + pending0, NULL,
+                                                 self._hashes + pending0 if logging else NULL, 0)
+                                    if logging:
+                                        self._evlog.removed(self._trimmed + pending0, NULL,
+                                                            self._hashes + pending0, 1, 0)
+                                    pending0 += 1
+                                else:
+                                    self._unref(g, pending, f)
+                                    pending = 0
+                                    self._trim_to(t, u, p, freed0, trimmed, f)
+                                memo_end = p
+                                memo_from = min(memo_from, first)
+                                free_now = self.num_free(g)
+                                ids = self._ids
+                                nodes = t._nodes
+                                b = c.head[lst]
+                                continue
+                    if pending0:
+                        self._flush0(pending0, freed0, trimmed, f)
+                        pending0 = 0
                     self._unref(g, pending, f)
                     pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
-                b = c.head[q % 2]
+                    memo_u = -1
+                    node = &t._nodes[u]
+                    if alone and f.code == OK and node.parent >= 0 and node.num_children == 0:
+                        # Still a leaf: it ends where best_cut found every block a query there reads.
+                        end = node.depth + node.length
+                        first = self.first_needed(g, end * self._block_size)
+                        if end > node.depth and first >= node.depth:
+                            memo_u = u
+                            memo_from = first
+                            memo_end = end
+                    free_now = self.num_free(g)
+                    ids = self._ids
+                    nodes = t._nodes
+                elif u == memo_u and memo_from <= p < memo_end:
+                    memo_u = -1  # a block the memo counts on went
+                b = c.head[lst]
+            c.count[lst] -= taken
+        self._counts[g].evicted += evicted
+        if pending0:
+            self._flush0(pending0, freed0, trimmed, f)
         self._unref(g, pending, f)
         free(protected)
         return self.num_free(g) - before
+
+    cdef void _flush0(self, Py_ssize_t count, Py_ssize_t *freed0, Py_ssize_t *trimmed, Failure *f) noexcept nogil:
+        """(punch) Free group 0's blocks of ``count`` one-block trims, in ``self._trimmed``, as
+        ``_trim_to`` frees each (the same order, one batch)."""
+        cdef Py_ssize_t freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, count, &f.batch)
+        freed0[0] += freed
+        trimmed[0] += count
+        self._counts[0].freed += freed
+        self._counts[0].evicted += count
+        if f.batch.failed_at >= 0:
+            f.code = E_INVARIANT
 
     cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil:
         """``settle_leaf`` on every leaf (after pins went that the core does not track one by one)."""
@@ -677,7 +889,11 @@ cdef class KVGroups:
         so the engine's rows never name a block that went back to its pool."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
+        cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks
+        cdef Py_ssize_t seg[2]
         cdef int32_t *col
+        cdef int32_t *ids
+        cdef int32_t **where
         cdef int32_t b
         if tokens <= rec.kv_tokens:
             return 0
@@ -695,24 +911,30 @@ cdef class KVGroups:
             if high <= low:
                 continue
             col = chunk_column(rec.chunk, g)
-            count = 0
+            where = self._cache[g].where
+            ids = self._ids
+            count = released = to_cache = kept = 0
+            seg[0] = 0
             for p in range(low, high):
                 b = col[p]
                 if b < 0:
                     continue
-                self._counts[g].released += 1
-                if p < rec.pin_blocks:
+                released += 1
+                if p < pin:
                     # On its cached path: the entry stays (it may be the trie's), the block the cache's.
-                    self._counts[g].to_cache += self._cache[g].where != NULL and self._cache[g].where[b] != NULL
-                elif self.at_checkpoint(g, p):
-                    self._counts[g].kept += 1
+                    to_cache += where != NULL and where[b] != NULL
+                elif self._retention > 0 and _kept(&self._rules[g], bs, self._retention, p, seg):  # (at_checkpoint)
+                    kept += 1
                     continue
                 else:
                     col[p] = -1
-                self._ids[count] = b
+                ids[count] = b
                 count += 1
                 if tables != NULL:
                     tables[g - 1][row + p] = self.pad
+            self._counts[g].released += released
+            self._counts[g].to_cache += to_cache
+            self._counts[g].kept += kept
             self._unref(g, count, f)
         return 0 if f.code == OK else -1
 
@@ -721,7 +943,6 @@ cdef class KVGroups:
         cdef Py_ssize_t freed
         if count <= 0:
             return 0
-        cdef Py_ssize_t i
         freed = (<BlockPool>self._pools[g])._dec_ref_locked(self._ids, count, &f.batch)
         if f.batch.failed_at >= 0:
             f.code = E_INVARIANT
@@ -729,24 +950,32 @@ cdef class KVGroups:
             f.group = <int32_t>g
         self._counts[g].freed += freed
         if self._cache[g].where != NULL and freed < count:
-            for i in range(count):
-                self._offer(g, self._ids[i])
+            _offer_run(&self._cache[g], (<BlockPool>self._pools[g])._refcounts, self._ids, count)
         return freed
 
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                                  Failure *f) noexcept nogil:
         """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after);
         the caller reserved the scratch for ``stop - start`` ids."""
-        cdef Py_ssize_t p, count = 0, released = self.released_to(g, rec)
+        cdef Py_ssize_t p, count = 0, released = self.released_to(g, rec), pin = rec.pin_blocks
+        cdef Py_ssize_t skip_from = self._rules[g].sink_blocks, skip_to = min(released, pin)
         cdef int32_t *col = chunk_column(rec.chunk, g)
+        cdef int32_t *ids = self._ids
         if stop <= start:
             return 0
-        for p in range(start, stop):
-            if col[p] >= 0 and self.holds(rec, g, p, released):
-                self._ids[count] = col[p]
+        # (holds: every entry but those at [sink, min(released, pin_blocks)), which are skipped)
+        for p in range(start, min(stop, skip_from)):
+            if col[p] >= 0:
+                ids[count] = col[p]
                 count += 1
-                if p >= rec.pin_blocks:
+                if p >= pin:
                     col[p] = -1  # its own entry (on its cached path the entry may be the trie's)
+        for p in range(max(start, skip_to if skip_to > skip_from else skip_from), stop):
+            if col[p] >= 0:
+                ids[count] = col[p]
+                count += 1
+                if p >= pin:
+                    col[p] = -1
         return self._unref(g, count, f)
 
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil:
@@ -775,18 +1004,32 @@ cdef class KVGroups:
         cdef int32_t b
         cdef RNode *node
         cdef bint tracked
+        cdef Py_ssize_t bs = self._block_size
+        cdef Py_ssize_t seg[2]
+        cdef GroupRule *rule
+        cdef int32_t **where
+        cdef int32_t *owner
+        cdef uint8_t *kept
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
             released = self.released_to(g, rec)
-            tracked = self._cache[g].where != NULL
+            rule = &self._rules[g]
+            where = self._cache[g].where
+            owner = self._cache[g].owner
+            kept = self._cache[g].kept
+            tracked = where != NULL
             count = 0  # references the record gives up (scratch)
             taken = 0  # references the cache takes (second scratch)
+            seg[0] = 0
             for p in range(pos, full):
                 b = col[p]
                 if b < 0:
                     continue
-                self._track(g, col + p, p, leaf)
-                if p < self._rules[g].sink_blocks or p >= released:
+                if tracked:  # (_track)
+                    where[b] = col + p
+                    owner[b] = leaf
+                    kept[b] = _kept(rule, bs, self._retention, p, seg)
+                if p < rule.sink_blocks or p >= released:
                     self._trimmed[taken] = b
                     taken += 1
                 elif tracked:
@@ -840,7 +1083,9 @@ cdef class KVGroups:
         references become the cache's); the record's other references go. The caller reserved
         the scratch for ``rec.num_blocks`` ids before it changed anything (group 0's part cannot
         be undone)."""
-        cdef Py_ssize_t g, p, count, moved, released
+        cdef Py_ssize_t g, p, count, moved, released, sink, skip_to
+        cdef Py_ssize_t seg[2]
+        cdef int32_t b
         cdef int32_t *col
         cdef int32_t *leaf_col
         cdef int32_t *node_col
@@ -850,6 +1095,8 @@ cdef class KVGroups:
             col = chunk_column(rec.chunk, g)
             c = &self._cache[g]
             released = self.released_to(g, rec)
+            sink = self._rules[g].sink_blocks
+            skip_to = min(released, <Py_ssize_t>rec.pin_blocks)
             count = 0
             moved = 0  # the references that became the cache's (in the second scratch)
             if leaf >= 0:
@@ -857,18 +1104,25 @@ cdef class KVGroups:
                 leaf_col = chunk_column(node.chunk, g) + node.start - pos
                 if node.chunk != rec.chunk:
                     memcpy(leaf_col + pos, col + pos, (full - pos) * sizeof(int32_t))
-                for p in range(pos, full):
-                    if leaf_col[p] >= 0:
-                        self._track(g, leaf_col + p, p, leaf)
-                        if c.where != NULL:
-                            self._trimmed[moved] = leaf_col[p]
+                if c.where != NULL:
+                    seg[0] = 0
+                    for p in range(pos, full):
+                        b = leaf_col[p]
+                        if b >= 0:  # (_track)
+                            c.where[b] = leaf_col + p
+                            c.owner[b] = leaf
+                            c.kept[b] = _kept(&self._rules[g], self._block_size, self._retention, p, seg)
+                            self._trimmed[moved] = b
                             moved += 1
                 if self._evlog is not None:
                     self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v] if v >= 0 else NULL
             p = pos - 1
             while node != NULL and p >= 0:
-                if col[p] < 0 or not self.holds(rec, g, p, released):
+                if sink <= p < skip_to:
+                    p = sink - 1  # (holds: none of [sink, min(released, pin_blocks)))
+                    continue
+                if col[p] < 0:
                     p -= 1
                     continue
                 while p < node.depth:
@@ -891,8 +1145,8 @@ cdef class KVGroups:
                     self._ids[count] = col[p]
                     count += 1
             self._unref(g, count, f)
-            for p in range(moved):
-                self._offer(g, self._trimmed[p])
+            if c.where != NULL:
+                _offer_run(c, (<BlockPool>self._pools[g])._refcounts, self._trimmed, moved)
         return 0 if f.code == OK else -1
 
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,

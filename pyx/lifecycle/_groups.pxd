@@ -141,6 +141,7 @@ cdef class KVGroups:
                      Failure *f) noexcept nogil
     cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil
     cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil
+    cdef void _flush0(self, Py_ssize_t count, Py_ssize_t *freed0, Py_ssize_t *trimmed, Failure *f) noexcept nogil
     cdef void settle_all(self, RadixTrie t, Failure *f) noexcept nogil
     cdef int release_all(self, SeqRec *rec, Failure *f) noexcept nogil
     cdef int finish(self, RadixTrie t, SeqRec *rec, int32_t v, Py_ssize_t pos, Py_ssize_t full, int32_t leaf,
