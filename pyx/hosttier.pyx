@@ -14,7 +14,7 @@ with the host memory the rows point into, and makes the copies.
 cimport cython
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memmove, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
 
@@ -57,17 +57,59 @@ cdef inline bint _put_seen(Entry *seen, uint64_t mask, int shift, uint64_t key) 
 
 cdef inline Py_ssize_t _add_row(int64_t *rows, Py_ssize_t count, int64_t dst, int64_t src,
                                 int64_t nbytes) noexcept nogil:
-    """Append a copy row, merged into the previous one where both ranges continue it."""
+    """Append a copy row, merged into the previous one where both ranges continue it, or both
+    end where it starts (a run of blocks descending on both sides)."""
     cdef int64_t *last
     if count:
         last = rows + 3 * (count - 1)
         if last[0] + last[2] == dst and last[1] + last[2] == src:
             last[2] += nbytes
             return count
+        if dst + nbytes == last[0] and src + nbytes == last[1]:
+            last[0] = dst
+            last[1] = src
+            last[2] += nbytes
+            return count
     rows[3 * count] = dst
     rows[3 * count + 1] = src
     rows[3 * count + 2] = nbytes
     return count + 1
+
+
+cdef void _sort_high(uint64_t *words, uint64_t *spare, Py_ssize_t count, uint64_t most) noexcept nogil:
+    """Sort ``words`` by their high 32 bits (at most ``most``), stably: insertion for a few, else an
+    LSD radix sort of 11-bit digits through ``spare`` (``count`` words)."""
+    cdef Py_ssize_t i, j, total, counts[2048]
+    cdef uint64_t word, *source = words, *target = spare, *swap
+    cdef int shift = 32
+    if count < 48:
+        for i in range(1, count):
+            word = words[i]
+            j = i
+            while j > 0 and (words[j - 1] >> 32) > (word >> 32):
+                words[j] = words[j - 1]
+                j -= 1
+            words[j] = word
+        return
+    while shift < 64 and (most >> (shift - 32)) != 0:
+        memset(counts, 0, sizeof(counts))
+        for i in range(count):
+            counts[(source[i] >> shift) & 2047] += 1
+        total = 0
+        for i in range(2048):
+            j = counts[i]
+            counts[i] = total
+            total += j
+        for i in range(count):
+            j = (source[i] >> shift) & 2047
+            target[counts[j]] = source[i]
+            counts[j] += 1
+        swap = source
+        source = target
+        target = swap
+        shift += 11
+    if source != words:
+        memcpy(words, source, count * sizeof(uint64_t))
 
 
 @cython.final
@@ -141,6 +183,7 @@ cdef class HostIndex:
         free(self._block_marks)
         free(self._layers)
         free(self._seen)
+        free(self._sort)
         lc_mutex_destroy(&self._mutex)
 
     cdef void _reset(self) noexcept nogil:
@@ -273,6 +316,17 @@ cdef class HostIndex:
             self._seen[i].slot = -1
         return True
 
+    cdef bint _reserve_sort(self, Py_ssize_t count) noexcept nogil:
+        """Scratch room for three arrays of ``count`` words (``_sort``); False without memory."""
+        if 3 * count > self._sort_size:
+            free(self._sort)
+            self._sort = <uint64_t *>malloc(3 * count * sizeof(uint64_t))
+            if self._sort == NULL:
+                self._sort_size = 0
+                return False
+            self._sort_size = 3 * count
+        return True
+
     # -- the batch loops ----------------------------------------------------------------------------
 
     cdef Py_ssize_t _first_bad_id(self, const int64_t *ids, Py_ssize_t count) noexcept nogil:
@@ -312,7 +366,11 @@ cdef class HostIndex:
         cdef int32_t slot
         cdef int64_t host, block
         cdef int seen_shift
-        if not self._reserve_seen(count):
+        cdef uint64_t *by_block
+        cdef uint64_t *by_slot
+        cdef uint64_t *spare
+        cdef uint64_t most_block, most_slot
+        if not self._reserve_seen(count) or not self._reserve_sort(count):
             return -1
         seen_shift = 64 - _log2(self._seen_used)
         for position in range(count):
@@ -334,16 +392,35 @@ cdef class HostIndex:
             evicted[num_evicted[0]] = self._keys[2 * self._head]
             num_evicted[0] += 1
             self._evict_one()
+        # Slots for the run: the ``fresh`` on top of the free stack, handed out in ascending order to
+        # the blocks in ascending device order, so that device blocks contiguous in the pool land in
+        # contiguous slots and their copies merge (the LRU order stays the batch's order).
+        by_block = self._sort
+        by_slot = self._sort + fresh
+        spare = self._sort + 2 * fresh
+        most_block = most_slot = 0
+        self._num_free -= fresh
+        for j in range(fresh):
+            block = ids[stored[j]]
+            by_block[j] = (<uint64_t>block << 32) | <uint64_t>j
+            most_block = max(most_block, <uint64_t>block)
+            slot = self._free[self._num_free + j]
+            by_slot[j] = <uint64_t>slot << 32
+            most_slot = max(most_slot, <uint64_t>slot)
+        _sort_high(by_block, spare, fresh, most_block)
+        _sort_high(by_slot, spare, fresh, most_slot)
+        for j in range(fresh):  # spare[batch index] = its slot
+            spare[by_block[j] & 0xFFFFFFFFULL] = by_slot[j] >> 32
         for j in range(fresh):
             position = stored[j]
-            self._num_free -= 1
-            slot = self._free[self._num_free]
+            slot = <int32_t>spare[j]
             self._write_entry(slot, keys + 2 * position, parents + 2 * position, tokens + position * self.block_size)
             self._table_put(keys[2 * position], slot)
             self._append(slot)
-            host = self._host_base + <int64_t>slot * self.slot_bytes
-            block = ids[position]
-            for layer in range(self._num_layers):
+        for layer in range(self._num_layers):  # layer-major: a layer's contiguous blocks merge
+            for j in range(fresh):
+                host = self._host_base + <int64_t>(by_slot[j] >> 32) * self.slot_bytes
+                block = <int64_t>(by_block[j] >> 32)
                 num_rows[0] = _add_row(
                     rows, num_rows[0], host + self._layers[3 * layer + 2],
                     self._layers[3 * layer] + block * self._layers[3 * layer + 1], self._layers[3 * layer + 1],

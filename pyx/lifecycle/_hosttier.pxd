@@ -61,6 +61,8 @@ cdef class HostIndex:
     cdef Entry *_seen                       # scratch: a batch's new keys
     cdef Py_ssize_t _seen_size              # entries allocated
     cdef Py_ssize_t _seen_used              # entries the running call uses (a power of two)
+    cdef uint64_t *_sort                    # scratch: a demotion's slot assignment (3 arrays)
+    cdef Py_ssize_t _sort_size              # words allocated
     cdef int64_t *_layers                   # per layer: device base, block bytes, offset in a slot
     cdef Py_ssize_t _num_layers
     cdef int64_t _host_base
@@ -79,6 +81,7 @@ cdef class HostIndex:
                         const int32_t *tokens) noexcept nogil
     cdef uint32_t _next_epoch(self) noexcept nogil
     cdef bint _reserve_seen(self, Py_ssize_t count) noexcept nogil
+    cdef bint _reserve_sort(self, Py_ssize_t count) noexcept nogil
     cdef Py_ssize_t _first_bad_id(self, const int64_t *ids, Py_ssize_t count) noexcept nogil
     cdef Py_ssize_t _first_repeated_id(self, const int64_t *ids, Py_ssize_t count) noexcept nogil
     cdef Py_ssize_t _demote(self, const uint64_t *keys, const uint64_t *parents, const int32_t *tokens,
