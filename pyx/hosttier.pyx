@@ -12,13 +12,14 @@ with the host memory the rows point into, and makes the copies.
 """
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
 
 from cpython.pystate cimport PyThreadState
+from lifecycle._evlog cimport EvEntry, RawEvents
 from lifecycle._sync cimport NOGIL_MIN_WORK, lc_enter, lc_enter_gil, lc_leave, lc_mutex_destroy, lc_mutex_init
 
 from lifecycle.errors import BlockIdOutOfRange, InvalidId, InvariantViolation
@@ -184,6 +185,10 @@ cdef class HostIndex:
         free(self._layers)
         free(self._seen)
         free(self._sort)
+        free(self._gkeys)
+        free(self._gparents)
+        free(self._gtokens)
+        free(self._gids)
         lc_mutex_destroy(&self._mutex)
 
     cdef void _reset(self) noexcept nogil:
@@ -591,6 +596,154 @@ cdef class HostIndex:
         if fresh < 0:
             raise MemoryError(f"HostIndex.demote: no scratch memory for a batch of {count} blocks")
         return stored[:fresh], evicted[:num_evicted], rows[:num_rows]
+
+    # -- the model's demotion: what each device block holds, and a drained log's removals ---------
+
+    def bind_blocks(self, keys, parents, hashes, valid, reused):
+        """Use the model's arrays of what each device block holds: ``keys`` and ``parents``
+        ((num_device_blocks, 2) uint64), ``hashes`` (uint64), ``valid`` and ``reused`` (bool), read
+        and written by ``note_blocks`` and ``demote_removed``."""
+        n = self.num_device_blocks
+        if keys.shape != (n, 2) or parents.shape != (n, 2) or hashes.shape != (n,) or valid.shape != (n,) \
+                or reused.shape != (n,):
+            raise InvalidId(f"bind_blocks: the arrays must cover the {n} device blocks")
+        cdef uint64_t[:, ::1] key_view = keys
+        cdef uint64_t[:, ::1] parent_view = parents
+        cdef uint64_t[::1] hash_view = hashes
+        cdef uint8_t[::1] valid_view = valid.view(np.uint8)
+        cdef uint8_t[::1] reused_view = reused.view(np.uint8)
+        self._bound = (keys, parents, hashes, valid, reused)
+        self._bkeys = &key_view[0, 0]
+        self._bparents = &parent_view[0, 0]
+        self._bhashes = &hash_view[0]
+        self._bvalid = &valid_view[0]
+        self._breused = &reused_view[0]
+
+    def note_blocks(self, const int32_t[::1] ids, const uint64_t[:, ::1] chain, uint64_t root_high,
+                    uint64_t root_low, const uint64_t[::1] hashes):
+        """Device blocks ``ids`` hold the chain ``chain`` (each block's key; its parent's is the key
+        before it, the first's (``root_high``, ``root_low``)) with content ``hashes``: they are
+        noted (valid) until they leave the cache."""
+        cdef Py_ssize_t count = ids.shape[0], i, bad
+        cdef int32_t block
+        if self._bound is None:
+            raise InvalidId("note_blocks: no arrays bound (bind_blocks)")
+        if chain.shape[0] != count or chain.shape[1] != 2 or hashes.shape[0] != count:
+            raise InvalidId(
+                f"note_blocks: {count} ids need ({count}, 2) keys and {count} hashes, got "
+                f"{tuple(chain.shape)[:2]} and {hashes.shape[0]}"
+            )
+        for i in range(count):
+            if not 0 <= ids[i] < self.num_device_blocks:
+                raise BlockIdOutOfRange(
+                    f"note_blocks: block id {ids[i]} is out of range: valid values are 0..{self.num_device_blocks - 1}"
+                )
+        cdef uint64_t parent_high = root_high, parent_low = root_low
+        for i in range(count):
+            block = ids[i]
+            self._bkeys[2 * block] = chain[i, 0]
+            self._bkeys[2 * block + 1] = chain[i, 1]
+            self._bparents[2 * block] = parent_high
+            self._bparents[2 * block + 1] = parent_low
+            self._bhashes[block] = hashes[i]
+            self._bvalid[block] = 1
+            parent_high, parent_low = chain[i, 0], chain[i, 1]
+
+    cdef bint _reserve_gather(self, Py_ssize_t count) noexcept nogil:
+        if count <= self._gsize:
+            return True
+        free(self._gkeys)
+        free(self._gparents)
+        free(self._gtokens)
+        free(self._gids)
+        self._gkeys = <uint64_t *>malloc(2 * count * sizeof(uint64_t))
+        self._gparents = <uint64_t *>malloc(2 * count * sizeof(uint64_t))
+        self._gtokens = <int32_t *>malloc(count * self.block_size * sizeof(int32_t))
+        self._gids = <int64_t *>malloc(count * sizeof(int64_t))
+        if self._gkeys == NULL or self._gparents == NULL or self._gtokens == NULL or self._gids == NULL:
+            self._gsize = 0
+            return False
+        self._gsize = count
+        return True
+
+    def demote_removed(self, RawEvents raw):
+        """Store what the removals of a drained log demote (those with block ids): each block
+        whose last holder noted it as the block the log says left (same content hash), under the
+        key and parent noted, with the log's tokens, as ``demote`` stores a batch; every removed
+        block is un-noted. Returns (the blocks the log demoted and were noted, the high words of
+        the keys stored, the high words of the entries evicted, the copy rows)."""
+        cdef EvEntry *entry
+        cdef Py_ssize_t e, i, hash_at = 0, token_at = 0, id_at = 0, count, known = 0, fresh = 0
+        cdef Py_ssize_t bs = self.block_size, num_rows = 0, num_evicted = 0, repeated = -1, bad = -1
+        cdef int32_t block
+        cdef uint64_t hash_value
+        cdef const int32_t *ids = raw._log.ids
+        if self._bound is None:
+            raise InvalidId("demote_removed: no arrays bound (bind_blocks)")
+        for e in range(raw._log.num_entries):  # bounds first: a block id the pool does not have
+            entry = raw._log.entries + e
+            if entry.kind == 2 and entry.has_ids:
+                if entry.num_tokens != entry.count * bs:
+                    raise InvalidId(
+                        f"demote_removed: a removal of {entry.count} blocks carries {entry.num_tokens} tokens"
+                    )
+                for i in range(id_at, id_at + entry.count):
+                    if not 0 <= ids[i] < self.num_device_blocks:
+                        raise BlockIdOutOfRange(
+                            f"demote_removed: block id {ids[i]} is out of range: valid values are "
+                            f"0..{self.num_device_blocks - 1}"
+                        )
+                id_at += entry.count
+        if id_at > raw._log.num_ids:
+            raise InvalidId(f"demote_removed: the log names {id_at} ids and holds {raw._log.num_ids}")
+        cdef PyThreadState *released = lc_enter(&self._mutex, id_at < NOGIL_MIN_WORK)
+        if not self._reserve_gather(id_at) or not self._reserve_seen(id_at) or not self._reserve_sort(id_at):
+            lc_leave(&self._mutex, released)
+            raise MemoryError(f"HostIndex.demote_removed: no scratch memory for {id_at} blocks")
+        id_at = 0
+        # What is demoted is read before any block is un-noted (a block id may be removed twice).
+        for e in range(raw._log.num_entries):
+            entry = raw._log.entries + e
+            count = entry.count
+            if entry.kind == 2 and entry.has_ids:
+                for i in range(count):
+                    block = ids[id_at + i]
+                    hash_value = raw._log.hashes[hash_at + i]
+                    if self._bvalid[block] and self._bhashes[block] == hash_value:
+                        self._gkeys[2 * known] = self._bkeys[2 * block]
+                        self._gkeys[2 * known + 1] = self._bkeys[2 * block + 1]
+                        self._gparents[2 * known] = self._bparents[2 * block]
+                        self._gparents[2 * known + 1] = self._bparents[2 * block + 1]
+                        memcpy(self._gtokens + known * bs, raw._log.tokens + token_at + i * bs, bs * sizeof(int32_t))
+                        self._gids[known] = block
+                        known += 1
+                id_at += count
+            hash_at += count
+            token_at += entry.num_tokens
+        for i in range(id_at):
+            self._bvalid[ids[i]] = 0
+            self._breused[ids[i]] = 0
+        repeated = self._first_repeated_id(self._gids, known) if known else -1
+        lc_leave(&self._mutex, released)
+        if repeated >= 0:
+            raise InvalidId(f"demote_removed: block id {self._gids[repeated]} is demoted twice in one log")
+        stored = np.empty(known, dtype=np.int64)
+        evicted = np.empty(min(known, self.capacity), dtype=np.uint64)
+        rows = np.empty((known * self._num_layers, 3), dtype=np.int64)
+        if known == 0:
+            return 0, stored.view(np.uint64), evicted, rows
+        cdef int64_t[::1] stored_view = stored
+        cdef uint64_t[::1] evicted_view = evicted
+        cdef int64_t[:, ::1] row_view = rows
+        released = lc_enter(&self._mutex, known < NOGIL_MIN_WORK)
+        fresh = self._demote(self._gkeys, self._gparents, self._gtokens, self._gids, known,
+                             &row_view[0, 0], &num_rows, &stored_view[0], &evicted_view[0], &num_evicted)
+        for i in range(fresh):  # positions -> the high words stored
+            stored_view[i] = <int64_t>self._gkeys[2 * stored_view[i]]
+        lc_leave(&self._mutex, released)
+        if fresh < 0:
+            raise MemoryError(f"HostIndex.demote_removed: no scratch memory for a batch of {known} blocks")
+        return known, stored[:fresh].view(np.uint64), evicted[:num_evicted], rows[:num_rows]
 
     def forget(self, keys):
         """Drop the entries of the high words ``keys`` (uint64) that the last ``demote`` stored and
