@@ -37,6 +37,13 @@ cdef inline Py_ssize_t _home(uint64_t key, int shift) noexcept nogil:
     return <Py_ssize_t>((key * _SPREAD) >> shift)
 
 
+cdef extern from *:
+    void _prefetch "__builtin_prefetch"(const void *address) noexcept nogil
+
+#: How many keys ahead a batch loop asks for the table entries it will probe (their misses overlap).
+DEF AHEAD = 8
+
+
 cdef inline int _log2(Py_ssize_t size) noexcept nogil:
     cdef int bits = 0
     while (<Py_ssize_t>1 << bits) < size:
@@ -379,6 +386,8 @@ cdef class HostIndex:
             return -1
         seen_shift = 64 - _log2(self._seen_used)
         for position in range(count):
+            if position + AHEAD < count:
+                _prefetch(&self._table[_home(keys[2 * (position + AHEAD)], self._shift)])
             found = self._find(keys[2 * position])
             if found >= 0:  # held: not copied again, most recently used now
                 slot = self._table[found].slot
@@ -393,9 +402,15 @@ cdef class HostIndex:
             fresh = self.capacity
         num_evicted[0] = 0
         num_rows[0] = 0
-        while self._num_free < fresh:  # room first: evicted entries leave before slots are written
-            evicted[num_evicted[0]] = self._keys[2 * self._head]
+        # Room first: evicted entries leave before slots are written. The victims are the
+        # least recently used, named first (their table entries fetched meanwhile), then dropped.
+        slot = self._head
+        while self._num_free + num_evicted[0] < fresh:
+            evicted[num_evicted[0]] = self._keys[2 * slot]
+            _prefetch(&self._table[_home(self._keys[2 * slot], self._shift)])
             num_evicted[0] += 1
+            slot = self._next[slot]
+        for j in range(num_evicted[0]):
             self._evict_one()
         # Slots for the run: the ``fresh`` on top of the free stack, handed out in ascending order to
         # the blocks in ascending device order, so that device blocks contiguous in the pool land in
@@ -418,6 +433,8 @@ cdef class HostIndex:
             spare[by_block[j] & 0xFFFFFFFFULL] = by_slot[j] >> 32
         for j in range(fresh):
             position = stored[j]
+            if j + AHEAD < fresh:
+                _prefetch(&self._table[_home(keys[2 * stored[j + AHEAD]], self._shift)])
             slot = <int32_t>spare[j]
             self._write_entry(slot, keys + 2 * position, parents + 2 * position, tokens + position * self.block_size)
             self._table_put(keys[2 * position], slot)
