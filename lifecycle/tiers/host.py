@@ -368,6 +368,38 @@ class HostTier:
                 listener(stored_list)
         return len(stored)
 
+    def lookup_rows(self, keys: npt.NDArray[np.uint64], tokens: npt.NDArray[np.int32], parent: tuple[int, int]) -> int:
+        """:meth:`lookup` for the model's own arrays: ``keys`` (n, 2) uint64 rows, ``tokens`` its
+        int32 token ids (checked when it admitted them), ``parent`` a (high, low) pair; only
+        their shapes and types are checked."""
+        rows = self._own_tokens("lookup", tokens, len(keys))
+        with self._lock:
+            self._check_open("lookup")
+            found: int = self._index.lookup(keys, rows, parent[0], parent[1])
+            return found
+
+    def promote_rows(
+        self, keys: npt.NDArray[np.uint64], block_ids: npt.NDArray[np.integer[Any]], tokens: npt.NDArray[np.int32],
+        parent: tuple[int, int],
+    ) -> None:
+        """:meth:`promote` for the model's own arrays (as :meth:`lookup_rows` takes them); the block
+        ids are checked as :meth:`promote` checks them."""
+        rows = self._own_tokens("promote", tokens, len(keys))
+        ids = self._block_ids("promote", block_ids, len(keys))
+        with self._lock:
+            self._check_open("promote")
+            copies = self._index.promote(keys, rows, ids, parent[0], parent[1])
+            if not len(keys):
+                return
+            self._device.copy_batch(copies)
+            self._device.synchronize()
+            self._index.promoted(len(keys))
+
+    def _own_tokens(self, call: str, tokens: npt.NDArray[np.int32], count: int) -> npt.NDArray[np.int32]:
+        if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.size != count * self._block_size:
+            return self._tokens(call, tokens, count)  # names what is wrong
+        return np.ascontiguousarray(tokens).reshape(count, self._block_size)
+
     def lookup(self, hashes: KeysLike, tokens: TokensLike, parent: KeyLike = 0) -> int:
         """Length of the leading run of ``hashes`` held as one chain after ``parent`` with equal
         ``tokens`` (``len(hashes)`` blocks of them). Those entries become the most recently

@@ -325,7 +325,8 @@ class ModelTiers:
         chain = self._keys.chain(prompt[: limit * self._block_size], root)
         bs = self._block_size
         wanted = chain[reused_blocks:]
-        found = self._host.lookup(wanted, prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root))
+        tokens = prompt[reused_blocks * bs : limit * bs]
+        found = self._host.lookup_rows(wanted, tokens, _before(chain, reused_blocks, root))
         return self._snapshot_run(wanted, found) if self._snapshots is not None else found
 
     def prefetch(self, cache_key: int, prompt: npt.ArrayLike) -> int:
@@ -341,7 +342,7 @@ class ModelTiers:
         root = self._keys.root(cache_key)
         chain = self._keys.chain(prompt[: limit * self._block_size], root)
         bs = self._block_size
-        found = self._host.lookup(chain, prompt[: limit * bs], root)
+        found = self._host.lookup_rows(chain, prompt[: limit * bs], root)
         if found == limit:
             return 0
         return self._store.prefetch(chain[found:], prompt[found * bs : limit * bs], _before(chain, found, root))
@@ -379,7 +380,7 @@ class ModelTiers:
             wanted = chain[reused_blocks:]
             parent = self._parent(handle, chain, reused_blocks)
             tokens = prompt[reused_blocks * bs : limit * bs]
-            found = host.lookup(wanted, tokens, parent)
+            found = host.lookup_rows(wanted, tokens, parent)
             self.counters.host_hit_blocks += found
             from_host = found
             if found < len(wanted) and self._store is not None:
@@ -395,7 +396,8 @@ class ModelTiers:
                 return 0
             table = core.block_table(handle)
             copying = time.perf_counter_ns()
-            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs], parent)
+            ids = table[reused_blocks : reused_blocks + found]
+            host.promote_rows(wanted[:found], ids, tokens[: found * bs], parent)
             if self._snapshots is not None:
                 assert slot is not None
                 high, low = wanted[found - 1].tolist()
