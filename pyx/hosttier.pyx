@@ -41,7 +41,7 @@ cdef extern from *:
     void _prefetch "__builtin_prefetch"(const void *address) noexcept nogil
 
 #: How many keys ahead a batch loop asks for the table entries it will probe (their misses overlap).
-DEF AHEAD = 8
+DEF AHEAD = 24
 
 
 cdef inline int _log2(Py_ssize_t size) noexcept nogil:
