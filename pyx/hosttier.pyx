@@ -407,10 +407,13 @@ cdef class HostIndex:
         slot = self._head
         while self._num_free + num_evicted[0] < fresh:
             evicted[num_evicted[0]] = self._keys[2 * slot]
-            _prefetch(&self._table[_home(self._keys[2 * slot], self._shift)])
+            if num_evicted[0] < AHEAD:
+                _prefetch(&self._table[_home(self._keys[2 * slot], self._shift)])
             num_evicted[0] += 1
             slot = self._next[slot]
         for j in range(num_evicted[0]):
+            if j + AHEAD < num_evicted[0]:
+                _prefetch(&self._table[_home(evicted[j + AHEAD], self._shift)])
             self._evict_one()
         # Slots for the run: the ``fresh`` on top of the free stack, handed out in ascending order to
         # the blocks in ascending device order, so that device blocks contiguous in the pool land in
