@@ -12,13 +12,14 @@ with the host memory the rows point into, and makes the copies.
 """
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memmove, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
 
 from cpython.pystate cimport PyThreadState
+from lifecycle._evlog cimport EvEntry, RawEvents
 from lifecycle._sync cimport NOGIL_MIN_WORK, lc_enter, lc_enter_gil, lc_leave, lc_mutex_destroy, lc_mutex_init
 
 from lifecycle.errors import BlockIdOutOfRange, InvalidId, InvariantViolation
@@ -34,6 +35,13 @@ cdef uint64_t _SPREAD = 0x9E3779B97F4A7C15ULL
 
 cdef inline Py_ssize_t _home(uint64_t key, int shift) noexcept nogil:
     return <Py_ssize_t>((key * _SPREAD) >> shift)
+
+
+cdef extern from *:
+    void _prefetch "__builtin_prefetch"(const void *address) noexcept nogil
+
+#: How many keys ahead a batch loop asks for the table entries it will probe (their misses overlap).
+DEF AHEAD = 24
 
 
 cdef inline int _log2(Py_ssize_t size) noexcept nogil:
@@ -57,17 +65,59 @@ cdef inline bint _put_seen(Entry *seen, uint64_t mask, int shift, uint64_t key) 
 
 cdef inline Py_ssize_t _add_row(int64_t *rows, Py_ssize_t count, int64_t dst, int64_t src,
                                 int64_t nbytes) noexcept nogil:
-    """Append a copy row, merged into the previous one where both ranges continue it."""
+    """Append a copy row, merged into the previous one where both ranges continue it, or both
+    end where it starts (a run of blocks descending on both sides)."""
     cdef int64_t *last
     if count:
         last = rows + 3 * (count - 1)
         if last[0] + last[2] == dst and last[1] + last[2] == src:
             last[2] += nbytes
             return count
+        if dst + nbytes == last[0] and src + nbytes == last[1]:
+            last[0] = dst
+            last[1] = src
+            last[2] += nbytes
+            return count
     rows[3 * count] = dst
     rows[3 * count + 1] = src
     rows[3 * count + 2] = nbytes
     return count + 1
+
+
+cdef void _sort_high(uint64_t *words, uint64_t *spare, Py_ssize_t count, uint64_t most) noexcept nogil:
+    """Sort ``words`` by their high 32 bits (at most ``most``), stably: insertion for a few, else an
+    LSD radix sort of 11-bit digits through ``spare`` (``count`` words)."""
+    cdef Py_ssize_t i, j, total, counts[2048]
+    cdef uint64_t word, *source = words, *target = spare, *swap
+    cdef int shift = 32
+    if count < 48:
+        for i in range(1, count):
+            word = words[i]
+            j = i
+            while j > 0 and (words[j - 1] >> 32) > (word >> 32):
+                words[j] = words[j - 1]
+                j -= 1
+            words[j] = word
+        return
+    while shift < 64 and (most >> (shift - 32)) != 0:
+        memset(counts, 0, sizeof(counts))
+        for i in range(count):
+            counts[(source[i] >> shift) & 2047] += 1
+        total = 0
+        for i in range(2048):
+            j = counts[i]
+            counts[i] = total
+            total += j
+        for i in range(count):
+            j = (source[i] >> shift) & 2047
+            target[counts[j]] = source[i]
+            counts[j] += 1
+        swap = source
+        source = target
+        target = swap
+        shift += 11
+    if source != words:
+        memcpy(words, source, count * sizeof(uint64_t))
 
 
 @cython.final
@@ -141,6 +191,11 @@ cdef class HostIndex:
         free(self._block_marks)
         free(self._layers)
         free(self._seen)
+        free(self._sort)
+        free(self._gkeys)
+        free(self._gparents)
+        free(self._gtokens)
+        free(self._gids)
         lc_mutex_destroy(&self._mutex)
 
     cdef void _reset(self) noexcept nogil:
@@ -273,6 +328,17 @@ cdef class HostIndex:
             self._seen[i].slot = -1
         return True
 
+    cdef bint _reserve_sort(self, Py_ssize_t count) noexcept nogil:
+        """Scratch room for three arrays of ``count`` words (``_sort``); False without memory."""
+        if 3 * count > self._sort_size:
+            free(self._sort)
+            self._sort = <uint64_t *>malloc(3 * count * sizeof(uint64_t))
+            if self._sort == NULL:
+                self._sort_size = 0
+                return False
+            self._sort_size = 3 * count
+        return True
+
     # -- the batch loops ----------------------------------------------------------------------------
 
     cdef Py_ssize_t _first_bad_id(self, const int64_t *ids, Py_ssize_t count) noexcept nogil:
@@ -312,10 +378,16 @@ cdef class HostIndex:
         cdef int32_t slot
         cdef int64_t host, block
         cdef int seen_shift
-        if not self._reserve_seen(count):
+        cdef uint64_t *by_block
+        cdef uint64_t *by_slot
+        cdef uint64_t *spare
+        cdef uint64_t most_block, most_slot
+        if not self._reserve_seen(count) or not self._reserve_sort(count):
             return -1
         seen_shift = 64 - _log2(self._seen_used)
         for position in range(count):
+            if position + AHEAD < count:
+                _prefetch(&self._table[_home(keys[2 * (position + AHEAD)], self._shift)])
             found = self._find(keys[2 * position])
             if found >= 0:  # held: not copied again, most recently used now
                 slot = self._table[found].slot
@@ -330,20 +402,50 @@ cdef class HostIndex:
             fresh = self.capacity
         num_evicted[0] = 0
         num_rows[0] = 0
-        while self._num_free < fresh:  # room first: evicted entries leave before slots are written
-            evicted[num_evicted[0]] = self._keys[2 * self._head]
+        # Room first: evicted entries leave before slots are written. The victims are the
+        # least recently used, named first (their table entries fetched meanwhile), then dropped.
+        slot = self._head
+        while self._num_free + num_evicted[0] < fresh:
+            evicted[num_evicted[0]] = self._keys[2 * slot]
+            if num_evicted[0] < AHEAD:
+                _prefetch(&self._table[_home(self._keys[2 * slot], self._shift)])
             num_evicted[0] += 1
+            slot = self._next[slot]
+        for j in range(num_evicted[0]):
+            if j + AHEAD < num_evicted[0]:
+                _prefetch(&self._table[_home(evicted[j + AHEAD], self._shift)])
             self._evict_one()
+        # Slots for the run: the ``fresh`` on top of the free stack, handed out in ascending order to
+        # the blocks in ascending device order, so that device blocks contiguous in the pool land in
+        # contiguous slots and their copies merge (the LRU order stays the batch's order).
+        by_block = self._sort
+        by_slot = self._sort + fresh
+        spare = self._sort + 2 * fresh
+        most_block = most_slot = 0
+        self._num_free -= fresh
+        for j in range(fresh):
+            block = ids[stored[j]]
+            by_block[j] = (<uint64_t>block << 32) | <uint64_t>j
+            most_block = max(most_block, <uint64_t>block)
+            slot = self._free[self._num_free + j]
+            by_slot[j] = <uint64_t>slot << 32
+            most_slot = max(most_slot, <uint64_t>slot)
+        _sort_high(by_block, spare, fresh, most_block)
+        _sort_high(by_slot, spare, fresh, most_slot)
+        for j in range(fresh):  # spare[batch index] = its slot
+            spare[by_block[j] & 0xFFFFFFFFULL] = by_slot[j] >> 32
         for j in range(fresh):
             position = stored[j]
-            self._num_free -= 1
-            slot = self._free[self._num_free]
+            if j + AHEAD < fresh:
+                _prefetch(&self._table[_home(keys[2 * stored[j + AHEAD]], self._shift)])
+            slot = <int32_t>spare[j]
             self._write_entry(slot, keys + 2 * position, parents + 2 * position, tokens + position * self.block_size)
             self._table_put(keys[2 * position], slot)
             self._append(slot)
-            host = self._host_base + <int64_t>slot * self.slot_bytes
-            block = ids[position]
-            for layer in range(self._num_layers):
+        for layer in range(self._num_layers):  # layer-major: a layer's contiguous blocks merge
+            for j in range(fresh):
+                host = self._host_base + <int64_t>(by_slot[j] >> 32) * self.slot_bytes
+                block = <int64_t>(by_block[j] >> 32)
                 num_rows[0] = _add_row(
                     rows, num_rows[0], host + self._layers[3 * layer + 2],
                     self._layers[3 * layer] + block * self._layers[3 * layer + 1], self._layers[3 * layer + 1],
@@ -514,6 +616,154 @@ cdef class HostIndex:
         if fresh < 0:
             raise MemoryError(f"HostIndex.demote: no scratch memory for a batch of {count} blocks")
         return stored[:fresh], evicted[:num_evicted], rows[:num_rows]
+
+    # -- the model's demotion: what each device block holds, and a drained log's removals ---------
+
+    def bind_blocks(self, keys, parents, hashes, valid, reused):
+        """Use the model's arrays of what each device block holds: ``keys`` and ``parents``
+        ((num_device_blocks, 2) uint64), ``hashes`` (uint64), ``valid`` and ``reused`` (bool), read
+        and written by ``note_blocks`` and ``demote_removed``."""
+        n = self.num_device_blocks
+        if keys.shape != (n, 2) or parents.shape != (n, 2) or hashes.shape != (n,) or valid.shape != (n,) \
+                or reused.shape != (n,):
+            raise InvalidId(f"bind_blocks: the arrays must cover the {n} device blocks")
+        cdef uint64_t[:, ::1] key_view = keys
+        cdef uint64_t[:, ::1] parent_view = parents
+        cdef uint64_t[::1] hash_view = hashes
+        cdef uint8_t[::1] valid_view = valid.view(np.uint8)
+        cdef uint8_t[::1] reused_view = reused.view(np.uint8)
+        self._bound = (keys, parents, hashes, valid, reused)
+        self._bkeys = &key_view[0, 0]
+        self._bparents = &parent_view[0, 0]
+        self._bhashes = &hash_view[0]
+        self._bvalid = &valid_view[0]
+        self._breused = &reused_view[0]
+
+    def note_blocks(self, const int32_t[::1] ids, const uint64_t[:, ::1] chain, uint64_t root_high,
+                    uint64_t root_low, const uint64_t[::1] hashes):
+        """Device blocks ``ids`` hold the chain ``chain`` (each block's key; its parent's is the key
+        before it, the first's (``root_high``, ``root_low``)) with content ``hashes``: they are
+        noted (valid) until they leave the cache."""
+        cdef Py_ssize_t count = ids.shape[0], i, bad
+        cdef int32_t block
+        if self._bound is None:
+            raise InvalidId("note_blocks: no arrays bound (bind_blocks)")
+        if chain.shape[0] != count or chain.shape[1] != 2 or hashes.shape[0] != count:
+            raise InvalidId(
+                f"note_blocks: {count} ids need ({count}, 2) keys and {count} hashes, got "
+                f"{tuple(chain.shape)[:2]} and {hashes.shape[0]}"
+            )
+        for i in range(count):
+            if not 0 <= ids[i] < self.num_device_blocks:
+                raise BlockIdOutOfRange(
+                    f"note_blocks: block id {ids[i]} is out of range: valid values are 0..{self.num_device_blocks - 1}"
+                )
+        cdef uint64_t parent_high = root_high, parent_low = root_low
+        for i in range(count):
+            block = ids[i]
+            self._bkeys[2 * block] = chain[i, 0]
+            self._bkeys[2 * block + 1] = chain[i, 1]
+            self._bparents[2 * block] = parent_high
+            self._bparents[2 * block + 1] = parent_low
+            self._bhashes[block] = hashes[i]
+            self._bvalid[block] = 1
+            parent_high, parent_low = chain[i, 0], chain[i, 1]
+
+    cdef bint _reserve_gather(self, Py_ssize_t count) noexcept nogil:
+        if count <= self._gsize:
+            return True
+        free(self._gkeys)
+        free(self._gparents)
+        free(self._gtokens)
+        free(self._gids)
+        self._gkeys = <uint64_t *>malloc(2 * count * sizeof(uint64_t))
+        self._gparents = <uint64_t *>malloc(2 * count * sizeof(uint64_t))
+        self._gtokens = <int32_t *>malloc(count * self.block_size * sizeof(int32_t))
+        self._gids = <int64_t *>malloc(count * sizeof(int64_t))
+        if self._gkeys == NULL or self._gparents == NULL or self._gtokens == NULL or self._gids == NULL:
+            self._gsize = 0
+            return False
+        self._gsize = count
+        return True
+
+    def demote_removed(self, RawEvents raw):
+        """Store what the removals of a drained log demote (those with block ids): each block
+        whose last holder noted it as the block the log says left (same content hash), under the
+        key and parent noted, with the log's tokens, as ``demote`` stores a batch; every removed
+        block is un-noted. Returns (the blocks the log demoted and were noted, the high words of
+        the keys stored, the high words of the entries evicted, the copy rows)."""
+        cdef EvEntry *entry
+        cdef Py_ssize_t e, i, hash_at = 0, token_at = 0, id_at = 0, count, known = 0, fresh = 0
+        cdef Py_ssize_t bs = self.block_size, num_rows = 0, num_evicted = 0, repeated = -1, bad = -1
+        cdef int32_t block
+        cdef uint64_t hash_value
+        cdef const int32_t *ids = raw._log.ids
+        if self._bound is None:
+            raise InvalidId("demote_removed: no arrays bound (bind_blocks)")
+        for e in range(raw._log.num_entries):  # bounds first: a block id the pool does not have
+            entry = raw._log.entries + e
+            if entry.kind == 2 and entry.has_ids:
+                if entry.num_tokens != entry.count * bs:
+                    raise InvalidId(
+                        f"demote_removed: a removal of {entry.count} blocks carries {entry.num_tokens} tokens"
+                    )
+                for i in range(id_at, id_at + entry.count):
+                    if not 0 <= ids[i] < self.num_device_blocks:
+                        raise BlockIdOutOfRange(
+                            f"demote_removed: block id {ids[i]} is out of range: valid values are "
+                            f"0..{self.num_device_blocks - 1}"
+                        )
+                id_at += entry.count
+        if id_at > raw._log.num_ids:
+            raise InvalidId(f"demote_removed: the log names {id_at} ids and holds {raw._log.num_ids}")
+        cdef PyThreadState *released = lc_enter(&self._mutex, id_at < NOGIL_MIN_WORK)
+        if not self._reserve_gather(id_at) or not self._reserve_seen(id_at) or not self._reserve_sort(id_at):
+            lc_leave(&self._mutex, released)
+            raise MemoryError(f"HostIndex.demote_removed: no scratch memory for {id_at} blocks")
+        id_at = 0
+        # What is demoted is read before any block is un-noted (a block id may be removed twice).
+        for e in range(raw._log.num_entries):
+            entry = raw._log.entries + e
+            count = entry.count
+            if entry.kind == 2 and entry.has_ids:
+                for i in range(count):
+                    block = ids[id_at + i]
+                    hash_value = raw._log.hashes[hash_at + i]
+                    if self._bvalid[block] and self._bhashes[block] == hash_value:
+                        self._gkeys[2 * known] = self._bkeys[2 * block]
+                        self._gkeys[2 * known + 1] = self._bkeys[2 * block + 1]
+                        self._gparents[2 * known] = self._bparents[2 * block]
+                        self._gparents[2 * known + 1] = self._bparents[2 * block + 1]
+                        memcpy(self._gtokens + known * bs, raw._log.tokens + token_at + i * bs, bs * sizeof(int32_t))
+                        self._gids[known] = block
+                        known += 1
+                id_at += count
+            hash_at += count
+            token_at += entry.num_tokens
+        for i in range(id_at):
+            self._bvalid[ids[i]] = 0
+            self._breused[ids[i]] = 0
+        repeated = self._first_repeated_id(self._gids, known) if known else -1
+        lc_leave(&self._mutex, released)
+        if repeated >= 0:
+            raise InvalidId(f"demote_removed: block id {self._gids[repeated]} is demoted twice in one log")
+        stored = np.empty(known, dtype=np.int64)
+        evicted = np.empty(min(known, self.capacity), dtype=np.uint64)
+        rows = np.empty((known * self._num_layers, 3), dtype=np.int64)
+        if known == 0:
+            return 0, stored.view(np.uint64), evicted, rows
+        cdef int64_t[::1] stored_view = stored
+        cdef uint64_t[::1] evicted_view = evicted
+        cdef int64_t[:, ::1] row_view = rows
+        released = lc_enter(&self._mutex, known < NOGIL_MIN_WORK)
+        fresh = self._demote(self._gkeys, self._gparents, self._gtokens, self._gids, known,
+                             &row_view[0, 0], &num_rows, &stored_view[0], &evicted_view[0], &num_evicted)
+        for i in range(fresh):  # positions -> the high words stored
+            stored_view[i] = <int64_t>self._gkeys[2 * stored_view[i]]
+        lc_leave(&self._mutex, released)
+        if fresh < 0:
+            raise MemoryError(f"HostIndex.demote_removed: no scratch memory for a batch of {known} blocks")
+        return known, stored[:fresh].view(np.uint64), evicted[:num_evicted], rows[:num_rows]
 
     def forget(self, keys):
         """Drop the entries of the high words ``keys`` (uint64) that the last ``demote`` stored and

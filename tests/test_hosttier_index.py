@@ -90,6 +90,47 @@ def test_copy_rows_move_each_block_into_its_slot_merging_contiguous_ones() -> No
     ]
 
 
+def test_a_run_of_blocks_given_in_descending_order_takes_contiguous_slots_in_one_copy() -> None:
+    index = make()
+    keys, parents, tokens = batch(1, 2, 3)
+    _, _, rows = index.demote(keys, parents, tokens, np.array([9, 8, 7], dtype=np.int64))
+    # slots go to the blocks in ascending device order (7 -> 0, 8 -> 1, 9 -> 2): one row
+    assert rows.tolist() == [[HOST_BASE, DEVICE_BASE + 7 * SLOT_BYTES, 3 * SLOT_BYTES]]
+    assert index.lru_order().tolist() == [1, 2, 3]  # recency is still the batch's order
+    slots = index.find(np.array([1, 2, 3], dtype=np.uint64)).tolist()
+    assert slots == [2, 1, 0]
+    # promoting the chain into descending device blocks merges backwards too
+    rows = index.promote(keys, tokens, np.array([12, 11, 10], dtype=np.int64), 0, 0)
+    assert rows.tolist() == [[DEVICE_BASE + 10 * SLOT_BYTES, HOST_BASE, 3 * SLOT_BYTES]]
+
+
+MANY = 160  # past the insertion sort's reach
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(list(range(MANY))), st.integers(1, MANY))
+def test_a_large_batch_copies_each_block_into_the_slot_its_key_finds(order: list[int], count: int) -> None:
+    """Past the insertion sort (the radix path), with slots freed out of order by evictions."""
+    index = HostIndex(MANY, BLOCK_SIZE, MANY, LAYERS, HOST_BASE, SLOT_BYTES)
+    demote(index, *range(1000, 1000 + MANY), ids=list(range(MANY)))
+    touched = [1000 + i for i in order[: MANY // 2]]  # recency scrambled: evictions free scattered slots
+    keys, _, tokens = batch(*touched)
+    index.lookup(keys, tokens, 0, 0, np.array([[t - 1, t] if t > 1000 else [0, 0] for t in touched], dtype=np.uint64))
+    highs = list(range(1, 1 + MANY))[:count]
+    ids = order[:count]
+    keys, parents, tokens = batch(*highs)
+    positions, _, rows = index.demote(keys, parents, tokens, np.array(ids, dtype=np.int64))
+    assert positions.tolist() == list(range(count))
+    copied = {}
+    for dst, src, nbytes in rows.tolist():
+        for k in range(0, nbytes, SLOT_BYTES):
+            copied[(dst - HOST_BASE + k) // SLOT_BYTES] = (src - DEVICE_BASE + k) // SLOT_BYTES
+    slots = index.find(np.array(highs, dtype=np.uint64)).tolist()
+    assert copied == dict(zip(slots, ids))
+    assert index.lru_order().tolist()[-count:] == highs
+    index.check_invariants()
+
+
 def test_lookup_counts_the_leading_run_of_blocks_that_match_key_parent_and_tokens() -> None:
     index = make()
     demote(index, 10, 20, 30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -698,6 +699,56 @@ def test_events_through_random_traffic_tell_what_every_tier_holds(models: list[H
             replayed(model, index)
     replayed(model, index)
     assert index.check_hashes("CPU") == len(index.holds("CPU"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_compiled_drain_demotes_as_the_drain_with_events_does(
+    models: list[HybridModel], seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without events or a store a drain demotes the whole log in one compiled call
+    (``HostTier.demote_removed``); with events it goes block by block through ``HostTier.demote``.
+    Through the same random traffic both hold the same blocks, hit the same and leak nothing."""
+    fast, slow = tiered(models, host_blocks=5, events=False), tiered(models, host_blocks=5, events=True)
+    calls: list[tuple[str, HostTier]] = []
+    real_removed, real_demote = HostTier.demote_removed, HostTier.demote
+
+    def demote_removed(self: HostTier, raw: Any) -> int:
+        calls.append(("removed", self))
+        return real_removed(self, raw)
+
+    def demote(self: HostTier, *args: Any, **kwargs: Any) -> int:
+        calls.append(("demote", self))
+        return real_demote(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostTier, "demote_removed", demote_removed)
+    monkeypatch.setattr(HostTier, "demote", demote)
+    rng = np.random.default_rng(seed)
+    documents = [[1, 2, 3, 4], [1, 2, 5], [6, 7, 8], [9], [1, 2, 3, 10, 11]]
+    for _ in range(80):
+        action = rng.integers(10)
+        document = documents[int(rng.integers(len(documents)))]
+        length, count = int(rng.integers(1, len(document) + 1)), int(rng.integers(1, 6))
+        for model in (fast, slow):
+            if action < 7:
+                cache_prompt(model, *document[:length])
+            elif action < 9:
+                model.reclaim_prefix_blocks(count)
+            else:
+                model.reset_prefix_cache()
+        if action == 9 or rng.integers(4) == 0:
+            slow.take_events()
+        fast_host, slow_host = fast.host_tier, slow.host_tier
+        assert fast_host is not None and slow_host is not None
+        assert fast_host.stats() == slow_host.stats()
+        assert fast_host._index.lru_order().tolist() == slow_host._index.lru_order().tolist()
+        fast_stats, slow_stats = fast.stats(), slow.stats()
+        for name in ("blocks_demoted", "blocks_promoted", "host_hit_blocks", "prefix_hit_tokens"):
+            assert getattr(fast_stats, name) == getattr(slow_stats, name), name
+        fast.check_invariants()
+        slow.check_invariants()
+    assert fast.stats().blocks_demoted > 0 and fast.stats().blocks_promoted > 0
+    assert {kind for kind, host in calls if host is fast.host_tier} == {"removed"}
+    assert {kind for kind, host in calls if host is slow.host_tier} == {"demote"}
 
 
 # -- lifecycle simulate ---------------------------------------------------------------------------------

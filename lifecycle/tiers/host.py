@@ -30,6 +30,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._evlog import RawEvents
 from lifecycle._hosttier import HostIndex
 from lifecycle.device.base import Device
 from lifecycle.device.host import physical_memory_bytes
@@ -319,6 +320,85 @@ class HostTier:
             for listener in listeners:  # outside the lock: a listener may read the tier
                 listener(stored_list)
         return len(positions)
+
+    # -- the model's demotion (lifecycle.tiers.promote.ModelTiers) ---------------------------------
+
+    def bind_blocks(
+        self, keys: npt.NDArray[np.uint64], parents: npt.NDArray[np.uint64], hashes: npt.NDArray[np.uint64],
+        valid: npt.NDArray[np.bool_], reused: npt.NDArray[np.bool_],
+    ) -> None:
+        """Note what each device block holds in these arrays (one row per device block: its key
+        and its parent's, (n, 2) uint64; its content hash; whether it is noted, whether it was
+        reused), for :meth:`note_blocks` and :meth:`demote_removed`."""
+        with self._lock:
+            self._index.bind_blocks(keys, parents, hashes, valid, reused)
+
+    def note_blocks(
+        self, block_ids: npt.NDArray[np.int32], keys: npt.NDArray[np.uint64], root: tuple[int, int],
+        hashes: npt.NDArray[np.uint64],
+    ) -> None:
+        """Device blocks ``block_ids`` (int32) hold the chain of ``keys`` after ``root``, with
+        content ``hashes``: noted until they leave the device cache (one compiled call)."""
+        with self._lock:
+            self._index.note_blocks(block_ids, keys, root[0], root[1], hashes)
+
+    def demote_removed(self, raw: RawEvents) -> int:
+        """Demote what the removals of the core's drained log ``raw`` name (their block ids and
+        tokens), each block under the key noted for it (:meth:`note_blocks`) where its content
+        hash is the one noted; every removed block is un-noted. As :meth:`demote` stores a batch,
+        in one compiled call for the whole log; returns the blocks stored."""
+        with self._lock:
+            self._check_open("demote_removed")
+            _, stored, evicted, copies = self._index.demote_removed(raw)
+            if not len(stored):
+                self._record(evicted, stored)
+                return 0
+            try:
+                self._device.copy_batch(copies)
+                self._device.synchronize()
+            except BaseException:
+                self._index.forget(stored)  # the slots hold nothing usable
+                self._record(evicted, stored[:0])
+                raise
+            self._record(evicted, stored)
+            listeners = self._listeners
+        if listeners:
+            stored_list: list[int] = stored.tolist()
+            for listener in listeners:  # outside the lock: a listener may read the tier
+                listener(stored_list)
+        return len(stored)
+
+    def lookup_rows(self, keys: npt.NDArray[np.uint64], tokens: npt.NDArray[np.int32], parent: tuple[int, int]) -> int:
+        """:meth:`lookup` for the model's own arrays: ``keys`` (n, 2) uint64 rows, ``tokens`` its
+        int32 token ids (checked when it admitted them), ``parent`` a (high, low) pair; only
+        their shapes and types are checked."""
+        rows = self._own_tokens("lookup", tokens, len(keys))
+        with self._lock:
+            self._check_open("lookup")
+            found: int = self._index.lookup(keys, rows, parent[0], parent[1])
+            return found
+
+    def promote_rows(
+        self, keys: npt.NDArray[np.uint64], block_ids: npt.NDArray[np.integer[Any]], tokens: npt.NDArray[np.int32],
+        parent: tuple[int, int],
+    ) -> None:
+        """:meth:`promote` for the model's own arrays (as :meth:`lookup_rows` takes them); the block
+        ids are checked as :meth:`promote` checks them."""
+        rows = self._own_tokens("promote", tokens, len(keys))
+        ids = self._block_ids("promote", block_ids, len(keys))
+        with self._lock:
+            self._check_open("promote")
+            copies = self._index.promote(keys, rows, ids, parent[0], parent[1])
+            if not len(keys):
+                return
+            self._device.copy_batch(copies)
+            self._device.synchronize()
+            self._index.promoted(len(keys))
+
+    def _own_tokens(self, call: str, tokens: npt.NDArray[np.int32], count: int) -> npt.NDArray[np.int32]:
+        if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.size != count * self._block_size:
+            return self._tokens(call, tokens, count)  # names what is wrong
+        return np.ascontiguousarray(tokens).reshape(count, self._block_size)
 
     def lookup(self, hashes: KeysLike, tokens: TokensLike, parent: KeyLike = 0) -> int:
         """Length of the leading run of ``hashes`` held as one chain after ``parent`` with equal

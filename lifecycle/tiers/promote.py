@@ -33,7 +33,7 @@ from lifecycle.events.translate import KVEventLog
 from lifecycle.events.types import MEDIUM_CPU
 from lifecycle.pools import KVPool, SSMPool
 from lifecycle.snapshots import snapshot_blocks_at_finish
-from lifecycle.tiers._args import chained_parents, token_blocks
+from lifecycle.tiers._args import token_blocks
 from lifecycle.tiers.host import HostTier
 from lifecycle.tiers.keys import TierKeys
 from lifecycle.tiers.records import BlockRecord
@@ -151,6 +151,9 @@ class ModelTiers:
                         self._host.subscribe(self._store.write_behind)
                 if events is not None:
                     self._host.record_changes(True)
+                self._host.bind_blocks(
+                    self._block_keys, self._block_parents, self._block_hashes, self._block_valid, self._block_reused
+                )
             except BaseException:
                 if self._snapshots is not None:
                     self._snapshots.close()
@@ -202,10 +205,7 @@ class ModelTiers:
         if len(hashes) < full:  # blocks not hashed yet hold nothing a tier can name
             full = len(hashes)
             ids, chain = ids[:full], chain[:full]
-        self._block_keys[ids] = chain
-        self._block_parents[ids] = chained_parents(chain, root)
-        self._block_hashes[ids] = hashes
-        self._block_valid[ids] = True
+        self._host.note_blocks(ids, chain, root, hashes)  # each block's key, parent's key, hash
         if self._snapshots is not None and slot is not None:
             self._save_snapshot(handle, chain, slot)
         self.counters.tier_ns += time.perf_counter_ns() - started
@@ -241,6 +241,13 @@ class ModelTiers:
         if not self._core.pending_events:
             return
         raw = self._core.take_events()
+        if self._events is None and self._store is None and self._host is not None:
+            # the host tier alone: the whole log's demotion is one compiled call
+            started = time.perf_counter_ns()
+            self.counters.blocks_demoted += self._host.demote_removed(raw)
+            self.counters.tier_copy_ns += time.perf_counter_ns() - started
+            self.counters.tier_ns += time.perf_counter_ns() - started
+            return
         demoted = self._demoted(raw) if self._host is not None else None
         leaving: dict[int, int] = {}  # the cache keys of the blocks that left the device, where not 0
         if self._events is not None:
@@ -318,7 +325,8 @@ class ModelTiers:
         chain = self._keys.chain(prompt[: limit * self._block_size], root)
         bs = self._block_size
         wanted = chain[reused_blocks:]
-        found = self._host.lookup(wanted, prompt[reused_blocks * bs : limit * bs], _before(chain, reused_blocks, root))
+        tokens = prompt[reused_blocks * bs : limit * bs]
+        found = self._host.lookup_rows(wanted, tokens, _before(chain, reused_blocks, root))
         return self._snapshot_run(wanted, found) if self._snapshots is not None else found
 
     def prefetch(self, cache_key: int, prompt: npt.ArrayLike) -> int:
@@ -334,7 +342,7 @@ class ModelTiers:
         root = self._keys.root(cache_key)
         chain = self._keys.chain(prompt[: limit * self._block_size], root)
         bs = self._block_size
-        found = self._host.lookup(chain, prompt[: limit * bs], root)
+        found = self._host.lookup_rows(chain, prompt[: limit * bs], root)
         if found == limit:
             return 0
         return self._store.prefetch(chain[found:], prompt[found * bs : limit * bs], _before(chain, found, root))
@@ -372,7 +380,7 @@ class ModelTiers:
             wanted = chain[reused_blocks:]
             parent = self._parent(handle, chain, reused_blocks)
             tokens = prompt[reused_blocks * bs : limit * bs]
-            found = host.lookup(wanted, tokens, parent)
+            found = host.lookup_rows(wanted, tokens, parent)
             self.counters.host_hit_blocks += found
             from_host = found
             if found < len(wanted) and self._store is not None:
@@ -388,7 +396,8 @@ class ModelTiers:
                 return 0
             table = core.block_table(handle)
             copying = time.perf_counter_ns()
-            host.promote(wanted[:found], table[reused_blocks : reused_blocks + found], tokens[: found * bs], parent)
+            ids = table[reused_blocks : reused_blocks + found]
+            host.promote_rows(wanted[:found], ids, tokens[: found * bs], parent)
             if self._snapshots is not None:
                 assert slot is not None
                 high, low = wanted[found - 1].tolist()

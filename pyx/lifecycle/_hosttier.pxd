@@ -5,7 +5,7 @@
 # copies it plans are rows the caller hands to the device layer in one batched copy.
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from lifecycle._sync cimport lc_mutex_t
 
@@ -61,6 +61,21 @@ cdef class HostIndex:
     cdef Entry *_seen                       # scratch: a batch's new keys
     cdef Py_ssize_t _seen_size              # entries allocated
     cdef Py_ssize_t _seen_used              # entries the running call uses (a power of two)
+    cdef uint64_t *_sort                    # scratch: a demotion's slot assignment (3 arrays)
+    cdef Py_ssize_t _sort_size              # words allocated
+    # What each device block holds, as its last holder noted it (``bind_blocks``: the model's arrays)
+    cdef object _bound                      # the arrays, kept alive
+    cdef uint64_t *_bkeys                   # (num_device_blocks, 2): its key
+    cdef uint64_t *_bparents                # (num_device_blocks, 2): its parent's key
+    cdef uint64_t *_bhashes                 # its content hash
+    cdef uint8_t *_bvalid                   # noted since it was cached
+    cdef uint8_t *_breused                  # hit on the device since it was cached
+    # scratch: a drained log's demoted blocks, gathered
+    cdef uint64_t *_gkeys
+    cdef uint64_t *_gparents
+    cdef int32_t *_gtokens
+    cdef int64_t *_gids
+    cdef Py_ssize_t _gsize
     cdef int64_t *_layers                   # per layer: device base, block bytes, offset in a slot
     cdef Py_ssize_t _num_layers
     cdef int64_t _host_base
@@ -79,6 +94,8 @@ cdef class HostIndex:
                         const int32_t *tokens) noexcept nogil
     cdef uint32_t _next_epoch(self) noexcept nogil
     cdef bint _reserve_seen(self, Py_ssize_t count) noexcept nogil
+    cdef bint _reserve_sort(self, Py_ssize_t count) noexcept nogil
+    cdef bint _reserve_gather(self, Py_ssize_t count) noexcept nogil
     cdef Py_ssize_t _first_bad_id(self, const int64_t *ids, Py_ssize_t count) noexcept nogil
     cdef Py_ssize_t _first_repeated_id(self, const int64_t *ids, Py_ssize_t count) noexcept nogil
     cdef Py_ssize_t _demote(self, const uint64_t *keys, const uint64_t *parents, const int32_t *tokens,

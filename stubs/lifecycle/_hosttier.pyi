@@ -5,6 +5,8 @@ from typing import Final, final
 import numpy as np
 import numpy.typing as npt
 
+from lifecycle._evlog import RawEvents
+
 COUNT_NAMES: Final[tuple[str, ...]]
 
 @final
@@ -37,6 +39,17 @@ class HostIndex:
         block_ids: npt.NDArray[np.int64],
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
     def forget(self, keys: npt.NDArray[np.uint64]) -> None: ...
+    def bind_blocks(
+        self, keys: npt.NDArray[np.uint64], parents: npt.NDArray[np.uint64], hashes: npt.NDArray[np.uint64],
+        valid: npt.NDArray[np.bool_], reused: npt.NDArray[np.bool_],
+    ) -> None: ...
+    def note_blocks(
+        self, ids: npt.NDArray[np.int32], chain: npt.NDArray[np.uint64], root_high: int, root_low: int,
+        hashes: npt.NDArray[np.uint64],
+    ) -> None: ...
+    def demote_removed(
+        self, raw: RawEvents
+    ) -> tuple[int, npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
     def lookup(
         self, keys: npt.NDArray[np.uint64], tokens: npt.NDArray[np.int32], first_high: int, first_low: int,
         parents: npt.NDArray[np.uint64] | None = None,
