@@ -644,7 +644,7 @@ cdef class HostIndex:
         """Device blocks ``ids`` hold the chain ``chain`` (each block's key; its parent's is the key
         before it, the first's (``root_high``, ``root_low``)) with content ``hashes``: they are
         noted (valid) until they leave the cache."""
-        cdef Py_ssize_t count = ids.shape[0], i, bad
+        cdef Py_ssize_t count = ids.shape[0], i
         cdef int32_t block
         if self._bound is None:
             raise InvalidId("note_blocks: no arrays bound (bind_blocks)")
@@ -694,7 +694,7 @@ cdef class HostIndex:
         the keys stored, the high words of the entries evicted, the copy rows)."""
         cdef EvEntry *entry
         cdef Py_ssize_t e, i, hash_at = 0, token_at = 0, id_at = 0, count, known = 0, fresh = 0
-        cdef Py_ssize_t bs = self.block_size, num_rows = 0, num_evicted = 0, repeated = -1, bad = -1
+        cdef Py_ssize_t bs = self.block_size, num_rows = 0, num_evicted = 0, repeated = -1
         cdef int32_t block
         cdef uint64_t hash_value
         cdef const int32_t *ids = raw._log.ids
