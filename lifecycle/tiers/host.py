@@ -306,20 +306,30 @@ class HostTier:
                 self._record(evicted, positions.view(np.uint64))
                 return 0
             stored = key_rows[positions, 0]
-            try:
-                self._device.copy_batch(copies)
-                self._device.synchronize()
-            except BaseException:
-                self._index.forget(stored)  # the slots hold nothing usable
-                self._record(evicted, stored[:0])
-                raise
-            self._record(evicted, stored)
-            listeners = self._listeners
+            listeners = self._write(evicted, stored, copies)
+        self._tell(listeners, stored)
+        return len(positions)
+
+    def _write(self, evicted: Any, stored: Any, copies: Any) -> Any:
+        """(Lock held) Copy a stored batch into its slots and record it; a failed copy forgets
+        the batch (its slots hold nothing usable) and raises. Returns the listeners to tell."""
+        try:
+            self._device.copy_batch(copies)
+            self._device.synchronize()
+        except BaseException:
+            self._index.forget(stored)
+            self._record(evicted, stored[:0])
+            raise
+        self._record(evicted, stored)
+        return self._listeners
+
+    @staticmethod
+    def _tell(listeners: Any, stored: Any) -> None:
+        """Tell ``listeners`` the keys stored, outside the lock (a listener may read the tier)."""
         if listeners:
             stored_list: list[int] = stored.tolist()
-            for listener in listeners:  # outside the lock: a listener may read the tier
+            for listener in listeners:
                 listener(stored_list)
-        return len(positions)
 
     # -- the model's demotion (lifecycle.tiers.promote.ModelTiers) ---------------------------------
 
@@ -353,19 +363,8 @@ class HostTier:
             if not len(stored):
                 self._record(evicted, stored)
                 return 0
-            try:
-                self._device.copy_batch(copies)
-                self._device.synchronize()
-            except BaseException:
-                self._index.forget(stored)  # the slots hold nothing usable
-                self._record(evicted, stored[:0])
-                raise
-            self._record(evicted, stored)
-            listeners = self._listeners
-        if listeners:
-            stored_list: list[int] = stored.tolist()
-            for listener in listeners:  # outside the lock: a listener may read the tier
-                listener(stored_list)
+            listeners = self._write(evicted, stored, copies)
+        self._tell(listeners, stored)
         return len(stored)
 
     def lookup_rows(self, keys: npt.NDArray[np.uint64], tokens: npt.NDArray[np.int32], parent: tuple[int, int]) -> int:
