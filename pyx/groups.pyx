@@ -796,8 +796,8 @@ cdef class KVGroups:
         return self.num_free(g) - before
 
     cdef void _flush0(self, Py_ssize_t count, Py_ssize_t *freed0, Py_ssize_t *trimmed, Failure *f) noexcept nogil:
-        """(punch) Free group 0's blocks of ``count`` one-block trims, in ``self._trimmed``, as
-        ``_trim_to`` frees each (the same order, one batch)."""
+        """Free group 0's blocks of ``count`` trims, in ``self._trimmed``, in one batch and count
+        them (``_trim_to``'s, and ``punch``'s one-block trims gathered in the same order)."""
         cdef Py_ssize_t freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, count, &f.batch)
         freed0[0] += freed
         trimmed[0] += count
@@ -1182,7 +1182,7 @@ cdef class KVGroups:
         """Trim leaf ``v`` (unprotected) to end at block ``cut`` in every group (``cut`` at its
         start: the node goes)."""
         cdef RNode *node = &t._nodes[v]
-        cdef Py_ssize_t g, p, count, freed, end = node.depth + node.length, take = end - cut
+        cdef Py_ssize_t g, p, count, end = node.depth + node.length, take = end - cut
         cdef int32_t *col
         if take <= 0:
             return 0
@@ -1210,14 +1210,7 @@ cdef class KVGroups:
         t._trim_leaf(v, take, self._trimmed, NULL, self._hashes if logging else NULL, 0)
         if logging:
             self._evlog.removed(self._trimmed, NULL, self._hashes, take, 0)
-        freed = (<BlockPool>self._pools[0])._dec_ref_locked(self._trimmed, take, &f.batch)
-        freed0[0] += freed
-        trimmed[0] += take
-        self._counts[0].freed += freed
-        self._counts[0].evicted += take
-        if f.batch.failed_at >= 0:
-            f.code = E_INVARIANT
-            return -1
+        self._flush0(take, freed0, trimmed, f)
         return 0 if f.code == OK else -1
 
     cdef int settle_leaf(self, RadixTrie t, int32_t v, Py_ssize_t *freed0, Py_ssize_t *trimmed,
