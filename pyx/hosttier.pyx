@@ -18,6 +18,17 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
 
+cimport numpy as cnp
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLong
+from cpython.object cimport PyObject
+
+cdef extern from "Python.h":
+    bint PyLong_CheckExact(object o)
+    bint PyTuple_CheckExact(object o)
+
+cnp.import_array()
+
 from cpython.pystate cimport PyThreadState
 from lifecycle._evlog cimport EvEntry, RawEvents
 from lifecycle._sync cimport NOGIL_MIN_WORK, lc_enter, lc_enter_gil, lc_leave, lc_mutex_destroy, lc_mutex_init
@@ -118,6 +129,129 @@ cdef void _sort_high(uint64_t *words, uint64_t *spare, Py_ssize_t count, uint64_
         shift += 11
     if source != words:
         memcpy(words, source, count * sizeof(uint64_t))
+
+
+# -- the calls' fast path: arguments already in the shapes the checks would make them --------------
+# HostTier.demote / promote hand their arguments here first. Where every argument is of a form these
+# read directly (lists of ints, C-contiguous uint64 / int64 / int32 arrays) and valid, the call runs
+# in one pass; anything else (another form, a value out of range, an error to name) returns None
+# and the caller's checks run as before, naming what is wrong. Nothing changes before that answer.
+
+cdef Py_ssize_t _num_keys(object keys) noexcept:
+    """How many keys ``keys`` holds in a form the fast path reads, -1 for any other."""
+    cdef cnp.ndarray array
+    if type(keys) is list:
+        return PyList_GET_SIZE(keys)
+    if type(keys) is np.ndarray:
+        array = <cnp.ndarray>keys
+        if cnp.PyArray_TYPE(array) == cnp.NPY_UINT64 and cnp.PyArray_ISCARRAY_RO(array):
+            if cnp.PyArray_NDIM(array) == 1:
+                return cnp.PyArray_DIM(array, 0)
+            if cnp.PyArray_NDIM(array) == 2 and cnp.PyArray_DIM(array, 1) == 2:
+                return cnp.PyArray_DIM(array, 0)
+    return -1
+
+
+cdef bint _read_word(object item, uint64_t *out) noexcept:
+    """An int in [0, 2**64) into ``out``; False for anything else (a bool or a float included)."""
+    if not PyLong_CheckExact(item):
+        return False
+    try:
+        out[0] = PyLong_AsUnsignedLongLong(item)
+    except OverflowError:
+        return False
+    return True
+
+
+cdef bint _read_keys(object keys, Py_ssize_t count, uint64_t *out) noexcept:
+    """``count`` keys of ``keys`` (``_num_keys`` said count) as (high, low) rows into ``out``;
+    False where one is not an int in [0, 2**64)."""
+    cdef Py_ssize_t i
+    cdef cnp.ndarray array
+    cdef const uint64_t *words
+    if type(keys) is list:
+        for i in range(count):
+            if not _read_word(<object>PyList_GET_ITEM(keys, i), out + 2 * i):
+                return False
+            out[2 * i + 1] = 0
+        return True
+    array = <cnp.ndarray>keys
+    words = <const uint64_t *>cnp.PyArray_DATA(array)
+    if cnp.PyArray_NDIM(array) == 2:
+        memcpy(out, words, 2 * count * sizeof(uint64_t))
+    else:
+        for i in range(count):
+            out[2 * i] = words[i]
+            out[2 * i + 1] = 0
+    return True
+
+
+cdef bint _read_ids(object ids, Py_ssize_t count, Py_ssize_t limit, int64_t *out) noexcept:
+    """``count`` device block ids in [0, ``limit``) into ``out`` from a list of ints or a
+    C-contiguous 1-D int64 / int32 array; False for any other form, count or value."""
+    cdef Py_ssize_t i
+    cdef cnp.ndarray array
+    cdef object item
+    cdef int64_t value
+    if type(ids) is list:
+        if PyList_GET_SIZE(ids) != count:
+            return False
+        for i in range(count):
+            item = <object>PyList_GET_ITEM(ids, i)
+            if not PyLong_CheckExact(item):
+                return False
+            try:
+                value = PyLong_AsLongLong(item)
+            except OverflowError:
+                return False
+            if not 0 <= value < limit:
+                return False
+            out[i] = value
+        return True
+    if type(ids) is not np.ndarray:
+        return False
+    array = <cnp.ndarray>ids
+    if cnp.PyArray_NDIM(array) != 1 or cnp.PyArray_DIM(array, 0) != count or not cnp.PyArray_ISCARRAY_RO(array):
+        return False
+    if cnp.PyArray_TYPE(array) == cnp.NPY_INT64:
+        memcpy(out, cnp.PyArray_DATA(array), count * sizeof(int64_t))
+    elif cnp.PyArray_TYPE(array) == cnp.NPY_INT32:
+        for i in range(count):
+            out[i] = (<const int32_t *>cnp.PyArray_DATA(array))[i]
+    else:
+        return False
+    for i in range(count):
+        if not 0 <= out[i] < limit:
+            return False
+    return True
+
+
+cdef const int32_t *_read_tokens(object tokens, Py_ssize_t count) noexcept:
+    """The token ids of a C-contiguous int32 array of ``count`` ids, each in [0, 2**31); NULL
+    for any other form, size or value."""
+    cdef cnp.ndarray array
+    cdef const int32_t *ids
+    cdef Py_ssize_t i
+    cdef int32_t low = 0
+    if type(tokens) is not np.ndarray:
+        return NULL
+    array = <cnp.ndarray>tokens
+    if (cnp.PyArray_TYPE(array) != cnp.NPY_INT32 or not cnp.PyArray_ISCARRAY_RO(array)
+            or cnp.PyArray_SIZE(array) != count):
+        return NULL
+    ids = <const int32_t *>cnp.PyArray_DATA(array)
+    for i in range(count):
+        low = low if low < ids[i] else ids[i]
+    return NULL if low < 0 else ids
+
+
+cdef bint _read_parent(object parent, uint64_t *out) noexcept:
+    """One key (an int, or a (high, low) tuple of ints, each in [0, 2**64)) into ``out[0:2]``."""
+    if type(parent) is tuple:
+        return (len(parent) == 2 and _read_word((<tuple>parent)[0], out)
+                and _read_word((<tuple>parent)[1], out + 1))
+    out[1] = 0
+    return _read_word(parent, out)
 
 
 @cython.final
@@ -584,6 +718,87 @@ cdef class HostIndex:
             raise InvalidId(
                 f"{call}: tokens must be ({count}, {self.block_size}) int32, got {tokens.shape} of {tokens.dtype}"
             )
+
+    def demote_fast(self, hashes, block_ids, tokens, parents):
+        """``HostTier.demote``'s arguments as given, read directly where each is in a form this
+        takes (see above) and valid: the batch is stored as ``demote`` stores it, and the answer
+        is (the high words of the keys stored, of the entries evicted, the copy rows). None, with
+        nothing changed, for anything else: the caller's checks then run."""
+        cdef Py_ssize_t count = _num_keys(hashes), bs = self.block_size
+        if count <= 0 or (parents is not None and _num_keys(parents) != count):
+            return None
+        cdef const int32_t *token_ids = _read_tokens(tokens, count * bs)
+        if token_ids == NULL:
+            return None
+        cdef uint64_t *words = <uint64_t *>malloc(count * (4 * sizeof(uint64_t) + sizeof(int64_t)))
+        if words == NULL:
+            return None
+        cdef uint64_t *parent_words = words + 2 * count
+        cdef int64_t *ids = <int64_t *>(words + 4 * count)
+        cdef Py_ssize_t i
+        if not _read_keys(hashes, count, words) or not _read_ids(block_ids, count, self.num_device_blocks, ids) or (
+            parents is not None and not _read_keys(parents, count, parent_words)
+        ):
+            free(words)
+            return None
+        if parents is None:  # one chain after key 0
+            parent_words[0] = parent_words[1] = 0
+            memcpy(parent_words + 2, words, 2 * (count - 1) * sizeof(uint64_t))
+        stored = np.empty(count, dtype=np.int64)
+        evicted = np.empty(min(count, self.capacity), dtype=np.uint64)
+        rows = np.empty((count * self._num_layers, 3), dtype=np.int64)
+        cdef int64_t *stored_at = <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>stored)
+        cdef Py_ssize_t fresh = 0, num_rows = 0, num_evicted = 0, repeated
+        cdef PyThreadState *released = lc_enter(&self._mutex, count < NOGIL_MIN_WORK)
+        repeated = self._first_repeated_id(ids, count)
+        if repeated < 0:
+            fresh = self._demote(words, parent_words, token_ids, ids, count,
+                                 <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>rows), &num_rows, stored_at,
+                                 <uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>evicted), &num_evicted)
+            for i in range(fresh):  # positions -> the high words stored
+                stored_at[i] = <int64_t>words[2 * stored_at[i]]
+        lc_leave(&self._mutex, released)
+        free(words)
+        if repeated >= 0:
+            return None
+        if fresh < 0:
+            raise MemoryError(f"HostIndex.demote: no scratch memory for a batch of {count} blocks")
+        return stored[:fresh].view(np.uint64), evicted[:num_evicted], rows[:num_rows]
+
+    def promote_fast(self, hashes, block_ids, tokens, parent, parents):
+        """``HostTier.promote``'s arguments as given: the copy rows, as ``promote`` makes them,
+        where each argument is in a form this reads and valid and every entry is the block asked
+        for; None, with nothing changed, for anything else (the caller's checks then name it)."""
+        cdef Py_ssize_t count = _num_keys(hashes), bs = self.block_size
+        if count <= 0 or (parents is not None and _num_keys(parents) != count):
+            return None
+        cdef const int32_t *token_ids = _read_tokens(tokens, count * bs)
+        if token_ids == NULL:
+            return None
+        cdef uint64_t first[2]
+        if not _read_parent(parent, first):
+            return None
+        cdef uint64_t *words = <uint64_t *>malloc(count * (4 * sizeof(uint64_t) + sizeof(int64_t) + sizeof(int32_t)))
+        if words == NULL:
+            return None
+        cdef uint64_t *parent_words = words + 2 * count
+        cdef int64_t *ids = <int64_t *>(words + 4 * count)
+        cdef int32_t *slots = <int32_t *>(ids + count)
+        if not _read_keys(hashes, count, words) or not _read_ids(block_ids, count, self.num_device_blocks, ids) or (
+            parents is not None and not _read_keys(parents, count, parent_words)
+        ):
+            free(words)
+            return None
+        rows = np.empty((count * self._num_layers, 3), dtype=np.int64)
+        cdef Py_ssize_t num_rows = -1
+        cdef PyThreadState *released = lc_enter(&self._mutex, count < NOGIL_MIN_WORK)
+        if (self._first_repeated_id(ids, count) < 0 and self._held_run(words, count, slots) == count
+                and self._verified_run(slots, count, words, parent_words if parents is not None else NULL,
+                                       first[0], first[1], token_ids) == count):
+            num_rows = self._rows(slots, ids, count, False, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>rows))
+        lc_leave(&self._mutex, released)
+        free(words)
+        return None if num_rows < 0 else rows[:num_rows]
 
     def demote(self, keys, parents, tokens, block_ids):
         """Store the blocks of a batch: ``keys`` and ``parents`` (n, 2) uint64, ``tokens`` (n,

@@ -264,6 +264,98 @@ def test_a_hash_outside_64_bits_is_refused(tier: HostTier) -> None:
         tier.lookup([1 << 64], tokens_of(0))
 
 
+def _slow_forms(hashes: list[int], ids: npt.NDArray[np.int64], tokens: npt.NDArray[np.int32],
+                parents: list[int] | None) -> tuple[Any, Any, Any, Any]:
+    """The same arguments in forms the index's fast path does not read (a tuple, a list of lists):
+    the call takes the checked path."""
+    return tuple(hashes), tuple(ids.tolist()), tokens.tolist(), None if parents is None else tuple(parents)
+
+
+def test_the_fast_path_does_what_the_checked_path_does(pool: KVPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """demote and promote with lists and arrays (read by the index in one pass) store, evict,
+    count, copy and refuse exactly as with the same arguments in other forms (checked in Python)."""
+    import lifecycle.tiers.host as host_module
+
+    checked = host_module.tier_key_rows
+    fallbacks = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fallbacks[0] += 1
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(host_module, "tier_key_rows", counted)
+    fast, slow = make_tier(pool, capacity=6), make_tier(pool, capacity=6)
+    rng = np.random.default_rng(7)
+    held: list[tuple[list[int], npt.NDArray[np.int32], list[int] | None]] = []
+    for step in range(300):
+        count = int(rng.integers(1, 5))
+        hashes = [int(h) for h in rng.integers(1, 40, count)]  # repeats and keys held already
+        hashes[0] |= int(rng.integers(0, 2)) << 63  # a high bit set: the full 64-bit range
+        ids = rng.choice(NUM_BLOCKS, count, replace=False).astype(np.int64)
+        tokens = rng.integers(0, 3, (count, BLOCK_SIZE)).astype(np.int32)
+        parents = None if rng.integers(0, 2) else [int(p) for p in rng.integers(0, 40, count)]
+        calls = fallbacks[0]
+        got = fast.demote(hashes, ids if step % 2 else ids.tolist(), tokens, parents)
+        assert fallbacks[0] == calls  # the fast path took it
+        assert got == slow.demote(*_slow_forms(hashes, ids, tokens, parents))
+        assert fallbacks[0] == calls + 1 + (parents is not None)  # the checked path took these
+        held.append((hashes, tokens, parents))
+        assert fast.stats() == slow.stats()
+        assert np.array_equal(fast._index.lru_order(), slow._index.lru_order())
+        fast.check_invariants()
+        slow.check_invariants()
+        # promote a batch demoted earlier: the same copies, or the same refusal (an entry gone or
+        # another block than asked)
+        hashes, tokens, parents = held[int(rng.integers(0, len(held)))]
+        targets = rng.choice(NUM_BLOCKS, len(hashes), replace=False).astype(np.int64)
+        outcome: list[object] = []
+        for tier, forms in ((fast, (hashes, targets, tokens, parents)),
+                            (slow, _slow_forms(hashes, targets, tokens, parents))):
+            calls = fallbacks[0]
+            try:
+                tier.promote(forms[0], forms[1], forms[2], parents=forms[3])
+                outcome.append([block_bytes(pool.device, pool, int(b)) for b in targets])
+                assert tier is slow or fallbacks[0] == calls  # a promote that copies: the fast path
+            except InvalidId as error:
+                outcome.append(str(error))
+        assert outcome[0] == outcome[1]
+        assert fast.stats() == slow.stats()
+    assert fast.stats().promoted > 20 and fast.stats().duplicates > 20 and fast.stats().evicted > 100  # both paths were exercised
+    # refusals in the fast forms name the same values and change nothing
+    bad_calls: list[tuple[Any, ...]] = [
+        ([1, 2], [0, NUM_BLOCKS], tokens_of(0, 1), None),
+        ([1, 2], [3, 3], tokens_of(0, 1), None),
+        ([1, 2], [-1, 3], tokens_of(0, 1), None),
+        ([1, -2], [0, 1], tokens_of(0, 1), None),
+        ([1, 1 << 64], [0, 1], tokens_of(0, 1), None),
+        ([1, True], [0, 1], tokens_of(0, 1), None),
+        ([1, 2], [0, 1], tokens_of(0), None),
+        ([1, 2], [0, 1], -tokens_of(0, 1) - 1, None),
+        ([1, 2], [0, 1], tokens_of(0, 1), [5]),
+        ([1, 2], [0, 1.0], tokens_of(0, 1), None),
+    ]
+    refused = 0
+    for call in bad_calls:
+        outcomes = []
+        for tier, parents in ((fast, call[3]), (slow, None if call[3] is None else tuple(call[3]))):
+            before = (tier.stats(), tier._index.lru_order().tolist())
+            try:
+                outcomes.append(tier.demote(*call[:3], parents))
+            except InvalidId as error:  # named as the checked path names it, nothing changed
+                outcomes.append((type(error), str(error)))
+                assert (tier.stats(), tier._index.lru_order().tolist()) == before
+        assert outcomes[0] == outcomes[1]
+        refused += isinstance(outcomes[0], tuple)
+        assert fast.stats() == slow.stats()
+    assert refused == len(bad_calls) - 1  # all but the bool, which the checked path reads as 1
+    fast.close()
+    with pytest.raises(TornDown):
+        fast.demote([1], [0], tokens_of(0))
+    with pytest.raises(TornDown):
+        fast.promote([1], [0], tokens_of(0))
+    slow.close()
+
+
 # -- eviction ----------------------------------------------------------------------------------------
 
 

@@ -228,12 +228,14 @@ class BatchChecker:
 
     def __init__(self, *tables: AllocationTable) -> None:
         self._tables = tables
-        self._key: tuple[int, ...] = ()
+        self._key = -1
         self._starts = np.zeros(1, dtype=np.int64)
         self._ends = np.zeros(1, dtype=np.int64)
 
     def _index(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        key = tuple(t.version for t in self._tables)
+        key = 0  # versions only grow: their sum changes whenever a table did
+        for table in self._tables:
+            key += table.version
         if key != self._key:
             parts = [t.range_arrays() for t in self._tables]
             starts = np.concatenate([np.array([-1], dtype=np.int64)] + [p[0] for p in parts])

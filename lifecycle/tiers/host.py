@@ -294,6 +294,18 @@ class HostTier:
         the most recently used so far; the least recently used entries make room, and of more new
         blocks than the tier holds only the last ``capacity_blocks`` are kept. Every argument
         is checked before anything changes."""
+        with self._lock:
+            # Arguments in the forms the index reads directly, and valid: one compiled pass.
+            fast = None if self._closed else self._index.demote_fast(hashes, block_ids, tokens, parents)
+            if fast is not None:
+                stored, evicted, copies = fast
+                if not len(stored):
+                    self._record(evicted, stored)
+                    return 0
+                listeners = self._write(evicted, stored, copies)
+        if fast is not None:
+            self._tell(listeners, stored)
+            return len(stored)
         key_rows = tier_key_rows("demote", hashes)
         parent_rows = self._parent_rows("demote", parents, key_rows)
         ids = self._block_ids("demote", block_ids, len(key_rows))
@@ -421,6 +433,14 @@ class HostTier:
         own) and its ``tokens`` (``len(hashes)`` blocks of them). A key finds an entry, it never
         proves it. Entries stay in the tier. An absent key, or an entry that is another block,
         raises :class:`InvalidId` naming it, and nothing is copied."""
+        with self._lock:
+            # Arguments in the forms the index reads directly, valid and found: one compiled pass.
+            copies = None if self._closed else self._index.promote_fast(hashes, block_ids, tokens, parent, parents)
+            if copies is not None:
+                self._device.copy_batch(copies)
+                self._device.synchronize()
+                self._index.promoted(len(hashes))
+                return
         key_rows = tier_key_rows("promote", hashes)
         first = tier_key("promote", parent)
         parent_rows = None if parents is None else self._parent_rows("promote", parents, key_rows)
