@@ -21,7 +21,6 @@ import numpy as np
 cimport numpy as cnp
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLong
-from cpython.object cimport PyObject
 
 cdef extern from "Python.h":
     bint PyLong_CheckExact(object o)
