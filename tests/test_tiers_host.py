@@ -276,7 +276,7 @@ def test_the_fast_path_does_what_the_checked_path_does(pool: KVPool, monkeypatch
     count, copy and refuse exactly as with the same arguments in other forms (checked in Python)."""
     import lifecycle.tiers.host as host_module
 
-    checked = host_module.tier_key_rows
+    checked = getattr(host_module, "tier_key_rows")
     fallbacks = [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -337,11 +337,12 @@ def test_the_fast_path_does_what_the_checked_path_does(pool: KVPool, monkeypatch
     ]
     refused = 0
     for call in bad_calls:
-        outcomes = []
-        for tier, parents in ((fast, call[3]), (slow, None if call[3] is None else tuple(call[3]))):
+        outcomes: list[object] = []
+        given: tuple[Any, Any] = (call[3], None if call[3] is None else tuple(call[3]))
+        for tier, parents in zip((fast, slow), given):
             before = (tier.stats(), tier._index.lru_order().tolist())
             try:
-                outcomes.append(tier.demote(*call[:3], parents))
+                outcomes.append(tier.demote(call[0], call[1], call[2], parents))
             except InvalidId as error:  # named as the checked path names it, nothing changed
                 outcomes.append((type(error), str(error)))
                 assert (tier.stats(), tier._index.lru_order().tolist()) == before
