@@ -4,6 +4,7 @@
     python bench/callgrind.py --workloads w2  # W2 alone
     python bench/callgrind.py --workloads w3-groups --presets gemma-3-27b,llama-4-scout
                                               # W3 chunked through a preset's groups and one group
+    python bench/callgrind.py --workloads w3-events  # W3 at the core, KV events off and on
 
 Each figure is one run of this script under ``valgrind --tool=callgrind`` that builds the trace's
 requests and the core (or model), then replays them (``bench/replay.py``'s loops) inside the one C
@@ -11,7 +12,9 @@ function callgrind collects in; the count over the request count is the replay's
 (imports, preparation and teardown count nothing, so the figure is steady to a few instructions).
 ``w3-groups`` replays W3 as bench/groups_replay.py does (prefilled in chunks) through the core
 with a preset's KV cache groups ("groups") and with one full-attention group at the same budget
-("one"); ``--keep DIR`` leaves each run's callgrind file there for ``callgrind_annotate``.
+("one"). ``w2-events`` / ``w3-events`` replay the trace at the core with KV events off ("off")
+and on ("on", drained after every request, as ``bench/workloads.py w3-events`` times it);
+``--keep DIR`` leaves each run's callgrind file there for ``callgrind_annotate``.
 Valgrind runs the real interpreter (``sys.executable``, not a pyenv shim) with the cyclic GC off, as
 the timed replays run.
 """
@@ -36,13 +39,13 @@ if str(HERE) not in sys.path:
 
 def child(workload: str, library: str) -> None:
     """The measured process: prepare, replay, exit at once."""
-    from replay import PrefixTrace, core_requests, drive_core, drive_model, model_requests, new_model
+    from replay import PrefixTrace, core_requests, drive_core, drive_core_events, drive_model, model_requests, new_model
 
     if workload.startswith("w3-groups:"):
         child_groups(workload.split(":", 1)[1], library)
         return
     trace: PrefixTrace
-    if workload == "w2":
+    if workload.startswith("w2"):
         from traces import TRACES
         from w2 import load_w2
 
@@ -53,13 +56,16 @@ def child(workload: str, library: str) -> None:
         trace = load_w3()
     gc.collect()
     gc.disable()
-    if library == "core":
+    if library in ("core", "off", "on"):
         from lifecycle._blockpool import BlockPool
         from lifecycle._kvcache import KVCacheCore
 
-        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size)
+        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, events=library == "on")
         requests = core_requests(trace)
-        counted(lambda: drive_core(core, requests, trace.max_live))
+        if library == "on":
+            counted(lambda: drive_core_events(core, requests, trace.max_live))
+        else:
+            counted(lambda: drive_core(core, requests, trace.max_live))
     else:
         model = new_model(trace)
         model_reqs = model_requests(trace)
@@ -124,7 +130,7 @@ def instructions(workload: str, library: str, keep: Path | None = None) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w2,w3")
-    parser.add_argument("--libraries", default=None, help="core,model (w3-groups: groups,one)")
+    parser.add_argument("--libraries", default=None, help="core,model (w3-groups: groups,one; w3-events: off,on)")
     parser.add_argument("--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups: presets to replay")
     parser.add_argument("--keep", type=Path, default=None, help="a folder to leave the callgrind files in")
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "LIBRARY"), help=argparse.SUPPRESS)
@@ -140,7 +146,8 @@ def main() -> None:
             workloads.append(workload)
     for workload in workloads:
         grouped = workload.startswith("w3-groups:")
-        libraries = args.libraries or ("groups,one" if grouped else "core,model")
+        logged = workload.endswith("-events")
+        libraries = args.libraries or ("groups,one" if grouped else "off,on" if logged else "core,model")
         per: dict[str, float] = {}
         for library in libraries.split(","):
             total, requests = instructions(workload, library, args.keep)
@@ -150,6 +157,8 @@ def main() -> None:
             print(f"{workload} model/core: {per['model'] / per['core']:.3f}x", flush=True)
         if "groups" in per and "one" in per:
             print(f"{workload} groups/one: {per['groups'] / per['one']:.3f}x", flush=True)
+        if "off" in per and "on" in per:
+            print(f"{workload} on/off: {per['on'] / per['off']:.3f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -62,21 +62,12 @@ def replay_core(trace: PrefixTrace, *, events: bool = False, core: Any = None) -
     if core is None:
         core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, events=events)
     requests = core_requests(trace)
-    live: deque[int] = deque()
     max_live = trace.max_live
-    admit, finish, take = core.admit, core.finish, core.take_events
     stored = 0
     with no_gc():
         start = time.perf_counter()
         if events:
-            for tokens, needed, reusable in requests:
-                if len(live) == max_live:
-                    finish(live.popleft())
-                live.append(admit(tokens, needed, reusable))
-                stored += len(take().hashes)
-            while live:
-                finish(live.popleft())
-            stored += len(take().hashes)
+            stored = drive_core_events(core, requests, max_live)
         else:
             drive_core(core, requests, max_live)
         seconds = time.perf_counter() - start
@@ -133,6 +124,23 @@ def drive_core(core: Any, requests: list[tuple[NDArray[np.int32], int, int]], ma
         live.append(admit(tokens, needed, reusable))
     while live:
         finish(live.popleft())
+
+
+def drive_core_events(core: Any, requests: list[tuple[NDArray[np.int32], int, int]], max_live: int) -> int:
+    """:func:`drive_core` on a core with events on, draining them after every request as an engine
+    publishing them each step would; returns the hashes the drained events carried."""
+    live: deque[int] = deque()
+    admit, finish, take = core.admit, core.finish, core.take_events
+    stored = 0
+    for tokens, needed, reusable in requests:
+        if len(live) == max_live:
+            finish(live.popleft())
+        live.append(admit(tokens, needed, reusable))
+        stored += len(take().hashes)
+    while live:
+        finish(live.popleft())
+    stored += len(take().hashes)
+    return stored
 
 
 def new_model(trace: PrefixTrace, host_tier_blocks: int = 0) -> Any:

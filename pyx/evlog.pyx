@@ -109,6 +109,35 @@ cdef class EventLog:
         memcpy(self._log.tokens + self._log.num_tokens, tokens, count * bs * sizeof(int32_t))
         self._log.num_tokens += count * bs
 
+    cdef EvEntry *stored_room(self, Py_ssize_t count, int group, uint64_t **hashes, int32_t **tokens) noexcept nogil:
+        """A stored entry of ``count`` blocks of group ``group`` whose hashes and tokens the caller
+        writes at ``hashes[0]`` / ``tokens[0]`` and whose ``adapter``, ``parent`` and
+        ``has_parent`` it sets (what ``stored`` logs, without copying: the core hashes the blocks
+        straight into the log); NULL (the entry counted as dropped) as ``stored`` drops one."""
+        cdef Py_ssize_t bs = self._block_size
+        cdef EvEntry *entry = self._entry(count, count * bs, 0)
+        if entry == NULL:
+            return NULL
+        entry.kind = 1
+        entry.group = <int8_t>group
+        entry.adapter = 0
+        entry.parent = 0
+        entry.has_parent = 0
+        entry.has_ids = 0
+        entry.count = <int32_t>count
+        entry.num_tokens = <int32_t>(count * bs)
+        hashes[0] = self._log.hashes + self._log.num_hashes
+        self._log.num_hashes += count
+        tokens[0] = self._log.tokens + self._log.num_tokens
+        self._log.num_tokens += count * bs
+        return entry
+
+    cdef void unstore(self, EvEntry *entry) noexcept nogil:
+        """Take back the last entry, just made by ``stored_room`` (its blocks could not be hashed)."""
+        self._log.num_entries -= 1
+        self._log.num_hashes -= entry.count
+        self._log.num_tokens -= entry.num_tokens
+
     cdef void removed(self, const int32_t *ids, const int32_t *tokens, const uint64_t *hashes,
                       Py_ssize_t count, int group=0) noexcept nogil:
         """``count`` cached blocks of KV cache group ``group`` left the cache: their ``hashes``

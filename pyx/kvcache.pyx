@@ -34,7 +34,7 @@ from libc.string cimport memcpy
 
 from lifecycle._args cimport ssize_arg as _as_count
 from lifecycle._blockpool cimport BatchResult
-from lifecycle._evlog cimport new_event_log
+from lifecycle._evlog cimport EvEntry, new_event_log
 from lifecycle._groups cimport group_index, group_tables as _group_tables, new_groups
 from lifecycle._hash cimport lc_stream_tokens_checked, lc_tokens_differ
 from lifecycle._int32 cimport (
@@ -348,17 +348,26 @@ cdef class KVCacheCore:
         cdef int64_t key
         cdef bint has_parent
         cdef const uint64_t *hashes
-        cdef const int32_t *tokens
-        cdef RNode *node
+        cdef uint64_t *log_hashes = NULL
+        cdef int32_t *log_tokens = NULL
+        cdef EvEntry *entry = NULL
         if not self._track or count <= 0:
             return
-        hashes = self._trie._hash_tail(v, count, &key, &parent, &has_parent)
+        if self._evlog.events:
+            # The entry first: the blocks are hashed straight into it (one pass over their tokens).
+            entry = self._evlog.stored_room(count, 0, &log_hashes, &log_tokens)
+        hashes = self._trie._hash_tail(v, count, &key, &parent, &has_parent, log_hashes, log_tokens)
         if hashes == NULL:
-            self._evlog.lost()  # out of memory: these blocks' removals will name hash 0
-        elif self._evlog.events:
-            node = &self._trie._nodes[v]
-            tokens = node.chunk.tokens + (node.start + node.length - count) * self._block_size
-            self._evlog.stored(key, parent, has_parent, hashes, tokens, count)
+            if entry != NULL:
+                self._evlog.unstore(entry)
+                self._evlog.lost()  # out of memory: these blocks' removals will name hash 0
+            elif not self._evlog.events:
+                self._evlog.lost()
+            # (events on and no entry: the log counted it as dropped already)
+        elif entry != NULL:
+            entry.adapter = key
+            entry.parent = parent
+            entry.has_parent = has_parent
 
     cdef int _grow_locked(self, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil:
         """Extend the record's table to ``num_blocks`` fresh blocks, evicting when short; all or

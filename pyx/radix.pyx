@@ -31,6 +31,7 @@ from lifecycle._hash cimport (
     LC_GOLDEN,
     lc_block_equal,
     lc_content_hashes,
+    lc_content_hashes_copy,
     lc_equal_blocks,
     lc_fill_keys,
     lc_fmix64,
@@ -1133,10 +1134,13 @@ cdef class RadixTrie:
     # -- content hashes of cached blocks (kept in their chunks while the owner asks for them) --
 
     cdef const uint64_t *_hash_tail(self, int32_t v, Py_ssize_t count, int64_t *key, uint64_t *parent,
-                                    bint *has_parent) noexcept nogil:
+                                    bint *has_parent, uint64_t *copy_hashes=NULL,
+                                    int32_t *copy_tokens=NULL) noexcept nogil:
         """Hash the last ``count`` blocks of node ``v`` into its chunk, at the blocks' positions,
         chained from the block before them; returns their hashes (NULL when out of memory), with
-        the root's key, the hash before them and whether a cached block precedes them."""
+        the root's key, the hash before them and whether a cached block precedes them. With
+        ``copy_hashes`` and ``copy_tokens`` (an event log entry's room), the hashes and the
+        blocks' tokens are also written there, in the same pass over the tokens."""
         cdef RNode *node = &self._nodes[v]
         cdef RNode *up = node
         cdef Py_ssize_t bs = self._block_size, first = node.start + node.length - count
@@ -1156,7 +1160,11 @@ cdef class RadixTrie:
                 has_parent[0] = False
             else:
                 parent[0] = _last_hash(up)
-        lc_content_hashes(parent[0], node.chunk.tokens + first * bs, count, bs, self._keys, hashes + first)
+        if copy_tokens != NULL:
+            lc_content_hashes_copy(parent[0], node.chunk.tokens + first * bs, count, bs, self._keys, hashes + first,
+                                   copy_hashes, copy_tokens)
+        else:
+            lc_content_hashes(parent[0], node.chunk.tokens + first * bs, count, bs, self._keys, hashes + first)
         return hashes + first
 
     cdef int _hash_all(self) except -1:

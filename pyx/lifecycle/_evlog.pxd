@@ -61,6 +61,8 @@ cdef class EventLog:
                      const int32_t *tokens, Py_ssize_t count, int group=*) noexcept nogil
     cdef void removed(self, const int32_t *ids, const int32_t *tokens, const uint64_t *hashes,
                       Py_ssize_t count, int group=*) noexcept nogil
+    cdef EvEntry *stored_room(self, Py_ssize_t count, int group, uint64_t **hashes, int32_t **tokens) noexcept nogil
+    cdef void unstore(self, EvEntry *entry) noexcept nogil
     cdef void cleared(self) noexcept nogil
     cdef void lost(self) noexcept nogil
     cdef EvLog drain(self) noexcept nogil

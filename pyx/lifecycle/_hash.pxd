@@ -90,6 +90,49 @@ cdef extern from *:
         }
     }
 
+    /* lc_content_hashes that also copies the blocks' tokens to copy and their hashes to out2 as it
+     * reads them (one pass over the tokens, for the event log). 16-token blocks keep the keys in
+     * registers; the sums are those of lc_nh_block, so the hashes are the same. */
+    static inline void lc_content_hashes_copy(uint64_t parent, const int32_t *tokens, Py_ssize_t n,
+                                              Py_ssize_t block_size, const uint32_t *keys, uint64_t *out,
+                                              uint64_t *out2, int32_t *copy) {
+        Py_ssize_t i;
+    #if LC_SSE2
+        if (block_size == 16) {
+            const __m128i k0 = _mm_loadu_si128((const __m128i *)keys);
+            const __m128i k1 = _mm_loadu_si128((const __m128i *)(keys + 4));
+            const __m128i k2 = _mm_loadu_si128((const __m128i *)(keys + 8));
+            const __m128i k3 = _mm_loadu_si128((const __m128i *)(keys + 12));
+            for (i = 0; i < n; i++) {
+                const __m128i *t = (const __m128i *)(tokens + i * 16);
+                __m128i *d = (__m128i *)(copy + i * 16);
+                __m128i t0 = _mm_loadu_si128(t), t1 = _mm_loadu_si128(t + 1);
+                __m128i t2 = _mm_loadu_si128(t + 2), t3 = _mm_loadu_si128(t + 3);
+                _mm_storeu_si128(d, t0);
+                _mm_storeu_si128(d + 1, t1);
+                _mm_storeu_si128(d + 2, t2);
+                _mm_storeu_si128(d + 3, t3);
+                __m128i x0 = _mm_add_epi32(t0, k0), x1 = _mm_add_epi32(t1, k1);
+                __m128i x2 = _mm_add_epi32(t2, k2), x3 = _mm_add_epi32(t3, k3);
+                __m128i sum = _mm_add_epi64(
+                    _mm_add_epi64(_mm_mul_epu32(x0, _mm_srli_epi64(x0, 32)), _mm_mul_epu32(x1, _mm_srli_epi64(x1, 32))),
+                    _mm_add_epi64(_mm_mul_epu32(x2, _mm_srli_epi64(x2, 32)), _mm_mul_epu32(x3, _mm_srli_epi64(x3, 32))));
+                uint64_t acc = (uint64_t)_mm_cvtsi128_si64(sum) + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
+                parent = lc_fmix64(acc) + parent * LC_GOLDEN;
+                out[i] = parent;
+                out2[i] = parent;
+            }
+            return;
+        }
+    #endif
+        for (i = 0; i < n; i++) {
+            memcpy(copy + i * block_size, tokens + i * block_size, (size_t)block_size * sizeof(int32_t));
+            parent = lc_fmix64(lc_nh_block(tokens + i * block_size, block_size, keys)) + parent * LC_GOLDEN;
+            out[i] = parent;
+            out2[i] = parent;
+        }
+    }
+
     /* Whether two blocks are equal; 16 tokens as four vector compares. */
     static inline int lc_block_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) {
     #if LC_SSE2
@@ -179,6 +222,8 @@ cdef extern from *:
     uint64_t lc_root_hash(int64_t adapter) noexcept nogil
     void lc_content_hashes(uint64_t parent, const int32_t *tokens, Py_ssize_t n, Py_ssize_t block_size,
                            const uint32_t *keys, uint64_t *out) noexcept nogil
+    void lc_content_hashes_copy(uint64_t parent, const int32_t *tokens, Py_ssize_t n, Py_ssize_t block_size,
+                                const uint32_t *keys, uint64_t *out, uint64_t *out2, int32_t *copy) noexcept nogil
     bint lc_block_equal(const int32_t *a, const int32_t *b, Py_ssize_t n) noexcept nogil
     Py_ssize_t lc_equal_blocks(const int32_t *a, const int32_t *b, Py_ssize_t n, Py_ssize_t block_size) noexcept nogil
     bint lc_copy_tokens_checked(int32_t *dst, const int32_t *src, Py_ssize_t n) noexcept nogil

@@ -183,7 +183,7 @@ cdef class RadixTrie:
     ) noexcept nogil
     cdef void _clear(self) noexcept nogil
     cdef const uint64_t *_hash_tail(self, int32_t v, Py_ssize_t count, int64_t *key, uint64_t *parent,
-                                    bint *has_parent) noexcept nogil
+                                    bint *has_parent, uint64_t *copy_hashes=*, int32_t *copy_tokens=*) noexcept nogil
     cdef dict _chunk_bytes(self)
     cdef list _marked_nodes(self, const uint8_t *mark)
     cdef int32_t _cut_at_mark(self, int32_t v, const uint8_t *mark) noexcept nogil
