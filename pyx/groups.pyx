@@ -657,7 +657,7 @@ cdef class KVGroups:
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
-        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef bint logging = self._evlog is not None and not self.quiet, settle, by_priority
         cdef int32_t limit
         cdef Py_ssize_t lst, start_pass = 4  # (pass, list) pairs q // 2, q % 2: without priorities, pass 2 alone
         cdef int32_t limits[3]
@@ -689,18 +689,17 @@ cdef class KVGroups:
         for q in range(start_pass, 6):
             lst = q % 2
             limit = limits[q // 2]
+            by_priority = limit < MAX_PRIORITY  # (no run's priority is above MAX_PRIORITY)
             b = c.head[lst]
             taken = 0
             # (free_now, ids and nodes change only where the leaf's settle runs: refreshed there)
             while b >= 0 and free_now + pending < goal and f.code == OK:
                 u = owner[b]
-                if (protected != NULL and protected[u]) or nodes[u].priority > limit:
+                if (protected != NULL and protected[u]) or (by_priority and nodes[u].priority > limit):
                     b = nxt[b]
                     continue
                 node = &nodes[u]
                 entry = where[b]
-                idx = entry - chunk_column(node.chunk, g)
-                p = node.depth + idx - node.start
                 entry[0] = -1
                 # Off its list (_untrack, _unlink_block), untracked.
                 nb = nxt[b]
@@ -717,6 +716,7 @@ cdef class KVGroups:
                 taken += 1
                 where[b] = NULL
                 if logging:
+                    idx = entry - chunk_column(node.chunk, g)
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
                 # Only the cache held it: its one reference goes with the others in one batch
@@ -724,11 +724,17 @@ cdef class KVGroups:
                 ids[pending] = b
                 pending += 1
                 evicted += 1
-                end = node.depth + node.length
-                if (
-                    node.num_children == 0 and node.lock_count == 0
-                    and (p < sink or p >= self.first_needed(g, end * self._block_size))
-                ):
+                # (its position p on the path: only where a leaf's settle or the memo needs it)
+                settle = False
+                if node.num_children == 0 and node.lock_count == 0:
+                    p = node.depth + (entry - chunk_column(node.chunk, g)) - node.start
+                    end = node.depth + node.length
+                    settle = p < sink or p >= self.first_needed(g, end * self._block_size)
+                elif u == memo_u:
+                    p = node.depth + (entry - chunk_column(node.chunk, g)) - node.start
+                else:
+                    p = -1
+                if settle:
                     if u == memo_u and p == memo_end - 1 and end == memo_end and p > node.depth:
                         # The leaf's last block went, and [memo_from, p) is there (checked when the
                         # leaf was last settled, nothing of it taken since): the cut a query at p
@@ -889,12 +895,14 @@ cdef class KVGroups:
         so the engine's rows never name a block that went back to its pool."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
-        cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks
+        cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks, retention = self._retention
         cdef Py_ssize_t seg[2]
         cdef int32_t *col
         cdef int32_t *ids
+        cdef int32_t *row_ids
         cdef int32_t **where
-        cdef int32_t b
+        cdef int32_t b, pad = self.pad
+        cdef GroupRule rule
         if tokens <= rec.kv_tokens:
             return 0
         if now > done and self.windowed and self._reserve(rec.num_blocks):
@@ -906,6 +914,7 @@ cdef class KVGroups:
         for g in range(1, self.n):
             if self._rules[g].kind == KIND_FULL:
                 continue
+            rule = self._rules[g]
             low = max(self.first_needed(g, done), <Py_ssize_t>self._rules[g].sink_blocks)
             high = min(self.first_needed(g, now), <Py_ssize_t>rec.num_blocks)
             if high <= low:
@@ -913,25 +922,34 @@ cdef class KVGroups:
             col = chunk_column(rec.chunk, g)
             where = self._cache[g].where
             ids = self._ids
+            row_ids = tables[g - 1] + row if tables != NULL else NULL
             count = released = to_cache = kept = 0
-            seg[0] = 0
-            for p in range(low, high):
+            seg[0] = seg[1] = 0
+            # On its cached path (below pin): the entry stays (it may be the trie's), the block the cache's.
+            for p in range(low, min(high, pin)):
+                b = col[p]
+                if b < 0:
+                    continue
+                if where != NULL:
+                    to_cache += where[b] != NULL
+                ids[count] = b
+                count += 1
+                if row_ids != NULL:
+                    row_ids[p] = pad
+            released = count
+            for p in range(max(low, pin), high):
                 b = col[p]
                 if b < 0:
                     continue
                 released += 1
-                if p < pin:
-                    # On its cached path: the entry stays (it may be the trie's), the block the cache's.
-                    to_cache += where != NULL and where[b] != NULL
-                elif self._retention > 0 and _kept(&self._rules[g], bs, self._retention, p, seg):  # (at_checkpoint)
+                if retention > 0 and _kept(&rule, bs, retention, p, seg):  # (at_checkpoint)
                     kept += 1
                     continue
-                else:
-                    col[p] = -1
+                col[p] = -1
                 ids[count] = b
                 count += 1
-                if tables != NULL:
-                    tables[g - 1][row + p] = self.pad
+                if row_ids != NULL:
+                    row_ids[p] = pad
             self._counts[g].released += released
             self._counts[g].to_cache += to_cache
             self._counts[g].kept += kept
@@ -998,29 +1016,31 @@ cdef class KVGroups:
         and the record's own on each it released (kept at a checkpoint); holes of the path are
         filled from the record's blocks likewise; released blocks the path already has go. The
         scratch was reserved for ``full - d`` blocks by the caller."""
-        cdef Py_ssize_t g, p, released, count, taken
+        cdef Py_ssize_t g, p, released, count, taken, sink, seg_end, seg_first
         cdef int32_t *col
         cdef int32_t *node_col
         cdef int32_t b
         cdef RNode *node
         cdef bint tracked
-        cdef Py_ssize_t bs = self._block_size
-        cdef Py_ssize_t seg[2]
-        cdef GroupRule *rule
+        cdef Py_ssize_t bs = self._block_size, retention = self._retention
+        cdef GroupRule rule
         cdef int32_t **where
         cdef int32_t *owner
+        cdef int32_t *trimmed
         cdef uint8_t *kept
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
             released = self.released_to(g, rec)
-            rule = &self._rules[g]
+            rule = self._rules[g]  # (a copy: the stores below would reload it through a pointer)
+            sink = rule.sink_blocks
             where = self._cache[g].where
             owner = self._cache[g].owner
             kept = self._cache[g].kept
+            trimmed = self._trimmed
             tracked = where != NULL
             count = 0  # references the record gives up (scratch)
             taken = 0  # references the cache takes (second scratch)
-            seg[0] = 0
+            seg_end = seg_first = 0  # (_kept's interval: its end, its checkpoint window's first block)
             for p in range(pos, full):
                 b = col[p]
                 if b < 0:
@@ -1028,9 +1048,17 @@ cdef class KVGroups:
                 if tracked:  # (_track)
                     where[b] = col + p
                     owner[b] = leaf
-                    kept[b] = _kept(rule, bs, self._retention, p, seg)
-                if p < rule.sink_blocks or p >= released:
-                    self._trimmed[taken] = b
+                    if p < sink:
+                        kept[b] = 1
+                    elif retention <= 0:
+                        kept[b] = 0
+                    else:
+                        if p >= seg_end or p < seg_end - retention:
+                            seg_end = (p // retention + 1) * retention
+                            seg_first = _first_needed(&rule, bs, seg_end * bs)
+                        kept[b] = seg_first <= p
+                if p < sink or p >= released:
+                    trimmed[taken] = b
                     taken += 1
                 elif tracked:
                     self._offer(g, b)  # the record's reference became the cache's
@@ -1044,7 +1072,7 @@ cdef class KVGroups:
                 while p < node.depth:
                     node = &t._nodes[node.parent]
                 node_col = chunk_column(node.chunk, g) + node.start - node.depth
-                if p < self._rules[g].sink_blocks or p >= released:
+                if p < sink or p >= released:
                     if node_col[p] < 0:
                         node_col[p] = b
                         self._track(g, node_col + p, p, <int32_t>(node - t._nodes))
@@ -1105,7 +1133,7 @@ cdef class KVGroups:
                 if node.chunk != rec.chunk:
                     memcpy(leaf_col + pos, col + pos, (full - pos) * sizeof(int32_t))
                 if c.where != NULL:
-                    seg[0] = 0
+                    seg[0] = seg[1] = 0
                     for p in range(pos, full):
                         b = leaf_col[p]
                         if b >= 0:  # (_track)
