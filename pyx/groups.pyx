@@ -650,7 +650,7 @@ cdef class KVGroups:
         cdef Py_ssize_t memo_from = 0, memo_end = 0
         cdef Py_ssize_t pending0 = 0  # group 0's blocks of one-block trims, to free (_flush0)
         cdef bint alone = sink == 0, two = self.n == 2 and not self.shared  # (shared: one free order)
-        cdef Py_ssize_t goal = before + n, free_now, taken
+        cdef Py_ssize_t goal = before + n, free_now, taken, room
         cdef int32_t *ids = NULL
         cdef RNode *nodes = t._nodes
         cdef int32_t *entry
@@ -693,7 +693,10 @@ cdef class KVGroups:
             b = c.head[lst]
             taken = 0
             # (free_now, ids and nodes change only where the leaf's settle runs: refreshed there)
-            while b >= 0 and free_now + pending < goal and f.code == OK:
+            if f.code != OK:
+                break
+            room = goal - free_now
+            while b >= 0 and pending < room:
                 u = owner[b]
                 if (protected != NULL and protected[u]) or (by_priority and nodes[u].priority > limit):
                     b = nxt[b]
@@ -760,20 +763,23 @@ cdef class KVGroups:
                                                             self._hashes + pending0, 1, 0)
                                     pending0 += 1
                                 else:
-                                    self._unref(g, pending, f)
+                                    self._free_listed(g, pending, f)
                                     pending = 0
                                     self._trim_to(t, u, p, freed0, trimmed, f)
                                 memo_end = p
                                 memo_from = min(memo_from, first)
                                 free_now = self.num_free(g)
+                                room = goal - free_now
                                 ids = self._ids
                                 nodes = t._nodes
                                 b = c.head[lst]
+                                if f.code != OK:
+                                    break
                                 continue
                     if pending0:
                         self._flush0(pending0, freed0, trimmed, f)
                         pending0 = 0
-                    self._unref(g, pending, f)
+                    self._free_listed(g, pending, f)
                     pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
@@ -788,8 +794,12 @@ cdef class KVGroups:
                             memo_from = first
                             memo_end = end
                     free_now = self.num_free(g)
+                    room = goal - free_now
                     ids = self._ids
                     nodes = t._nodes
+                    if f.code != OK:
+                        b = c.head[lst]
+                        break
                 elif u == memo_u and memo_from <= p < memo_end:
                     memo_u = -1  # a block the memo counts on went
                 b = c.head[lst]
@@ -797,7 +807,7 @@ cdef class KVGroups:
         self._counts[g].evicted += evicted
         if pending0:
             self._flush0(pending0, freed0, trimmed, f)
-        self._unref(g, pending, f)
+        self._free_listed(g, pending, f)
         free(protected)
         return self.num_free(g) - before
 
@@ -971,6 +981,31 @@ cdef class KVGroups:
             _offer_run(&self._cache[g], (<BlockPool>self._pools[g])._refcounts, self._ids, count)
         return freed
 
+    cdef Py_ssize_t _free_listed(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil:
+        """``_unref`` of the first ``count`` ids of the scratch where each is a block only the
+        cache held (``punch``'s: refcount 1, each once): every one is freed, pushed on its pool's
+        free stack in order as ``_dec_ref_locked`` pushes them, without its general batch (which
+        takes over should a refcount not be 1)."""
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef int32_t *stack = (<BlockPool>self._pools[g])._free_stack
+        cdef const int32_t *ids = self._ids
+        cdef Py_ssize_t i, top = (<BlockPool>self._pools[g])._num_free
+        cdef int32_t bad = 0
+        if count <= 0:
+            return 0
+        for i in range(count):
+            bad |= refs[ids[i]] ^ 1
+        if bad:
+            return self._unref(g, count, f)
+        for i in range(count):
+            refs[ids[i]] = 0
+            stack[top + i] = ids[i]
+        (<BlockPool>self._pools[g])._num_free = top + count
+        f.batch.failed_at = -1
+        f.batch.refusal = REFUSAL_NONE
+        self._counts[g].freed += count
+        return count
+
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                                  Failure *f) noexcept nogil:
         """Drop the record's references at ``[start, stop)`` of group ``g``'s column (-1 after);
@@ -1053,7 +1088,7 @@ cdef class KVGroups:
                     elif retention <= 0:
                         kept[b] = 0
                     else:
-                        if p >= seg_end or p < seg_end - retention:
+                        if p >= seg_end:  # (p grows: never below the interval)
                             seg_end = (p // retention + 1) * retention
                             seg_first = _first_needed(&rule, bs, seg_end * bs)
                         kept[b] = seg_first <= p
