@@ -203,17 +203,16 @@ def random_workload(seed: int) -> dict[str, Any]:
                     if refused.size:
                         break
             elif op == "finish" and live:
-                h = live.pop(rng.randrange(len(live)))
-                digest.add("finish", core.finish(h, cache=rng.random() < 0.8))
+                digest.add("finish", core.finish(live.pop(rng.randrange(len(live))), cache=rng.random() < 0.8))
             elif op == "evict":
                 digest.add("evict", core.evict(rng.randint(1, 16)))
             elif op == "evict_group" and ng > 1:
                 digest.add("evict_group", core.evict_group(rng.randrange(1, ng), rng.randint(1, 8)))
             elif op == "cache" and live:
-                h = live[rng.randrange(len(live))]
+                target = live[rng.randrange(len(live))]
                 if rng.random() < 0.5:
-                    core.append(h, [])
-                core.cache(h, min(core.num_tokens(h) // bs, core.num_blocks(h)))
+                    core.append(target, [])
+                core.cache(target, min(core.num_tokens(target) // bs, core.num_blocks(target)))
             elif op == "hint" and live:
                 priority = rng.choice([0, 35, 90])
                 core.set_retention(live[rng.randrange(len(live))], [(0, bs, priority, 2.0)], decode_priority=priority)
@@ -263,7 +262,7 @@ def run_build(root: Path, out: Path, presets: str, seeds: int) -> dict[str, Any]
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED="0")
     subprocess.run([sys.executable, __file__, "--dump", str(out), "--presets", presets, "--seeds", str(seeds)],
                    cwd=root, env=env, check=True)
-    record = json.loads(out.read_text())
+    record: dict[str, Any] = json.loads(out.read_text())
     if not record["lifecycle"].startswith(str(root)):
         raise SystemExit(f"{root}: imported lifecycle from {record['lifecycle']}")
     return record
