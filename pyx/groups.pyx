@@ -650,14 +650,14 @@ cdef class KVGroups:
         cdef Py_ssize_t memo_from = 0, memo_end = 0
         cdef Py_ssize_t pending0 = 0  # group 0's blocks of one-block trims, to free (_flush0)
         cdef bint alone = sink == 0, two = self.n == 2 and not self.shared  # (shared: one free order)
-        cdef Py_ssize_t goal = before + n, free_now, taken
+        cdef Py_ssize_t goal = before + n, free_now, taken, room
         cdef int32_t *ids = NULL
         cdef RNode *nodes = t._nodes
         cdef int32_t *entry
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
-        cdef bint logging = self._evlog is not None and not self.quiet
+        cdef bint logging = self._evlog is not None and not self.quiet, settle, by_priority
         cdef int32_t limit
         cdef Py_ssize_t lst, start_pass = 4  # (pass, list) pairs q // 2, q % 2: without priorities, pass 2 alone
         cdef int32_t limits[3]
@@ -689,18 +689,20 @@ cdef class KVGroups:
         for q in range(start_pass, 6):
             lst = q % 2
             limit = limits[q // 2]
+            by_priority = limit < MAX_PRIORITY  # (no run's priority is above MAX_PRIORITY)
             b = c.head[lst]
             taken = 0
             # (free_now, ids and nodes change only where the leaf's settle runs: refreshed there)
-            while b >= 0 and free_now + pending < goal and f.code == OK:
+            if f.code != OK:
+                break
+            room = goal - free_now
+            while b >= 0 and pending < room:
                 u = owner[b]
-                if (protected != NULL and protected[u]) or nodes[u].priority > limit:
+                if (protected != NULL and protected[u]) or (by_priority and nodes[u].priority > limit):
                     b = nxt[b]
                     continue
                 node = &nodes[u]
                 entry = where[b]
-                idx = entry - chunk_column(node.chunk, g)
-                p = node.depth + idx - node.start
                 entry[0] = -1
                 # Off its list (_untrack, _unlink_block), untracked.
                 nb = nxt[b]
@@ -717,6 +719,7 @@ cdef class KVGroups:
                 taken += 1
                 where[b] = NULL
                 if logging:
+                    idx = entry - chunk_column(node.chunk, g)
                     hashed = node.chunk.hashes[idx] if node.chunk.hashes != NULL else 0
                     self._evlog.removed(&b, NULL, &hashed, 1, <int>g)
                 # Only the cache held it: its one reference goes with the others in one batch
@@ -724,11 +727,17 @@ cdef class KVGroups:
                 ids[pending] = b
                 pending += 1
                 evicted += 1
-                end = node.depth + node.length
-                if (
-                    node.num_children == 0 and node.lock_count == 0
-                    and (p < sink or p >= self.first_needed(g, end * self._block_size))
-                ):
+                # (its position p on the path: only where a leaf's settle or the memo needs it)
+                settle = False
+                if node.num_children == 0 and node.lock_count == 0:
+                    p = node.depth + (entry - chunk_column(node.chunk, g)) - node.start
+                    end = node.depth + node.length
+                    settle = p < sink or p >= self.first_needed(g, end * self._block_size)
+                elif u == memo_u:
+                    p = node.depth + (entry - chunk_column(node.chunk, g)) - node.start
+                else:
+                    p = -1
+                if settle:
                     if u == memo_u and p == memo_end - 1 and end == memo_end and p > node.depth:
                         # The leaf's last block went, and [memo_from, p) is there (checked when the
                         # leaf was last settled, nothing of it taken since): the cut a query at p
@@ -754,20 +763,23 @@ cdef class KVGroups:
                                                             self._hashes + pending0, 1, 0)
                                     pending0 += 1
                                 else:
-                                    self._unref(g, pending, f)
+                                    self._free_listed(g, pending, f)
                                     pending = 0
                                     self._trim_to(t, u, p, freed0, trimmed, f)
                                 memo_end = p
                                 memo_from = min(memo_from, first)
                                 free_now = self.num_free(g)
+                                room = goal - free_now
                                 ids = self._ids
                                 nodes = t._nodes
                                 b = c.head[lst]
+                                if f.code != OK:
+                                    break
                                 continue
                     if pending0:
                         self._flush0(pending0, freed0, trimmed, f)
                         pending0 = 0
-                    self._unref(g, pending, f)
+                    self._free_listed(g, pending, f)
                     pending = 0
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
@@ -782,8 +794,12 @@ cdef class KVGroups:
                             memo_from = first
                             memo_end = end
                     free_now = self.num_free(g)
+                    room = goal - free_now
                     ids = self._ids
                     nodes = t._nodes
+                    if f.code != OK:
+                        b = c.head[lst]
+                        break
                 elif u == memo_u and memo_from <= p < memo_end:
                     memo_u = -1  # a block the memo counts on went
                 b = c.head[lst]
@@ -791,7 +807,7 @@ cdef class KVGroups:
         self._counts[g].evicted += evicted
         if pending0:
             self._flush0(pending0, freed0, trimmed, f)
-        self._unref(g, pending, f)
+        self._free_listed(g, pending, f)
         free(protected)
         return self.num_free(g) - before
 
@@ -889,12 +905,14 @@ cdef class KVGroups:
         so the engine's rows never name a block that went back to its pool."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
-        cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks
+        cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks, retention = self._retention
         cdef Py_ssize_t seg[2]
         cdef int32_t *col
         cdef int32_t *ids
+        cdef int32_t *row_ids
         cdef int32_t **where
-        cdef int32_t b
+        cdef int32_t b, pad = self.pad
+        cdef GroupRule rule
         if tokens <= rec.kv_tokens:
             return 0
         if now > done and self.windowed and self._reserve(rec.num_blocks):
@@ -906,6 +924,7 @@ cdef class KVGroups:
         for g in range(1, self.n):
             if self._rules[g].kind == KIND_FULL:
                 continue
+            rule = self._rules[g]
             low = max(self.first_needed(g, done), <Py_ssize_t>self._rules[g].sink_blocks)
             high = min(self.first_needed(g, now), <Py_ssize_t>rec.num_blocks)
             if high <= low:
@@ -913,25 +932,34 @@ cdef class KVGroups:
             col = chunk_column(rec.chunk, g)
             where = self._cache[g].where
             ids = self._ids
+            row_ids = tables[g - 1] + row if tables != NULL else NULL
             count = released = to_cache = kept = 0
-            seg[0] = 0
-            for p in range(low, high):
+            seg[0] = seg[1] = 0
+            # On its cached path (below pin): the entry stays (it may be the trie's), the block the cache's.
+            for p in range(low, min(high, pin)):
+                b = col[p]
+                if b < 0:
+                    continue
+                if where != NULL:
+                    to_cache += where[b] != NULL
+                ids[count] = b
+                count += 1
+                if row_ids != NULL:
+                    row_ids[p] = pad
+            released = count
+            for p in range(max(low, pin), high):
                 b = col[p]
                 if b < 0:
                     continue
                 released += 1
-                if p < pin:
-                    # On its cached path: the entry stays (it may be the trie's), the block the cache's.
-                    to_cache += where != NULL and where[b] != NULL
-                elif self._retention > 0 and _kept(&self._rules[g], bs, self._retention, p, seg):  # (at_checkpoint)
+                if retention > 0 and _kept(&rule, bs, retention, p, seg):  # (at_checkpoint)
                     kept += 1
                     continue
-                else:
-                    col[p] = -1
+                col[p] = -1
                 ids[count] = b
                 count += 1
-                if tables != NULL:
-                    tables[g - 1][row + p] = self.pad
+                if row_ids != NULL:
+                    row_ids[p] = pad
             self._counts[g].released += released
             self._counts[g].to_cache += to_cache
             self._counts[g].kept += kept
@@ -952,6 +980,31 @@ cdef class KVGroups:
         if self._cache[g].where != NULL and freed < count:
             _offer_run(&self._cache[g], (<BlockPool>self._pools[g])._refcounts, self._ids, count)
         return freed
+
+    cdef Py_ssize_t _free_listed(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil:
+        """``_unref`` of the first ``count`` ids of the scratch where each is a block only the
+        cache held (``punch``'s: refcount 1, each once): every one is freed, pushed on its pool's
+        free stack in order as ``_dec_ref_locked`` pushes them, without its general batch (which
+        takes over should a refcount not be 1)."""
+        cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
+        cdef int32_t *stack = (<BlockPool>self._pools[g])._free_stack
+        cdef const int32_t *ids = self._ids
+        cdef Py_ssize_t i, top = (<BlockPool>self._pools[g])._num_free
+        cdef int32_t bad = 0
+        if count <= 0:
+            return 0
+        for i in range(count):
+            bad |= refs[ids[i]] ^ 1
+        if bad:
+            return self._unref(g, count, f)
+        for i in range(count):
+            refs[ids[i]] = 0
+            stack[top + i] = ids[i]
+        (<BlockPool>self._pools[g])._num_free = top + count
+        f.batch.failed_at = -1
+        f.batch.refusal = REFUSAL_NONE
+        self._counts[g].freed += count
+        return count
 
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                                  Failure *f) noexcept nogil:
@@ -998,29 +1051,31 @@ cdef class KVGroups:
         and the record's own on each it released (kept at a checkpoint); holes of the path are
         filled from the record's blocks likewise; released blocks the path already has go. The
         scratch was reserved for ``full - d`` blocks by the caller."""
-        cdef Py_ssize_t g, p, released, count, taken
+        cdef Py_ssize_t g, p, released, count, taken, sink, seg_end, seg_first
         cdef int32_t *col
         cdef int32_t *node_col
         cdef int32_t b
         cdef RNode *node
         cdef bint tracked
-        cdef Py_ssize_t bs = self._block_size
-        cdef Py_ssize_t seg[2]
-        cdef GroupRule *rule
+        cdef Py_ssize_t bs = self._block_size, retention = self._retention
+        cdef GroupRule rule
         cdef int32_t **where
         cdef int32_t *owner
+        cdef int32_t *trimmed
         cdef uint8_t *kept
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
             released = self.released_to(g, rec)
-            rule = &self._rules[g]
+            rule = self._rules[g]  # (a copy: the stores below would reload it through a pointer)
+            sink = rule.sink_blocks
             where = self._cache[g].where
             owner = self._cache[g].owner
             kept = self._cache[g].kept
+            trimmed = self._trimmed
             tracked = where != NULL
             count = 0  # references the record gives up (scratch)
             taken = 0  # references the cache takes (second scratch)
-            seg[0] = 0
+            seg_end = seg_first = 0  # (_kept's interval: its end, its checkpoint window's first block)
             for p in range(pos, full):
                 b = col[p]
                 if b < 0:
@@ -1028,9 +1083,17 @@ cdef class KVGroups:
                 if tracked:  # (_track)
                     where[b] = col + p
                     owner[b] = leaf
-                    kept[b] = _kept(rule, bs, self._retention, p, seg)
-                if p < rule.sink_blocks or p >= released:
-                    self._trimmed[taken] = b
+                    if p < sink:
+                        kept[b] = 1
+                    elif retention <= 0:
+                        kept[b] = 0
+                    else:
+                        if p >= seg_end:  # (p grows: never below the interval)
+                            seg_end = (p // retention + 1) * retention
+                            seg_first = _first_needed(&rule, bs, seg_end * bs)
+                        kept[b] = seg_first <= p
+                if p < sink or p >= released:
+                    trimmed[taken] = b
                     taken += 1
                 elif tracked:
                     self._offer(g, b)  # the record's reference became the cache's
@@ -1044,7 +1107,7 @@ cdef class KVGroups:
                 while p < node.depth:
                     node = &t._nodes[node.parent]
                 node_col = chunk_column(node.chunk, g) + node.start - node.depth
-                if p < self._rules[g].sink_blocks or p >= released:
+                if p < sink or p >= released:
                     if node_col[p] < 0:
                         node_col[p] = b
                         self._track(g, node_col + p, p, <int32_t>(node - t._nodes))
@@ -1105,7 +1168,7 @@ cdef class KVGroups:
                 if node.chunk != rec.chunk:
                     memcpy(leaf_col + pos, col + pos, (full - pos) * sizeof(int32_t))
                 if c.where != NULL:
-                    seg[0] = 0
+                    seg[0] = seg[1] = 0
                     for p in range(pos, full):
                         b = leaf_col[p]
                         if b >= 0:  # (_track)
