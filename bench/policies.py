@@ -898,12 +898,13 @@ CORE_TTL_S = 120.0
 
 def replay_core_hinted(
     trace: PrefixTrace, times: Ints | None = None, continues: Ints | None = None, ttl_s: float = CORE_TTL_S,
-    repeats: int = 3,
+    repeats: int = 3, eviction_policy: str = "lru",
 ) -> tuple[float, int, int]:
     """The library's own replay (as ``replay.replay_core``), with session TTL hints through
     ``KVCacheCore.set_retention`` when ``continues`` is given: the retention clock follows the
     trace's timestamps (``times``, ms) and every request continuing a conversation gets
-    ``ttl_s``. Returns (seconds per request, best of ``repeats``; hit tokens; blocks evicted)."""
+    ``ttl_s``; ``eviction_policy`` is the core's. Returns (seconds per request, best of
+    ``repeats``; hit tokens; blocks evicted)."""
     from lifecycle._blockpool import BlockPool
     from lifecycle._kvcache import KVCacheCore
     from w2 import no_gc
@@ -913,7 +914,7 @@ def replay_core_hinted(
     hinted = [] if continues is None else (np.asarray(continues) >= 0).tolist()
     best, hit, evicted = float("inf"), 0, 0
     for _ in range(repeats):
-        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size)
+        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, eviction_policy=eviction_policy)
         admit, finish, hint, set_time = core.admit, core.finish, core.set_retention, core.retention.set_time
         live: deque[int] = deque()
         max_live = trace.max_live
