@@ -41,7 +41,9 @@ from lifecycle._int32 cimport (
     adapter_key as _adapter_key, empty_int32 as _empty_int32, grow_array, int32_buffer, int32_column, int64_vector,
     shrink as _shrink, token_vector as _token_vector, writeable_int32,
 )
-from lifecycle._radix cimport MAX_PRIORITY, POLICY_BRANCH_LRU, POLICY_LRU, Chunk, RNode, WalkEnd, chunk_decref, chunk_new
+from lifecycle._radix cimport (
+    MAX_PRIORITY, POLICY_BRANCH_LRU, POLICY_BRANCH_LRU_EXACT, POLICY_LRU, Chunk, RNode, WalkEnd, chunk_decref, chunk_new,
+)
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
@@ -64,7 +66,7 @@ from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, Retenti
 cnp.import_array()
 
 #: The eviction policies ``KVCacheCore(eviction_policy=...)`` takes.
-EVICTION_POLICIES = ("lru", "branch-lru")
+EVICTION_POLICIES = ("lru", "branch-lru", "branch-lru-exact")
 
 
 cdef int _policy_arg(object value) except -1:
@@ -72,6 +74,8 @@ cdef int _policy_arg(object value) except -1:
         return POLICY_LRU
     if value == "branch-lru" and isinstance(value, str):
         return POLICY_BRANCH_LRU
+    if value == "branch-lru-exact" and isinstance(value, str):
+        return POLICY_BRANCH_LRU_EXACT
     raise ConfigError(f"eviction_policy must be one of {', '.join(map(repr, EVICTION_POLICIES))}, got {value!r}")
 
 
@@ -91,7 +95,9 @@ cdef class KVCacheCore:
     ``eviction_policy``: the order eviction takes cached runs in, within each retention priority's
     turn (lowest priority first): ``"lru"`` (the default, least recently used leaf first) or
     ``"branch-lru"`` (at the default priority, least recently used with a bonus for a run's
-    reuses while cached and for the longest request path through it; docs/retention.md). Not
+    reuses while cached and for the longest request path through it, the victim's whole run at a
+    time; docs/retention.md) or ``"branch-lru-exact"`` (the same keys, block by block in key
+    order: what bench/policies.py's block model evicts, at several times the eviction cost). Not
     offered with ``groups``.
 
     ``groups``: the KV cache groups past group 0 (``pool``, full attention), each
@@ -207,7 +213,7 @@ cdef class KVCacheCore:
 
     @property
     def eviction_policy(self):
-        """``"lru"`` or ``"branch-lru"`` (see the class)."""
+        """``"lru"``, ``"branch-lru"`` or ``"branch-lru-exact"`` (see the class)."""
         return self._trie.eviction_policy
 
     @property

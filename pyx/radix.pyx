@@ -1129,12 +1129,14 @@ cdef class RadixTrie:
         return self._heads[q]
 
     cdef int _set_policy(self, int policy, int64_t bonus1, int64_t bonus2, int64_t bonus3) except -1:
-        """Evict by ``policy`` (POLICY_LRU or POLICY_BRANCH_LRU, with its reuse bonuses for 1, 2
-        and 3+ reuses, in stamps); only while nothing is cached. 1 when out of memory."""
+        """Evict by ``policy`` (POLICY_LRU, POLICY_BRANCH_LRU or POLICY_BRANCH_LRU_EXACT, with
+        its reuse bonuses for 1, 2 and 3+ reuses, in stamps); only while nothing is cached. 1 when
+        out of memory."""
         cdef Py_ssize_t r, b
         cdef int64_t bonus[BRANCH_REUSES]
         if self._num_nodes or self._num_roots:
             raise ConfigError("the eviction policy is chosen before anything is cached")
+        self._branch_exact = policy == POLICY_BRANCH_LRU_EXACT
         if policy == POLICY_LRU:
             self._branch = False
             return 0
@@ -1155,8 +1157,9 @@ cdef class RadixTrie:
 
     @property
     def eviction_policy(self):
-        """The order eviction takes the default priority's nodes in: "lru" or "branch-lru"."""
-        return "branch-lru" if self._branch else "lru"
+        """The order eviction takes the default priority's nodes in: "lru", "branch-lru" or
+        "branch-lru-exact"."""
+        return ("branch-lru-exact" if self._branch_exact else "branch-lru") if self._branch else "lru"
 
     def branch_lists(self):
         """(branch-lru, inspection) Each non-empty list of the default priority, MRU end last: its
@@ -1298,8 +1301,10 @@ cdef class RadixTrie:
                 elif low != below[0]:
                     break
             take = min(<Py_ssize_t>node.length, n - count)
-            if _in_branch(self, node):
-                # Its blocks' keys rise by one per block trimmed: it goes on while they stay first.
+            if self._branch_exact and _in_branch(self, node):
+                # (branch-lru-exact) Its blocks' keys rise by one per block trimmed: it goes on while
+                # they stay first. (branch-lru trims the whole run: the heads' runs overlap in key and
+                # would otherwise go one block from each in turn.)
                 li = _blist(node)
                 _brunner_up(self, li, &key, &stamp)
                 if key != INT64_MAX:

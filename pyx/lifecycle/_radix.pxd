@@ -92,7 +92,8 @@ cdef enum:
 # band), the victim the head with the smallest key (see radix.pyx, "branch-lru").
 cdef enum:
     POLICY_LRU = 0
-    POLICY_BRANCH_LRU = 1
+    POLICY_BRANCH_LRU = 1      # the victim's whole run goes (up to what is asked)
+    POLICY_BRANCH_LRU_EXACT = 2  # block by block in key order: the block model's order (bench/policies.py)
     BRANCH_REUSES = 4          # reuse classes: 0, 1, 2, 3 or more
     BRANCH_BANDS = 64          # half-octave length bands of an int32 block count
     BRANCH_LISTS = 256         # BRANCH_REUSES * BRANCH_BANDS, a power of two (the tournament's leaves)
@@ -137,6 +138,7 @@ cdef class RadixTrie:
     cdef bint _manual_clock         # the retention clock is ``_time`` (set by the owner), not CLOCK_MONOTONIC
     cdef double _time
     cdef bint _branch               # eviction_policy "branch-lru" (the default priority's order)
+    cdef bint _branch_exact         # "branch-lru-exact": a run is trimmed only while its blocks' keys come first
     cdef int64_t *_stamps           # (branch-lru) per node slot: the stamp of its run's last block
     cdef int64_t _tick              # (branch-lru) stamps handed out: one per block appended to a list
     cdef int32_t _bheads[BRANCH_LISTS]
