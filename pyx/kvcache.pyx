@@ -42,7 +42,8 @@ from lifecycle._int32 cimport (
     shrink as _shrink, token_vector as _token_vector, writeable_int32,
 )
 from lifecycle._radix cimport (
-    MAX_PRIORITY, POLICY_BRANCH_LRU, POLICY_BRANCH_LRU_EXACT, POLICY_LRU, Chunk, RNode, WalkEnd, chunk_decref, chunk_new,
+    MAX_PRIORITY, POLICY_BRANCH_LRU, POLICY_BRANCH_LRU_EXACT, POLICY_LRU, Chunk, RNode, WalkEnd, chunk_decref,
+    chunk_new,
 )
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention

@@ -91,7 +91,7 @@ def test_the_core_evicts_what_the_models_branch_lru_evicts(seed: int) -> None:
             ids[h] = int(trace.blocks(i)[j])
     live: deque[int] = deque()
     hits, evicted = [], []
-    for i, (tokens, needed, reusable) in enumerate(requests):
+    for tokens, needed, reusable in requests:
         if len(live) == max_live:
             core.finish(live.popleft())
             checked(core, pool)
@@ -236,7 +236,7 @@ def test_evict_blocks_drops_subtrees_under_branch_lru() -> None:
 def test_a_bad_policy_name_is_a_config_error_naming_it() -> None:
     for bad in ("LRU", "branch_lru", "branch-lru-Exact", "", None, 1):
         with pytest.raises(ConfigError, match=repr(bad).replace("(", r"\(")) as info:
-            KVCacheCore(BlockPool(8), BS, eviction_policy=bad)
+            KVCacheCore(BlockPool(8), BS, eviction_policy=bad)  # type: ignore[arg-type]
         assert isinstance(info.value, LifecycleError)
     with pytest.raises(ConfigError, match="branch-lru"):
         KVCacheCore(BlockPool(8), BS, eviction_policy="branch-lru", groups=[("sliding_window", 8, 0, BlockPool(8))])

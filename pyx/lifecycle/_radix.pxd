@@ -97,7 +97,7 @@ cdef enum:
     BRANCH_REUSES = 4          # reuse classes: 0, 1, 2, 3 or more
     BRANCH_BANDS = 64          # half-octave length bands of an int32 block count
     BRANCH_LISTS = 256         # BRANCH_REUSES * BRANCH_BANDS, a power of two (the tournament's leaves)
-    BRANCH_LENGTH_WEIGHT = 100 # stamps per block of a band's length
+    BRANCH_LENGTH_WEIGHT = 100  # stamps per block of a band's length
 
 
 # A node's priority expiring at ``at`` (a min-heap of them; an entry whose node's expiry changed is stale).
