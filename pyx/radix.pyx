@@ -13,7 +13,9 @@ neither pinned nor above a pinned node is on an LRU list that lists every node a
 descendants, so the head is always an unpinned leaf; eviction trims leaf runs from their tail,
 many blocks per step. There is one such list per retention priority (0 to 100, a node's at least
 its children's), the lowest taken first; without hints every node has the default priority and
-the one list in use is plain LRU.
+the one list in use is plain LRU. Under ``eviction_policy="branch-lru"`` the default priority's one
+list becomes one per (reuse class, length band), the victim the head of smallest key (see
+"branch-lru" below).
 
 The trie owns no block references: the KV cache core (``lifecycle._kvcache``) keeps the pool's
 refcounts and calls these methods with its lock held. Python sees introspection only.
