@@ -5,6 +5,8 @@
     python bench/callgrind.py --workloads w3-groups --presets gemma-3-27b,llama-4-scout
                                               # W3 chunked through a preset's groups and one group
     python bench/callgrind.py --workloads w3-events  # W3 at the core, KV events off and on
+    python bench/callgrind.py --workloads w3 --libraries core --eviction-policy lru,branch-lru
+                                              # the core under each eviction policy, and their ratio
 
 Each figure is one run of this script under ``valgrind --tool=callgrind`` that builds the trace's
 requests and the core (or model), then replays them (``bench/replay.py``'s loops) inside the one C
@@ -56,11 +58,14 @@ def child(workload: str, library: str) -> None:
         trace = load_w3()
     gc.collect()
     gc.disable()
-    if library in ("core", "off", "on"):
+    if library.startswith("core") or library in ("off", "on"):
         from lifecycle._blockpool import BlockPool
         from lifecycle._kvcache import KVCacheCore
 
-        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, events=library == "on")
+        policy = library.split("@", 1)[1] if "@" in library else "lru"
+        core = KVCacheCore(
+            BlockPool(trace.num_blocks), trace.block_size, events=library == "on", eviction_policy=policy
+        )
         requests = core_requests(trace)
         if library == "on":
             counted(lambda: drive_core_events(core, requests, trace.max_live))
@@ -111,7 +116,7 @@ def instructions(workload: str, library: str, keep: Path | None = None) -> tuple
         out = Path(tmp) / "callgrind.out"
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
-            out = keep / f"callgrind.{workload.replace(':', '.')}.{library}"
+            out = keep / f"callgrind.{workload.replace(':', '.')}.{library.replace('@', '.')}"
         command = [
             "valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=math_fsum",
             f"--callgrind-out-file={out}", sys.executable, __file__,
@@ -133,6 +138,10 @@ def main() -> None:
     parser.add_argument("--libraries", default=None, help="core,model (w3-groups: groups,one; w3-events: off,on)")
     parser.add_argument("--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups: presets to replay")
     parser.add_argument("--keep", type=Path, default=None, help="a folder to leave the callgrind files in")
+    parser.add_argument(
+        "--eviction-policy", default="lru",
+        help="the core's eviction policies to count, comma-separated (lru, branch-lru); the core library only",
+    )
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "LIBRARY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -149,10 +158,20 @@ def main() -> None:
         logged = workload.endswith("-events")
         libraries = args.libraries or ("groups,one" if grouped else "off,on" if logged else "core,model")
         per: dict[str, float] = {}
+        policies = args.eviction_policy.split(",")
+        runs = []
         for library in libraries.split(","):
+            if library == "core" and not grouped:
+                runs += ["core" if policy == "lru" else f"core@{policy}" for policy in policies]
+            else:
+                runs.append(library)
+        for library in runs:
             total, requests = instructions(workload, library, args.keep)
             per[library] = total / requests
             print(f"{workload} {library}: {per[library]:,.0f} instructions per request", flush=True)
+        for library in runs:
+            if library.startswith("core@") and "core" in per:
+                print(f"{workload} {library}/core: {per[library] / per['core']:.3f}x", flush=True)
         if "core" in per and "model" in per:
             print(f"{workload} model/core: {per['model'] / per['core']:.3f}x", flush=True)
         if "groups" in per and "one" in per:

@@ -771,7 +771,8 @@ class BranchLRU(Ranked):
     the longest request path that went through it (in half-octave bands). Both bonuses only grow
     toward the root (a request reusing a block reuses its parent; a path through a block goes
     through its parent), like the stamp, so the lowest key is always a leaf and the trie's runs
-    stay in key order within a bucket."""
+    stay in key order within a bucket. Equal keys go to the older stamp, as in the core
+    (``KVCacheCore(eviction_policy="branch-lru")``), which evicts what this model does."""
 
     name = "branch-lru"
 
@@ -792,8 +793,10 @@ class BranchLRU(Ranked):
         self.bonus = [round(share * cache.trace.num_blocks) for share in self.reuse_bonus]
 
     def key(self, b: int) -> int:
+        """Its key, ties to the older stamp (as the core breaks them) in the low 40 bits."""
         reuses = min(int(self.reuses[b]), len(self.bonus) - 1)
-        return int(self.cache.stamp[b]) + self.bonus[reuses] + self.length_weight * int(self.longest[b])
+        stamp = int(self.cache.stamp[b])
+        return ((stamp + self.bonus[reuses] + self.length_weight * int(self.longest[b])) << 40) | stamp
 
     def on_hit(self, blocks: Ints) -> None:
         self.reuses[blocks] += 1
@@ -898,12 +901,13 @@ CORE_TTL_S = 120.0
 
 def replay_core_hinted(
     trace: PrefixTrace, times: Ints | None = None, continues: Ints | None = None, ttl_s: float = CORE_TTL_S,
-    repeats: int = 3,
+    repeats: int = 3, eviction_policy: str = "lru",
 ) -> tuple[float, int, int]:
     """The library's own replay (as ``replay.replay_core``), with session TTL hints through
     ``KVCacheCore.set_retention`` when ``continues`` is given: the retention clock follows the
     trace's timestamps (``times``, ms) and every request continuing a conversation gets
-    ``ttl_s``. Returns (seconds per request, best of ``repeats``; hit tokens; blocks evicted)."""
+    ``ttl_s``; ``eviction_policy`` is the core's. Returns (seconds per request, best of
+    ``repeats``; hit tokens; blocks evicted)."""
     from lifecycle._blockpool import BlockPool
     from lifecycle._kvcache import KVCacheCore
     from w2 import no_gc
@@ -913,7 +917,7 @@ def replay_core_hinted(
     hinted = [] if continues is None else (np.asarray(continues) >= 0).tolist()
     best, hit, evicted = float("inf"), 0, 0
     for _ in range(repeats):
-        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size)
+        core = KVCacheCore(BlockPool(trace.num_blocks), trace.block_size, eviction_policy=eviction_policy)
         admit, finish, hint, set_time = core.admit, core.finish, core.set_retention, core.retention.set_time
         live: deque[int] = deque()
         max_live = trace.max_live
@@ -944,14 +948,20 @@ def replay_core_hinted(
 
 def core_records(workload: Workload, lru: int, gap: int, continues: Ints) -> list[dict[str, Any]]:
     """The policies the core ships, measured through it: ``core:lru`` (the default, every block
-    at the default priority) and ``core:lru+ttl-120s`` (session TTL hints through
-    ``set_retention``, the clock on the trace's time); ``us_per_request`` is the library's."""
+    at the default priority), ``core:lru+ttl-120s`` (session TTL hints through ``set_retention``,
+    the clock on the trace's time), and the same two with ``eviction_policy="branch-lru"``
+    (``core:branch-lru``, ``core:branch-lru+ttl-120s``); ``us_per_request`` is the library's,
+    ``cost_vs_lru`` its ratio to ``core:lru``'s."""
     trace = workload.trace
     if trace is None:
         return []
     out = []
-    for name, hints in (("core:lru", None), (f"core:lru+ttl-{int(CORE_TTL_S)}s", continues)):
-        seconds, hit, evicted = replay_core_hinted(trace, workload.blocks.times, hints)
+    ttl = f"+ttl-{int(CORE_TTL_S)}s"
+    for policy, name, hints in (
+        ("lru", "core:lru", None), ("lru", f"core:lru{ttl}", continues),
+        ("branch-lru", "core:branch-lru", None), ("branch-lru", f"core:branch-lru{ttl}", continues),
+    ):
+        seconds, hit, evicted = replay_core_hinted(trace, workload.blocks.times, hints, eviction_policy=policy)
         record: dict[str, Any] = {
             "workload": workload.name,
             "policy": name,
@@ -968,7 +978,8 @@ def core_records(workload: Workload, lru: int, gap: int, continues: Ints) -> lis
                 "session_ttl_s": CORE_TTL_S, "unit": "s", "sessions_hinted": int((continues >= 0).sum()),
             }
         out.append(record)
-    out[1]["cost_vs_lru"] = round(out[1]["us_per_request"] / out[0]["us_per_request"], 3)
+    for record in out[1:]:
+        record["cost_vs_lru"] = round(record["us_per_request"] / out[0]["us_per_request"], 3)
     return out
 
 

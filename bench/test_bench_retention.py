@@ -5,7 +5,9 @@ run of blocks with 10k, 100k and 1M blocks cached, which should not grow with th
 
 The cache holds 16-block leaves under 64 shared 16-block prefixes; a quarter of the requests
 finished at priority 0, a quarter with a range at 80 for a minute, a quarter with a session TTL,
-the rest unhinted, so eviction walks every kind of list and the expiry heap is full.
+the rest unhinted, so eviction walks every kind of list and the expiry heap is full. Under
+``eviction_policy="branch-lru"`` the priority-0 quarter is left unhinted, so that eviction takes
+the default priority's branch lists (the tournament over their heads) from the first call.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ PREFIXES = 64
 ROUNDS = 300
 
 
-def filled(num_blocks: int) -> KVCacheCore:
+def filled(num_blocks: int, policy: str = "lru") -> KVCacheCore:
     """A core whose pool is full of cached blocks, ``num_blocks`` of them, hinted four ways."""
-    core = KVCacheCore(BlockPool(num_blocks), BS, capacity=num_blocks // RUN * 2 + 1024)
+    core = KVCacheCore(BlockPool(num_blocks), BS, capacity=num_blocks // RUN * 2 + 1024, eviction_policy=policy)
     core.retention.set_time(0.0)
     rng = np.random.default_rng(11)
     prefixes = [rng.integers(0, 50_000, RUN * BS).astype(np.int32) for _ in range(PREFIXES)]
@@ -40,7 +42,7 @@ def filled(num_blocks: int) -> KVCacheCore:
         prompt = np.concatenate([prefixes[i % PREFIXES], rng.integers(0, 50_000, RUN * BS).astype(np.int32)])
         h = core.admit(prompt, 2 * RUN)
         kind = i % 4
-        if kind == 0:
+        if kind == 0 and policy == "lru":
             core.set_retention(h, [(RUN * BS, 2 * RUN * BS, 0)])
         elif kind == 1:
             core.set_retention(h, [(0, 2 * RUN * BS, 80, 60.0)])
@@ -51,11 +53,12 @@ def filled(num_blocks: int) -> KVCacheCore:
     return core
 
 
+@pytest.mark.parametrize("policy", ["lru", "branch-lru"])
 @pytest.mark.parametrize("num_blocks", [10_000, 100_000, 1_000_000], ids=["10k", "100k", "1M"])
-def test_evict_a_run_from_a_full_cache(benchmark: BenchmarkFixture, num_blocks: int) -> None:
+def test_evict_a_run_from_a_full_cache(benchmark: BenchmarkFixture, num_blocks: int, policy: str) -> None:
     """One ``evict`` of 16 blocks: the lowest list's head leaf, trimmed (the clock past half the
     hints' expiries, so decays are due along the way)."""
-    core = filled(num_blocks)
+    core = filled(num_blocks, policy)
     core.retention.set_time(45.0)
 
     def evict_run() -> None:

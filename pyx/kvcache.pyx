@@ -41,7 +41,10 @@ from lifecycle._int32 cimport (
     adapter_key as _adapter_key, empty_int32 as _empty_int32, grow_array, int32_buffer, int32_column, int64_vector,
     shrink as _shrink, token_vector as _token_vector, writeable_int32,
 )
-from lifecycle._radix cimport MAX_PRIORITY, Chunk, RNode, WalkEnd, chunk_decref, chunk_new
+from lifecycle._radix cimport (
+    MAX_PRIORITY, POLICY_BRANCH_LRU, POLICY_BRANCH_LRU_EXACT, POLICY_LRU, Chunk, RNode, WalkEnd, chunk_decref,
+    chunk_new,
+)
 from lifecycle._records cimport SequenceState as _Sequence
 from lifecycle._retention cimport new_retention
 from lifecycle._records cimport (
@@ -63,6 +66,19 @@ from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, Retenti
 
 cnp.import_array()
 
+#: The eviction policies ``KVCacheCore(eviction_policy=...)`` takes.
+EVICTION_POLICIES = ("lru", "branch-lru", "branch-lru-exact")
+
+
+cdef int _policy_arg(object value) except -1:
+    if value == "lru" and isinstance(value, str):
+        return POLICY_LRU
+    if value == "branch-lru" and isinstance(value, str):
+        return POLICY_BRANCH_LRU
+    if value == "branch-lru-exact" and isinstance(value, str):
+        return POLICY_BRANCH_LRU_EXACT
+    raise ConfigError(f"eviction_policy must be one of {', '.join(map(repr, EVICTION_POLICIES))}, got {value!r}")
+
 
 @cython.final
 @cython.auto_pickle(False)
@@ -76,6 +92,14 @@ cdef class KVCacheCore:
     snapshot, of which it keeps ids for ``num_snapshots``; ``max_blocks_per_seq`` caps a table.
     ``events`` / ``demote``: see ``set_events``; ``null_block=True`` holds block 0 of a fresh
     pool for good (engines pad their tables with it), so it is never handed out or cached.
+
+    ``eviction_policy``: the order eviction takes cached runs in, within each retention priority's
+    turn (lowest priority first): ``"lru"`` (the default, least recently used leaf first) or
+    ``"branch-lru"`` (at the default priority, least recently used with a bonus for a run's
+    reuses while cached and for the longest request path through it, the victim's whole run at a
+    time; docs/retention.md) or ``"branch-lru-exact"`` (the same keys, block by block in key
+    order: what bench/policies.py's block model evicts, at several times the eviction cost). Not
+    offered with ``groups``.
 
     ``groups``: the KV cache groups past group 0 (``pool``, full attention), each
     ``(kind, window, sink_tokens, pool)`` with kind ``"full"``, ``"sliding_window"`` or
@@ -92,7 +116,8 @@ cdef class KVCacheCore:
 
     def __init__(self, BlockPool pool not None, block_size, *, enable_prefix_cache=True, snapshot_cut=False,
                  num_snapshots=0, max_blocks_per_seq=None, max_tokens_per_seq=None, capacity=None,
-                 events=False, demote=False, null_block=False, groups=None, retention_interval=None):
+                 events=False, demote=False, null_block=False, groups=None, retention_interval=None,
+                 eviction_policy="lru"):
         """An empty cache over ``pool`` with ``block_size`` tokens per block; the class says what
         each option does."""
         cdef PyThreadState *released
@@ -116,12 +141,21 @@ cdef class KVCacheCore:
         self._trie = RadixTrie(
             self._block_size, capacity=_as_count(1024 if capacity is None else capacity, "capacity", 0, INT32_MAX // 4)
         )
+        policy = _policy_arg(eviction_policy)
         if groups is not None and len(groups):
+            if policy != POLICY_LRU:
+                raise ConfigError(
+                    f"eviction_policy={eviction_policy!r} is not offered with KV cache groups (groups=): only 'lru'"
+                )
             if snapshot_cut:
                 raise ConfigError("snapshot_cut is not offered with KV cache groups (groups=): give one or the other")
             self._groups = new_groups(pool, self._block_size, groups, retention_interval, self._max_tokens_per_seq)
             self._grouped = True
             self._trie._set_groups(self._groups.n)
+        if policy != POLICY_LRU and self._trie._set_policy(
+            policy, round(total * 0.5), total, round(total * 1.5)
+        ):
+            raise MemoryError("KVCacheCore: cannot allocate the branch-lru stamps")
         self._lock = core_lock(pool, pool.mutex())
         self._trie._share_lock(pool, pool.mutex())
         self._records = new_records(
@@ -177,6 +211,11 @@ cdef class KVCacheCore:
     def pool(self):
         """The ``BlockPool`` this core keeps references in."""
         return self._pool
+
+    @property
+    def eviction_policy(self):
+        """``"lru"``, ``"branch-lru"`` or ``"branch-lru-exact"`` (see the class)."""
+        return self._trie.eviction_policy
 
     @property
     def trie(self):
@@ -507,7 +546,10 @@ cdef class KVCacheCore:
                 f.code = E_NO_MEMORY
                 return -1
             end = self._trie._settle(&walk)
-            self._trie._touch(end)
+            if not self._trie._branch or self._snapshot_cut:
+                # (branch-lru: the pin below takes the path off the lists at once, and a touch would
+                # spend stamps the finish gives again.)
+                self._trie._touch(end)
             if self._snapshot_cut:
                 end = walk.tagged_node
         old_pin = rec.pin_node
@@ -558,6 +600,8 @@ cdef class KVCacheCore:
                     self._pool._dec_ref_locked(chunk.blocks, reuse, &undo)  # taken just above: none frees
                     return -1
                 self._trie._pin(end)
+                if self._trie._branch:
+                    self._trie._hit(end)
                 if self._snapshot_cut:
                     self._snaps.touch(self._trie._nodes[end].tag)
             rec.pin_node = end
@@ -682,8 +726,12 @@ cdef class KVCacheCore:
                 pos = d + matched
                 length = full - pos
                 if length <= 0:
+                    if self._trie._branch:
+                        self._trie._path_band(v, full)
                     self._trie._touch(v)
                 elif 2 * length * bs >= chunk.token_capacity:
+                    if self._trie._branch:
+                        self._trie._path_band(v, full)
                     leaf = self._trie._add_leaf(v, chunk, <int32_t>pos, <int32_t>length)
                 else:
                     copy = chunk_new(self._trie._chunk_cache(), length, length * bs)
@@ -697,6 +745,8 @@ cdef class KVCacheCore:
                         if copy.hashes != NULL:
                             memcpy(copy.hashes, chunk.hashes + pos, length * sizeof(uint64_t))
                             copy.num_hashed = <int32_t>length
+                    if self._trie._branch:
+                        self._trie._path_band(v, full)
                     leaf = self._trie._add_leaf(v, copy, 0, <int32_t>length)
                     chunk_decref(self._trie._chunk_cache(), copy)
                 if length > 0:
@@ -709,6 +759,8 @@ cdef class KVCacheCore:
                 self._groups.finish(self._trie, rec, v, pos, full, leaf, f)
             else:
                 self._groups.release_all(rec, f)
+        if self._trie._branch and cached and full <= d and tip >= 0:
+            self._trie._path_band(tip, full)  # the pinned path alone (off the lists)
         # (After the groups' finish, which fills the new leaf's columns: a hint may cut its runs.)
         if self._retention._num_hints:
             self._retention.apply(rec, tip, rec.cached_tokens // bs)

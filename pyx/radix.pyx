@@ -13,14 +13,16 @@ neither pinned nor above a pinned node is on an LRU list that lists every node a
 descendants, so the head is always an unpinned leaf; eviction trims leaf runs from their tail,
 many blocks per step. There is one such list per retention priority (0 to 100, a node's at least
 its children's), the lowest taken first; without hints every node has the default priority and
-the one list in use is plain LRU.
+the one list in use is plain LRU. Under ``eviction_policy="branch-lru"`` the default priority's one
+list becomes one per (reuse class, length band), the victim the head of smallest key (see
+"branch-lru" below).
 
 The trie owns no block references: the KV cache core (``lifecycle._kvcache``) keeps the pool's
 refcounts and calls these methods with its lock held. Python sees introspection only.
 """
 
 cimport cython
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport INT32_MAX, INT64_MAX, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.math cimport INFINITY
 from libc.string cimport memcpy, memmove, memset
@@ -318,9 +320,151 @@ cdef extern from *:
     int lc_lowest_bit(uint64_t x) noexcept nogil
 
 
+# -- branch-lru: the default priority's lists ---------------------------------------------------
+#
+# With ``eviction_policy="branch-lru"`` the nodes at the default priority are not on one LRU list
+# but on one per (reuse class, length band): a node's reuses while cached (0, 1, 2, 3 or more,
+# counted at each admission that pins it) and the half-octave band of the longest request path
+# through it (set at each finish on the request's cached path). A block's key is its stamp (its
+# place in the LRU order: every block appended to a list takes the next one, a run's last block
+# the lowest) plus its list's constant: a reuse bonus of 0, 1/2, 1, 3/2 pools' worth of stamps
+# plus ``BRANCH_LENGTH_WEIGHT`` stamps per block of its band. Within a list the constant is one,
+# so list order is stamp order; the victim is the head with the smallest key (ties: the older
+# stamp), found by a tournament over the lists' head keys, updated only when a head changes.
+# Stamps, reuses and bands only grow toward the root (a parent is appended after its children; a
+# reuse or a path through a node is one through its parent), so the smallest head is a leaf. The
+# other priorities keep their plain LRU lists, lowest non-empty priority first as before.
+
+cdef inline int32_t _band_of(Py_ssize_t blocks) noexcept nogil:
+    """The half-octave band of a length in blocks (1, 2, 3, 4, 6, 8, 12, ... are bands 1, 2, 3, ...)."""
+    cdef int32_t e = 0
+    if blocks <= 0:
+        return 0
+    while (blocks >> (e + 1)) != 0:
+        e += 1
+    return 2 * e + (1 if 2 * blocks >= 3 << e else 0)
+
+
+cdef inline int64_t _band_blocks(int32_t band) noexcept nogil:
+    """The length a band stands for (rounded down to the band): 0, 1, 2, 3, 4, 6, 8, 12, ..."""
+    if band == 0:
+        return 0
+    if band & 1:
+        return (<int64_t>3 << (band >> 1)) >> 1
+    return <int64_t>1 << (band >> 1)
+
+
+cdef inline int32_t _blist(RNode *node) noexcept nogil:
+    return node.reuses * BRANCH_BANDS + node.band
+
+
+cdef inline bint _in_branch(RadixTrie t, RNode *node) noexcept nogil:
+    return t._branch and node.priority == DEFAULT_PRIORITY
+
+
+cdef inline bint _bbefore(RadixTrie t, int32_t a, int32_t b) noexcept nogil:
+    """Whether list ``a``'s head goes before list ``b``'s (the smaller key, then the older stamp)."""
+    return t._bkey[a] < t._bkey[b] or (t._bkey[a] == t._bkey[b] and t._bstamp[a] <= t._bstamp[b])
+
+
+cdef inline void _bset(RadixTrie t, int32_t li, int32_t head) noexcept nogil:
+    """List ``li``'s head became ``head`` (-1: empty): its key, then the tournament above it."""
+    cdef Py_ssize_t i
+    cdef int16_t a, b
+    if head >= 0:
+        t._bstamp[li] = t._stamps[head]
+        t._bkey[li] = t._stamps[head] + t._bconst[li]
+    else:
+        t._bstamp[li] = INT64_MAX
+        t._bkey[li] = INT64_MAX
+    i = (BRANCH_LISTS + li) >> 1
+    while i >= 1:
+        a = t._btree[2 * i]
+        b = t._btree[2 * i + 1]
+        t._btree[i] = a if _bbefore(t, a, b) else b
+        i >>= 1
+
+
+cdef inline void _blist_place(RadixTrie t, int32_t v) noexcept nogil:
+    """Node ``v`` (its stamp set) joins its list's MRU end."""
+    cdef RNode *node = &t._nodes[v]
+    cdef int32_t li = _blist(node), tail = t._btails[li]
+    node.lru_prev = tail
+    node.lru_next = -1
+    if tail >= 0:
+        t._nodes[tail].lru_next = v
+    else:
+        t._bheads[li] = v
+        if t._bnonempty == 0:
+            t._listed[DEFAULT_PRIORITY >> 6] |= (<uint64_t>1) << (DEFAULT_PRIORITY & 63)
+        t._bnonempty += 1
+        _bset(t, li, v)
+    t._btails[li] = v
+    t._lru_blocks += node.length
+
+
+cdef inline void _blist_remove(RadixTrie t, int32_t v) noexcept nogil:
+    cdef RNode *node = &t._nodes[v]
+    cdef int32_t li = _blist(node)
+    if node.lru_prev >= 0:
+        t._nodes[node.lru_prev].lru_next = node.lru_next
+    else:
+        t._bheads[li] = node.lru_next
+        if node.lru_next < 0:
+            t._bnonempty -= 1
+            if t._bnonempty == 0:
+                t._listed[DEFAULT_PRIORITY >> 6] &= ~((<uint64_t>1) << (DEFAULT_PRIORITY & 63))
+        _bset(t, li, node.lru_next)
+    if node.lru_next >= 0:
+        t._nodes[node.lru_next].lru_prev = node.lru_prev
+    else:
+        t._btails[li] = node.lru_prev
+    node.lru_prev = -1
+    node.lru_next = -1
+    t._lru_blocks -= node.length
+
+
+cdef inline int32_t _bwinner(RadixTrie t) noexcept nogil:
+    """The list whose head goes first (its key INT64_MAX when every list is empty)."""
+    return t._btree[1]
+
+
+cdef inline void _brunner_up(RadixTrie t, int32_t li, int64_t *key, int64_t *stamp) noexcept nogil:
+    """The key and stamp of the first head of the lists other than ``li`` (INT64_MAX: none)."""
+    cdef Py_ssize_t i = BRANCH_LISTS + li
+    cdef int16_t best = -1, c
+    while i > 1:
+        c = t._btree[i ^ 1]
+        if best < 0 or _bbefore(t, c, best):
+            best = c
+        i >>= 1
+    key[0] = t._bkey[best]
+    stamp[0] = t._bstamp[best]
+
+
+cdef void _branch_reset(RadixTrie t) noexcept nogil:
+    """Every branch-lru list empty."""
+    cdef Py_ssize_t i
+    for i in range(BRANCH_LISTS):
+        t._bheads[i] = -1
+        t._btails[i] = -1
+        t._bkey[i] = INT64_MAX
+        t._bstamp[i] = INT64_MAX
+        t._btree[BRANCH_LISTS + i] = <int16_t>i
+    for i in range(BRANCH_LISTS - 1, 0, -1):
+        t._btree[i] = t._btree[2 * i]
+    t._btree[0] = 0
+    t._bnonempty = 0
+
+
 cdef inline void _lru_append(RadixTrie t, int32_t v) noexcept nogil:
     cdef RNode *node = &t._nodes[v]
     cdef int32_t q = node.priority
+    if t._branch and q == DEFAULT_PRIORITY:
+        t._stamps[v] = t._tick
+        t._tick += node.length
+        _blist_place(t, v)
+        return
     node.lru_prev = t._tails[q]
     node.lru_next = -1
     if t._tails[q] >= 0:
@@ -335,6 +479,9 @@ cdef inline void _lru_append(RadixTrie t, int32_t v) noexcept nogil:
 cdef inline void _lru_remove(RadixTrie t, int32_t v) noexcept nogil:
     cdef RNode *node = &t._nodes[v]
     cdef int32_t q = node.priority
+    if t._branch and q == DEFAULT_PRIORITY:
+        _blist_remove(t, v)
+        return
     if node.lru_prev >= 0:
         t._nodes[node.lru_prev].lru_next = node.lru_next
     else:
@@ -359,6 +506,8 @@ cdef inline void _lru_insert_after(RadixTrie t, int32_t anchor, int32_t v) noexc
     t._nodes[anchor].lru_next = v
     if after >= 0:
         t._nodes[after].lru_prev = v
+    elif _in_branch(t, node):
+        t._btails[_blist(node)] = v
     else:
         t._tails[node.priority] = v
     t._lru_blocks += node.length
@@ -552,6 +701,64 @@ cdef inline uint64_t _last_hash(const RNode *node) noexcept nogil:
     return node.chunk.hashes[node.start + node.length - 1]
 
 
+cdef extern from "stdlib.h":
+    void qsort(void *base, size_t n, size_t size, int (*compare)(const void *, const void *) noexcept nogil) nogil
+
+
+cdef int _ascending(const void *a, const void *b) noexcept nogil:
+    cdef uint64_t x = (<const uint64_t *>a)[0], y = (<const uint64_t *>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef Py_ssize_t _drop_branch(RadixTrie t, int32_t top, int32_t *dest, int32_t *token_dest,
+                             uint64_t *hash_dest) noexcept nogil:
+    """``_drop_subtree`` with branch-lru's lists, whose concatenation does not list children before
+    parents: the subtree's nodes (found on the lists, as there) are dropped deepest first."""
+    cdef uint8_t *state = <uint8_t *>calloc(t._high_water + 1, sizeof(uint8_t))
+    cdef uint64_t *order = <uint64_t *>malloc((t._num_nodes + 1) * sizeof(uint64_t))
+    cdef Py_ssize_t count = 0, bs = t._block_size, members = 0, i, li, lists
+    cdef int32_t v, u, q
+    cdef uint8_t known
+    cdef RNode *node
+    if state == NULL or order == NULL:
+        free(state)
+        free(order)
+        return -1
+    state[top] = 1  # 1: inside the subtree, 2: outside, 0: not yet known
+    for q in range(NUM_LISTS):
+        lists = BRANCH_LISTS if q == DEFAULT_PRIORITY else 1
+        for li in range(lists):
+            v = t._bheads[li] if q == DEFAULT_PRIORITY else t._heads[q]
+            while v >= 0:
+                u = v
+                while u >= 0 and state[u] == 0:
+                    u = t._nodes[u].parent
+                known = state[u] if u >= 0 else 2
+                u = v
+                while u >= 0 and state[u] == 0:
+                    state[u] = known
+                    u = t._nodes[u].parent
+                if known == 1:
+                    order[members] = ((<uint64_t>(INT32_MAX - t._nodes[v].depth)) << 32) | <uint32_t>v
+                    members += 1
+                v = t._nodes[v].lru_next
+    qsort(order, members, sizeof(uint64_t), _ascending)
+    for i in range(members):
+        v = <int32_t>(order[i] & <uint64_t>0xFFFFFFFF)
+        node = &t._nodes[v]
+        memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
+        if token_dest != NULL:
+            memcpy(token_dest + count * bs, _run_tokens(t, node), node.length * bs * sizeof(int32_t))
+        if hash_dest != NULL:
+            _copy_hashes(hash_dest + count, node.chunk, node.start, node.length)
+        count += node.length
+        _lru_remove(t, v)
+        _remove_leaf(t, v)
+    free(state)
+    free(order)
+    return count
+
+
 @cython.final
 @cython.auto_pickle(False)
 cdef class RadixTrie:
@@ -567,6 +774,7 @@ cdef class RadixTrie:
         self._free_head = -1
         memset(self._heads, 0xFF, sizeof(self._heads))
         memset(self._tails, 0xFF, sizeof(self._tails))
+        _branch_reset(self)
 
     def __init__(self, block_size, *, capacity=0):
         """An empty trie for blocks of ``block_size`` tokens, with room for ``capacity`` nodes."""
@@ -597,6 +805,7 @@ cdef class RadixTrie:
         free(self._keys)
         free(self._evicted_tags)
         free(self._heap)
+        free(self._stamps)
 
     def __repr__(self):
         return (
@@ -661,6 +870,7 @@ cdef class RadixTrie:
         cdef RNode *nodes
         cdef int32_t *buckets
         cdef int32_t *tags
+        cdef int64_t *stamps
         if live + extra + 1 <= capacity:
             return 0
         if capacity == 0:
@@ -673,6 +883,11 @@ cdef class RadixTrie:
         if nodes == NULL:
             return 1
         self._nodes = nodes
+        if self._branch:
+            stamps = <int64_t *>realloc(self._stamps, capacity * sizeof(int64_t))
+            if stamps == NULL:
+                return 1
+            self._stamps = stamps
         # Every node may lose its tag in one eviction before the owner drains the buffer.
         tags = <int32_t *>realloc(self._evicted_tags, capacity * sizeof(int32_t))
         if tags == NULL:
@@ -724,6 +939,8 @@ cdef class RadixTrie:
         node.lru_next = -1
         node.tag = -1
         node.priority = MAX_PRIORITY
+        node.reuses = BRANCH_REUSES - 1
+        node.band = BRANCH_BANDS - 1
         node.expiry = INFINITY
         _chain_link(self, v)
         self._num_roots += 1
@@ -785,6 +1002,11 @@ cdef class RadixTrie:
         head.lru_prev = -1
         head.lru_next = -1
         head.priority = tail.priority
+        head.reuses = tail.reuses
+        head.band = tail.band
+        if self._branch:
+            # The tail keeps the deeper blocks' stamps, the head takes the ones after them.
+            self._stamps[h] = self._stamps[v] + tail.length - blocks
         head.expiry = INFINITY
         _set_expiry(self, h, tail.expiry)
         if self._owners != NULL:
@@ -829,6 +1051,9 @@ cdef class RadixTrie:
         node.lock_count = 0
         node.tag = -1
         node.priority = DEFAULT_PRIORITY
+        node.reuses = 0
+        node.band = self._leaf_band
+        self._leaf_band = 0
         node.expiry = INFINITY
         node.key = _child_key(self, parent, chunk.tokens + <Py_ssize_t>start * self._block_size)
         _chain_link(self, v)
@@ -900,7 +1125,106 @@ cdef class RadixTrie:
         """The next node eviction takes: the head of the lowest non-empty list (-1: nothing is
         evictable)."""
         cdef int32_t q = _lowest_list(self, -1)
-        return self._heads[q] if q >= 0 else -1
+        if q < 0:
+            return -1
+        if self._branch and q == DEFAULT_PRIORITY:
+            return self._bheads[_bwinner(self)]
+        return self._heads[q]
+
+    cdef int _set_policy(self, int policy, int64_t bonus1, int64_t bonus2, int64_t bonus3) except -1:
+        """Evict by ``policy`` (POLICY_LRU, POLICY_BRANCH_LRU or POLICY_BRANCH_LRU_EXACT, with
+        its reuse bonuses for 1, 2 and 3+ reuses, in stamps); only while nothing is cached. 1 when
+        out of memory."""
+        cdef Py_ssize_t r, b
+        cdef int64_t bonus[BRANCH_REUSES]
+        if self._num_nodes or self._num_roots:
+            raise ConfigError("the eviction policy is chosen before anything is cached")
+        self._branch_exact = policy == POLICY_BRANCH_LRU_EXACT
+        if policy == POLICY_LRU:
+            self._branch = False
+            return 0
+        if self._stamps == NULL:
+            self._stamps = <int64_t *>malloc(max(self._capacity, <Py_ssize_t>1) * sizeof(int64_t))
+            if self._stamps == NULL:
+                return 1
+        bonus[0] = 0
+        bonus[1] = bonus1
+        bonus[2] = bonus2
+        bonus[3] = bonus3
+        for r in range(BRANCH_REUSES):
+            for b in range(BRANCH_BANDS):
+                self._bconst[r * BRANCH_BANDS + b] = bonus[r] + BRANCH_LENGTH_WEIGHT * _band_blocks(<int32_t>b)
+        _branch_reset(self)
+        self._branch = True
+        return 0
+
+    @property
+    def eviction_policy(self):
+        """The order eviction takes the default priority's nodes in: "lru", "branch-lru" or
+        "branch-lru-exact"."""
+        return ("branch-lru-exact" if self._branch_exact else "branch-lru") if self._branch else "lru"
+
+    def branch_lists(self):
+        """(branch-lru, inspection) Each non-empty list of the default priority, MRU end last: its
+        index (reuse class * 64 + band) and its nodes as (node, stamp, blocks, parent)."""
+        cdef Py_ssize_t li
+        cdef int32_t v
+        out = []
+        if not self._branch:
+            return out
+        lc_enter_gil(self._lock)
+        try:
+            for li in range(BRANCH_LISTS):
+                v = self._bheads[li]
+                if v < 0:
+                    continue
+                nodes = []
+                while v >= 0:
+                    nodes.append((v, self._stamps[v], self._nodes[v].length, self._nodes[v].parent))
+                    v = self._nodes[v].lru_next
+                out.append((li, nodes))
+        finally:
+            lc_leave(self._lock, NULL)
+        return out
+
+    cdef void _hit(self, int32_t v) noexcept nogil:
+        """(branch-lru) An admission reused the path ending at ``v``, which it pinned: one more
+        reuse on each node of it (counts stop at the last class; a parent's is at least its
+        child's, so the walk ends at the first node there)."""
+        cdef RNode *node
+        while self._nodes[v].parent >= 0:
+            node = &self._nodes[v]
+            if node.reuses >= BRANCH_REUSES - 1:
+                return
+            if node.lock_count == 0 and node.priority == DEFAULT_PRIORITY:
+                _blist_remove(self, v)  # not expected: a pinned path is off the lists
+                node.reuses += 1
+                _blist_place(self, v)
+            else:
+                node.reuses += 1
+            v = node.parent
+
+    cdef void _path_band(self, int32_t v, Py_ssize_t blocks) noexcept nogil:
+        """(branch-lru) A request finishing caches a path of ``blocks`` blocks through ``v``: every
+        node from ``v`` up has a path at least that long through it, and so does the next leaf
+        ``_add_leaf`` makes. Called before the finish makes the path the most
+        recently used: a listed node changing lists keeps its stamp at its new list's MRU end until
+        that touch appends it again (the path's unpinned nodes are exactly the ones it touches). A
+        parent's band is at least its child's: the walk ends at the first node there."""
+        cdef RNode *node
+        cdef int32_t band = _band_of(blocks)
+        self._leaf_band = <uint8_t>band
+        while self._nodes[v].parent >= 0:
+            node = &self._nodes[v]
+            if node.band >= band:
+                return
+            if node.lock_count == 0 and node.priority == DEFAULT_PRIORITY:
+                _blist_remove(self, v)
+                node.band = <uint8_t>band
+                _blist_place(self, v)
+            else:
+                node.band = <uint8_t>band
+            v = node.parent
 
     cdef void _set_priority(self, int32_t v, int32_t priority, double expiry) noexcept nogil:
         """Give node ``v`` (not a root) ``priority`` until ``expiry`` (INFINITY: for good); it
@@ -954,7 +1278,8 @@ cdef class RadixTrie:
         tags. With ``below``: the blocks dropped are all below priority ``split_below`` or all at
         or above it (the call stops where the next victim's side differs), ``below[0]`` says which."""
         cdef Py_ssize_t count = 0, take
-        cdef int32_t v, q
+        cdef int32_t v, q, li
+        cdef int64_t key, stamp, limit
         cdef bint low
         cdef RNode *node
         if self._heap_size and self._heap[0].at <= self._now():
@@ -979,6 +1304,18 @@ cdef class RadixTrie:
                 elif low != below[0]:
                     break
             take = min(<Py_ssize_t>node.length, n - count)
+            if self._branch_exact and _in_branch(self, node):
+                # (branch-lru-exact) Its blocks' keys rise by one per block trimmed: it goes on while
+                # they stay first. (branch-lru trims the whole run: the heads' runs overlap in key and
+                # would otherwise go one block from each in turn.)
+                li = _blist(node)
+                _brunner_up(self, li, &key, &stamp)
+                if key != INT64_MAX:
+                    limit = key - self._bkey[li]
+                    if self._stamps[v] + limit < stamp:
+                        limit += 1
+                    if limit < take:
+                        take = <Py_ssize_t>limit
             self._trim_leaf(v, take, dest + count, token_dest, hash_dest, count)
             count += take
         return count
@@ -1011,6 +1348,10 @@ cdef class RadixTrie:
             node.length -= <int32_t>take
             self._lru_blocks -= take
             self._num_blocks -= take
+            if _in_branch(self, node):
+                self._stamps[v] += take  # its last block now is the one after them
+                if node.lru_prev < 0:
+                    _bset(self, _blist(node), v)
 
     cdef Py_ssize_t _drop_subtree(
         self, int32_t top, int32_t *dest, int32_t *token_dest, uint64_t *hash_dest
@@ -1020,11 +1361,14 @@ cdef class RadixTrie:
         deepest first; returns how many blocks (-1: out of memory, nothing dropped). The LRU lists
         hold exactly these nodes among others and, taken lowest first, list children before
         parents, so one pass over them removes each node once its children are gone. Tags go to the evicted tags."""
-        cdef uint8_t *state = <uint8_t *>calloc(self._high_water + 1, sizeof(uint8_t))
+        cdef uint8_t *state
         cdef Py_ssize_t count = 0, bs = self._block_size
         cdef int32_t v, u, after
         cdef uint8_t known
         cdef RNode *node
+        if self._branch:
+            return _drop_branch(self, top, dest, token_dest, hash_dest)
+        state = <uint8_t *>calloc(self._high_water + 1, sizeof(uint8_t))
         if state == NULL:
             return -1
         state[top] = 1  # 1: inside the subtree, 2: outside, 0: not yet known
@@ -1075,6 +1419,7 @@ cdef class RadixTrie:
         self._listed[1] = 0
         self._lru_blocks = 0
         self._heap_size = 0
+        _branch_reset(self)
 
     cdef dict _chunk_bytes(self):
         """(Lock held) bytes of the chunks cached runs lie in: ``chunks`` (headers and block-id
@@ -1353,6 +1698,11 @@ cdef class RadixTrie:
                 )
         steps = 0
         for q in range(NUM_LISTS):
+            if self._branch and q == DEFAULT_PRIORITY:
+                problem = self._branch_problem(lru_pos, &steps, &lru_blocks)
+                if problem is not None:
+                    return problem
+                continue
             v = self._heads[q]
             prev = -1
             if (v >= 0) != (((self._listed[q >> 6] >> (q & 63)) & 1) == 1):
@@ -1382,6 +1732,69 @@ cdef class RadixTrie:
             if node.lock_count == 0 and lru_pos[i] < 0:
                 return f"unprotected node {i} is missing from the LRU list"
             p = node.parent
+            up = &self._nodes[p]
+            if self._branch and up.parent >= 0 and (up.reuses < node.reuses or up.band < node.band):
+                return (
+                    f"node {p} has reuse class {up.reuses} and band {up.band}, below its child {i}'s "
+                    f"{node.reuses} and {node.band}"
+                )
+            if (
+                self._branch and up.parent >= 0 and lru_pos[p] >= 0 and up.priority == DEFAULT_PRIORITY
+                and node.priority == DEFAULT_PRIORITY
+            ):
+                if self._stamps[p] < self._stamps[i] + node.length:
+                    return f"node {p} has stamp {self._stamps[p]}, not after its child {i}'s last block"
+                continue
             if self._nodes[p].parent >= 0 and lru_pos[p] >= 0 and lru_pos[p] < lru_pos[i]:
                 return f"node {p} precedes its child {i} in the LRU list"
+        return None
+
+    cdef str _branch_problem(self, Py_ssize_t *lru_pos, Py_ssize_t *steps, Py_ssize_t *lru_blocks):
+        """(branch-lru) The default priority's lists: linked, each node on its class's list in
+        stamp order, heads' keys and the tournament right."""
+        cdef Py_ssize_t hw = self._high_water, li, nonempty = 0, i
+        cdef int32_t v, prev, best = -1
+        cdef int16_t a, b
+        cdef RNode *node
+        for li in range(BRANCH_LISTS):
+            v = self._bheads[li]
+            prev = -1
+            if v >= 0:
+                nonempty += 1
+                if best < 0 or _bbefore(self, <int32_t>li, best):
+                    best = <int32_t>li
+            if self._bkey[li] != (INT64_MAX if v < 0 else self._stamps[v] + self._bconst[li]):
+                return f"branch-lru list {li} keeps head key {self._bkey[li]}, not its head {v}'s"
+            while v >= 0:
+                if v >= hw or self._nodes[v].parent < 0 or lru_pos[v] >= 0:
+                    return f"branch-lru list {li} reaches slot {v}, which is not a node (or twice)"
+                node = &self._nodes[v]
+                if node.lru_prev != prev:
+                    return f"LRU node {v} points back to {node.lru_prev}, not {prev}"
+                if node.lock_count != 0:
+                    return f"LRU node {v} is protected (lock count {node.lock_count})"
+                if node.priority != DEFAULT_PRIORITY or _blist(node) != li:
+                    return f"node {v} (priority {node.priority}, list {_blist(node)}) is on branch-lru list {li}"
+                if prev >= 0 and self._stamps[v] < self._stamps[prev] + self._nodes[prev].length:
+                    return f"branch-lru list {li}: node {v}'s stamp {self._stamps[v]} is not after node {prev}'s"
+                if self._stamps[v] + node.length > self._tick:
+                    return f"node {v}'s stamp {self._stamps[v]} is past the stamps handed out ({self._tick})"
+                lru_pos[v] = steps[0]
+                lru_blocks[0] += node.length
+                steps[0] += 1
+                prev = v
+                v = node.lru_next
+            if prev != self._btails[li]:
+                return f"branch-lru list {li} has tail {self._btails[li]} but ends at {prev}"
+        if nonempty != self._bnonempty:
+            return f"{nonempty} branch-lru lists hold nodes, the counter says {self._bnonempty}"
+        if (nonempty > 0) != (((self._listed[DEFAULT_PRIORITY >> 6] >> (DEFAULT_PRIORITY & 63)) & 1) == 1):
+            return f"{nonempty} branch-lru lists hold nodes but the default priority's bit says otherwise"
+        for i in range(BRANCH_LISTS - 1, 0, -1):
+            a = self._btree[2 * i]
+            b = self._btree[2 * i + 1]
+            if self._btree[i] != (a if _bbefore(self, a, b) else b):
+                return f"the branch-lru tournament's entry {i} is stale"
+        if nonempty and self._bkey[self._btree[1]] != self._bkey[best]:
+            return f"the branch-lru tournament picks list {self._btree[1]}, not {best}"
         return None

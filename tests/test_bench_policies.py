@@ -266,7 +266,8 @@ def test_run_reports_every_policy_then_the_optimum() -> None:
 
 def test_the_cores_records_measure_lru_and_session_ttls_through_the_library() -> None:
     """The first 300 W3 requests on a pool of 30,000 blocks: ``core:lru`` is the library's own
-    replay, ``core:lru+ttl-120s`` the same with every continuing request hinted."""
+    replay, ``core:lru+ttl-120s`` the same with every continuing request hinted, and the same two
+    under ``eviction_policy="branch-lru"``."""
     pytest.importorskip("lifecycle._kvcache")
     import json
 
@@ -280,7 +281,10 @@ def test_the_cores_records_measure_lru_and_session_ttls_through_the_library() ->
     continues = policies.conversations(cut.chains)
     _, library, _ = replay_core(trace)
     records = policies.core_records(cut, library, 1, continues)
-    assert [r["policy"] for r in records] == ["core:lru", "core:lru+ttl-120s"]
+    assert [r["policy"] for r in records] == [
+        "core:lru", "core:lru+ttl-120s", "core:branch-lru", "core:branch-lru+ttl-120s",
+    ]
+    assert records[2]["hit_tokens"] != library
     assert records[0]["hit_tokens"] == library
     assert records[1]["hints"]["sessions_hinted"] == int((continues >= 0).sum()) > 0
     assert records[1]["hit_tokens"] != library

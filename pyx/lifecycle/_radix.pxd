@@ -3,7 +3,7 @@
 # the trie is given (the owner's), and every cdef method is called with that lock held.
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from lifecycle._sync cimport lc_mutex_t
 
@@ -56,6 +56,8 @@ cdef struct RNode:
     int32_t hash_next          # next node of the bucket (next unused slot when unused)
     int32_t tag                # a snapshot id kept at the run's end, -1 = none
     int32_t priority           # its eviction list: a retention priority 0..100
+    uint8_t reuses             # (branch-lru) reuses while cached, up to BRANCH_REUSES - 1
+    uint8_t band               # (branch-lru) the longest request path through it, as a half-octave band
     double expiry              # when that priority decays to the default (trie clock); INFINITY: never
 
 
@@ -83,6 +85,19 @@ cdef enum:
     DEFAULT_PRIORITY = 35      # TensorRT-LLM's default retention priority
     MAX_PRIORITY = 100
     NUM_LISTS = 101
+
+
+# Eviction policies. ``branch-lru`` orders the default priority's nodes by last use plus a bonus
+# for reuses and for the longest request path through them: one LRU list per (reuse class, length
+# band), the victim the head with the smallest key (see radix.pyx, "branch-lru").
+cdef enum:
+    POLICY_LRU = 0
+    POLICY_BRANCH_LRU = 1      # the victim's whole run goes (up to what is asked)
+    POLICY_BRANCH_LRU_EXACT = 2  # block by block in key order: the block model's order (bench/policies.py)
+    BRANCH_REUSES = 4          # reuse classes: 0, 1, 2, 3 or more
+    BRANCH_BANDS = 64          # half-octave length bands of an int32 block count
+    BRANCH_LISTS = 256         # BRANCH_REUSES * BRANCH_BANDS, a power of two (the tournament's leaves)
+    BRANCH_LENGTH_WEIGHT = 100  # stamps per block of a band's length
 
 
 # A node's priority expiring at ``at`` (a min-heap of them; an entry whose node's expiry changed is stale).
@@ -122,6 +137,18 @@ cdef class RadixTrie:
     cdef Py_ssize_t _heap_capacity
     cdef bint _manual_clock         # the retention clock is ``_time`` (set by the owner), not CLOCK_MONOTONIC
     cdef double _time
+    cdef bint _branch               # eviction_policy "branch-lru" (the default priority's order)
+    cdef bint _branch_exact         # "branch-lru-exact": a run is trimmed only while its blocks' keys come first
+    cdef int64_t *_stamps           # (branch-lru) per node slot: the stamp of its run's last block
+    cdef int64_t _tick              # (branch-lru) stamps handed out: one per block appended to a list
+    cdef int32_t _bheads[BRANCH_LISTS]
+    cdef int32_t _btails[BRANCH_LISTS]
+    cdef int64_t _bconst[BRANCH_LISTS]   # a list's reuse bonus plus its band's length bonus
+    cdef int64_t _bkey[BRANCH_LISTS]     # its head's key (stamp + constant); INT64_MAX: empty
+    cdef int64_t _bstamp[BRANCH_LISTS]   # its head's stamp (ties go to the older)
+    cdef int16_t _btree[2 * BRANCH_LISTS]  # a tournament over the lists: entry i the winner below i
+    cdef Py_ssize_t _bnonempty      # lists holding a node
+    cdef uint8_t _leaf_band         # (branch-lru) the band _add_leaf gives a new leaf (see _path_band)
     cdef lc_mutex_t *_lock          # the owner's lock (see _share_lock)
     cdef lc_mutex_t _own_lock       # used when no owner gave one
     cdef object _lock_owner         # what holds ``_lock``, kept alive
@@ -169,6 +196,9 @@ cdef class RadixTrie:
     cdef void _touch(self, int32_t v) noexcept nogil
     cdef void _set_time(self, double now) noexcept nogil
     cdef double _now(self) noexcept nogil
+    cdef int _set_policy(self, int policy, int64_t bonus1, int64_t bonus2, int64_t bonus3) except -1
+    cdef void _hit(self, int32_t v) noexcept nogil
+    cdef void _path_band(self, int32_t v, Py_ssize_t blocks) noexcept nogil
     cdef int32_t _victim(self) noexcept nogil
     cdef void _set_priority(self, int32_t v, int32_t priority, double expiry) noexcept nogil
     cdef void _decay(self, double now) noexcept nogil
@@ -192,3 +222,4 @@ cdef class RadixTrie:
     cdef int32_t _tag_at(self, int32_t v, Py_ssize_t blocks) noexcept nogil
     cdef str _problem(self)
     cdef str _recount(self, Py_ssize_t *children, Py_ssize_t *protected_children, Py_ssize_t *lru_pos)
+    cdef str _branch_problem(self, Py_ssize_t *lru_pos, Py_ssize_t *steps, Py_ssize_t *lru_blocks)

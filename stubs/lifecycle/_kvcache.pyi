@@ -33,6 +33,8 @@ _TokenIds: TypeAlias = npt.NDArray[np.integer[Any]] | Sequence[int]
 # Counts and adapter keys: an int or a numpy integer (never a bool); anything else raises InvalidId.
 _Int: TypeAlias = int | np.integer[Any]
 
+EVICTION_POLICIES: tuple[str, ...]
+
 @final
 class KVCacheCore:
     """Block pool + prefix trie + per-request records, with one call per scheduler step.
@@ -75,9 +77,12 @@ class KVCacheCore:
         null_block: bool = False,
         groups: Sequence[GroupSpec] | None = None,
         retention_interval: _Int | None = None,
+        eviction_policy: str = "lru",
     ) -> None: ...
     @property
     def pool(self) -> BlockPool: ...
+    @property
+    def eviction_policy(self) -> str: ...
     @property
     def trie(self) -> RadixTrie: ...
     @property
