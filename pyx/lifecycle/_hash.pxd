@@ -115,9 +115,12 @@ cdef extern from *:
                 __m128i x0 = _mm_add_epi32(t0, k0), x1 = _mm_add_epi32(t1, k1);
                 __m128i x2 = _mm_add_epi32(t2, k2), x3 = _mm_add_epi32(t3, k3);
                 __m128i sum = _mm_add_epi64(
-                    _mm_add_epi64(_mm_mul_epu32(x0, _mm_srli_epi64(x0, 32)), _mm_mul_epu32(x1, _mm_srli_epi64(x1, 32))),
-                    _mm_add_epi64(_mm_mul_epu32(x2, _mm_srli_epi64(x2, 32)), _mm_mul_epu32(x3, _mm_srli_epi64(x3, 32))));
-                uint64_t acc = (uint64_t)_mm_cvtsi128_si64(sum) + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
+                    _mm_add_epi64(_mm_mul_epu32(x0, _mm_srli_epi64(x0, 32)),
+                                  _mm_mul_epu32(x1, _mm_srli_epi64(x1, 32))),
+                    _mm_add_epi64(_mm_mul_epu32(x2, _mm_srli_epi64(x2, 32)),
+                                  _mm_mul_epu32(x3, _mm_srli_epi64(x3, 32))));
+                uint64_t acc = (uint64_t)_mm_cvtsi128_si64(sum)
+                               + (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(sum, sum));
                 parent = lc_fmix64(acc) + parent * LC_GOLDEN;
                 out[i] = parent;
                 out2[i] = parent;
