@@ -718,31 +718,44 @@ cdef class HostIndex:
                 f"{call}: tokens must be ({count}, {self.block_size}) int32, got {tokens.shape} of {tokens.dtype}"
             )
 
+    cdef uint64_t *_read_batch(self, object hashes, object block_ids, object tokens, object parents,
+                               Py_ssize_t count, const int32_t **token_ids, size_t extra) noexcept:
+        """The fast path's reading of a batch of ``count`` keys (``_num_keys(hashes)``): one
+        allocation holding the keys' (high, low) rows, then the parents' (each after the key
+        before it, the first after key 0, where ``parents`` is None), then the block ids (int64),
+        then ``extra`` bytes per block for the caller; the tokens' address into ``token_ids``.
+        NULL where the batch is not one the fast path takes (the caller frees what it gets)."""
+        if count <= 0 or (parents is not None and _num_keys(parents) != count):
+            return NULL
+        token_ids[0] = _read_tokens(tokens, count * self.block_size)
+        if token_ids[0] == NULL:
+            return NULL
+        cdef uint64_t *words = <uint64_t *>malloc(count * (4 * sizeof(uint64_t) + sizeof(int64_t) + extra))
+        if words == NULL:
+            return NULL
+        cdef uint64_t *parent_words = words + 2 * count
+        if not _read_keys(hashes, count, words) or not _read_ids(
+            block_ids, count, self.num_device_blocks, <int64_t *>(words + 4 * count)
+        ) or (parents is not None and not _read_keys(parents, count, parent_words)):
+            free(words)
+            return NULL
+        if parents is None:  # one chain after key 0
+            parent_words[0] = parent_words[1] = 0
+            memcpy(parent_words + 2, words, 2 * (count - 1) * sizeof(uint64_t))
+        return words
+
     def demote_fast(self, hashes, block_ids, tokens, parents):
         """``HostTier.demote``'s arguments as given, read directly where each is in a form this
         takes (see above) and valid: the batch is stored as ``demote`` stores it, and the answer
         is (the high words of the keys stored, of the entries evicted, the copy rows). None, with
         nothing changed, for anything else: the caller's checks then run."""
-        cdef Py_ssize_t count = _num_keys(hashes), bs = self.block_size
-        if count <= 0 or (parents is not None and _num_keys(parents) != count):
-            return None
-        cdef const int32_t *token_ids = _read_tokens(tokens, count * bs)
-        if token_ids == NULL:
-            return None
-        cdef uint64_t *words = <uint64_t *>malloc(count * (4 * sizeof(uint64_t) + sizeof(int64_t)))
+        cdef Py_ssize_t count = _num_keys(hashes), i
+        cdef const int32_t *token_ids = NULL
+        cdef uint64_t *words = self._read_batch(hashes, block_ids, tokens, parents, count, &token_ids, 0)
         if words == NULL:
             return None
         cdef uint64_t *parent_words = words + 2 * count
         cdef int64_t *ids = <int64_t *>(words + 4 * count)
-        cdef Py_ssize_t i
-        if not _read_keys(hashes, count, words) or not _read_ids(block_ids, count, self.num_device_blocks, ids) or (
-            parents is not None and not _read_keys(parents, count, parent_words)
-        ):
-            free(words)
-            return None
-        if parents is None:  # one chain after key 0
-            parent_words[0] = parent_words[1] = 0
-            memcpy(parent_words + 2, words, 2 * (count - 1) * sizeof(uint64_t))
         stored = np.empty(count, dtype=np.int64)
         evicted = np.empty(min(count, self.capacity), dtype=np.uint64)
         rows = np.empty((count * self._num_layers, 3), dtype=np.int64)
@@ -768,26 +781,18 @@ cdef class HostIndex:
         """``HostTier.promote``'s arguments as given: the copy rows, as ``promote`` makes them,
         where each argument is in a form this reads and valid and every entry is the block asked
         for; None, with nothing changed, for anything else (the caller's checks then name it)."""
-        cdef Py_ssize_t count = _num_keys(hashes), bs = self.block_size
-        if count <= 0 or (parents is not None and _num_keys(parents) != count):
-            return None
-        cdef const int32_t *token_ids = _read_tokens(tokens, count * bs)
-        if token_ids == NULL:
-            return None
         cdef uint64_t first[2]
         if not _read_parent(parent, first):
             return None
-        cdef uint64_t *words = <uint64_t *>malloc(count * (4 * sizeof(uint64_t) + sizeof(int64_t) + sizeof(int32_t)))
+        cdef Py_ssize_t count = _num_keys(hashes)
+        cdef const int32_t *token_ids = NULL
+        cdef uint64_t *words = self._read_batch(hashes, block_ids, tokens, parents, count, &token_ids,
+                                                sizeof(int32_t))
         if words == NULL:
             return None
         cdef uint64_t *parent_words = words + 2 * count
         cdef int64_t *ids = <int64_t *>(words + 4 * count)
         cdef int32_t *slots = <int32_t *>(ids + count)
-        if not _read_keys(hashes, count, words) or not _read_ids(block_ids, count, self.num_device_blocks, ids) or (
-            parents is not None and not _read_keys(parents, count, parent_words)
-        ):
-            free(words)
-            return None
         rows = np.empty((count * self._num_layers, 3), dtype=np.int64)
         cdef Py_ssize_t num_rows = -1
         cdef PyThreadState *released = lc_enter(&self._mutex, count < NOGIL_MIN_WORK)

@@ -86,6 +86,8 @@ cdef class HostIndex:
     cdef void _table_put(self, uint64_t key, int32_t slot) noexcept nogil
     cdef void _table_remove(self, uint64_t key) noexcept nogil
     cdef void _unlink(self, int32_t slot) noexcept nogil
+    cdef uint64_t *_read_batch(self, object hashes, object block_ids, object tokens, object parents,
+                               Py_ssize_t count, const int32_t **token_ids, size_t extra) noexcept
     cdef void _append(self, int32_t slot) noexcept nogil
     cdef int32_t _evict_one(self) noexcept nogil
     cdef void _write_entry(self, int32_t slot, const uint64_t *key, const uint64_t *parent,
