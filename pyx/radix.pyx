@@ -710,6 +710,21 @@ cdef int _ascending(const void *a, const void *b) noexcept nogil:
     return (x > y) - (x < y)
 
 
+cdef inline uint8_t _inside(RadixTrie t, uint8_t *state, int32_t v) noexcept nogil:
+    """1 if node ``v`` lies inside the subtree whose top ``state`` marks 1, 2 if not; ``v`` and
+    its ancestors not yet known are marked on the way (0: not yet known)."""
+    cdef int32_t u = v
+    cdef uint8_t known
+    while u >= 0 and state[u] == 0:
+        u = t._nodes[u].parent
+    known = state[u] if u >= 0 else 2
+    u = v
+    while u >= 0 and state[u] == 0:
+        state[u] = known
+        u = t._nodes[u].parent
+    return known
+
+
 cdef Py_ssize_t _drop_branch(RadixTrie t, int32_t top, int32_t *dest, int32_t *token_dest,
                              uint64_t *hash_dest) noexcept nogil:
     """``_drop_subtree`` with branch-lru's lists, whose concatenation does not list children before
@@ -717,8 +732,7 @@ cdef Py_ssize_t _drop_branch(RadixTrie t, int32_t top, int32_t *dest, int32_t *t
     cdef uint8_t *state = <uint8_t *>calloc(t._high_water + 1, sizeof(uint8_t))
     cdef uint64_t *order = <uint64_t *>malloc((t._num_nodes + 1) * sizeof(uint64_t))
     cdef Py_ssize_t count = 0, bs = t._block_size, members = 0, i, li, lists
-    cdef int32_t v, u, q
-    cdef uint8_t known
+    cdef int32_t v, q
     cdef RNode *node
     if state == NULL or order == NULL:
         free(state)
@@ -730,15 +744,7 @@ cdef Py_ssize_t _drop_branch(RadixTrie t, int32_t top, int32_t *dest, int32_t *t
         for li in range(lists):
             v = t._bheads[li] if q == DEFAULT_PRIORITY else t._heads[q]
             while v >= 0:
-                u = v
-                while u >= 0 and state[u] == 0:
-                    u = t._nodes[u].parent
-                known = state[u] if u >= 0 else 2
-                u = v
-                while u >= 0 and state[u] == 0:
-                    state[u] = known
-                    u = t._nodes[u].parent
-                if known == 1:
+                if _inside(t, state, v) == 1:
                     order[members] = ((<uint64_t>(INT32_MAX - t._nodes[v].depth)) << 32) | <uint32_t>v
                     members += 1
                 v = t._nodes[v].lru_next
@@ -1363,8 +1369,7 @@ cdef class RadixTrie:
         parents, so one pass over them removes each node once its children are gone. Tags go to the evicted tags."""
         cdef uint8_t *state
         cdef Py_ssize_t count = 0, bs = self._block_size
-        cdef int32_t v, u, after
-        cdef uint8_t known
+        cdef int32_t v, after
         cdef RNode *node
         if self._branch:
             return _drop_branch(self, top, dest, token_dest, hash_dest)
@@ -1375,15 +1380,7 @@ cdef class RadixTrie:
         v = _lru_after(self, -1)
         while v >= 0:
             after = _lru_after(self, v)
-            u = v
-            while u >= 0 and state[u] == 0:
-                u = self._nodes[u].parent
-            known = state[u] if u >= 0 else 2
-            u = v
-            while u >= 0 and state[u] == 0:
-                state[u] = known
-                u = self._nodes[u].parent
-            if known == 1:
+            if _inside(self, state, v) == 1:
                 node = &self._nodes[v]
                 memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
                 if token_dest != NULL:
