@@ -725,15 +725,31 @@ cdef inline uint8_t _inside(RadixTrie t, uint8_t *state, int32_t v) noexcept nog
     return known
 
 
+cdef inline Py_ssize_t _take_leaf(RadixTrie t, int32_t v, int32_t *dest, int32_t *token_dest,
+                                  uint64_t *hash_dest, Py_ssize_t count) noexcept nogil:
+    """Remove leaf ``v`` from its list and the trie, after writing its block ids to ``dest`` at
+    ``count`` (its tokens and hashes too, where those are not NULL); returns the new count."""
+    cdef RNode *node = &t._nodes[v]
+    cdef Py_ssize_t bs = t._block_size
+    memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
+    if token_dest != NULL:
+        memcpy(token_dest + count * bs, _run_tokens(t, node), node.length * bs * sizeof(int32_t))
+    if hash_dest != NULL:
+        _copy_hashes(hash_dest + count, node.chunk, node.start, node.length)
+    count += node.length
+    _lru_remove(t, v)
+    _remove_leaf(t, v)
+    return count
+
+
 cdef Py_ssize_t _drop_branch(RadixTrie t, int32_t top, int32_t *dest, int32_t *token_dest,
                              uint64_t *hash_dest) noexcept nogil:
     """``_drop_subtree`` with branch-lru's lists, whose concatenation does not list children before
     parents: the subtree's nodes (found on the lists, as there) are dropped deepest first."""
     cdef uint8_t *state = <uint8_t *>calloc(t._high_water + 1, sizeof(uint8_t))
     cdef uint64_t *order = <uint64_t *>malloc((t._num_nodes + 1) * sizeof(uint64_t))
-    cdef Py_ssize_t count = 0, bs = t._block_size, members = 0, i, li, lists
+    cdef Py_ssize_t count = 0, members = 0, i, li, lists
     cdef int32_t v, q
-    cdef RNode *node
     if state == NULL or order == NULL:
         free(state)
         free(order)
@@ -750,16 +766,7 @@ cdef Py_ssize_t _drop_branch(RadixTrie t, int32_t top, int32_t *dest, int32_t *t
                 v = t._nodes[v].lru_next
     qsort(order, members, sizeof(uint64_t), _ascending)
     for i in range(members):
-        v = <int32_t>(order[i] & <uint64_t>0xFFFFFFFF)
-        node = &t._nodes[v]
-        memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
-        if token_dest != NULL:
-            memcpy(token_dest + count * bs, _run_tokens(t, node), node.length * bs * sizeof(int32_t))
-        if hash_dest != NULL:
-            _copy_hashes(hash_dest + count, node.chunk, node.start, node.length)
-        count += node.length
-        _lru_remove(t, v)
-        _remove_leaf(t, v)
+        count = _take_leaf(t, <int32_t>(order[i] & <uint64_t>0xFFFFFFFF), dest, token_dest, hash_dest, count)
     free(state)
     free(order)
     return count
@@ -1368,9 +1375,8 @@ cdef class RadixTrie:
         hold exactly these nodes among others and, taken lowest first, list children before
         parents, so one pass over them removes each node once its children are gone. Tags go to the evicted tags."""
         cdef uint8_t *state
-        cdef Py_ssize_t count = 0, bs = self._block_size
+        cdef Py_ssize_t count = 0
         cdef int32_t v, after
-        cdef RNode *node
         if self._branch:
             return _drop_branch(self, top, dest, token_dest, hash_dest)
         state = <uint8_t *>calloc(self._high_water + 1, sizeof(uint8_t))
@@ -1381,15 +1387,7 @@ cdef class RadixTrie:
         while v >= 0:
             after = _lru_after(self, v)
             if _inside(self, state, v) == 1:
-                node = &self._nodes[v]
-                memcpy(dest + count, node.chunk.blocks + node.start, node.length * sizeof(int32_t))
-                if token_dest != NULL:
-                    memcpy(token_dest + count * bs, _run_tokens(self, node), node.length * bs * sizeof(int32_t))
-                if hash_dest != NULL:
-                    _copy_hashes(hash_dest + count, node.chunk, node.start, node.length)
-                count += node.length
-                _lru_remove(self, v)
-                _remove_leaf(self, v)
+                count = _take_leaf(self, v, dest, token_dest, hash_dest, count)
             v = after
         free(state)
         return count
