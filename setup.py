@@ -15,7 +15,8 @@ takes a stub there only when no other folder has it, and the first such folder o
 several do, so a checkout's own ``mypy_path = "stubs"`` still wins over an installed checkout's.
 
 Building needs a C compiler and the Python headers; without them the build stops with one line
-naming what to install (``_BuildExt``).
+naming what to install (``_BuildExt``). Cython translates and the compiler compiles the modules
+side by side, one process per CPU unless ``build_ext -j N`` says otherwise.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def missing_build_tools(compiler_command: list[str]) -> str | None:
 class _BuildExt(build_ext):
     """``build_ext`` that refuses in one line, naming what to install, where no compiler or no
     Python headers are (instead of a compiler's traceback under pip's "Failed building wheel")."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.parallel is None:  # compile the modules side by side unless -j says otherwise
+            self.parallel = os.cpu_count() or 1
 
     def build_extensions(self) -> None:
         missing = missing_build_tools(list(getattr(self.compiler, "compiler_so", None) or ["cc"]))
@@ -156,6 +162,7 @@ def _extensions() -> list[Extension]:
         )
     return cythonize(
         extensions,
+        nthreads=os.cpu_count() or 1,
         include_path=[str(PYX)],
         compiler_directives={
             "language_level": "3",
