@@ -21,7 +21,7 @@ from lifecycle._int32 cimport (
     adapter_key as _adapter_key, block_ids, first_negative as _first_negative, token_vector as _token_vector,
 )
 from lifecycle._kvcache cimport LONG_CALL, Counters
-from lifecycle._radix cimport Chunk, RNode, RadixTrie, chunk_column
+from lifecycle._radix cimport Chunk, RNode, RadixTrie, WalkEnd, chunk_column
 from lifecycle._records cimport E_CLOSED, E_NO_MEMORY, E_NOT_CACHED, Failure, SeqRec, handle_arg as _handle_arg, ok
 from lifecycle._sync cimport PyThreadState
 
@@ -130,6 +130,28 @@ cdef content_hashes(KVCacheCore core, tokens, adapter):
         with nogil:
             lc_content_hashes(lc_root_hash(key), data, full, core._block_size, core._trie._keys, dest)
     return out
+
+
+cdef cached_prefix_blocks(KVCacheCore core, tokens, adapter):
+    cdef const int32_t *data = NULL
+    cdef Py_ssize_t n = 0, i, matched = 0
+    cdef int64_t key = _adapter_key(adapter)
+    cdef int32_t root
+    cdef WalkEnd walk
+    cdef PyThreadState *released
+    tokens = _token_vector(tokens, &data, &n)
+    for i in range(n):
+        if data[i] < 0:
+            raise _first_negative(data, n)
+    if not core._enabled or n < core._block_size:
+        return 0
+    released = core._lock.enter(n)
+    if not core._records.closed:
+        root = core._trie._find_root(key)
+        if root >= 0:
+            matched = core._trie._walk(root, data, n // core._block_size, &walk)
+    core._lock.leave(released)
+    return matched
 
 
 cdef counters(KVCacheCore core):

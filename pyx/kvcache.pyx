@@ -1058,6 +1058,13 @@ cdef class KVCacheCore:
         device is asked for before admission."""
         return _views.content_hashes(self, tokens, adapter)
 
+    def cached_prefix_blocks(self, tokens, adapter=0):
+        """How many leading whole blocks of ``tokens`` the prefix cache holds under key
+        ``adapter``, by group 0's blocks alone (a windowed group's holes are not looked at, so
+        this can be more than an admission would reuse), without a record: nothing is pinned or
+        made recently used. 0 with caching off or on a closed core."""
+        return _views.cached_prefix_blocks(self, tokens, adapter)
+
     def cache_key(self, handle):
         """The prefix-cache key (trie root) the record's blocks are matched and cached under."""
         return self._records.cache_key(_handle_arg(handle, "cache_key"))

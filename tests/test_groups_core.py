@@ -95,6 +95,42 @@ def test_without_checkpoints_a_later_turn_that_diverges_early_misses() -> None:
     core.check_invariants()
 
 
+
+def test_cached_prefix_blocks_counts_the_full_kv_a_windowed_admission_cannot_reuse() -> None:
+    core, pool, other = make(retention=0)
+    core.finish(run(core, PROMPT, 11, DECODED))
+    query = PROMPT[:30] + [9] * 10
+    def state() -> tuple[int, int, dict[str, int]]:
+        counters = core.counters()
+        del counters["time_in_library_ns"]
+        return pool.num_free, other.num_free, counters
+
+    before = state()
+    # Group 0 holds blocks 0..6 of the query; the window group kept none of the windows before
+    # them, so admission reuses nothing (the test above) while the full KV is all there.
+    assert core.cached_prefix_blocks(query) == 7
+    assert core.cached_prefix_blocks(PROMPT + DECODED) == 11
+    assert core.cached_prefix_blocks(query[:3]) == 0
+    assert core.cached_prefix_blocks([5] * 40) == 0
+    # Another cache key sees none of it.
+    assert core.cached_prefix_blocks(query, 7) == 0
+    # A read-only walk: nothing pinned, no pool or counter changed.
+    assert state() == before
+    b = core.admit(query, 10)
+    assert core.cached_tokens(b) == 0
+    core.finish(b, False)
+    with pytest.raises(InvalidId, match=r"token id -3 \(at index 2\) is outside \[0, 2147483647\]"):
+        core.cached_prefix_blocks([1, 2, -3, 4])
+    core.check_invariants()
+    core.close()
+    assert core.cached_prefix_blocks(PROMPT) == 0
+
+
+def test_cached_prefix_blocks_is_zero_with_caching_off() -> None:
+    core = KVCacheCore(BlockPool(16), BS, enable_prefix_cache=False)
+    core.finish(core.admit(list(range(12)), 0))
+    assert core.cached_prefix_blocks(list(range(12))) == 0
+
 def test_admission_takes_a_reference_only_on_the_window_it_reads() -> None:
     core, _, other = make(retention=0)
     core.finish(run(core, PROMPT, 11, DECODED))
