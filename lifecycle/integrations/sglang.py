@@ -57,8 +57,11 @@ own ``SWATokenToKVPoolAllocator``, the tree an :class:`SWAPageTree`. The mapping
   as ``UnifiedRadixCache.checkpoint_into_tree`` with FULL and SWA, the request's out-of-window SWA
   KV freed first, the key inserted with its SWA evicted length (counted past the cached part
   only: SGLang clamps it up to ``cache_protected_len``), the row pointed at the cache's indices,
-  the lock moved. SGLang's SWA branch point (``swa_branching_seqlen``) is not reported: the
-  insert fills the SWA KV a match lacked instead.
+  the lock moved. A match reports SGLang's SWA branch point (``swa_branching_seqlen``: the full
+  KV hit, ``KVCacheCore.cached_prefix_blocks``, where it goes past the last cut with a window of
+  SWA KV) and ``full_kv_hit_length``; a running request's checkpoint inserts up to that point
+  first, before its SWA KV there leaves the window, as SGLang's SWA component does, so a later
+  prompt ending its shared prefix there hits (the insert fills the tombstones of that window).
 - ``evict``'s ``swa_num_tokens`` tombstones SWA KV (``KVCacheCore.evict_group(1, n)``: least
   recently cached pages' SWA KV first, their full KV kept; a run whose last window lost it is
   trimmed). The order is by when a page's SWA KV was left to the cache, not SGLang's SWA LRU by
@@ -799,11 +802,20 @@ class SWAPageTree:
     def match(self, tokens: Any, length: int, namespace: int = 0) -> SWANode:
         """The node ending the longest cached prefix of the first ``length`` tokens (whole pages)
         whose last ``window`` tokens have their SWA KV cached, made the most recently used."""
+        return self.match_pages(tokens, length, namespace)[0]
+
+    def match_pages(self, tokens: Any, length: int, namespace: int = 0) -> tuple[SWANode, int]:
+        """:meth:`match`, and how many leading pages of those tokens have their full KV cached
+        (SGLang's full-KV hit: at least the node's, more where the SWA KV of a window before a
+        later cut was tombstoned)."""
         pages = min(int(length) // self.page_size, self._pools[0].num_total)
         if pages == 0:
-            return self.root
+            return self.root, 0
         key = self._key(tokens, pages)
-        return self._match_key(key, pages, namespace)
+        node = self._match_key(key, pages, namespace)
+        if node.num_pages == pages:
+            return node, pages
+        return node, max(self.core.cached_prefix_blocks(key[: pages * self.page_size], namespace), node.num_pages)
 
     def _match_key(self, key: npt.NDArray[np.int32], pages: int, namespace: int) -> SWANode:
         handle = self.core.admit(key, 0, pages, namespace)
@@ -1140,11 +1152,16 @@ def swa_radix_cache_class() -> type[Any]:
             """The longest cached prefix (whole pages) whose last ``sliding_window_size`` tokens
             have their SWA KV cached."""
             key = params.key
-            node = self._tree.root if self.disable else self._tree.match(self._tokens(key), len(key),
-                                                                         self._namespace(key))
+            if self.disable:
+                node, full = self._tree.root, 0
+            else:
+                node, full = self._tree.match_pages(self._tokens(key), len(key), self._namespace(key))
             length = node.num_pages * self.page_size
+            full *= self.page_size
+            # SGLang's branch point: where the full KV goes on past the last window with SWA KV.
             return MatchResult(device_prefix_len=length, last_device_node=node, last_host_node=node,
-                               best_match_node=node, full_kv_hit_length=length)
+                               best_match_node=node, full_kv_hit_length=full,
+                               swa_branching_seqlen=full if full > length else None)
 
         def insert(self, params: Any) -> Any:
             """Cache ``params.value`` (full KV indices) under ``params.key``; the SWA KV of the
@@ -1193,16 +1210,30 @@ def swa_radix_cache_class() -> type[Any]:
             kv = req.kv
             ps = self.page_size
             token_ids = req.full_untruncated_fill_ids[:up_to]
+            protected = kv.cache_protected_len
+            running = not req.finished()
+            free_window = running and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get()
+            # SGLang's SWA branch point (the match's full-KV hit past its last SWA window): a
+            # running request goes in up to it first, its window there kept, so that a later
+            # prompt sharing exactly that prefix hits; the rest goes in at the next checkpoint. A
+            # finished one goes in whole: what of that window it still has is kept either way.
+            branch = getattr(req, "swa_branching_seqlen", None)
+            at_branch = running and branch is not None and protected < branch <= len(token_ids)
+            if at_branch:
+                token_ids = token_ids[:branch]
             length = len(token_ids)
-            if not req.finished() and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
+
+            def free_out_of_window(pre_len: int) -> None:
                 free_swa_out_of_window_slots(
-                    req, length - 1, sliding_window_size=self.swa_retain_window, page_size=ps,
+                    req, pre_len, sliding_window_size=self.swa_retain_window, page_size=ps,
                     req_to_token_pool=self.req_to_token_pool,
                     token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, retain_floor=None,
                 )
+
+            if free_window:
+                free_out_of_window(length - 1)
             evicted = kv.get_evicted_seqlen(ComponentType.SWA)
             aligned = length // ps * ps
-            protected = kv.cache_protected_len
             if aligned <= protected:
                 return
             row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
@@ -1225,6 +1256,10 @@ def swa_radix_cache_class() -> type[Any]:
             req.lock = self.lock(node)
             req.last_node = node
             kv.cache_protected_len = cached
+            if at_branch:
+                req.swa_branching_seqlen = None
+                if free_window:  # the request's own SWA KV past the branch that left the window
+                    free_out_of_window(len(req.get_fill_ids()) - 1)
 
         def evict(self, params: Any) -> Any:
             if self.disable:

@@ -56,7 +56,7 @@ def build(impl: str, *, kv_size: int = 128, kv_size_swa: int = 64, page_size: in
     allocator = SWATokenToKVPoolAllocator(size=kv_size, size_swa=kv_size_swa, page_size=page_size,
                                           dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
     params = CacheInitParams(
-        req_to_token_pool=ReqToTokenPool(size=10, max_context_len=128, device="cpu", enable_memory_saver=False),
+        req_to_token_pool=ReqToTokenPool(size=10, max_context_len=256, device="cpu", enable_memory_saver=False),
         token_to_kv_pool_allocator=allocator, disable=False, page_size=page_size, sliding_window_size=window,
         tree_components=(ComponentType.FULL, ComponentType.SWA),
     )
@@ -201,9 +201,9 @@ def serve_requests(impl: str, seed: int, *, page_size: int, window: int, kv_size
     scheduler serves them: a chunked prefill checkpointed after every chunk but the last, the
     decode sliding the window, the finish releasing into the tree. Returns the log (hits,
     refusals, the cache's sizes; into ``log`` when given), the cache and its allocator.
-    ``swa_branching=False`` drops the SWA branch point SGLang's match reports (where a hit
-    stopped short for want of SWA KV), which makes its next checkpoint insert only up to there:
-    lifecycle's match reports none (its insert fills the SWA KV the match lacked instead)."""
+    ``swa_branching=False`` drops the SWA branch point the match reports (where the full KV
+    goes on past the hit, which stopped short for want of SWA KV); with it, the next checkpoint
+    of a chunked prefill inserts only up to there, keeping the window before it."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
     from sglang.srt.mem_cache.common import (
         checkpoint_kv_cache,
@@ -237,6 +237,8 @@ def serve_requests(impl: str, seed: int, *, page_size: int, window: int, kv_size
         match_kv_cache(req, cache, prompt)
         if not swa_branching:  # SGLang's SWA branch point (its next insert stops there): off
             req.swa_branching_seqlen = None
+        elif req.swa_branching_seqlen is not None:
+            log.append(("branch", number, req.swa_branching_seqlen))
         hit = req.prefix_len
         req.kv.cache_protected_len = hit  # as Req.init_next_round_input does after its match
         req.lock = cache.lock(req.last_node)
@@ -304,16 +306,30 @@ def test_requests_served_by_sglangs_scheduler_functions_leak_nothing(impl: str, 
 
 
 @pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("swa_branching", [True, False], ids=["branch-points", "no-branch-points"])
 @pytest.mark.parametrize("sizes", SERVING[:2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_requests_served_by_sglangs_scheduler_functions_hit_alike_over_both_caches(seed: int,
-                                                                                 sizes: dict[str, Any]) -> None:
+def test_requests_served_by_sglangs_scheduler_functions_hit_alike_over_both_caches(
+    seed: int, sizes: dict[str, Any], swa_branching: bool
+) -> None:
     """In a pool that never evicts, SGLang's SWA cache and lifecycle's give every request the
-    same hit, the chunks the same protected and SWA-evicted lengths, and hold the same tokens
-    (SGLang's SWA branch points dropped: see ``serve_requests``)."""
-    theirs = serve_requests("sglang", seed, swa_branching=False, **sizes)[0]
-    ours = serve_requests("lifecycle", seed, swa_branching=False, **sizes)[0]
-    assert ours == theirs
+    same hit, the chunks the same protected and SWA-evicted lengths, with SGLang's SWA branch
+    points as its match reports them and with them dropped (see ``serve_requests``); without
+    them both hold the same tokens throughout."""
+    theirs = serve_requests("sglang", seed, swa_branching=swa_branching, **sizes)[0]
+    ours = serve_requests("lifecycle", seed, swa_branching=swa_branching, **sizes)[0]
+    if not swa_branching:
+        assert ours == theirs
+        return
+    # A request that finishes with its branch point unused (no chunk went in up to it) is cached
+    # whole by lifecycle; SGLang's finish inserts it only up to the branch point, whose window's
+    # SWA KV the decode had freed: lifecycle's cache holds more after such a finish, and every
+    # hit, branch point and chunk is the same.
+    assert [entry for entry in ours if entry[0] != "finished"] == [entry for entry in theirs if entry[0] != "finished"]
+    finished = [(mine, other) for mine, other in zip(ours, theirs) if mine[0] == "finished"]
+    assert len(finished) == sum(entry[0] == "finished" for entry in theirs)
+    assert all(mine[1] == other[1] and mine[2][0] >= other[2][0] for mine, other in finished)
+    assert any(entry[0] == "branch" for entry in ours)  # some match stopped short of the full KV
 
 
 # -- SGLang's prefill scheduling over the cache ------------------------------------------------------
@@ -354,7 +370,7 @@ def admission_rounds(impl: str, seed: int, kv_size: int, kv_size_swa: int) -> li
         return (cache.full_evictable_size(), cache.full_protected_size(), allocator.full_available_size(),
                 allocator.swa_available_size())
 
-    for round_ in range(6):
+    for round_ in range(10):
         for _ in range(4):
             stem = stems[int(rng.integers(0, 4))]
             tail = rng.integers(200, 250, size=int(rng.integers(1, 120))).tolist()
@@ -412,7 +428,7 @@ def admission_rounds(impl: str, seed: int, kv_size: int, kv_size_swa: int) -> li
 def test_prefill_admission_decides_alike_over_both_caches(seed: int, kv_size: int, kv_size_swa: int) -> None:
     """SGLang's own prefill scheduling (``SchedulePolicy`` and ``PrefillAdder`` with its SWA
     budget, locks on the admitted prefixes, chunked prefills checkpointed and carried across
-    rounds) over six rounds: the same answers, admissions, chunks and sizes over SGLang's SWA
+    rounds) over ten rounds: the same answers, admissions, chunks and sizes over SGLang's SWA
     cache and lifecycle's, up to the first eviction a tight pool needs."""
     theirs = admission_rounds("sglang", seed, kv_size, kv_size_swa)
     ours = admission_rounds("lifecycle", seed, kv_size, kv_size_swa)
