@@ -442,6 +442,9 @@ class ModelConfig:
     ``group_budget_fractions`` (one share per group, summing to at most 1).
     ``num_query_heads=0`` means "same as the KV heads"; ``max_blocks_per_seq=0`` means "the whole
     pool". ``max_model_len`` bounds windows and chunks and sizes the default split.
+    ``eviction_policy`` is the order the prefix cache evicts in within a retention priority
+    (``KVCacheCore(eviction_policy=...)``: ``"lru"``, ``"branch-lru"`` or ``"branch-lru-exact"``);
+    a model of several KV groups takes ``"lru"`` only.
     """
 
     layers: tuple[Layer, ...]
@@ -457,6 +460,7 @@ class ModelConfig:
     name: str = "model"
     max_model_len: int = 32768
     group_budget_fractions: tuple[float, ...] | None = None
+    eviction_policy: str = "lru"
     _num_blocks: int = field(init=False, repr=False, compare=False, default=0)
     _kv_groups: tuple[KVGroupSpec, ...] = field(init=False, repr=False, compare=False, default=())
     _fingerprint: int = field(init=False, repr=False, compare=False, default=0)
@@ -499,6 +503,7 @@ class ModelConfig:
         )
         object.__setattr__(self, "_kv_groups", groups)
         object.__setattr__(self, "_num_blocks", counts[0] if counts else 0)
+        self._check_eviction_policy(len(groups))
         if self.max_blocks_per_seq > self._num_blocks:
             raise ConfigError(
                 f"max_blocks_per_seq={self.max_blocks_per_seq} exceeds the pool's {self._num_blocks} blocks"
@@ -516,6 +521,19 @@ class ModelConfig:
             raise ConfigError(f"num_snapshots={self.num_snapshots} needs an SSM layer; the model has none")
         digest = hashlib.blake2b(self._canonical().encode("ascii"), digest_size=8).digest()
         object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little"))
+
+    def _check_eviction_policy(self, num_groups: int) -> None:
+        from lifecycle._kvcache import EVICTION_POLICIES
+
+        policy = self.eviction_policy
+        if not isinstance(policy, str) or policy not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"eviction_policy must be one of {', '.join(map(repr, EVICTION_POLICIES))}, got {policy!r}"
+            )
+        if policy != "lru" and num_groups > 1:
+            raise ConfigError(
+                f"eviction_policy={policy!r} is not offered with {num_groups} KV cache groups: only 'lru'"
+            )
 
     def _check_windows(self) -> None:
         limit = self.max_model_len

@@ -68,6 +68,7 @@ class ModelParts:
             max_tokens_per_seq=None if memory.kv is not None else 2**31 - 1,
             null_block=null_block,
             groups=core_groups(config),
+            eviction_policy=config.eviction_policy,
         )
         self.slots = SlotPool(config.max_seqs)
         self.drop_queue: deque[int] = deque()  # handles of sequences dropped unfreed (their finalizers fill it)

@@ -260,3 +260,36 @@ def test_branch_lru_trims_whole_runs_and_stays_consistent(seed: int) -> None:
     checked(core, pool)
     assert core.counters()["blocks_evicted"] > 50
     assert pool.num_free + core.num_cached_blocks == pool.num_total
+
+
+def test_the_model_takes_its_eviction_policy_from_its_config() -> None:
+    """``ModelConfig(eviction_policy=...)`` reaches the model's core; served traffic that evicts
+    keeps the invariants and leaks nothing; a bad name, or branch-lru on a model of several KV
+    groups, is a ``ConfigError`` naming the value, before anything is allocated."""
+    from lifecycle import AttentionLayer, HybridModel, ModelConfig, SlidingWindowLayer
+
+    config = ModelConfig(layers=(AttentionLayer(num_kv_heads=1, head_dim=8),), block_size=BS, num_blocks=40,
+                         max_seqs=4, name="policy", eviction_policy="branch-lru")
+    assert config.replace(num_blocks=48).eviction_policy == "branch-lru"
+    model = HybridModel(config, "host")
+    assert model.core.eviction_policy == "branch-lru"
+    assert HybridModel(config.replace(eviction_policy="lru"), "host").core.eviction_policy == "lru"
+    evicted = 0
+    for tokens, needed, _ in random_trace(3, 80):
+        seq = model.alloc_sequence()
+        model.attach_prefix(seq, tokens.tolist(), grow_to=needed * BS)
+        model.finish_sequence(seq)
+        model.check_invariants()
+        evicted = model.core.counters()["blocks_evicted"]
+    assert evicted > 0  # the trace overflows the pool, so the policy chose victims
+    assert model.core.num_live_sequences == 0
+    assert model.pool.num_free + model.core.num_cached_blocks == model.pool.num_total
+    model.teardown()
+
+    for bad in ("LRU", "fifo", "", None):
+        with pytest.raises(ConfigError, match=repr(bad)):
+            config.replace(eviction_policy=bad)
+    windowed = (AttentionLayer(num_kv_heads=1, head_dim=8), SlidingWindowLayer(num_kv_heads=1, head_dim=8, window=8))
+    with pytest.raises(ConfigError, match="branch-lru.*2 KV cache groups"):
+        ModelConfig(layers=windowed, block_size=BS, num_blocks=(32, 32), eviction_policy="branch-lru")
+    assert ModelConfig(layers=windowed, block_size=BS, num_blocks=(32, 32)).eviction_policy == "lru"
