@@ -1259,7 +1259,7 @@ def swa_radix_cache_class() -> type[Any]:
             if at_branch:
                 req.swa_branching_seqlen = None
                 if free_window:  # the request's own SWA KV past the branch that left the window
-                    free_out_of_window(len(req.get_fill_ids()) - 1)
+                    free_out_of_window(len(req.full_untruncated_fill_ids[:up_to]) - 1)
 
         def evict(self, params: Any) -> Any:
             if self.disable:
