@@ -273,15 +273,15 @@ def test_the_model_takes_its_eviction_policy_from_its_config() -> None:
     assert config.replace(num_blocks=48).eviction_policy == "branch-lru"
     model = HybridModel(config, "host")
     assert model.core.eviction_policy == "branch-lru"
-    assert HybridModel(config.replace(eviction_policy="lru"), "host").core.eviction_policy == "lru"
-    evicted = 0
+    lru = HybridModel(config.replace(eviction_policy="lru"), "host")
+    assert lru.core.eviction_policy == "lru"
+    lru.teardown()
     for tokens, needed, _ in random_trace(3, 80):
         seq = model.alloc_sequence()
         model.attach_prefix(seq, tokens.tolist(), grow_to=needed * BS)
         model.finish_sequence(seq)
         model.check_invariants()
-        evicted = model.core.counters()["blocks_evicted"]
-    assert evicted > 0  # the trace overflows the pool, so the policy chose victims
+    assert model.core.counters()["blocks_evicted"] > 0  # the trace overflows the pool: the policy chose victims
     assert model.core.num_live_sequences == 0
     assert model.pool.num_free + model.core.num_cached_blocks == model.pool.num_total
     model.teardown()

@@ -1209,7 +1209,7 @@ def swa_radix_cache_class() -> type[Any]:
 
             kv = req.kv
             ps = self.page_size
-            token_ids = req.full_untruncated_fill_ids[:up_to]
+            fill = req.full_untruncated_fill_ids[:up_to]
             protected = kv.cache_protected_len
             running = not req.finished()
             free_window = running and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get()
@@ -1218,9 +1218,8 @@ def swa_radix_cache_class() -> type[Any]:
             # prompt sharing exactly that prefix hits; the rest goes in at the next checkpoint. A
             # finished one goes in whole: what of that window it still has is kept either way.
             branch = getattr(req, "swa_branching_seqlen", None)
-            at_branch = running and branch is not None and protected < branch <= len(token_ids)
-            if at_branch:
-                token_ids = token_ids[:branch]
+            at_branch = running and branch is not None and protected < branch <= len(fill)
+            token_ids = fill[:branch] if at_branch else fill
             length = len(token_ids)
 
             def free_out_of_window(pre_len: int) -> None:
@@ -1259,7 +1258,7 @@ def swa_radix_cache_class() -> type[Any]:
             if at_branch:
                 req.swa_branching_seqlen = None
                 if free_window:  # the request's own SWA KV past the branch that left the window
-                    free_out_of_window(len(req.full_untruncated_fill_ids[:up_to]) - 1)
+                    free_out_of_window(len(fill) - 1)
 
         def evict(self, params: Any) -> Any:
             if self.disable:
