@@ -682,6 +682,10 @@ class SWAPageTree:
         self._rows = (np.zeros((num_pages, page_size), np.int64), np.zeros((num_swa_pages, page_size), np.int64))
         self._held = (np.zeros(num_pages, np.bool_), np.zeros(num_swa_pages, np.bool_))
         self._lockref = (np.zeros(num_pages, np.int32), np.zeros(num_swa_pages, np.int32))
+        # Scratch tables for membership tests (np.isin sorts both sides: ~100 us a call here),
+        # all False between calls: one per group's slots, one over full KV indices (grown).
+        self._marks = (np.zeros(num_pages, np.bool_), np.zeros(num_swa_pages, np.bool_))
+        self._kv_marks = np.zeros(num_pages * page_size, np.bool_)
         self._counts = [0, 0]  # slots held (cached) per group
         self._protected = [0, 0]  # of them, on a lock's path (group 0) or last window (group 1)
         self._id = next(_SWA_TREES)
@@ -740,17 +744,26 @@ class SWAPageTree:
             out.append(ids)
         return out[0], out[1]
 
-    def _settle(self, before: tuple[int, int], skip: tuple[Any, Any] = (None, None)) -> None:
-        """Hand back the KV of every cached slot the core freed since ``before``; slots in
-        ``skip`` (per group) are the caller's to handle."""
+    def _settle(self, before: tuple[int, int]) -> None:
+        """Hand back the KV of every cached slot the core freed since ``before``."""
         if self._free_counts() == before:
             return
-        gone = list(self._freed_since(before))
-        for g in (0, 1):
-            if len(gone[g]) and skip[g] is not None and len(skip[g]):
-                gone[g] = gone[g][~np.isin(gone[g], skip[g])]
-            gone[g] = gone[g][self._held[g][gone[g]]]
-        self._hand_back(gone[0], gone[1])
+        gone0, gone1 = self._freed_since(before)
+        self._hand_back(gone0[self._held[0][gone0]], gone1[self._held[1][gone1]])
+
+    def _slots_in(self, group: int, values: npt.NDArray[np.int32],
+                  members: npt.NDArray[np.int32]) -> npt.NDArray[np.bool_]:
+        """``values[i] in members``, for slots (ids >= 0) of ``group``."""
+        return _member(values, members, self._marks[group])
+
+    def _kv_in(self, values: Int64Array, members: Int64Array) -> npt.NDArray[np.bool_]:
+        """``values[i] in members``, for full KV indices (>= 0)."""
+        if not (len(values) and len(members)):
+            return np.zeros(len(values), np.bool_)
+        top = max(int(values.max()), int(members.max())) + 1
+        if top > len(self._kv_marks):
+            self._kv_marks = np.zeros(max(top, 2 * len(self._kv_marks)), np.bool_)
+        return _member(values, members, self._kv_marks)
 
     def _hand_back(self, gone0: npt.NDArray[np.int32], gone1: npt.NDArray[np.int32]) -> None:
         """The KV of cached slots that left the cache: full and SWA where a page's two went
@@ -764,8 +777,8 @@ class SWAPageTree:
             self._held[g][gone] = False
             self._counts[g] -= len(gone)
         full_rows, swa_rows = self._rows[0][gone0], self._rows[1][gone1]
-        both = np.isin(full_rows[:, 0], swa_rows[:, 0])
-        swa_only = swa_rows[~np.isin(swa_rows[:, 0], full_rows[:, 0])]
+        both = self._kv_in(full_rows[:, 0], swa_rows[:, 0])
+        swa_only = swa_rows[~self._kv_in(swa_rows[:, 0], full_rows[:, 0])]
         if len(swa_only):
             self._release.free_swa(swa_only.reshape(-1))
         if both.any():
@@ -899,13 +912,13 @@ class SWAPageTree:
         freed = self._freed_since(before)
         # Of this insert's slots, those the finish freed: pages the cache had already.
         for group in (0, 1):
-            mine = freed[group][np.isin(freed[group], new[group])]
+            mine = freed[group][self._slots_in(group, freed[group], new[group])]
             self._held[group][mine] = False
             self._counts[group] -= len(mine)
         others = [freed[g][self._held[g][freed[g]]] for g in (0, 1)]
         self._hand_back(others[0], others[1])
         # Group 0's blocks the cache already had: a run from the cut (a prefix cache has no holes).
-        dup = np.isin(tables[0][cut:pages], freed[0])
+        dup = self._slots_in(0, tables[0][cut:pages], freed[0])
         cached = cut + (int(np.argmin(dup)) if not dup.all() else len(dup))
         slots = tables[0][:pages].copy()
         if cached > cut:
@@ -916,7 +929,8 @@ class SWAPageTree:
             slots[cut:cached] = node.slots[cut:cached]
             tree_rows = self._rows[0][slots[cut:cached]]
             swa = tables[1][cut:cached]
-            filled = (swa >= 0) & ~np.isin(swa, freed[1])
+            filled = swa >= 0
+            filled[filled] = ~self._slots_in(1, swa[filled], freed[1])
             # A tombstone the caller's SWA KV filled: it now belongs to the cached full indices.
             if filled.any():
                 self._rows[1][swa[filled]] = tree_rows[filled]
@@ -1039,28 +1053,60 @@ class SWAPageTree:
             raise InvariantViolation(f"{self.core.num_live_sequences} core records for {len(self._locks)} locks")
 
 
+def _member(values: npt.NDArray[Any], members: npt.NDArray[Any], table: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+    """``values[i] in members`` through ``table`` (all False, indexed by id; left all False):
+    linear in the two arrays, where ``np.isin`` sorts them."""
+    table[members] = True
+    out: npt.NDArray[np.bool_] = table[values]
+    table[members] = False
+    return out
+
+
 class _SWARelease:
     """An :class:`SWAPageTree`'s ``release`` over SGLang's ``SWATokenToKVPoolAllocator`` (its
-    ``free`` / ``free_swa`` / ``free_full`` and its ``full_to_swa_index_mapping``)."""
+    ``free`` / ``free_swa`` / ``free_full`` and its ``full_to_swa_index_mapping``). The tree hands
+    back whole pages; where the indices are whole pages in SGLang's layout (each a page-aligned
+    run of ``page_size``) they go through the allocator's segment frees, which read one index a
+    page instead of sorting them all (``torch.unique``)."""
 
-    def __init__(self, allocator: Any, device: Any) -> None:
+    def __init__(self, allocator: Any, device: Any, page_size: int = 1) -> None:
         import torch
 
         self._allocator = allocator
         self._torch = torch
         self._device = device
+        self._page_size = page_size
+        self._offsets = np.arange(page_size, dtype=np.int64)
+        self._segments = all(callable(getattr(allocator, name, None))
+                             for name in ("free_segment", "free_swa_segment", "free_full_segment"))
 
     def _tensor(self, values: Int64Array) -> Any:
         return self._torch.from_numpy(np.ascontiguousarray(values)).to(self._device)
 
+    def _whole_pages(self, full: Int64Array) -> bool:
+        ps = self._page_size
+        if not self._segments or len(full) % ps:
+            return False
+        rows = full.reshape(-1, ps)
+        return bool((rows[:, 0] % ps == 0).all() and (rows == rows[:, :1] + self._offsets).all())
+
     def free(self, full: Int64Array) -> None:
-        self._allocator.free(self._tensor(full))
+        if self._whole_pages(full):
+            self._allocator.free_segment(self._tensor(full), start_pos=0)
+        else:
+            self._allocator.free(self._tensor(full))
 
     def free_swa(self, full: Int64Array) -> None:
-        self._allocator.free_swa(self._tensor(full))
+        if self._whole_pages(full):
+            self._allocator.free_swa_segment(self._tensor(full), start_pos=0)
+        else:
+            self._allocator.free_swa(self._tensor(full))
 
     def free_full(self, full: Int64Array) -> None:
-        self._allocator.free_full(self._tensor(full))
+        if self._whole_pages(full):
+            self._allocator.free_full_segment(self._tensor(full), start_pos=0)
+        else:
+            self._allocator.free_full(self._tensor(full))
 
     def move_swa(self, source: Int64Array, dest: Int64Array) -> None:
         mapping = self._allocator.full_to_swa_index_mapping
@@ -1122,7 +1168,7 @@ def swa_radix_cache_class() -> type[Any]:
             self.device = torch.device(getattr(allocator, "device", "cpu"))
             ps = self.page_size
             self._tree = SWAPageTree(allocator.size_full // ps + 1, allocator.size_swa // ps + 1, ps,
-                                     self.sliding_window_size, _SWARelease(allocator, self.device))
+                                     self.sliding_window_size, _SWARelease(allocator, self.device, ps))
             self._namespaces: CacheNamespaces[tuple[str | None, str | None]] = CacheNamespaces()
             self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
             if params.enable_metrics:

@@ -162,6 +162,41 @@ def test_paged_inserts_match_whole_pages(impl: str, page_size: int) -> None:
     cache.sanity_check()
 
 
+def test_the_adapter_frees_whole_pages_by_segment_and_other_indices_one_by_one() -> None:
+    """The tree hands SGLang's allocator whole pages; those go through its segment frees (one
+    index a page read, no ``torch.unique``), anything else through ``free`` / ``free_swa`` /
+    ``free_full``; both hand back exactly what was taken."""
+    from lifecycle.integrations.sglang import _SWARelease
+
+    ps = 4
+    _, allocator = build("lifecycle", kv_size=64, kv_size_swa=64, page_size=ps)
+    calls: list[str] = []
+    for name in ("free", "free_segment", "free_swa", "free_swa_segment", "free_full", "free_full_segment"):
+        method = getattr(allocator, name)
+        setattr(allocator, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    release = _SWARelease(allocator, torch.device("cpu"), ps)
+    before = (allocator.full_available_size(), allocator.swa_available_size())
+
+    def take() -> np.ndarray:
+        full = allocator.full_attn_allocator.alloc(8)
+        allocator.full_to_swa_index_mapping[full] = allocator.swa_attn_allocator.alloc(8)
+        return full.numpy().astype(np.int64)
+
+    for order, expected in ((slice(None), "free_segment"), (slice(None, None, -1), "free")):
+        calls.clear()
+        release.free(take()[order])
+        assert calls[0] == expected
+        assert (allocator.full_available_size(), allocator.swa_available_size()) == before
+    for order, expected in ((slice(None), ("free_swa_segment", "free_full_segment")),
+                            (slice(None, None, -1), ("free_swa", "free_full"))):
+        calls.clear()
+        full = take()[order]
+        release.free_swa(full)
+        release.free_full(full)
+        assert (calls[0], calls[-1]) == expected
+        assert (allocator.full_available_size(), allocator.swa_available_size()) == before
+
+
 # -- the request path: SGLang's own scheduler functions over the cache ---------------------------------
 # What the scheduler runs for a request on an SWA model, by SGLang's own functions in
 # mem_cache/common.py and ScheduleBatch: ``match_kv_cache`` (the hit), ``tree.lock(last_node)``,
