@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -171,29 +172,38 @@ def test_the_adapter_frees_whole_pages_by_segment_and_other_indices_one_by_one()
     ps = 4
     _, allocator = build("lifecycle", kv_size=64, kv_size_swa=64, page_size=ps)
     calls: list[str] = []
-    for name in ("free", "free_segment", "free_swa", "free_swa_segment", "free_full", "free_full_segment"):
+
+    def spy(name: str) -> None:
         method = getattr(allocator, name)
-        setattr(allocator, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return method(*args, **kwargs)
+
+        setattr(allocator, name, call)
+
+    for name in ("free", "free_segment", "free_swa", "free_swa_segment", "free_full", "free_full_segment"):
+        spy(name)
     release = _SWARelease(allocator, torch.device("cpu"), ps)
     before = (allocator.full_available_size(), allocator.swa_available_size())
 
-    def take() -> np.ndarray:
+    def take() -> npt.NDArray[np.int64]:
         full = allocator.full_attn_allocator.alloc(8)
         allocator.full_to_swa_index_mapping[full] = allocator.swa_attn_allocator.alloc(8)
-        return full.numpy().astype(np.int64)
+        return np.asarray(full.numpy(), dtype=np.int64)
 
     for order, expected in ((slice(None), "free_segment"), (slice(None, None, -1), "free")):
         calls.clear()
         release.free(take()[order])
         assert calls[0] == expected
         assert (allocator.full_available_size(), allocator.swa_available_size()) == before
-    for order, expected in ((slice(None), ("free_swa_segment", "free_full_segment")),
-                            (slice(None, None, -1), ("free_swa", "free_full"))):
+    for order, pair in ((slice(None), ("free_swa_segment", "free_full_segment")),
+                        (slice(None, None, -1), ("free_swa", "free_full"))):
         calls.clear()
         full = take()[order]
         release.free_swa(full)
         release.free_full(full)
-        assert (calls[0], calls[-1]) == expected
+        assert (calls[0], calls[-1]) == pair
         assert (allocator.full_available_size(), allocator.swa_available_size()) == before
 
 
