@@ -4,7 +4,8 @@ peer environment by ``peers.py --workloads w3-groups``).
 Which models SGLang serves with its SWA memory (sglang 0.5.23):
 
 - gpt-oss (``GptOssForCausalLM`` is in ``SWA_SINK_ARCHS``, so ``is_hybrid_swa_model``; layer ids from
-  ``get_hybrid_layer_ids``, window ``sliding_window`` = 128): ``sglang-swa`` below;
+  ``get_hybrid_layer_ids``, window ``sliding_window - 1`` = 127 as ``get_attention_sliding_window_size``
+  gives it): ``sglang-swa`` below;
 - gemma-3: ``arg_groups/model_overrides/gemma2_gemma3.py`` returns ``disable_hybrid_swa_memory=True``
   for ``Gemma3ForCausalLM`` / ``Gemma3ForConditionalGeneration``: not served with SWA (no record);
 - llama-4-scout: ``Llama4ForConditionalGeneration`` is a hybrid SWA model whose window is
@@ -90,6 +91,13 @@ def pool_tokens(preset: GroupPreset) -> tuple[int, int]:
     return full_tokens, swa_tokens
 
 
+def sglang_window(preset: GroupPreset) -> int:
+    """The ``sliding_window_size`` SGLang serves ``preset`` with: gpt-oss's
+    ``get_attention_sliding_window_size`` is ``config.sliding_window - 1`` (HF's window counts the
+    query's own token, SGLang's does not), Llama 4's the chunk (``resolve_sliding_window_size``)."""
+    return preset.window - 1 if preset.name.startswith("gpt-oss") else preset.window
+
+
 class SWACache:
     """A UnifiedRadixCache (FULL + SWA) over an SWATokenToKVPoolAllocator sized for ``preset``."""
 
@@ -97,7 +105,7 @@ class SWACache:
         server_args = ServerArgs(model_path="dummy", page_size=BLOCK_SIZE)
         set_global_server_args_for_scheduler(server_args)
         self.full_tokens, self.swa_tokens = pool_tokens(preset)
-        self.window = preset.window
+        self.window = sglang_window(preset)
         self.req_to_token_pool = ReqToTokenPool(
             size=max_live + 1, max_context_len=max_context, device="cpu", enable_memory_saver=False
         )

@@ -883,7 +883,11 @@ class SWAPageTree:
             evicted_pages = max(int(swa_evicted), 0) // ps
             if evicted_pages <= cut:
                 evicted_pages = 0
-            keep = evicted_pages * ps + self.window if evicted_pages else pages * ps
+            # ``keep``: the fewest whole pages past ``evicted_pages`` whose window leaves every
+            # page below it out (the core releases by whole pages: with a window that is not a
+            # multiple of the page, ``evicted_pages * ps + window`` kept page ``evicted_pages - 1``,
+            # whose SWA KV the request freed, in the SWA group).
+            keep = (evicted_pages + -(-self.window // ps)) * ps if evicted_pages else pages * ps
             if keep > pages * ps:
                 # No page past the cut has a whole window of SWA KV before it: none could be
                 # matched, so none is cached (the caller keeps them, and frees them).

@@ -325,6 +325,9 @@ SERVING = [
     pytest.param(dict(page_size=4, window=8, kv_size=2048, kv_size_swa=1024, chunk=16), id="page4-roomy"),
     pytest.param(dict(page_size=1, window=4, kv_size=96, kv_size_swa=64, chunk=8), id="page1-tight"),
     pytest.param(dict(page_size=4, window=8, kv_size=128, kv_size_swa=96, chunk=16), id="page4-tight"),
+    # A window that is not a multiple of the page (gpt-oss: SGLang's sliding_window_size is 127).
+    pytest.param(dict(page_size=4, window=7, kv_size=2048, kv_size_swa=1024, chunk=16), id="page4-window7-roomy"),
+    pytest.param(dict(page_size=4, window=7, kv_size=128, kv_size_swa=96, chunk=16), id="page4-window7-tight"),
 ]
 
 
@@ -347,6 +350,9 @@ def test_requests_served_by_sglangs_scheduler_functions_leak_nothing(impl: str, 
     cache.evict(EvictParams(num_tokens=full, swa_num_tokens=swa))
     assert (allocator.full_available_size(), allocator.swa_available_size()) == (full, swa)
     assert cache.total_size() == (0, 0)
+    for pool in (allocator.full_attn_allocator, allocator.swa_attn_allocator):  # each page once, never the padding page
+        pages = pool.free_pages.tolist()
+        assert 0 not in pages and len(pages) == len(set(pages))
     cache.sanity_check()
 
 
