@@ -865,9 +865,12 @@ class SWAPageTree:
         pages = int(length) // ps
         if pages == 0:
             return 0, self.root
-        if pages > self._pools[0].num_total or pages > self._pools[1].num_total:
-            raise InvalidId(f"insert: a key of {pages} pages is longer than the tree's "
-                            f"{min(self._pools[0].num_total, self._pools[1].num_total)} pages")
+        # The pages that keep SWA KV (those from the freed length on) must fit the SWA pool; a
+        # longer key whose SWA KV the request freed as it went is cached with tombstones.
+        swa_pages = pages - max(int(swa_evicted), 0) // ps
+        if pages > self._pools[0].num_total or swa_pages > self._pools[1].num_total:
+            raise InvalidId(f"insert: a key of {pages} pages ({swa_pages} of them with SWA KV) does not fit the "
+                            f"tree's {self._pools[0].num_total} pages ({self._pools[1].num_total} SWA pages)")
         full = np.ascontiguousarray(np.asarray(values, dtype=np.int64)[: pages * ps]).reshape(-1)
         if len(full) < pages * ps:
             raise InvalidId(f"insert: {len(full)} KV indices for a key of {pages} pages of {ps}")
@@ -894,10 +897,23 @@ class SWAPageTree:
                 slots = self.core.block_table(handle, 0)[:cut].copy()
                 self._finish(handle)
                 return cut, (self._node(namespace, key[: cut * ps + 1].copy(), slots) if cut else self.root)
-            self._room(pages - cut)
-            self.core.grow(handle, pages)
-            if evicted_pages:
-                self.core.append(handle, [], kv_tokens=keep)
+            if evicted_pages and pages - cut > self._pools[1].num_total:
+                # More pages than the SWA pool holds: grow by steps, each releasing what left the
+                # window (never past ``keep``, so nothing from ``evicted_pages`` on goes early).
+                step = max(1, self._pools[1].num_total - (-(-self.window // ps)) - 1)
+                grown = cut
+                while grown < pages:
+                    grown = min(pages, grown + step)
+                    self._room(min(step, pages - cut))
+                    self.core.grow(handle, grown)
+                    kv = min(keep, grown * ps)
+                    if kv > self.core.kv_tokens(handle):
+                        self.core.append(handle, [], kv_tokens=kv)
+            else:
+                self._room(pages - cut)
+                self.core.grow(handle, pages)
+                if evicted_pages:
+                    self.core.append(handle, [], kv_tokens=keep)
         except BaseException:
             self._finish(handle)
             raise

@@ -47,7 +47,7 @@ IMPLEMENTATIONS = ("sglang", "lifecycle")
 
 
 def build(impl: str, *, kv_size: int = 128, kv_size_swa: int = 64, page_size: int = 1,
-          window: int = 4) -> tuple[Any, Any]:
+          window: int = 4, context: int = 256) -> tuple[Any, Any]:
     """A cache of ``impl`` over SGLang's SWA pool and allocator (12 layers, one full in four)."""
     full_ids = list(range(0, 12, 4))
     swa_ids = [i for i in range(12) if i not in full_ids]
@@ -57,7 +57,7 @@ def build(impl: str, *, kv_size: int = 128, kv_size_swa: int = 64, page_size: in
     allocator = SWATokenToKVPoolAllocator(size=kv_size, size_swa=kv_size_swa, page_size=page_size,
                                           dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
     params = CacheInitParams(
-        req_to_token_pool=ReqToTokenPool(size=10, max_context_len=256, device="cpu", enable_memory_saver=False),
+        req_to_token_pool=ReqToTokenPool(size=10, max_context_len=context, device="cpu", enable_memory_saver=False),
         token_to_kv_pool_allocator=allocator, disable=False, page_size=page_size, sliding_window_size=window,
         tree_components=(ComponentType.FULL, ComponentType.SWA),
     )
@@ -487,3 +487,162 @@ def test_prefill_admission_decides_alike_over_both_caches(seed: int, kv_size: in
     assert any(entry[2] is not None for entry in ours if entry[0] == "admitted")  # a chunked prefill
     assert any(entry[1] > 0 for entry in ours if isinstance(entry[0], str) and entry[0].isdigit())  # hits
     assert (ours[-1][0] == "evict") == (kv_size < 1000)  # the tight pool runs short
+
+
+def _check_tree(cache: Any, allocator: Any, where: str) -> None:
+    """Every SWA slot the tree keeps names SWA KV that is mapped and not free, every full one a
+    full page that is not free; neither free list holds a page twice or the padding page 0."""
+    tree = cache.tree
+    mapping = allocator.full_to_swa_index_mapping
+    ps = cache.page_size
+    held1 = np.flatnonzero(tree._held[1])
+    rows1 = tree._rows[1][held1]
+    if len(rows1):
+        m = mapping[torch.from_numpy(rows1.reshape(-1))].reshape(len(rows1), ps)
+        unmapped = rows1[(m[:, 0] == 0).numpy()][:, 0].tolist()
+        assert not unmapped, f"{where}: SWA slots of the tree with no SWA KV mapped (full indices {unmapped})"
+        swa_free = set(allocator.swa_attn_allocator.free_pages.tolist())
+        used = set((m[:, 0] // ps).tolist()) if ps > 1 else set(m[:, 0].tolist())
+        assert not (used & swa_free), f"{where}: cached SWA page on the free list {sorted(used & swa_free)[:5]}"
+    rows0 = tree._rows[0][np.flatnonzero(tree._held[0])]
+    if len(rows0):
+        assert bool((rows0[:, 0] != 0).all()), f"{where}: group-0 slot holding full index 0"
+        full_free = set(allocator.full_attn_allocator.free_pages.tolist())
+        used = set((rows0[:, 0] // ps).tolist()) if ps > 1 else set(rows0[:, 0].tolist())
+        assert not (used & full_free), f"{where}: cached full page on the free list {sorted(used & full_free)[:5]}"
+    for pool in (allocator.full_attn_allocator, allocator.swa_attn_allocator):
+        pages = pool.free_pages.tolist()
+        assert 0 not in pages and len(pages) == len(set(pages)), f"{where}: free list has page 0 or a duplicate"
+    tree.check_invariants()
+
+
+def serve_random(seed: int, *, page_size: int, window: int, kv_size: int, kv_size_swa: int, stem: tuple[int, int],
+                 requests: int = 30) -> dict[str, int]:
+    """Random requests through SGLang's scheduler functions (matches, locks, chunked
+    checkpoints with and without sliding the window first, SWA-only evictions that tombstone
+    cached pages, finishes), the tree checked after every step; everything handed back at the end."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, evict_from_tree_cache, match_kv_cache, release_kv_cache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    ctx = stem[1] + 3 * window + 64
+    cache, allocator = build("lifecycle", kv_size=kv_size, kv_size_swa=kv_size_swa, page_size=page_size,
+                             window=window, context=ctx)
+    pool = cache.req_to_token_pool
+    stems = [rng.integers(0, 50, size=int(rng.integers(*stem))).tolist() for _ in range(3)]
+    live: list[Any] = []
+    stats = dict(hits=0, chunks=0, refused=0, evicted_swa=0, branch=0)
+    branching = bool(rng.integers(0, 2))
+    nlive = int(rng.integers(1, 4))
+
+    def finish(req: Any) -> None:
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        release_kv_cache(req, cache, checkpoint=True)
+        _check_tree(cache, allocator, f"finish {req.rid}")
+
+    for number in range(requests):
+        if len(live) >= nlive:
+            finish(live.pop(int(rng.integers(0, len(live)))))
+        if rng.random() < 0.3:
+            cache.evict(EvictParams(num_tokens=int(rng.integers(0, 2)) * page_size,
+                                    swa_num_tokens=int(rng.integers(1, 4)) * page_size))
+            stats["evicted_swa"] += 1
+            _check_tree(cache, allocator, f"evict before {number}")
+        s = stems[int(rng.integers(0, 3))]
+        prompt = array("q", s[: int(rng.integers(len(s) // 2, len(s) + 1))]
+                       + rng.integers(100, 150, size=int(rng.integers(1, 2 * window + 8))).tolist())
+        output = array("q", rng.integers(200, 250, size=int(rng.integers(1, window + 6))).tolist())
+        req = Req(rid=str(number), origin_input_text="", origin_input_ids=prompt,
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=len(output)))
+        match_kv_cache(req, cache, prompt)
+        if not branching:
+            req.swa_branching_seqlen = None
+        elif req.swa_branching_seqlen is not None:
+            stats["branch"] += 1
+        hit = req.prefix_len
+        stats["hits"] += hit > 0
+        req.kv.cache_protected_len = hit
+        req.lock = cache.lock(req.last_node)
+        total = len(prompt) + len(output)
+        evict_from_tree_cache(cache, -(-(total - hit) // page_size) * page_size)
+        _check_tree(cache, allocator, f"evict_from_tree {number}")
+        new = swa_alloc(allocator, total - hit, page_size)
+        if new is None:
+            stats["refused"] += 1
+            cache.unlock(req.lock)
+            req.lock = None
+            continue
+        prefix = cache.prefix_device_indices(req) if hit else new[:0]
+        pool.alloc([req])
+        pool.write((req.kv.req_pool_idx, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
+        req.full_untruncated_fill_ids = prompt
+        chunk = int(rng.integers(1, 5)) * page_size + int(rng.integers(0, page_size))
+        end = hit
+        while len(prompt) - end > chunk:
+            end += chunk
+            req.extend_end = end
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+            if rng.random() < 0.5:
+                cache.evict_sliding_windows(req, end - 1)
+            checkpoint_kv_cache(req, cache)
+            stats["chunks"] += 1
+            _check_tree(cache, allocator, f"chunk {number} at {end}")
+        req.extend_end = len(prompt)
+        req.output_ids = output
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = total
+        cache.evict_sliding_windows(req, total - 1)
+        _check_tree(cache, allocator, f"served {number}")
+        live.append(req)
+    while live:
+        finish(live.pop(0))
+    full, swa = allocator.size_full, allocator.size_swa
+    cached_full, cached_swa = cache.total_size()
+    assert allocator.full_available_size() + cached_full == full
+    assert allocator.swa_available_size() + cached_swa == swa
+    cache.evict(EvictParams(num_tokens=full, swa_num_tokens=swa))
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (full, swa)
+    assert cache.total_size() == (0, 0)
+    _check_tree(cache, allocator, "end")
+    return stats
+
+
+RANDOM = [dict(page_size=4, window=w, kv_size=ks, kv_size_swa=kss, stem=(10, 40))
+          for w in (1, 3, 5, 6, 7, 9) for ks, kss in ((2048, 1024), (160, 96))]
+RANDOM += [dict(page_size=16, window=127, kv_size=ks, kv_size_swa=kss, stem=(100, 300))
+           for ks, kss in ((16384, 8192), (2048, 1024))]
+RANDOM += [dict(page_size=64, window=127, kv_size=ks, kv_size_swa=kss, stem=(100, 400))
+           for ks, kss in ((16384, 8192), (4096, 1536))]
+RANDOM += [dict(page_size=8, window=w, kv_size=320, kv_size_swa=160, stem=(10, 60)) for w in (5, 12, 17)]
+RANDOM += [dict(page_size=2, window=3, kv_size=ks, kv_size_swa=kss, stem=(10, 40))
+           for ks, kss in ((1024, 512), (80, 48))]
+
+
+@pytest.mark.usefixtures("server_config")
+@pytest.mark.parametrize("sizes", RANDOM, ids=[f"ps{d['page_size']}-w{d['window']}-{d['kv_size']}" for d in RANDOM])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_traffic_keeps_every_swa_slot_mapped(seed: int, sizes: dict[str, Any]) -> None:
+    stats = serve_random(seed, **sizes)
+    assert stats["chunks"] > 0
+
+
+@pytest.mark.usefixtures("server_config")
+def test_a_request_longer_than_the_swa_pool_is_cached_with_tombstones(impl: str) -> None:
+    """Its SWA KV below 48 tokens freed as it went (never more than the pool at once), a request
+    of 64 tokens in pages of 4 goes in whole over an SWA pool of 32 tokens, as SGLang's cache
+    takes it: its full KV cached, SWA KV only from the freed length on."""
+    ps, n, freed = 4, 64, 48
+    cache, allocator = build(impl, kv_size=256, kv_size_swa=32, page_size=ps, window=7)
+    full = allocator.full_attn_allocator.alloc(n)
+    for start in range(0, n, 16):
+        allocator.full_to_swa_index_mapping[full[start:start + 16]] = allocator.swa_attn_allocator.alloc(16)
+        if start + 16 <= freed:
+            allocator.free_swa_segment(full[start:start + 16], start_pos=start)
+    result = cache.insert(InsertParams(key=key(list(range(1, n + 1))), value=full.clone(),
+                                       component_evicted_seqlens={ComponentType.SWA: freed}))
+    assert result.prefix_len == 0
+    assert cache.total_size() == (n, n - freed)
+    assert indices(cache, list(range(1, n + 1))) == full.tolist()
+    cache.evict(EvictParams(num_tokens=10**6, swa_num_tokens=10**6))
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == (allocator.size_full,
+                                                                                 allocator.size_swa)
