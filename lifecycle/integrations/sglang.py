@@ -890,7 +890,8 @@ class SWAPageTree:
             # page below it out (the core releases by whole pages: with a window that is not a
             # multiple of the page, ``evicted_pages * ps + window`` kept page ``evicted_pages - 1``,
             # whose SWA KV the request freed, in the SWA group).
-            keep = (evicted_pages + -(-self.window // ps)) * ps if evicted_pages else pages * ps
+            window_pages = -(-self.window // ps)
+            keep = (evicted_pages + window_pages) * ps if evicted_pages else pages * ps
             if keep > pages * ps:
                 # No page past the cut has a whole window of SWA KV before it: none could be
                 # matched, so none is cached (the caller keeps them, and frees them).
@@ -900,7 +901,7 @@ class SWAPageTree:
             if evicted_pages and pages - cut > self._pools[1].num_total:
                 # More pages than the SWA pool holds: grow by steps, each releasing what left the
                 # window (never past ``keep``, so nothing from ``evicted_pages`` on goes early).
-                step = max(1, self._pools[1].num_total - (-(-self.window // ps)) - 1)
+                step = max(1, self._pools[1].num_total - window_pages - 1)
                 grown = cut
                 while grown < pages:
                     grown = min(pages, grown + step)
@@ -1110,23 +1111,20 @@ class _SWARelease:
         rows = full.reshape(-1, ps)
         return bool((rows[:, 0] % ps == 0).all() and (rows == rows[:, :1] + self._offsets).all())
 
-    def free(self, full: Int64Array) -> None:
+    def _free(self, full: Int64Array, segment: Any, plain: Any) -> None:
         if self._whole_pages(full):
-            self._allocator.free_segment(self._tensor(full), start_pos=0)
+            segment(self._tensor(full), start_pos=0)
         else:
-            self._allocator.free(self._tensor(full))
+            plain(self._tensor(full))
+
+    def free(self, full: Int64Array) -> None:
+        self._free(full, self._allocator.free_segment if self._segments else None, self._allocator.free)
 
     def free_swa(self, full: Int64Array) -> None:
-        if self._whole_pages(full):
-            self._allocator.free_swa_segment(self._tensor(full), start_pos=0)
-        else:
-            self._allocator.free_swa(self._tensor(full))
+        self._free(full, self._allocator.free_swa_segment if self._segments else None, self._allocator.free_swa)
 
     def free_full(self, full: Int64Array) -> None:
-        if self._whole_pages(full):
-            self._allocator.free_full_segment(self._tensor(full), start_pos=0)
-        else:
-            self._allocator.free_full(self._tensor(full))
+        self._free(full, self._allocator.free_full_segment if self._segments else None, self._allocator.free_full)
 
     def move_swa(self, source: Int64Array, dest: Int64Array) -> None:
         mapping = self._allocator.full_to_swa_index_mapping

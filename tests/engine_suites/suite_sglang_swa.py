@@ -16,10 +16,11 @@ Run inside the SGLang peer environment by ``tests/test_integration_sglang_swa.py
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,32 @@ def swa_alloc(allocator: Any, need: int, page_size: int) -> Any:
     return full[:need]
 
 
+def place_request(cache: Any, allocator: Any, req: Any, prompt: Any, total: int, page_size: int,
+                  after_evict: Callable[[], None] | None = None) -> tuple[int, bool]:
+    """After ``match_kv_cache``: the scheduler's placement of a request of ``total`` tokens (its
+    hit protected and locked, ``evict_from_tree_cache`` for the rest, pages from both pools, its
+    row written). Returns the hit and whether the pools had room (if not, its lock is let go)."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    hit = int(req.prefix_len)
+    req.kv.cache_protected_len = hit  # as Req.init_next_round_input does after its match
+    req.lock = cache.lock(req.last_node)
+    evict_from_tree_cache(cache, -(-(total - hit) // page_size) * page_size)
+    if after_evict is not None:
+        after_evict()
+    new = swa_alloc(allocator, total - hit, page_size)
+    if new is None:
+        cache.unlock(req.lock)
+        req.lock = None
+        return hit, False
+    prefix = cache.prefix_device_indices(req) if hit else new[:0]
+    pool = cache.req_to_token_pool
+    pool.alloc([req])
+    pool.write((req.kv.req_pool_idx, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
+    req.full_untruncated_fill_ids = prompt
+    return hit, True
+
+
 def serve_requests(impl: str, seed: int, *, page_size: int, window: int, kv_size: int, kv_size_swa: int,
                    chunk: int, requests: int = 24, log: list[Any] | None = None,
                    swa_branching: bool = True) -> tuple[list[Any], Any, Any]:
@@ -250,16 +277,10 @@ def serve_requests(impl: str, seed: int, *, page_size: int, window: int, kv_size
     goes on past the hit, which stopped short for want of SWA KV); with it, the next checkpoint
     of a chunked prefill inserts only up to there, keeping the window before it."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
-    from sglang.srt.mem_cache.common import (
-        checkpoint_kv_cache,
-        evict_from_tree_cache,
-        match_kv_cache,
-        release_kv_cache,
-    )
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, match_kv_cache, release_kv_cache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     cache, allocator = build(impl, kv_size=kv_size, kv_size_swa=kv_size_swa, page_size=page_size, window=window)
-    pool = cache.req_to_token_pool
     rng = np.random.default_rng(seed)
     stems = [rng.integers(0, 50, size=int(rng.integers(10, 40))).tolist() for _ in range(3)]
     log = [] if log is None else log
@@ -284,21 +305,11 @@ def serve_requests(impl: str, seed: int, *, page_size: int, window: int, kv_size
             req.swa_branching_seqlen = None
         elif req.swa_branching_seqlen is not None:
             log.append(("branch", number, req.swa_branching_seqlen))
-        hit = req.prefix_len
-        req.kv.cache_protected_len = hit  # as Req.init_next_round_input does after its match
-        req.lock = cache.lock(req.last_node)
         total = len(prompt) + len(output)
-        evict_from_tree_cache(cache, -(-(total - hit) // page_size) * page_size)
-        new = swa_alloc(allocator, total - hit, page_size)
-        if new is None:
+        hit, placed = place_request(cache, allocator, req, prompt, total, page_size)
+        if not placed:
             log.append(("refused", number, hit))
-            cache.unlock(req.lock)
-            req.lock = None
             continue
-        prefix = cache.prefix_device_indices(req) if hit else new[:0]
-        pool.alloc([req])
-        pool.write((req.kv.req_pool_idx, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
-        req.full_untruncated_fill_ids = prompt
         # The chunks of a chunked prefill: each but the last is checkpointed into the tree.
         end = hit
         while len(prompt) - end > chunk:
@@ -522,14 +533,13 @@ def serve_random(seed: int, *, page_size: int, window: int, kv_size: int, kv_siz
     checkpoints with and without sliding the window first, SWA-only evictions that tombstone
     cached pages, finishes), the tree checked after every step; everything handed back at the end."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
-    from sglang.srt.mem_cache.common import checkpoint_kv_cache, evict_from_tree_cache, match_kv_cache, release_kv_cache
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, match_kv_cache, release_kv_cache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     ctx = stem[1] + 3 * window + 64
     cache, allocator = build("lifecycle", kv_size=kv_size, kv_size_swa=kv_size_swa, page_size=page_size,
                              window=window, context=ctx)
-    pool = cache.req_to_token_pool
     stems = [rng.integers(0, 50, size=int(rng.integers(*stem))).tolist() for _ in range(3)]
     live: list[Any] = []
     stats = dict(hits=0, chunks=0, refused=0, evicted_swa=0, branch=0)
@@ -560,23 +570,14 @@ def serve_random(seed: int, *, page_size: int, window: int, kv_size: int, kv_siz
             req.swa_branching_seqlen = None
         elif req.swa_branching_seqlen is not None:
             stats["branch"] += 1
-        hit = req.prefix_len
-        stats["hits"] += hit > 0
-        req.kv.cache_protected_len = hit
-        req.lock = cache.lock(req.last_node)
         total = len(prompt) + len(output)
-        evict_from_tree_cache(cache, -(-(total - hit) // page_size) * page_size)
-        _check_tree(cache, allocator, f"evict_from_tree {number}")
-        new = swa_alloc(allocator, total - hit, page_size)
-        if new is None:
+        hit, placed = place_request(cache, allocator, req, prompt, total, page_size,
+                                    after_evict=functools.partial(_check_tree, cache, allocator,
+                                                                  f"evict_from_tree {number}"))
+        stats["hits"] += hit > 0
+        if not placed:
             stats["refused"] += 1
-            cache.unlock(req.lock)
-            req.lock = None
             continue
-        prefix = cache.prefix_device_indices(req) if hit else new[:0]
-        pool.alloc([req])
-        pool.write((req.kv.req_pool_idx, slice(0, total)), torch.cat([prefix.to(torch.int64), new]).to(torch.int32))
-        req.full_untruncated_fill_ids = prompt
         chunk = int(rng.integers(1, 5)) * page_size + int(rng.integers(0, page_size))
         end = hit
         while len(prompt) - end > chunk:
