@@ -39,7 +39,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.mem cimport PyMem_Malloc
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, uint8_t
+from libc.stdint cimport INT32_MAX, int32_t, uint8_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
@@ -131,31 +131,46 @@ cdef inline uint8_t _kept(GroupRule *r, Py_ssize_t bs, Py_ssize_t retention, Py_
 
 
 cdef inline void _offer_run(GroupCache *c, const int32_t *refs, const int32_t *ids, Py_ssize_t count) noexcept nogil:
-    """``KVGroups._offer`` of each of ``ids`` in turn (``refs``: the group's refcounts)."""
+    """``KVGroups._offer`` of each of ``ids`` in turn (``refs``: the group's refcounts). The two
+    lists' tails and counts live in locals for the run (with strict aliasing off, every int32
+    store would reload them through ``c``) and go back to ``c`` around the rare unlink."""
     cdef int32_t **where = c.where
     cdef int32_t *nxt = c.next
     cdef int32_t *prv = c.prev
     cdef uint8_t *listed = c.listed
     cdef const uint8_t *kept = c.kept
     cdef Py_ssize_t i, q
+    cdef Py_ssize_t added[2]
+    cdef int32_t tails[2]
     cdef int32_t b, tail
+    tails[0] = c.tail[0]
+    tails[1] = c.tail[1]
+    added[0] = added[1] = 0
     for i in range(count):
         b = ids[i]
         if where[b] == NULL or refs[b] != 1:
             continue
         if listed[b]:
+            c.tail[0] = tails[0]
+            c.tail[1] = tails[1]
             _unlink_block(c, b)
+            tails[0] = c.tail[0]
+            tails[1] = c.tail[1]
         q = kept[b] != 0
-        tail = c.tail[q]
+        tail = tails[q]
         prv[b] = tail
         nxt[b] = -1
         if tail >= 0:
             nxt[tail] = b
         else:
             c.head[q] = b
-        c.tail[q] = b
+        tails[q] = b
         listed[b] = <uint8_t>(q + 1)
-        c.count[q] += 1
+        added[q] += 1
+    c.tail[0] = tails[0]
+    c.tail[1] = tails[1]
+    c.count[0] += added[0]
+    c.count[1] += added[1]
 
 
 cdef enum:
@@ -936,17 +951,20 @@ cdef class KVGroups:
             count = released = to_cache = kept = 0
             seg[0] = seg[1] = 0
             # On its cached path (below pin): the entry stays (it may be the trie's), the block the cache's.
-            for p in range(low, min(high, pin)):
-                b = col[p]
-                if b < 0:
-                    continue
-                if where != NULL:
-                    to_cache += where[b] != NULL
-                ids[count] = b
-                count += 1
-                if row_ids != NULL:
-                    row_ids[p] = pad
-            released = count
+            if where != NULL:
+                released = self._release_cached(g, col, low, min(high, pin), row_ids, &to_cache, f)
+                if f.code != OK:
+                    return -1
+            else:
+                for p in range(low, min(high, pin)):
+                    b = col[p]
+                    if b < 0:
+                        continue
+                    ids[count] = b
+                    count += 1
+                    if row_ids != NULL:
+                        row_ids[p] = pad
+                released = count
             for p in range(max(low, pin), high):
                 b = col[p]
                 if b < 0:
@@ -980,6 +998,94 @@ cdef class KVGroups:
         if self._cache[g].where != NULL and freed < count:
             _offer_run(&self._cache[g], (<BlockPool>self._pools[g])._refcounts, self._ids, count)
         return freed
+
+    cdef Py_ssize_t _release_cached(self, Py_ssize_t g, const int32_t *col, Py_ssize_t low, Py_ssize_t stop,
+                                    int32_t *row_ids, Py_ssize_t *to_cache, Failure *f) noexcept nogil:
+        """``release``'s blocks ``[low, stop)`` of column ``col`` (on the record's cached path, in
+        a group the cache tracks) in one pass: the record's reference on each goes (the block is
+        pushed on the free stack when it was the last), a block only the cache then holds joins
+        its list (``_offer``), and row entry ``p`` of ``row_ids`` (when given) becomes the pad.
+        The result is ``_unref``'s of the same ids, in the same order; a column holds each block
+        once. Returns how many blocks it released and adds the cached ones to ``to_cache``; where
+        a reference was not there (``E_INVARIANT``), no count or list has changed."""
+        cdef GroupCache *c = &self._cache[g]
+        cdef PyObject *pool = self._pools[g]
+        cdef int32_t *refs = (<BlockPool>pool)._refcounts
+        cdef int32_t *stack = (<BlockPool>pool)._free_stack
+        cdef int32_t **where = c.where
+        cdef int32_t *nxt = c.next
+        cdef int32_t *prv = c.prev
+        cdef uint8_t *listed = c.listed
+        cdef const uint8_t *kept = c.kept
+        cdef Py_ssize_t top0 = (<BlockPool>pool)._num_free, top = top0, p, released = 0, cached = 0, q, bad = -1
+        cdef Py_ssize_t added[2]
+        cdef int32_t tails[2]
+        cdef int32_t b, r, tail, pad = self.pad
+        # (locals: with strict aliasing off, every int32 store would reload them through ``c``)
+        tails[0] = c.tail[0]
+        tails[1] = c.tail[1]
+        added[0] = added[1] = 0
+        for p in range(low, stop):
+            b = col[p]
+            if b < 0:
+                continue
+            r = refs[b] - 1
+            if r < 0:
+                bad = p
+                break
+            refs[b] = r
+            released += 1
+            if r == 0:
+                stack[top] = b
+                top += 1
+            if where[b] == NULL:
+                continue
+            cached += 1
+            if r != 1:
+                continue
+            if listed[b]:
+                c.tail[0] = tails[0]
+                c.tail[1] = tails[1]
+                _unlink_block(c, b)
+                tails[0] = c.tail[0]
+                tails[1] = c.tail[1]
+            q = kept[b] != 0
+            tail = tails[q]
+            prv[b] = tail
+            nxt[b] = -1
+            if tail >= 0:
+                nxt[tail] = b
+            else:
+                c.head[q] = b
+            tails[q] = b
+            listed[b] = <uint8_t>(q + 1)
+            added[q] += 1
+        c.tail[0] = tails[0]
+        c.tail[1] = tails[1]
+        c.count[0] += added[0]
+        c.count[1] += added[1]
+        if bad >= 0:
+            # Undo: the blocks before ``bad`` take their reference back (off the list they joined),
+            # and the pushes are discarded with the top left where it was.
+            for p in range(low, bad):
+                b = col[p]
+                if b < 0:
+                    continue
+                if refs[b] == 1 and where[b] != NULL and listed[b]:
+                    _unlink_block(c, b)
+                refs[b] += 1
+            f.code = E_INVARIANT
+            f.value = col[bad]  # the id whose reference was not there
+            f.group = <int32_t>g
+            return 0
+        (<BlockPool>pool)._num_free = top
+        self._counts[g].freed += top - top0
+        to_cache[0] += cached
+        if row_ids != NULL:  # (a pass of its own: the one above is short of registers)
+            for p in range(low, stop):
+                if col[p] >= 0:
+                    row_ids[p] = pad
+        return released
 
     cdef Py_ssize_t _free_listed(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil:
         """``_unref`` of the first ``count`` ids of the scratch where each is a block only the
@@ -1051,17 +1157,17 @@ cdef class KVGroups:
         and the record's own on each it released (kept at a checkpoint); holes of the path are
         filled from the record's blocks likewise; released blocks the path already has go. The
         scratch was reserved for ``full - d`` blocks by the caller."""
-        cdef Py_ssize_t g, p, released, count, taken, sink, seg_end, seg_first
+        cdef Py_ssize_t g, p, released, count, taken, sink, seg_end, seg_first, bad
         cdef int32_t *col
         cdef int32_t *node_col
-        cdef int32_t b
+        cdef int32_t *refs
+        cdef int32_t b, r
         cdef RNode *node
         cdef bint tracked
         cdef Py_ssize_t bs = self._block_size, retention = self._retention
         cdef GroupRule rule
         cdef int32_t **where
         cdef int32_t *owner
-        cdef int32_t *trimmed
         cdef uint8_t *kept
         for g in range(1, self.n):
             col = chunk_column(rec.chunk, g)
@@ -1071,8 +1177,9 @@ cdef class KVGroups:
             where = self._cache[g].where
             owner = self._cache[g].owner
             kept = self._cache[g].kept
-            trimmed = self._trimmed
+            refs = (<BlockPool>self._pools[g])._refcounts
             tracked = where != NULL
+            bad = -1
             count = 0  # references the record gives up (scratch)
             taken = 0  # references the cache takes (second scratch)
             seg_end = seg_first = 0  # (_kept's interval: its end, its checkpoint window's first block)
@@ -1093,10 +1200,24 @@ cdef class KVGroups:
                             seg_first = _first_needed(&rule, bs, seg_end * bs)
                         kept[b] = seg_first <= p
                 if p < sink or p >= released:
-                    trimmed[taken] = b
-                    taken += 1
+                    # The cache's reference, taken here (as _inc_ref_locked would; undone below
+                    # should the record's block have none).
+                    r = refs[b]
+                    if r <= 0 or r == INT32_MAX:
+                        bad = p
+                        break
+                    refs[b] = r + 1
                 elif tracked:
                     self._offer(g, b)  # the record's reference became the cache's
+            if bad >= 0:
+                for p in range(pos, bad):
+                    b = col[p]
+                    if b >= 0 and (p < sink or p >= released):
+                        refs[b] -= 1
+                f.code = E_INVARIANT
+                f.value = col[bad]
+                f.group = <int32_t>g
+                return -1
             if leaf >= 0 and self._evlog is not None:
                 self._log_kept(t, leaf, g, pos, full, full)
             node = &t._nodes[v]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
-from lifecycle.errors import ConfigError, InvalidId, OutOfBlocks, Unsupported
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, OutOfBlocks, Unsupported
 
 BS = 4
 
@@ -475,6 +475,36 @@ def test_a_finished_sequence_cached_mid_life_hands_its_blocks_to_the_cache() -> 
     assert stats[1]["num_cache_only"] == 10
     assert (pool.num_free, other.num_free) == (54, 54)
     core.check_invariants()
+
+
+def test_a_release_finding_a_reference_gone_raises_and_changes_no_reference_or_list() -> None:
+    # Blocks 0..7 of the window group are on the record's cached path when the prompt's KV is
+    # computed; one of them has lost both its references behind the core's back (a bug elsewhere).
+    core, _, other = make(retention=0)
+    h = core.admit(PROMPT, 11)
+    core.cache(h, 10)
+    table = core.block_table(h, 1)
+    other.dec_ref(table[5:6])
+    other.dec_ref(table[5:6])
+    refs, free, stats = other.refcounts().copy(), other.num_free, core.group_stats()
+    with pytest.raises(InvariantViolation, match=rf"append: .*value {table[5]}\)"):
+        core.append(h, [])
+    # Blocks 0..4 took their references back and left the list they had joined; nothing was freed.
+    assert other.refcounts().tolist() == refs.tolist()
+    assert other.num_free == free
+    assert core.group_stats() == stats
+
+
+def test_caching_a_block_whose_reference_is_gone_raises_and_takes_no_reference() -> None:
+    core, _, other = make(retention=0)
+    h = core.admit(PROMPT, 11)
+    table = core.block_table(h, 1)
+    other.dec_ref(table[8:9])  # the record's only reference: the block is free now
+    refs = other.refcounts().copy()
+    with pytest.raises(InvariantViolation, match=rf"cache_sequence: .*value {table[8]}\)"):
+        core.cache(h, 10)
+    # The cache's references on blocks 0..7, taken in the same pass, were given back.
+    assert other.refcounts().tolist() == refs.tolist()
 
 
 # --- a windowed group short of blocks evicts its own cache-only blocks ----------------------------------

@@ -149,6 +149,8 @@ cdef class KVGroups:
     cdef Py_ssize_t _drop_column(self, SeqRec *rec, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                                  Failure *f) noexcept nogil
     cdef Py_ssize_t _unref(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil
+    cdef Py_ssize_t _release_cached(self, Py_ssize_t g, const int32_t *col, Py_ssize_t low, Py_ssize_t stop,
+                                    int32_t *row_ids, Py_ssize_t *to_cache, Failure *f) noexcept nogil
     cdef Py_ssize_t _free_listed(self, Py_ssize_t g, Py_ssize_t count, Failure *f) noexcept nogil
     cdef int _trim_to(self, RadixTrie t, int32_t v, Py_ssize_t cut, Py_ssize_t *freed0, Py_ssize_t *trimmed,
                       Failure *f) noexcept nogil
