@@ -5,6 +5,8 @@
     python bench/callgrind.py --workloads w3-groups --presets gemma-3-27b,llama-4-scout
                                               # W3 chunked through a preset's groups and one group
     python bench/callgrind.py --workloads w3-events  # W3 at the core, KV events off and on
+    python bench/callgrind.py --workloads w4-groups --presets gemma-3-27b
+                                              # W4's decode steps through a preset's groups and one group
     python bench/callgrind.py --workloads w3 --libraries core --eviction-policy lru,branch-lru
                                               # the core under each eviction policy, and their ratio
 
@@ -16,7 +18,10 @@ function callgrind collects in; the count over the request count is the replay's
 with a preset's KV cache groups ("groups") and with one full-attention group at the same budget
 ("one"). ``w2-events`` / ``w3-events`` replay the trace at the core with KV events off ("off")
 and on ("on", drained after every request, as ``bench/workloads.py w3-events`` times it);
-``--keep DIR`` leaves each run's callgrind file there for ``callgrind_annotate``.
+``w4-groups`` replays W4 as ``bench/workloads.py w4-groups`` does (bench/groups_replay.py's
+``w4_replay``) and counts only inside ``KVCacheCore.step`` (callgrind toggles at its wrapper), so
+its figure is instructions per decode step, admissions and finishes left out as the timed replay
+leaves them out. ``--keep DIR`` leaves each run's callgrind file there for ``callgrind_annotate``.
 Valgrind runs the real interpreter (``sys.executable``, not a pyenv shim) with the cyclic GC off, as
 the timed replays run.
 """
@@ -45,6 +50,9 @@ def child(workload: str, library: str) -> None:
 
     if workload.startswith("w3-groups:"):
         child_groups(workload.split(":", 1)[1], library)
+        return
+    if workload.startswith("w4-groups:"):
+        child_w4_groups(workload.split(":", 1)[1], library)
         return
     trace: PrefixTrace
     if workload.startswith("w2"):
@@ -99,6 +107,30 @@ def child_groups(preset: str, library: str) -> None:
     os._exit(0)
 
 
+def child_w4_groups(preset: str, library: str) -> None:
+    """The measured process of ``w4-groups``: W4's steps through ``preset``'s groups ("groups") or
+    one group ("one"); callgrind collects inside ``KVCacheCore.step`` alone."""
+    from groups_replay import one_group_blocks, w4_replay
+    from w4 import GEN_MAX, NUM_BLOCKS, PROMPT_MAX, generate
+    from workloads import reference_presets
+
+    trace = generate()
+    config = reference_presets(NUM_BLOCKS, PROMPT_MAX + GEN_MAX)[preset]
+    tokens_by_step = trace.step_tokens()
+    gc.collect()
+    gc.disable()
+    if library == "groups":
+        w4_replay(trace, config, 0, tokens_by_step)
+    else:
+        w4_replay(trace, None, one_group_blocks(config, config.memory_plan().budget_bytes), tokens_by_step)
+    print(trace.steps, flush=True)
+    os._exit(0)
+
+
+#: Where callgrind collects in a W4 run: the wrapper of ``KVCacheCore.step`` (Cython numbers it).
+STEP_WRAPPER = "__pyx_pw_9lifecycle_8_kvcache_11KVCacheCore_*step"
+
+
 def counted(call: Callable[[], object]) -> None:
     """Run ``call`` inside ``math.fsum``, the one C function callgrind collects in (nothing else
     this process runs calls it), so that imports and preparation count nothing."""
@@ -111,14 +143,16 @@ def counted(call: Callable[[], object]) -> None:
 
 
 def instructions(workload: str, library: str, keep: Path | None = None) -> tuple[int, int]:
-    """Instructions callgrind counted for one run of :func:`child`, and the trace's request count."""
+    """Instructions callgrind counted for one run of :func:`child`, and the trace's request count
+    (``w4-groups``: its step count)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             out = keep / f"callgrind.{workload.replace(':', '.')}.{library.replace('@', '.')}"
+        toggle = STEP_WRAPPER if workload.startswith("w4-groups:") else "math_fsum"
         command = [
-            "valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=math_fsum",
+            "valgrind", "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={toggle}",
             f"--callgrind-out-file={out}", sys.executable, __file__,
             "--child", workload, library,
         ]
@@ -135,8 +169,8 @@ def instructions(workload: str, library: str, keep: Path | None = None) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w2,w3")
-    parser.add_argument("--libraries", default=None, help="core,model (w3-groups: groups,one; w3-events: off,on)")
-    parser.add_argument("--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups: presets to replay")
+    parser.add_argument("--libraries", default=None, help="core,model (w3-groups, w4-groups: groups,one; w3-events: off,on)")
+    parser.add_argument("--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups, w4-groups: presets to replay")
     parser.add_argument("--keep", type=Path, default=None, help="a folder to leave the callgrind files in")
     parser.add_argument(
         "--eviction-policy", default="lru",
@@ -149,12 +183,13 @@ def main() -> None:
         return
     workloads = []
     for workload in args.workloads.split(","):
-        if workload == "w3-groups":
-            workloads += [f"w3-groups:{preset}" for preset in args.presets.split(",")]
+        if workload in ("w3-groups", "w4-groups"):
+            workloads += [f"{workload}:{preset}" for preset in args.presets.split(",")]
         else:
             workloads.append(workload)
     for workload in workloads:
-        grouped = workload.startswith("w3-groups:")
+        grouped = workload.startswith(("w3-groups:", "w4-groups:"))
+        unit = "step" if workload.startswith("w4-groups:") else "request"
         logged = workload.endswith("-events")
         libraries = args.libraries or ("groups,one" if grouped else "off,on" if logged else "core,model")
         per: dict[str, float] = {}
@@ -168,7 +203,7 @@ def main() -> None:
         for library in runs:
             total, requests = instructions(workload, library, args.keep)
             per[library] = total / requests
-            print(f"{workload} {library}: {per[library]:,.0f} instructions per request", flush=True)
+            print(f"{workload} {library}: {per[library]:,.0f} instructions per {unit}", flush=True)
         for library in runs:
             if library.startswith("core@") and "core" in per:
                 print(f"{workload} {library}/core: {per[library] / per['core']:.3f}x", flush=True)

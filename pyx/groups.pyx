@@ -910,8 +910,8 @@ cdef class KVGroups:
         c.listed[b] = <uint8_t>(q + 1)
         c.count[q] += 1
 
-    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
-                     Failure *f) noexcept nogil:
+    cdef int _release_moved(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
+                            Failure *f) noexcept nogil:
         """The record's KV now covers ``tokens`` tokens: release, per windowed group, the blocks
         that left its window or chunk, except those before a checkpoint (the record keeps them
         for the cache). Only whole-block cuts count, so the last window of the record's full

@@ -137,8 +137,20 @@ cdef class KVGroups:
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
     cdef void ungrow(self, SeqRec *rec, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t groups) noexcept nogil
-    cdef int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
-                     Failure *f) noexcept nogil
+    cdef int _release_moved(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
+                            Failure *f) noexcept nogil
+
+    cdef inline int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
+                            Failure *f) noexcept nogil:
+        """The record's KV now covers ``tokens`` tokens (``_release_moved``'s full rule). Inline
+        for the call of nearly every decode step, in which no whole block moves: it only sets
+        ``kv_tokens``."""
+        if tokens <= rec.kv_tokens:
+            return 0
+        if not self.windowed or tokens // self._block_size <= rec.kv_tokens // self._block_size:
+            rec.kv_tokens = <int32_t>tokens
+            return 0
+        return self._release_moved(rec, tokens, tables, row, f)
     cdef Py_ssize_t _pinned_only(self, RadixTrie t, Py_ssize_t g) noexcept nogil
     cdef char *_retention_pinned(self, RadixTrie t) noexcept nogil
     cdef void _flush0(self, Py_ssize_t count, Py_ssize_t *freed0, Py_ssize_t *trimmed, Failure *f) noexcept nogil
