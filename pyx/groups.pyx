@@ -1095,17 +1095,18 @@ cdef class KVGroups:
         cdef int32_t *refs = (<BlockPool>self._pools[g])._refcounts
         cdef int32_t *stack = (<BlockPool>self._pools[g])._free_stack
         cdef const int32_t *ids = self._ids
-        cdef Py_ssize_t i, top = (<BlockPool>self._pools[g])._num_free
-        cdef int32_t bad = 0
+        cdef Py_ssize_t i, j, top = (<BlockPool>self._pools[g])._num_free
+        cdef int32_t b
         if count <= 0:
             return 0
         for i in range(count):
-            bad |= refs[ids[i]] ^ 1
-        if bad:
-            return self._unref(g, count, f)
-        for i in range(count):
-            refs[ids[i]] = 0
-            stack[top + i] = ids[i]
+            b = ids[i]
+            if refs[b] != 1:
+                for j in range(i):  # (each was 1: the general batch starts from what was)
+                    refs[ids[j]] = 1
+                return self._unref(g, count, f)
+            refs[b] = 0
+            stack[top + i] = b
         (<BlockPool>self._pools[g])._num_free = top + count
         f.batch.failed_at = -1
         f.batch.refusal = REFUSAL_NONE
