@@ -169,8 +169,12 @@ def instructions(workload: str, library: str, keep: Path | None = None) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w2,w3")
-    parser.add_argument("--libraries", default=None, help="core,model (w3-groups, w4-groups: groups,one; w3-events: off,on)")
-    parser.add_argument("--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups, w4-groups: presets to replay")
+    parser.add_argument(
+        "--libraries", default=None, help="core,model (w3-groups, w4-groups: groups,one; w3-events: off,on)"
+    )
+    parser.add_argument(
+        "--presets", default="gemma-3-27b,llama-4-scout", help="w3-groups, w4-groups: presets to replay"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="a folder to leave the callgrind files in")
     parser.add_argument(
         "--eviction-policy", default="lru",

@@ -478,10 +478,13 @@ cdef class KVGroups:
         self._ids_capacity = self._trimmed_capacity = self._hashes_capacity = 0
         self.fail_in = n
 
-    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil:
+    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low,
+                             bint settled=False) noexcept nogil:
         """The largest cut in ``(low, limit]`` every group can serve from the path ending at node
         ``v`` (which covers the first ``limit`` blocks), else ``low``. A full group serves every
-        cut of a cached path; each windowed one is asked in turn until they agree."""
+        cut of a cached path; each windowed one is asked in turn until they agree. ``settled``:
+        ``v`` is a leaf no pin holds, so (``problem``'s rule) its own run has every block a query
+        at its end reads, and those are not looked at again."""
         cdef Py_ssize_t g = 0, cut = limit, found, windowed = 0, agree = 0
         for g in range(1, self.n):
             windowed += self._rules[g].kind != KIND_FULL
@@ -492,7 +495,7 @@ cdef class KVGroups:
             g = g + 1 if g + 1 < self.n else 1
             if self._rules[g].kind == KIND_FULL:
                 continue
-            found = self._group_cut(t, v, g, cut, low)
+            found = self._group_cut(t, v, g, cut, low, settled)
             if found < cut:
                 cut = found
                 agree = 1
@@ -501,18 +504,27 @@ cdef class KVGroups:
         return cut if cut > low else low
 
     cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
-                               Py_ssize_t low) noexcept nogil:
+                               Py_ssize_t low, bint settled) noexcept nogil:
         """The largest cut in ``(low, cut]`` windowed group ``g`` serves, else ``low``: scanning
-        down from the cut, a missing block at ``p`` rules out every cut above it."""
-        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first, floor
+        down from the cut, a missing block at ``p`` rules out every cut above it. ``settled``
+        (``best_cut``'s): blocks ``[known, end)`` of ``v``'s own run are there (``end`` its end,
+        ``known`` the later of its start and the first block a query at ``end`` reads), so a
+        cut at or below ``end`` is searched below ``known`` only."""
+        cdef Py_ssize_t sink = self._rules[g].sink_blocks, p, first, floor, hi
         cdef RNode *node = &t._nodes[v]
+        cdef Py_ssize_t end = node.depth + node.length, known = cut
+        if settled and cut <= end:
+            known = max(self.first_needed(g, end * self._block_size), sink, <Py_ssize_t>node.depth)
         if sink and cut > low:
             p = self._first_missing(t, v, g, min(sink, cut))
             if p < min(sink, cut):
                 cut = p  # a cut past a missing sink block reads it
         while cut > low:
             first = max(self.first_needed(g, cut * self._block_size), sink)
-            p = _last_missing(t, &node, g, first, cut)
+            hi = min(cut, known)
+            if hi <= first:
+                return cut
+            p = _last_missing(t, &node, g, first, hi)
             if p < first:
                 return cut
             cut = p
@@ -1451,7 +1463,7 @@ cdef class KVGroups:
                 break
             end = node.depth + node.length
             cut = self.best_cut(t, v, max(<Py_ssize_t>node.depth, end - (n - (self.num_free(g) - before))),
-                                node.depth)
+                                node.depth, node.lock_count == 0)
             if cut < 0:
                 f.code = E_NO_MEMORY
                 break

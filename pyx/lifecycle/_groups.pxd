@@ -130,9 +130,10 @@ cdef class KVGroups:
                    int32_t leaf, Failure *f) noexcept nogil
     cdef void _log_kept(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t start, Py_ssize_t stop,
                         Py_ssize_t end) noexcept nogil
-    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low) noexcept nogil
+    cdef Py_ssize_t best_cut(self, RadixTrie t, int32_t v, Py_ssize_t limit, Py_ssize_t low,
+                             bint settled=*) noexcept nogil
     cdef Py_ssize_t _group_cut(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t cut,
-                               Py_ssize_t low) noexcept nogil
+                               Py_ssize_t low, bint settled) noexcept nogil
     cdef Py_ssize_t _first_missing(self, RadixTrie t, int32_t v, Py_ssize_t g, Py_ssize_t stop) noexcept nogil
     cdef int attach(self, RadixTrie t, int32_t end, SeqRec *rec, Py_ssize_t cut, Failure *f) noexcept nogil
     cdef int grow(self, RadixTrie t, SeqRec *rec, Py_ssize_t num_blocks, Failure *f) noexcept nogil
