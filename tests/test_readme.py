@@ -122,6 +122,10 @@ SHORT: dict[str, list[str]] = {
     "python bench/peers.py": ["help: python bench/peers.py --help"],  # needs the engines' venvs and an hour
     "python bench/peers.py --workloads w4": ["help: python bench/peers.py --help"],
     "python bench/callgrind.py": ["help: python bench/callgrind.py --help"],
+    "python bench/callgrind.py --workloads w3-groups,w4-groups --presets gpt-oss-120b": [
+        "help: python bench/callgrind.py --help",
+        "run: python bench/callgrind.py --child w4-groups:gpt-oss-120b groups",  # the measured replay, no valgrind
+    ],
     "python bench/peers.py --w3-repeats 3": ["help: python bench/peers.py --help"],
     "python bench/decode_threads.py": ["run: python bench/decode_threads.py --steps 20 --repeats 1"],
     "python bench/w4.py": ["run: python bench/w4.py"],
