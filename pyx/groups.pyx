@@ -49,6 +49,8 @@ from lifecycle._sync cimport PyThreadState
 from lifecycle._radix cimport DEFAULT_PRIORITY, MAX_PRIORITY, RNode, chunk_column
 from lifecycle._records cimport E_INVALID_ARG, E_INVARIANT, E_NO_MEMORY, E_OUT_OF_BLOCKS, E_REFUSED, FREE, OK, ok
 
+import math
+
 import numpy as np
 
 from lifecycle.errors import ConfigError, InvalidId
@@ -304,6 +306,19 @@ cdef KVGroups new_groups(BlockPool pool, Py_ssize_t block_size, object groups, o
     self.n = n
     self.shared = all(shared)
     self._block_size = block_size
+    # A sliding window releases a block whenever a whole block moves; a chunked group (its chunk
+    # a multiple of the block) only when a chunk boundary passes, so with chunked groups alone
+    # nothing can leave before kv_tokens passes a multiple of their chunks' greatest common divisor.
+    unit = 0
+    for i in range(1, n):
+        if self._rules[i].kind == KIND_SLIDING or (
+            self._rules[i].kind == KIND_CHUNKED and self._rules[i].window % block_size
+        ):
+            unit = block_size
+            break
+        if self._rules[i].kind == KIND_CHUNKED:
+            unit = math.gcd(unit, self._rules[i].window)
+    self._release_unit = unit if unit > 0 else block_size
     self._retention = retention
     self.pad = -1
     self._specs = tuple((s[0], s[1], s[2]) for s in specs)

@@ -242,6 +242,39 @@ def test_chunked_local_releases_past_chunks_and_caches_the_current_one() -> None
     core.check_invariants()
 
 
+@pytest.mark.parametrize("chunks", [(8,), (16, 24)])
+def test_decode_steps_release_a_chunked_groups_blocks_only_as_its_chunk_boundary_passes(
+    chunks: tuple[int, ...],
+) -> None:
+    # Chunks of 8 tokens (2 blocks), or of 16 and 24 in two groups (boundaries every 8 tokens):
+    # a step that passes a block boundary inside every chunk releases nothing; one that passes a
+    # chunk boundary releases the past chunk of that group, as the step's table row shows.
+    pool = BlockPool(64)
+    others = [BlockPool(64) for _ in chunks]
+    core = KVCacheCore(pool, BS, groups=[("chunked_local", c, 0, o) for c, o in zip(chunks, others)],
+                       retention_interval=0)
+    h = core.admit([7], 1)
+    width = 16
+    tables = [np.full((1, width), -1, dtype=np.int32) for _ in range(1 + len(chunks))]
+    for g in range(len(tables)):
+        core.write_table(h, tables[g][0], None, g)
+    for token in range(40):
+        core.step(np.array([h], dtype=np.int64), np.array([token], dtype=np.int32), None, tables[0], None, False,
+                  tables[1:])
+        kv = core.kv_tokens(h)
+        assert kv == token + 1  # the KV of every token before this step's
+        for g, (chunk, other) in enumerate(zip(chunks, others), start=1):
+            held = core.block_table(h, g)
+            first = (kv // chunk) * chunk // BS
+            assert [int(b) >= 0 for b in held[: first]] == [False] * first, (token, g)
+            assert (held[first:] >= 0).all(), (token, g)
+            assert other.num_free == 64 - (len(held) - first), (token, g)
+            assert (tables[g][0][:first] == -1).all()  # released blocks are padded in the row
+        core.check_invariants()
+    core.finish(h, False)
+    assert pool.num_free == 64 and all(other.num_free == 64 for other in others)
+
+
 def test_a_cut_at_a_chunk_boundary_needs_no_block_of_the_chunked_group() -> None:
     core, _, _ = make("chunked_local", 8, retention=0)
     core.finish(run(core, list(range(16)), 5, [1, 2, 3, 4]))

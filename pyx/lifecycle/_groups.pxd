@@ -71,6 +71,7 @@ cdef class KVGroups:
     cdef EventLog _evlog            # the core's, once its events are on (None: off)
     cdef Records records            # the core's (whose pins are live sequences')
     cdef readonly bint windowed     # some group releases blocks (sliding window or chunked local)
+    cdef Py_ssize_t _release_unit   # tokens: a group releases blocks only when kv_tokens // this moves
     cdef readonly bint shared       # every group takes its ids from group 0's pool (one id space, vLLM's)
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
     cdef Py_ssize_t fail_in         # (tests) the fail_in-th growth of the scratch from now fails (0: none)
@@ -144,11 +145,12 @@ cdef class KVGroups:
     cdef inline int release(self, SeqRec *rec, Py_ssize_t tokens, int32_t **tables, Py_ssize_t row,
                             Failure *f) noexcept nogil:
         """The record's KV now covers ``tokens`` tokens (``_release_moved``'s full rule). Inline
-        for the call of nearly every decode step, in which no whole block moves: it only sets
+        for the call of nearly every decode step, in which no group can release a block (no
+        whole block moved; with chunked groups alone, no chunk boundary passed): it only sets
         ``kv_tokens``."""
         if tokens <= rec.kv_tokens:
             return 0
-        if not self.windowed or tokens // self._block_size <= rec.kv_tokens // self._block_size:
+        if not self.windowed or tokens // self._release_unit <= rec.kv_tokens // self._release_unit:
             rec.kv_tokens = <int32_t>tokens
             return 0
         return self._release_moved(rec, tokens, tables, row, f)
