@@ -980,7 +980,7 @@ cdef class KVGroups:
             # On its cached path (below pin): the entry stays (it may be the trie's), the block the cache's.
             if where != NULL:
                 released = self._release_cached(g, col, low, min(high, pin), row_ids, &to_cache, f)
-                if f.code != OK:
+                if released < 0:
                     return -1
             else:
                 for p in range(low, min(high, pin)):
@@ -1034,7 +1034,7 @@ cdef class KVGroups:
         its list (``_offer``), and row entry ``p`` of ``row_ids`` (when given) becomes the pad.
         The result is ``_unref``'s of the same ids, in the same order; a column holds each block
         once. Returns how many blocks it released and adds the cached ones to ``to_cache``; where
-        a reference was not there (``E_INVARIANT``), no count or list has changed."""
+        a reference was not there (``E_INVARIANT``, -1), no count or list has changed."""
         cdef GroupCache *c = &self._cache[g]
         cdef PyObject *pool = self._pools[g]
         cdef int32_t *refs = (<BlockPool>pool)._refcounts
@@ -1106,7 +1106,7 @@ cdef class KVGroups:
             f.code = E_INVARIANT
             f.value = col[bad]  # the id whose reference was not there
             f.group = <int32_t>g
-            return 0
+            return -1
         (<BlockPool>pool)._num_free = top
         self._counts[g].freed += top - top0
         to_cache[0] += cached
