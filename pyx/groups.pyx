@@ -944,7 +944,8 @@ cdef class KVGroups:
         for the cache). Only whole-block cuts count, so the last window of the record's full
         blocks stays whole for ``finish``. With ``tables`` (a decode step's, group g's at
         ``tables[g - 1]``), entry ``row + p`` of each released block ``p`` becomes ``self.pad``,
-        so the engine's rows never name a block that went back to its pool."""
+        so the engine's rows never name a block that went back to its pool. Called by ``release``
+        once ``tokens`` passed a boundary where some group may release a block."""
         cdef Py_ssize_t g, p, low, high, count, bs = self._block_size
         cdef Py_ssize_t done = (rec.kv_tokens // bs) * bs, now = (tokens // bs) * bs
         cdef Py_ssize_t released, to_cache, kept, pin = rec.pin_blocks, retention = self._retention
@@ -952,17 +953,12 @@ cdef class KVGroups:
         cdef int32_t *col
         cdef int32_t *ids
         cdef int32_t *row_ids
-        cdef int32_t **where
         cdef int32_t b, pad = self.pad
         cdef GroupRule rule
-        if tokens <= rec.kv_tokens:
-            return 0
-        if now > done and self.windowed and self._reserve(rec.num_blocks):
+        if self._reserve(rec.num_blocks):
             f.code = E_NO_MEMORY  # before anything moved: kv_tokens too
             return -1
         rec.kv_tokens = <int32_t>tokens
-        if now <= done or not self.windowed:
-            return 0
         for g in range(1, self.n):
             if self._rules[g].kind == KIND_FULL:
                 continue
@@ -972,26 +968,15 @@ cdef class KVGroups:
             if high <= low:
                 continue
             col = chunk_column(rec.chunk, g)
-            where = self._cache[g].where
             ids = self._ids
             row_ids = tables[g - 1] + row if tables != NULL else NULL
-            count = released = to_cache = kept = 0
+            count = to_cache = kept = 0
             seg[0] = seg[1] = 0
-            # On its cached path (below pin): the entry stays (it may be the trie's), the block the cache's.
-            if where != NULL:
-                released = self._release_cached(g, col, low, min(high, pin), row_ids, &to_cache, f)
-                if released < 0:
-                    return -1
-            else:
-                for p in range(low, min(high, pin)):
-                    b = col[p]
-                    if b < 0:
-                        continue
-                    ids[count] = b
-                    count += 1
-                    if row_ids != NULL:
-                        row_ids[p] = pad
-                released = count
+            # On its cached path (below pin): the entry stays (it may be the trie's), the block the
+            # cache's (a windowed group always tracks its cached blocks).
+            released = self._release_cached(g, col, low, min(high, pin), row_ids, &to_cache, f)
+            if released < 0:
+                return -1
             for p in range(max(low, pin), high):
                 b = col[p]
                 if b < 0:
