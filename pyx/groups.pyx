@@ -686,10 +686,12 @@ cdef class KVGroups:
         cdef int32_t b, u, nb, pb
         cdef const int32_t *col
         # What the last settle of a leaf found (memo_u: the leaf, -1: none): every block of
-        # [memo_from, memo_end) there, memo_end its end. Kept only where g is the one windowed
-        # group and has no sink blocks (settle_below asks g alone, from p down).
+        # [memo_from, memo_end) there, memo_end its end, memo_depth its start (below it, the part
+        # of its last chunk its ancestors hold: a chunk is longer than most leaves). Kept only
+        # where g is the one windowed group and has no sink blocks (settle_below asks g alone,
+        # from p down).
         cdef int32_t memo_u = -1
-        cdef Py_ssize_t memo_from = 0, memo_end = 0
+        cdef Py_ssize_t memo_from = 0, memo_end = 0, memo_depth = 0
         cdef Py_ssize_t pending0 = 0  # group 0's blocks of one-block trims, to free (_flush0)
         cdef bint alone = sink == 0, two = self.n == 2 and not self.shared  # (shared: one free order)
         cdef Py_ssize_t goal = before + n, free_now, taken, room
@@ -786,7 +788,7 @@ cdef class KVGroups:
                         # reads is p's when [first, memo_from) is there too (settle_below's answer,
                         # the one windowed group asked).
                         first = self.first_needed(g, p * self._block_size)
-                        if first >= node.depth:
+                        if first >= memo_from or first >= node.depth:
                             col = chunk_column(node.chunk, g) + node.start - node.depth
                             k = first
                             while k < memo_from and col[k] >= 0:
@@ -831,10 +833,11 @@ cdef class KVGroups:
                         # Still a leaf: it ends where best_cut found every block a query there reads.
                         end = node.depth + node.length
                         first = self.first_needed(g, end * self._block_size)
-                        if end > node.depth and first >= node.depth:
+                        if end > node.depth:
                             memo_u = u
                             memo_from = first
                             memo_end = end
+                            memo_depth = node.depth
                     free_now = self.num_free(g)
                     room = goal - free_now
                     ids = self._ids
@@ -842,8 +845,15 @@ cdef class KVGroups:
                     if f.code != OK:
                         b = c.head[lst]
                         break
-                elif u == memo_u and memo_from <= p < memo_end:
-                    memo_u = -1  # a block the memo counts on went
+                elif u == memo_u:
+                    if memo_from <= p < memo_end:
+                        memo_u = -1  # a block the memo counts on went
+                elif memo_from < memo_depth and node.num_children != 0 and node.depth < memo_depth \
+                        and node.depth + node.length > memo_from:
+                    # A block of a node that may be one of the memo leaf's ancestors, in the part of
+                    # its last chunk they hold: the memo may count on it. (Only a node with children
+                    # can be an ancestor; the test is by depths alone, so it may drop a memo it could keep.)
+                    memo_u = -1
                 b = c.head[lst]
             c.count[lst] -= taken
         self._counts[g].evicted += evicted

@@ -994,3 +994,67 @@ def test_a_prefix_pinned_past_a_servable_cut_is_trimmed_to_one_when_unpinned() -
     core.evict(64)
     core.unpin_prefix(prompt[:20])
     core.check_invariants()  # every leaf ends where every group can serve it again
+
+
+# --- a windowed group's eviction in one call and block by block -------------------------------------
+
+
+def _state(core: KVCacheCore, live: list[int], pools: tuple[BlockPool, BlockPool]) -> Any:
+    return (
+        [(core.block_table(h, 0).tolist(), core.block_table(h, 1).tolist(), core.cached_tokens(h)) for h in live],
+        [p.refcounts().tolist() for p in pools],
+        core.group_stats(),
+        core.num_cached_blocks,
+        core.cached_prefix_blocks(list(range(24, 64))),
+    )
+
+
+@pytest.mark.parametrize("window", [16, 32])
+def test_a_chunked_groups_eviction_in_one_call_is_the_same_as_block_by_block(window: int) -> None:
+    """``evict_group(1, n)`` takes a windowed group's cache-only blocks in one pass and trims each
+    leaf that loses a block of its last chunk from what that pass found before (a leaf whose last
+    chunk starts in its ancestors included, until a block of theirs goes); ``evict_group(1, 1)``,
+    called until as many blocks are free, searches every leaf's cut afresh. Two cores driven alike
+    but for that end every call in the same state: block tables, hits, refcounts and counters."""
+    import random
+
+    for seed in range(300):
+        rnd = random.Random(seed)
+        cores = [make("chunked_local", window, blocks=40, group_blocks=12) for _ in range(2)]
+        lives: list[list[int]] = [[], []]
+        for _ in range(30):
+            op = rnd.choice(["admit", "admit", "finish", "evict_group", "step"])
+            if op == "evict_group":
+                cores[0][0].evict_group(1, rnd.randint(1, 12))
+                target = cores[0][2].num_free
+                while cores[1][2].num_free < target and cores[1][0].evict_group(1, 1):
+                    pass
+            # A common stem of up to 5 parts, then up to 3 of a few: long shared runs that diverge.
+            stems = [3, 4, 5, 6, 7][: rnd.randint(0, 5)] + [rnd.randint(0, 2) for _ in range(rnd.randint(0, 3))]
+            prompt = [t for stem in stems for t in range(stem * 8, stem * 8 + 8)] or [99]
+            grow, which, cache, tokens = len(prompt) // BS + rnd.randint(0, 3), rnd.random(), rnd.random() < 0.8, \
+                rnd.randint(1, 8)
+            for (core, _, _), live in zip(cores, lives):
+                if op == "admit":
+                    try:
+                        h = core.admit(prompt, grow)
+                    except OutOfBlocks:
+                        continue
+                    core.cache(h, len(prompt) // BS)  # cached as computed; then what left the chunk goes
+                    core.append(h, [])
+                    live.append(h)
+                elif op == "finish" and live:
+                    core.finish(live.pop(int(which * len(live))), cache=cache)
+                elif op == "step" and live:
+                    stepped = live[int(which * len(live))]
+                    for token in range(tokens):
+                        if core.step([stepped], [token + 30]).size:
+                            break
+            states = [_state(core, live, (pool, other)) for (core, pool, other), live in zip(cores, lives)]
+            assert states[0] == states[1], f"seed {seed}"
+        for (core, pool, other), live in zip(cores, lives):
+            for left in live:
+                core.finish(left)
+            core.check_invariants()
+            core.reset()
+            assert (pool.num_free, other.num_free) == (40, 12)
