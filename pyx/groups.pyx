@@ -701,7 +701,7 @@ cdef class KVGroups:
         cdef RNode *node
         cdef uint64_t hashed
         cdef char *protected = NULL
-        cdef bint logging = self._evlog is not None and not self.quiet, settle, by_priority
+        cdef bint logging = self._evlog is not None and not self.quiet, settle, by_priority, screen
         cdef int32_t limit
         cdef Py_ssize_t lst, start_pass = 4  # (pass, list) pairs q // 2, q % 2: without priorities, pass 2 alone
         cdef int32_t limits[3]
@@ -734,6 +734,7 @@ cdef class KVGroups:
             lst = q % 2
             limit = limits[q // 2]
             by_priority = limit < MAX_PRIORITY  # (no run's priority is above MAX_PRIORITY)
+            screen = protected != NULL or by_priority  # whether a block may be passed over
             b = c.head[lst]
             taken = 0
             # (free_now, ids and nodes change only where the leaf's settle runs: refreshed there)
@@ -742,7 +743,7 @@ cdef class KVGroups:
             room = goal - free_now
             while b >= 0 and pending < room:
                 u = owner[b]
-                if (protected != NULL and protected[u]) or (by_priority and nodes[u].priority > limit):
+                if screen and ((protected != NULL and protected[u]) or (by_priority and nodes[u].priority > limit)):
                     b = nxt[b]
                     continue
                 node = &nodes[u]
@@ -770,7 +771,6 @@ cdef class KVGroups:
                 # (the same order of frees), before anything else uses the scratch.
                 ids[pending] = b
                 pending += 1
-                evicted += 1
                 # (its position p on the path: only where a leaf's settle or the memo needs it)
                 settle = False
                 if node.num_children == 0 and node.lock_count == 0:
@@ -800,8 +800,8 @@ cdef class KVGroups:
                                     # leaves the scratch alone, so g's pending references wait; group
                                     # 0's block joins the run freed in one batch, in the same order,
                                     # before anything else frees or trims (_flush0).
-                                    t._trim_leaf(u, 1, self._trimmed + pending0, NULL,
-                                                 self._hashes + pending0 if logging else NULL, 0)
+                                    t._trim_one(u, self._trimmed + pending0,
+                                                self._hashes + pending0 if logging else NULL)
                                     if logging:
                                         self._evlog.removed(self._trimmed + pending0, NULL,
                                                             self._hashes + pending0, 1, 0)
@@ -856,6 +856,7 @@ cdef class KVGroups:
                     memo_u = -1
                 b = c.head[lst]
             c.count[lst] -= taken
+            evicted += taken
         self._counts[g].evicted += evicted
         if pending0:
             self._flush0(pending0, freed0, trimmed, f)

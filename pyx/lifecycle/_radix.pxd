@@ -177,6 +177,22 @@ cdef class RadixTrie:
         """Per group, the node holding each block (NULL: untracked), kept through splits (KV cache groups)."""
         self._owners = owners
 
+    cdef inline void _trim_one(self, int32_t v, int32_t *dest, uint64_t *hash_dest) noexcept nogil:
+        """``_trim_leaf(v, 1, dest, NULL, hash_dest, 0)``: the last block of unprotected leaf
+        ``v``, in line where the node keeps a block and has nothing else to update (no tag, the
+        LRU policy), else by ``_trim_leaf``."""
+        cdef RNode *node = &self._nodes[v]
+        cdef Py_ssize_t last = <Py_ssize_t>node.start + node.length - 1
+        if node.length <= 1 or node.tag >= 0 or self._branch:
+            self._trim_leaf(v, 1, dest, NULL, hash_dest, 0)
+            return
+        dest[0] = node.chunk.blocks[last]
+        if hash_dest != NULL:
+            hash_dest[0] = node.chunk.hashes[last] if node.chunk.hashes != NULL else 0
+        node.length -= 1
+        self._lru_blocks -= 1
+        self._num_blocks -= 1
+
     cdef inline ChunkCache *_chunk_cache(self) noexcept nogil:
         """The chunks' free lists, shared with the owner's records (whose chunks nodes take over)."""
         return &self._chunks
