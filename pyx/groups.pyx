@@ -749,9 +749,10 @@ cdef class KVGroups:
                 node = &nodes[u]
                 entry = where[b]
                 entry[0] = -1
-                # Off its list (_untrack, _unlink_block), untracked.
+                # Off its list (_untrack, _unlink_block), untracked. (Where no block is passed
+                # over, b is the list's head.)
                 nb = nxt[b]
-                pb = prv[b]
+                pb = prv[b] if screen else -1
                 if pb >= 0:
                     nxt[pb] = nb
                 else:
@@ -806,10 +807,13 @@ cdef class KVGroups:
                                         self._evlog.removed(self._trimmed + pending0, NULL,
                                                             self._hashes + pending0, 1, 0)
                                     pending0 += 1
-                                else:
-                                    self._free_listed(g, pending, f)
-                                    pending = 0
-                                    self._trim_to(t, u, p, freed0, trimmed, f)
+                                    memo_end = p
+                                    memo_from = min(memo_from, first)
+                                    b = c.head[lst]
+                                    continue  # (g's pool, the scratch and the nodes are as they were)
+                                self._free_listed(g, pending, f)
+                                pending = 0
+                                self._trim_to(t, u, p, freed0, trimmed, f)
                                 memo_end = p
                                 memo_from = min(memo_from, first)
                                 free_now = self.num_free(g)
