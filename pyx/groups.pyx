@@ -832,9 +832,11 @@ cdef class KVGroups:
                     # Every cut of the leaf above p reads block p: its cut is p's or below.
                     self._settle_below(t, u, p, freed0, trimmed, f)
                     memo_u = -1
-                    node = &t._nodes[u]
-                    if alone and f.code == OK and node.parent >= 0 and node.num_children == 0:
-                        # Still a leaf: it ends where best_cut found every block a query there reads.
+                    if alone and f.code == OK and self._settled >= 0:
+                        # The leaf it trimmed (u, or the parent it went on to once u went) ends
+                        # where best_cut found every block a query there reads.
+                        u = self._settled
+                        node = &t._nodes[u]
                         end = node.depth + node.length
                         first = self.first_needed(g, end * self._block_size)
                         if end > node.depth:
@@ -1440,6 +1442,7 @@ cdef class KVGroups:
         cdef RNode *node
         cdef Py_ssize_t end, cut
         cdef int32_t parent
+        self._settled = -1
         while v >= 0 and t._nodes[v].parent >= 0:
             node = &t._nodes[v]
             if node.num_children != 0 or node.lock_count != 0:
@@ -1451,11 +1454,13 @@ cdef class KVGroups:
                 f.code = E_NO_MEMORY
                 return -1
             if cut == end:
+                self._settled = v
                 return 0
             parent = node.parent
             if self._trim_to(t, v, cut, freed0, trimmed, f):
                 return -1
             if cut > node.depth:
+                self._settled = v
                 return 0
             v = parent
         return 0

@@ -74,6 +74,7 @@ cdef class KVGroups:
     cdef Py_ssize_t _release_unit   # tokens: a group releases blocks only when kv_tokens // this moves
     cdef readonly bint shared       # every group takes its ids from group 0's pool (one id space, vLLM's)
     cdef bint quiet                 # (the core's reset) evictions are not logged one by one
+    cdef int32_t _settled           # the leaf the last _settle_below left at a cut every group serves (-1: none)
     cdef Py_ssize_t fail_in         # (tests) the fail_in-th growth of the scratch from now fails (0: none)
     cdef int32_t pad                # what a decode step writes where a window released a block (the null block, or -1)
     cdef GroupCache *_cache         # per group (windowed ones track their cached blocks; others: where NULL)
