@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from lifecycle._blockpool import BlockPool
 from lifecycle._kvcache import KVCacheCore
-from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, OutOfBlocks, Unsupported
+from lifecycle.errors import ConfigError, InvalidId, InvariantViolation, OutOfBlocks, RetentionError, Unsupported
 
 BS = 4
 
@@ -996,17 +996,50 @@ def test_a_prefix_pinned_past_a_servable_cut_is_trimmed_to_one_when_unpinned() -
     core.check_invariants()  # every leaf ends where every group can serve it again
 
 
+
 # --- a windowed group's eviction in one call and block by block -------------------------------------
 
 
-def _state(core: KVCacheCore, live: list[int], pools: tuple[BlockPool, BlockPool]) -> Any:
+def _eviction_twin(rnd: Any, window: int) -> tuple[KVCacheCore, list[BlockPool]]:
+    """One of two cores built alike from ``rnd``'s set-up: the chunked group, perhaps a third group
+    (full or a sliding window: punch's memo then trims through ``_trim_to``), perhaps one pool for
+    both groups, perhaps KV events."""
+    setup = rnd.choice(["plain", "plain", "events", "full", "window", "shared"])
+    pool = BlockPool(40)
+    pools = [pool] if setup == "shared" else [pool, BlockPool(12)]
+    groups: list[tuple[str, int, int, BlockPool]] = [("chunked_local", window, 0, pools[-1])]
+    if setup in ("full", "window"):
+        pools.append(BlockPool(40 if setup == "full" else 12))
+        groups.append(("full", 0, 0, pools[-1]) if setup == "full" else ("sliding_window", 8, 0, pools[-1]))
+    core = KVCacheCore(pool, BS, groups=groups, retention_interval=0, events=setup == "events")
+    core.retention.set_time(0.0)
+    core.retention.set_pin_budget(16)
+    return core, pools
+
+
+def _eviction_state(core: KVCacheCore, live: list[int], pools: list[BlockPool]) -> Any:
+    raw = core.take_events() if core.events_on[0] else None
     return (
-        [(core.block_table(h, 0).tolist(), core.block_table(h, 1).tolist(), core.cached_tokens(h)) for h in live],
+        [[core.block_table(h, g).tolist() for g in range(core.num_groups)] + [core.cached_tokens(h)] for h in live],
         [p.refcounts().tolist() for p in pools],
         core.group_stats(),
         core.num_cached_blocks,
-        core.cached_prefix_blocks(list(range(24, 64))),
+        [core.cached_prefix_blocks([t for stem in (3, 4, 5, 6, 7)[:k] for t in range(stem * 8, stem * 8 + 8)])
+         for k in range(1, 6)],
+        None if raw is None else (raw.entries.tolist(), raw.hashes.tolist(), raw.ids.tolist()),
     )
+
+
+def _unpin_alike(cores: list[KVCacheCore], tokens: list[int]) -> None:
+    """Unpin ``tokens`` in each core, which refuse it alike or not at all."""
+    refused = []
+    for core in cores:
+        try:
+            core.unpin_prefix(tokens)
+            refused.append(False)
+        except RetentionError:
+            refused.append(True)
+    assert len(set(refused)) == 1
 
 
 @pytest.mark.parametrize("window", [16, 32])
@@ -1015,26 +1048,38 @@ def test_a_chunked_groups_eviction_in_one_call_is_the_same_as_block_by_block(win
     leaf that loses a block of its last chunk from what that pass found before (a leaf whose last
     chunk starts in its ancestors included, until a block of theirs goes); ``evict_group(1, 1)``,
     called until as many blocks are free, searches every leaf's cut afresh. Two cores driven alike
-    but for that end every call in the same state: block tables, hits, refcounts and counters."""
+    but for that end every call in the same state: block tables, hits, refcounts, counters and
+    events; with a third group, one pool for both, retention pins and priorities too."""
     import random
 
     for seed in range(300):
         rnd = random.Random(seed)
-        cores = [make("chunked_local", window, blocks=40, group_blocks=12) for _ in range(2)]
+        state = rnd.getstate()
+        cores = []
+        for _ in range(2):
+            rnd.setstate(state)
+            cores.append(_eviction_twin(rnd, window))
         lives: list[list[int]] = [[], []]
+        pins: list[list[int]] = []
+        clock = 0.0
         for _ in range(30):
-            op = rnd.choice(["admit", "admit", "finish", "evict_group", "step"])
+            op = rnd.choices(["admit", "finish", "evict_group", "step", "pin", "unpin", "hint", "tick"],
+                             [30, 15, 20, 15, 3, 2, 4, 2])[0]
             if op == "evict_group":
                 cores[0][0].evict_group(1, rnd.randint(1, 12))
-                target = cores[0][2].num_free
-                while cores[1][2].num_free < target and cores[1][0].evict_group(1, 1):
+                target = cores[0][1][-1 if len(cores[0][1]) < 3 else 1].num_free
+                while cores[1][1][-1 if len(cores[1][1]) < 3 else 1].num_free < target and \
+                        cores[1][0].evict_group(1, 1):
                     pass
             # A common stem of up to 5 parts, then up to 3 of a few: long shared runs that diverge.
             stems = [3, 4, 5, 6, 7][: rnd.randint(0, 5)] + [rnd.randint(0, 2) for _ in range(rnd.randint(0, 3))]
-            prompt = [t for stem in stems for t in range(stem * 8, stem * 8 + 8)] or [99]
+            prompt = [t for stem in stems or [25] for t in range(stem * 8, stem * 8 + 8)]
             grow, which, cache, tokens = len(prompt) // BS + rnd.randint(0, 3), rnd.random(), rnd.random() < 0.8, \
                 rnd.randint(1, 8)
-            for (core, _, _), live in zip(cores, lives):
+            priority = rnd.choice([0, 35, 90])
+            if op == "tick":
+                clock += 1.0
+            for (core, _), live in zip(cores, lives):
                 if op == "admit":
                     try:
                         h = core.admit(prompt, grow)
@@ -1050,11 +1095,28 @@ def test_a_chunked_groups_eviction_in_one_call_is_the_same_as_block_by_block(win
                     for token in range(tokens):
                         if core.step([stepped], [token + 30]).size:
                             break
-            states = [_state(core, live, (pool, other)) for (core, pool, other), live in zip(cores, lives)]
+                elif op == "pin" and core is cores[0][0]:
+                    pinned_blocks = []
+                    for twin, _ in cores:
+                        try:
+                            pinned_blocks.append(twin.pin_prefix(prompt))
+                        except RetentionError:  # over the budget: refused alike
+                            pinned_blocks.append(-1)
+                    assert pinned_blocks[0] == pinned_blocks[1]
+                    if pinned_blocks[0] > 0:
+                        pins.append(prompt[: pinned_blocks[0] * BS])  # (the cached prefix it pinned)
+                elif op == "unpin" and pins and core is cores[0][0]:
+                    _unpin_alike([twin for twin, _ in cores], pins.pop(int(which * len(pins))))
+                elif op == "hint" and live:
+                    core.set_retention(live[int(which * len(live))], [(0, BS, priority, 2.0)], decode_priority=priority)
+                elif op == "tick":
+                    core.retention.set_time(clock)
+            states = [_eviction_state(core, live, pools) for (core, pools), live in zip(cores, lives)]
             assert states[0] == states[1], f"seed {seed}"
-        for (core, pool, other), live in zip(cores, lives):
+        for (core, pools), live in zip(cores, lives):
             for left in live:
                 core.finish(left)
             core.check_invariants()
-            core.reset()
-            assert (pool.num_free, other.num_free) == (40, 12)
+            for group_pool in pools:  # every block free or held, none lost
+                assert group_pool.num_free == int((group_pool.refcounts() == 0).sum())
+        assert [p.num_free for p in cores[0][1]] == [p.num_free for p in cores[1][1]]
