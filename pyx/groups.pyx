@@ -795,6 +795,8 @@ cdef class KVGroups:
                             while k < memo_from and col[k] >= 0:
                                 k += 1
                             if k >= memo_from:
+                                memo_end = p
+                                memo_from = min(memo_from, first)
                                 if two:
                                     # With groups 0 and g alone on pools of their own, trimming the
                                     # one block (_trim_to) frees nothing in g (its entry went) and
@@ -807,15 +809,11 @@ cdef class KVGroups:
                                         self._evlog.removed(self._trimmed + pending0, NULL,
                                                             self._hashes + pending0, 1, 0)
                                     pending0 += 1
-                                    memo_end = p
-                                    memo_from = min(memo_from, first)
                                     b = c.head[lst]
                                     continue  # (g's pool, the scratch and the nodes are as they were)
                                 self._free_listed(g, pending, f)
                                 pending = 0
                                 self._trim_to(t, u, p, freed0, trimmed, f)
-                                memo_end = p
-                                memo_from = min(memo_from, first)
                                 free_now = self.num_free(g)
                                 room = goal - free_now
                                 ids = self._ids

@@ -7,6 +7,7 @@ every ``retention_interval`` tokens keep the window before them.
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -1000,7 +1001,7 @@ def test_a_prefix_pinned_past_a_servable_cut_is_trimmed_to_one_when_unpinned() -
 # --- a windowed group's eviction in one call and block by block -------------------------------------
 
 
-def _eviction_twin(rnd: Any, window: int) -> tuple[KVCacheCore, list[BlockPool]]:
+def _eviction_twin(rnd: random.Random, window: int) -> tuple[KVCacheCore, list[BlockPool]]:
     """One of two cores built alike from ``rnd``'s set-up: the chunked group, perhaps a third group
     (full or a sliding window: punch's memo then trims through ``_trim_to``), perhaps one pool for
     both groups, perhaps KV events."""
@@ -1050,8 +1051,6 @@ def test_a_chunked_groups_eviction_in_one_call_is_the_same_as_block_by_block(win
     called until as many blocks are free, searches every leaf's cut afresh. Two cores driven alike
     but for that end every call in the same state: block tables, hits, refcounts, counters and
     events; with a third group, one pool for both, retention pins and priorities too."""
-    import random
-
     for seed in range(300):
         rnd = random.Random(seed)
         state = rnd.getstate()
@@ -1067,9 +1066,8 @@ def test_a_chunked_groups_eviction_in_one_call_is_the_same_as_block_by_block(win
                              [30, 15, 20, 15, 3, 2, 4, 2])[0]
             if op == "evict_group":
                 cores[0][0].evict_group(1, rnd.randint(1, 12))
-                target = cores[0][1][-1 if len(cores[0][1]) < 3 else 1].num_free
-                while cores[1][1][-1 if len(cores[1][1]) < 3 else 1].num_free < target and \
-                        cores[1][0].evict_group(1, 1):
+                target = cores[0][0].group_pools[1].num_free
+                while cores[1][0].group_pools[1].num_free < target and cores[1][0].evict_group(1, 1):
                     pass
             # A common stem of up to 5 parts, then up to 3 of a few: long shared runs that diverge.
             stems = [3, 4, 5, 6, 7][: rnd.randint(0, 5)] + [rnd.randint(0, 2) for _ in range(rnd.randint(0, 3))]
